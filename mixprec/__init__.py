@@ -1,0 +1,18 @@
+"""mixprec: mixed-precision training for PyTorch.
+
+Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, a training API
+and numerics diagnostics. ``import mixprec as mp``.
+"""
+
+from .hardware import SlowDtypeWarning, device_capabilities
+from .policy import Policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # hardware / policy
+    "device_capabilities",
+    "SlowDtypeWarning",
+    "Policy",
+]

@@ -1,0 +1,1 @@
+"""Subcommands of the ``mixprec`` command; see ``mixprec.cli``."""

@@ -1,0 +1,192 @@
+"""Precision policy: dtype names, the O0-O3 level table, and ``dtype="auto"`` resolution."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hardware
+
+__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "to_dtype", "dtype_name", "resolve_dtype"]
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+# Canonical short name -> torch dtype (None where this torch build lacks it).
+_CANONICAL: dict[str, torch.dtype | None] = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
+    "fp8_e5m2": getattr(torch, "float8_e5m2", None),
+}
+# Every accepted spelling -> canonical short name.
+DTYPE_ALIASES: dict[str, str] = {
+    "fp64": "fp64", "float64": "fp64", "double": "fp64",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp8_e4m3": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
+}
+_DTYPE_TO_NAME = {dt: name for name, dt in _CANONICAL.items() if dt is not None}
+
+# Layers whose statistics and affine parameters stay fp32 at O1/O2 (the seeds: BatchNorm and the
+# loss are precision sensitive).
+NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
+    t for t in (
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+        nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+        nn.LocalResponseNorm, getattr(nn, "RMSNorm", None),
+    ) if t is not None
+)
+
+_VALID_DTYPE_HINT = "one of 'fp32', 'fp16'/'half', 'bf16', 'fp64', 'fp8_e4m3', 'fp8_e5m2' or a torch dtype"
+
+
+def to_dtype(spec: Any, *, what: str = "dtype") -> torch.dtype:
+    """Turn a dtype name (``"bf16"``, ``"half"``, ...) or a floating ``torch.dtype`` into a dtype.
+
+    Raises:
+        ValueError: an unknown name, or a dtype this torch build lacks.
+        TypeError: neither a string nor a torch dtype.
+    """
+    if isinstance(spec, torch.dtype):
+        if not spec.is_floating_point:
+            raise ValueError(f"{what} must be a floating-point dtype ({_VALID_DTYPE_HINT}); got {spec}")
+        return spec
+    if isinstance(spec, str):
+        name = DTYPE_ALIASES.get(spec.strip().lower())
+        if name is None:
+            raise ValueError(f"{what} must be {_VALID_DTYPE_HINT}; got {spec!r}")
+        dt = _CANONICAL[name]
+        if dt is None:
+            raise ValueError(f"{what} {spec!r} is not available in torch {torch.__version__}")
+        return dt
+    raise TypeError(f"{what} must be a string or a torch.dtype ({_VALID_DTYPE_HINT}); "
+                    f"got {type(spec).__name__} {spec!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short canonical name of a dtype: ``torch.bfloat16`` -> ``"bf16"``."""
+    return _DTYPE_TO_NAME.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
+    """Resolve a low-precision dtype spec; ``"auto"`` picks the fast 16-bit type of ``device``.
+
+    ``"auto"`` gives bf16 where it is fast (CPU with AVX512-BF16/AMX, CUDA cc >= 8.0), fp16 on
+    CUDA 7.x, else fp32 with a warning that says why. An explicit dtype that is slow on the
+    device gives one :class:`mixprec.hardware.SlowDtypeWarning`.
+    """
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        caps = hardware.device_capabilities(device)
+        resolved = to_dtype(caps["auto_dtype"])
+        if resolved == torch.float32 and warn:
+            import warnings
+            warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: {caps['auto_reason']}",
+                          hardware.SlowDtypeWarning, stacklevel=3)
+        return resolved
+    resolved = to_dtype(dtype)
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"a training dtype must be 'fp32', 'fp16' or 'bf16'; got {dtype!r}")
+    if warn:
+        hardware.warn_if_slow(resolved, device)
+    return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a model stores parameters, computes, and returns outputs.
+
+    Args:
+        param_dtype: dtype of the model's parameters and floating buffers.
+        compute_dtype: dtype compute-heavy ops run in (matmul, conv, linear).
+        output_dtype: dtype the model's outputs are cast to (fp32 keeps the loss in fp32).
+        keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute.
+        master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
+        loss_scale: ``"dynamic"``, a fixed float, or None.
+        autocast: run the forward under :func:`mixprec.autocast` with ``compute_dtype``.
+        level: the level this policy came from ("O0".."O3"), or None for a custom one.
+
+    Example:
+        >>> str(Policy.from_level("O2", "bf16"))
+        'O2(params=bf16,compute=bf16,output=fp32,master=fp32)'
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+    keep_fp32: tuple = ()
+    master_weights: bool = False
+    loss_scale: str | float | None = None
+    autocast: bool = False
+    level: str | None = None
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, to_dtype(getattr(self, field), what=field))
+        keep = self.keep_fp32
+        if isinstance(keep, (type, str)):
+            keep = (keep,)
+        if not isinstance(keep, (tuple, list, set, frozenset)):
+            raise TypeError(f"keep_fp32 must be a tuple of nn.Module subclasses or module names; "
+                            f"got {type(keep).__name__}")
+        for k in keep:
+            if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
+                raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified module "
+                                f"names; got {k!r}")
+        object.__setattr__(self, "keep_fp32", tuple(keep))
+        ls = self.loss_scale
+        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
+                                                   and 0 < float(ls) < float("inf"))):
+            raise ValueError(f"loss_scale must be 'dynamic', a positive finite number or None; got {ls!r}")
+        if self.level is not None and self.level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; got {self.level!r}")
+
+    @classmethod
+    def from_level(cls, level: str, dtype: Any = "auto", device=None) -> "Policy":
+        """The policy of an optimisation level (apex/MindSpore/Paddle ``O0``..``O3``).
+
+        Args:
+            level: "O0" (fp32), "O1" (autocast op lists), "O2" (low-precision model with fp32
+                master weights, norms fp32), "O3" (pure low precision).
+            dtype: the low-precision dtype or "auto".
+            device: the device used to resolve "auto" and to warn about slow dtypes.
+
+        Raises:
+            ValueError: an unknown level or dtype.
+        """
+        if not isinstance(level, str) or level.upper() not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}; got {level!r}")
+        level = level.upper()
+        if level == "O0":
+            if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+                to_dtype(dtype)  # still validate
+            return cls(level="O0")
+        low = resolve_dtype(dtype, device)
+        fp32 = torch.float32
+        scale = "dynamic" if low == torch.float16 else None
+        if level == "O1":
+            return cls(fp32, low, fp32, NORM_LAYERS, False, scale, True, "O1")
+        if level == "O2":
+            return cls(low, low, fp32, NORM_LAYERS, low != fp32, scale, True, "O2")
+        return cls(low, low, low, (), False, None, False, "O3")
+
+    def replace(self, **changes) -> "Policy":
+        """A copy with some fields changed (the level becomes None unless given)."""
+        changes.setdefault("level", None)
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.compute_dtype != torch.float32 or self.param_dtype != torch.float32
+
+    def __str__(self) -> str:
+        master = "fp32" if self.master_weights else "none"
+        body = (f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
+                f"output={dtype_name(self.output_dtype)},master={master}")
+        return f"{self.level or 'custom'}({body})"
