@@ -6,6 +6,7 @@ and numerics diagnostics. ``import mixprec as mp``.
 
 from .hardware import SlowDtypeWarning, device_capabilities
 from .policy import Policy
+from . import formats
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,6 @@ __all__ = [
     "device_capabilities",
     "SlowDtypeWarning",
     "Policy",
+    # numerics
+    "formats",
 ]
