@@ -7,6 +7,8 @@ and numerics diagnostics. ``import mixprec as mp``.
 from .hardware import SlowDtypeWarning, device_capabilities
 from .policy import Policy
 from . import formats
+from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
+                      make_loss_scaler)
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,10 @@ __all__ = [
     "Policy",
     # numerics
     "formats",
+    # loss scaling
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "NoLossScaler",
+    "make_loss_scaler",
+    "NonFiniteGradientsError",
 ]

@@ -1,0 +1,151 @@
+"""Loss-scale arithmetic: the state (0-d tensors), the dynamic hyper-parameters, and the pure update.
+
+Kept apart from the scaler objects in :mod:`mixprec.scaling`, which are thin shells around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["ScaleState", "DynamicConfig", "adjust_scale", "positive_scale", "check_keys"]
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleState:
+    """The loss-scale state, 0-d tensors on one device (never mutated; see :func:`adjust_scale`).
+
+    Attributes:
+        scale: the current loss scale (float32).
+        growth_tracker: clean steps in a row since the last growth or overflow (int32).
+        hysteresis_tracker: overflowing steps still tolerated before a backoff (int32).
+        skips_at_min: overflowing steps in a row taken at ``min_scale`` (int32).
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_tracker: torch.Tensor
+    skips_at_min: torch.Tensor
+
+    @classmethod
+    def initial(cls, scale: float, hysteresis: int = 1, device=None) -> "ScaleState":
+        values = {"scale": scale, "growth_tracker": 0, "hysteresis_tracker": hysteresis,
+                  "skips_at_min": 0}
+        return cls.from_numbers(values, device)
+
+    @classmethod
+    def from_numbers(cls, values: dict, device=None) -> "ScaleState":
+        """Build a state from plain numbers (one per field)."""
+        def tensor(field):
+            dtype = torch.float32 if field.name == "scale" else torch.int32
+            return torch.tensor(values[field.name], dtype=dtype, device=device)
+        return cls(**{f.name: tensor(f) for f in dataclasses.fields(cls)})
+
+    def to_numbers(self) -> dict:
+        """The state as plain Python numbers (one host sync)."""
+        return {f.name: getattr(self, f.name).item() for f in dataclasses.fields(self)}
+
+    def to(self, device) -> "ScaleState":
+        return ScaleState(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicConfig:
+    """Hyper-parameters of dynamic loss scaling (validated; see :class:`DynamicLossScaler`)."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0 ** 24
+    max_skips_at_min: int | None = 8
+    enabled: bool = True
+
+    def __post_init__(self):
+        gf = _finite_number("growth_factor", self.growth_factor)
+        if gf <= 1.0:
+            raise ValueError(f"growth_factor must be > 1 (the scale must be able to grow); got {gf}")
+        bf = _finite_number("backoff_factor", self.backoff_factor)
+        if not 0.0 < bf < 1.0:
+            raise ValueError(f"backoff_factor must be in the open interval (0, 1); got {bf}")
+        _int_at_least("growth_interval", self.growth_interval, 1)
+        _int_at_least("hysteresis", self.hysteresis, 1)
+        lo = positive_scale("min_scale", self.min_scale)
+        hi = positive_scale("max_scale", self.max_scale)
+        if lo > hi:
+            raise ValueError(f"min_scale must be <= max_scale; got min_scale={lo}, max_scale={hi}")
+        if self.max_skips_at_min is not None:
+            _int_at_least("max_skips_at_min", self.max_skips_at_min, 1)
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"enabled must be a bool; got {self.enabled!r}")
+
+
+def adjust_scale(state: ScaleState, found_inf: torch.Tensor, config: DynamicConfig) -> ScaleState:
+    """One dynamic-loss-scale update; a pure function of 0-d tensors (no host sync).
+
+    Args:
+        state: the state before the update.
+        found_inf: a 0-d tensor, > 0 when any gradient of the step held inf/NaN.
+        config: the hyper-parameters.
+
+    Returns:
+        The new state. An overflow resets the growth tracker and uses up one unit of hysteresis;
+        when none is left the scale is multiplied by ``backoff_factor`` (never below
+        ``min_scale``) and the hysteresis is refilled. A clean step refills the hysteresis (it
+        counts overflows in a row) and, after ``growth_interval`` clean steps, multiplies the scale
+        by ``growth_factor`` (never above ``max_scale``, so never to inf).
+    """
+    found = found_inf.to(state.device) > 0
+    hyst_full = torch.full_like(state.hysteresis_tracker, config.hysteresis)
+    hyst = torch.where(found, state.hysteresis_tracker - 1, hyst_full)
+    back_off = found & (hyst <= 0)
+    growth = torch.where(found, torch.zeros_like(state.growth_tracker), state.growth_tracker + 1)
+    grow = growth >= config.growth_interval
+    smaller = torch.clamp(state.scale * config.backoff_factor, min=config.min_scale)
+    larger = torch.clamp(state.scale * config.growth_factor, max=config.max_scale)
+    scale = torch.where(back_off, smaller, torch.where(grow, larger, state.scale))
+    at_min = found & (state.scale <= config.min_scale)
+    return ScaleState(
+        scale=scale,
+        growth_tracker=torch.where(grow, torch.zeros_like(growth), growth),
+        hysteresis_tracker=torch.where(back_off, hyst_full, hyst),
+        skips_at_min=torch.where(at_min, state.skips_at_min + 1, torch.zeros_like(state.skips_at_min)),
+    )
+
+
+def _finite_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
+    return float(value)
+
+
+def positive_scale(name: str, value) -> float:
+    v = _finite_number(name, value)
+    if not 0.0 < v <= _FP32_MAX:
+        raise ValueError(f"{name} must be positive and at most float32 max ({_FP32_MAX:.4g}); got {value!r}")
+    return v
+
+
+def _int_at_least(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    return value
+
+
+def check_keys(what: str, d, expected: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``d`` is a dict with exactly the ``expected`` keys."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a dict with keys {list(expected)}; got {type(d).__name__}")
+    missing, unknown = set(expected) - set(d), set(d) - set(expected)
+    if missing or unknown:
+        raise ValueError(f"{what} must have keys {list(expected)}; missing {sorted(missing)}, "
+                         f"unknown {sorted(unknown)}")

@@ -1,0 +1,251 @@
+"""Loss scaling: multiply the loss by S before backward, divide the gradients by S before the step.
+
+Three scalers share one shape (``scale`` -> ``unscale_`` -> ``step`` -> ``update``):
+
+* :class:`DynamicLossScaler` skips steps whose gradients hold inf/NaN and adapts S (back off after
+  ``hysteresis`` overflowing steps in a row, grow after ``growth_interval`` clean steps, always
+  within ``[min_scale, max_scale]``); overflow that persists at ``min_scale`` raises
+  :class:`NonFiniteGradientsError`.
+* :class:`StaticLossScaler` keeps S fixed (MindSpore's ``FixedLossScaleManager``;
+  ``skip_on_overflow`` is its ``drop_overflow_update``).
+* :class:`NoLossScaler` is a no-op with the same methods, so a training loop keeps one shape.
+
+The scale arithmetic is the pure function :func:`adjust_scale` over a :class:`ScaleState` of 0-d
+tensors living on the loss's device (``_lossscale.py``); the scaler objects are thin mutable
+shells around it (the shared shell, :class:`LossScaler`, is in ``_scalerbase.py``; the fused
+gradient passes in ``_grads.py``).
+
+Host-device syncs (they matter on CUDA): ``step()`` reads the overflow flag once (and once more on
+a step that overflowed, to check the ``min_scale`` limit); ``get_scale()`` and ``state_dict()``
+read the scale. ``scale()``, ``unscale_()`` and ``update()`` never sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._lossscale import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
+from ._scalerbase import LossScaler
+
+__all__ = [
+    "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
+    "NonFiniteGradientsError", "LossScaler", "ScaleState", "DynamicConfig", "adjust_scale",
+]
+
+
+class NonFiniteGradientsError(RuntimeError):
+    """Gradients stayed non-finite at the minimum loss scale for too many steps in a row.
+
+    Attributes:
+        parameters: names of the parameters whose gradients held inf/NaN at the last skipped step
+            (on this rank; empty when only another rank overflowed).
+    """
+
+    def __init__(self, message: str, parameters: list[str]):
+        super().__init__(message)
+        self.parameters = parameters
+
+
+class NoLossScaler(LossScaler):
+    """A loss scaler that does nothing, with the methods of the others (one loop shape).
+
+    ``scale()`` returns the loss, ``unscale_()`` only syncs a MasterWeightOptimizer's gradients,
+    ``step()`` always steps and returns True. The call order is checked as for the others.
+
+    Example:
+        >>> scaler = NoLossScaler()
+        >>> scaler.get_scale()
+        1.0
+    """
+
+
+class DynamicLossScaler(LossScaler):
+    """Loss scaling that skips overflowing steps and adapts the scale (torch GradScaler, Paddle, apex).
+
+    Args:
+        init_scale: the first scale; must lie in ``[min_scale, max_scale]``.
+        growth_factor: multiplier (> 1) applied after ``growth_interval`` clean steps in a row.
+        backoff_factor: multiplier in (0, 1) applied after ``hysteresis`` overflows in a row.
+        growth_interval: clean steps in a row before the scale grows.
+        hysteresis: overflowing steps in a row before the scale backs off (Paddle's
+            ``decr_every_n_nan_or_inf``, DeepSpeed's ``hysteresis``); 1 backs off at once.
+        min_scale, max_scale: bounds of the scale (positive, finite, within float32).
+        max_skips_at_min: overflowing steps in a row at ``min_scale`` before
+            :class:`NonFiniteGradientsError` is raised (None: never).
+        process_group: the group over which the overflow flag is all-reduced (max) when
+            ``torch.distributed`` is initialised (None: the default group).
+        enabled: False makes it behave as :class:`NoLossScaler` (state kept for checkpoints).
+
+    Raises:
+        ValueError: a hyper-parameter out of its range (the message says which and why).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = DynamicLossScaler(init_scale=128.0)
+        >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        >>> scaler.step(opt), scaler.update(), scaler.get_scale()
+        (True, None, 128.0)
+    """
+
+    _kind = "dynamic"
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float = 1.0, max_scale: float = 2.0 ** 24,
+                 max_skips_at_min: int | None = 8, process_group=None, enabled: bool = True):
+        super().__init__()
+        self.config = DynamicConfig(growth_factor, backoff_factor, growth_interval, hysteresis,
+                                    min_scale, max_scale, max_skips_at_min, enabled)
+        self._state = ScaleState.initial(self._checked_init(init_scale), hysteresis)
+        self.process_group = process_group
+
+    @property
+    def _scales(self) -> bool:
+        return self.config.enabled
+
+    _checks = _scales
+
+    def _checked_init(self, init_scale) -> float:
+        init = positive_scale("init_scale", init_scale)
+        lo, hi = self.config.min_scale, self.config.max_scale
+        if not lo <= init <= hi:
+            raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{lo}, {hi}]; got {init}")
+        return init
+
+    def _adjust(self, found_inf):
+        return adjust_scale(self._state, found_inf, self.config)
+
+    def _next_overflow_raises(self) -> bool:
+        limit = self.config.max_skips_at_min
+        if limit is None:
+            return False
+        at_min, skips = torch.stack([(self._state.scale <= self.config.min_scale).int(),
+                                     self._state.skips_at_min]).tolist()
+        return bool(at_min) and skips + 1 >= limit
+
+    def _persistent_overflow_error(self, names):
+        listed = "; ".join(names) if names else "none on this rank (another rank overflowed)"
+        return NonFiniteGradientsError(
+            f"gradients were non-finite for {self.config.max_skips_at_min} steps in a row at the "
+            f"minimum loss scale {self.config.min_scale}: the overflow is not caused by the scale "
+            f"(look for inf/NaN in the loss, the inputs or the forward pass, e.g. with "
+            f"mixprec.debug.trace_nonfinite()). Parameters with non-finite gradients: {listed}",
+            names)
+
+    def _config_dict(self):
+        return dataclasses.asdict(self.config)
+
+    def _load_config(self, config):
+        check_keys("state_dict['config']", config, tuple(f.name for f in dataclasses.fields(DynamicConfig)))
+        self.config = DynamicConfig(**config)
+
+    def _load_grad_scaler(self, state_dict):
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        if not state_dict:
+            raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves nothing); "
+                             "nothing to load")
+        check_keys("a torch.amp.GradScaler state_dict", state_dict, keys)
+        self.config = dataclasses.replace(
+            self.config, growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"], growth_interval=state_dict["growth_interval"])
+        numbers = self._state.to_numbers()
+        numbers.update(scale=self._checked_init(state_dict["scale"]),
+                       growth_tracker=state_dict["_growth_tracker"],
+                       hysteresis_tracker=self.config.hysteresis, skips_at_min=0)
+        self._state = ScaleState.from_numbers(numbers, self._state.device)
+        self._records = {}
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed loss scale (MindSpore's ``FixedLossScaleManager``).
+
+    Args:
+        scale: the loss scale, positive and finite.
+        skip_on_overflow: skip steps whose gradients hold inf/NaN (MindSpore's
+            ``drop_overflow_update``). False applies every step without reading the flag (no
+            host sync at all).
+
+    Example:
+        >>> StaticLossScaler(1024.0).get_scale()
+        1024.0
+    """
+
+    _kind = "static"
+    _scales = True
+
+    def __init__(self, scale: float = 128.0, skip_on_overflow: bool = True):
+        super().__init__()
+        if not isinstance(skip_on_overflow, bool):
+            raise TypeError(f"skip_on_overflow must be a bool; got {skip_on_overflow!r}")
+        self._state = ScaleState.initial(positive_scale("scale", scale))
+        self.skip_on_overflow = skip_on_overflow
+
+    @property
+    def _checks(self) -> bool:
+        return self.skip_on_overflow
+
+    def _config_dict(self):
+        return {"skip_on_overflow": self.skip_on_overflow}
+
+    def _load_config(self, config):
+        check_keys("state_dict['config']", config, ("skip_on_overflow",))
+        self.skip_on_overflow = bool(config["skip_on_overflow"])
+
+    def _load_grad_scaler(self, state_dict):
+        raise ValueError(f"StaticLossScaler cannot load a torch.amp.GradScaler state_dict (keys "
+                         f"{sorted(state_dict)}); use DynamicLossScaler")
+
+
+def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
+    """Build a loss scaler from a short spec.
+
+    Args:
+        spec: ``"auto"`` (dynamic for fp16, none for bf16 and fp32, per the level table),
+            ``"dynamic"``, ``"none"`` or None, a positive number (a static scale), or a scaler
+            (returned as it is).
+        dtype: the low-precision training dtype ("fp16", torch.bfloat16, ...), or a
+            :class:`mixprec.Policy` whose ``loss_scale`` decides. Needed for ``"auto"``.
+
+    Raises:
+        ValueError: an unknown spec, a bad number, or ``"auto"`` without a dtype.
+        TypeError: a spec of another type.
+
+    Example:
+        >>> type(make_loss_scaler("auto", "fp16")).__name__
+        'DynamicLossScaler'
+        >>> type(make_loss_scaler("auto", "bf16")).__name__
+        'NoLossScaler'
+    """
+    if isinstance(spec, LossScaler):
+        return spec
+    if spec is None:
+        return NoLossScaler()
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return StaticLossScaler(spec)
+    if not isinstance(spec, str):
+        raise TypeError(f"loss scaler spec must be 'auto', 'dynamic', 'none', None, a number or a "
+                        f"loss scaler; got {type(spec).__name__} {spec!r}")
+    key = spec.strip().lower()
+    if key == "auto":
+        return make_loss_scaler(_auto_spec(dtype))
+    if key == "dynamic":
+        return DynamicLossScaler()
+    if key == "none":
+        return NoLossScaler()
+    raise ValueError(f"loss scaler spec must be 'auto', 'dynamic', 'none', None, a number or a "
+                     f"loss scaler; got {spec!r}")
+
+
+def _auto_spec(dtype):
+    from .policy import Policy, to_dtype
+    if isinstance(dtype, Policy):
+        return dtype.loss_scale
+    if dtype is None:
+        raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') or a "
+                         "Policy; got dtype=None")
+    return "dynamic" if to_dtype(dtype) == torch.float16 else None
