@@ -1,0 +1,155 @@
+"""``mp.autocast``: torch.autocast with op lists you can change.
+
+torch's autocast keeps its cast policies in C++ tables that cannot be edited. mixprec enters
+``torch.autocast`` for the default lists and, only when some op must change list, a
+``TorchFunctionMode`` that catches exactly those ops (as functions, ``Tensor`` methods and
+operators alike), casts their floating inputs and runs them with autocast off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from . import oplists
+from .policy import resolve_dtype
+
+__all__ = ["autocast", "cast_floating"]
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+_LOW = "low"  # marker: "the autocast dtype in force at call time"
+
+
+def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
+    """Cast every fp32/fp16/bf16 tensor in a pytree to ``dtype`` (fp64 and integers untouched)."""
+    def cast(t):
+        if (isinstance(t, torch.Tensor) and t.dtype in _CASTABLE and t.dtype != dtype
+                and (device_type is None or t.device.type == device_type)):
+            return t.to(dtype)
+        return t
+    return tree_map(cast, tree)
+
+
+class _OpListMode(TorchFunctionMode):
+    """Runs the named ops in a fixed list, whatever torch.autocast's own table says."""
+
+    def __init__(self, device_type: str, targets: dict):
+        super().__init__()
+        self.device_type = device_type
+        self.targets = targets
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            target = self.targets.get(func)
+        except TypeError:  # an unhashable callable is never one of ours
+            target = None
+        if target is None or not torch.is_autocast_enabled(self.device_type):
+            return func(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(self.device_type) if target is _LOW else target
+        args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **kwargs)
+
+
+def _targets(device_type: str, low_ops, fp32_ops, extend_defaults: bool) -> dict:
+    """Map each Python callable that must change list to its target (``_LOW`` or fp32)."""
+    defaults = oplists.TORCH_DEFAULTS[device_type]
+    wanted: dict[str, object] = {}
+    if extend_defaults:
+        for name in oplists.MIXPREC_FP32_ADDITIONS - defaults["fp32"]:
+            wanted[name] = torch.float32
+    for name in low_ops:
+        wanted[name] = None if name in defaults["low_precision"] else _LOW
+    for name in fp32_ops:
+        wanted[name] = None if name in defaults["fp32"] else torch.float32
+    targets = {}
+    for name, target in wanted.items():
+        if target is not None:
+            for fn in oplists.resolve_op(name):
+                targets[fn] = target
+    return targets
+
+
+class autocast(contextlib.ContextDecorator):
+    """Autocast with custom op lists; a context manager and a decorator.
+
+    Args:
+        dtype: the low-precision dtype ("bf16", "fp16", a torch dtype) or "auto" (the fast
+            16-bit type of the device, see :func:`mixprec.device_capabilities`). fp32 disables.
+        enabled: False makes the block a no-op (user code keeps one shape).
+        device_type: "cpu" or "cuda"; default "cuda" when available, else "cpu".
+        low_precision_ops: op names ("add", "gelu", "softmax", ...) to run in ``dtype``.
+        fp32_ops: op names to run in fp32 (e.g. "linear" to keep a matmul exact).
+        cache_enabled: torch.autocast's weight-cast cache.
+        extend_defaults: also keep softmax, log_softmax, logsumexp and the norms in fp32 where
+            torch's own list for the device does not (CPU). False gives torch.autocast's lists
+            exactly, with no Python-level interception when no custom list is given.
+        emulate_fp16: "auto" (default) emulates fp16 GEMM/conv with fp32 arithmetic on
+            fp16-rounded values where fp16 has no fast kernel (see :mod:`mixprec.emulation`);
+            True forces it, False runs torch's native fp16 kernels.
+
+    Raises:
+        ValueError: an unknown dtype or op name, an op named in both lists.
+
+    Example:
+        >>> import torch, mixprec as mp
+        >>> with mp.autocast("bf16", device_type="cpu", low_precision_ops=["softmax"]):
+        ...     y = torch.softmax(torch.ones(2, 2), dim=-1)
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(self, dtype="auto", *, enabled: bool = True, device_type: str | None = None,
+                 low_precision_ops=(), fp32_ops=(), cache_enabled: bool = True,
+                 extend_defaults: bool = True, emulate_fp16="auto"):
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        oplists._check_device_type(device_type)
+        low, fp32 = oplists.validate_custom_lists(low_precision_ops, fp32_ops)
+        self.device_type = device_type
+        self.dtype = resolve_dtype(dtype, device_type, warn=bool(enabled))
+        self.enabled = bool(enabled) and self.dtype != torch.float32
+        self.cache_enabled = cache_enabled
+        self.low_precision_ops, self.fp32_ops = low, fp32
+        self.extend_defaults = bool(extend_defaults)
+        self.emulate_fp16 = emulate_fp16
+        self._targets = _targets(device_type, low, fp32, self.extend_defaults) if self.enabled else {}
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        if self.enabled:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype,
+                                               cache_enabled=self.cache_enabled))
+            if self.dtype == torch.float16:
+                from .emulation import emulation_context
+                stack.enter_context(emulation_context(self.device_type, self.dtype, self.emulate_fp16))
+            if self._targets:
+                stack.enter_context(_OpListMode(self.device_type, self._targets))
+        else:
+            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
+
+    def _recreate_cm(self):
+        clone = copy.copy(self)
+        clone._stacks = []
+        return clone
+
+    def op_lists(self) -> dict[str, list[str]]:
+        """The effective lists in force inside this block."""
+        return oplists.op_lists(self.device_type, self.dtype, extend_defaults=self.extend_defaults,
+                                low_precision_ops=self.low_precision_ops, fp32_ops=self.fp32_ops)
+
+    def __repr__(self) -> str:
+        return (f"mixprec.autocast(dtype={self.dtype}, device_type={self.device_type!r}, "
+                f"enabled={self.enabled}, low_precision_ops={self.low_precision_ops}, "
+                f"fp32_ops={self.fp32_ops})")

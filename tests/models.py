@@ -1,0 +1,51 @@
+"""Small models shared by the tests: an MLP, a CNN with BatchNorm, a transformer block."""
+
+import torch
+from torch import nn
+
+
+def mlp(d_in=16, hidden=32, d_out=4):
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.GELU(),
+                         nn.Linear(hidden, d_out))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, classes=4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x))) + x
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab=32, d=16, heads=2, classes=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.block = nn.TransformerEncoderLayer(d, heads, dim_feedforward=32, dropout=0.0,
+                                                batch_first=True)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens):
+        h = self.norm(self.block(self.embed(tokens)))
+        return self.head(h.mean(dim=1))
+
+
+def make(name):
+    """(model, input batch, integer targets) for a model name."""
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return mlp(), torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    if name == "cnn":
+        return SmallCNN(), torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    if name == "transformer":
+        return (TinyTransformer(), torch.randint(0, 32, (4, 6), generator=g),
+                torch.randint(0, 4, (4,), generator=g))
+    raise ValueError(name)

@@ -1,0 +1,119 @@
+import pytest
+import torch
+
+import mixprec as mp
+from mixprec import hardware
+from mixprec.policy import NORM_LAYERS, Policy, dtype_name, resolve_dtype, to_dtype
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("fp32", FP32), ("float32", FP32), ("fp16", FP16), ("float16", FP16), ("half", FP16),
+    ("bf16", BF16), ("bfloat16", BF16), (" BF16 ", BF16), (torch.bfloat16, BF16),
+    ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2),
+])
+def test_to_dtype_accepts_every_spelling(spec, expected):
+    assert to_dtype(spec) == expected
+
+
+@pytest.mark.parametrize("bad,exc", [("fp12", ValueError), (torch.int32, ValueError), (16, TypeError),
+                                     (None, TypeError)])
+def test_to_dtype_rejects_bad_input_naming_it(bad, exc):
+    with pytest.raises(exc, match="fp32"):
+        to_dtype(bad)
+
+
+@pytest.mark.parametrize("level,params,compute,output,master", [
+    ("O0", FP32, FP32, FP32, False),
+    ("O1", FP32, BF16, FP32, False),
+    ("O2", BF16, BF16, FP32, True),
+    ("O3", BF16, BF16, BF16, False),
+])
+def test_level_table_bf16(level, params, compute, output, master):
+    p = Policy.from_level(level, "bf16")
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype, p.master_weights) == (params, compute, output, master)
+    assert p.loss_scale is None  # bf16 needs no loss scaling at any level
+    assert p.autocast == (level in ("O1", "O2"))
+    assert (set(p.keep_fp32) == set(NORM_LAYERS)) == (level in ("O1", "O2"))
+
+
+@pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+@pytest.mark.parametrize("level,scale", [("O0", None), ("O1", "dynamic"), ("O2", "dynamic"), ("O3", None)])
+def test_level_table_fp16_loss_scale(level, scale):
+    assert Policy.from_level(level, "fp16").loss_scale == scale
+
+
+def test_str_is_canonical():
+    assert str(Policy.from_level("O2", "bf16")) == "O2(params=bf16,compute=bf16,output=fp32,master=fp32)"
+    assert str(Policy.from_level("O0")) == "O0(params=fp32,compute=fp32,output=fp32,master=none)"
+    assert str(Policy.from_level("o3", "bf16")).startswith("O3(params=bf16")
+    assert str(Policy.from_level("O1", "bf16").replace(output_dtype="bf16")).startswith("custom(")
+
+
+def test_policy_is_frozen():
+    p = Policy.from_level("O1", "bf16")
+    with pytest.raises(AttributeError):
+        p.param_dtype = BF16  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("level", ["O4", "o5", "", None, 2])
+def test_bad_level_names_valid_ones(level):
+    with pytest.raises(ValueError, match="'O0', 'O1', 'O2', 'O3'"):
+        Policy.from_level(level, "bf16")
+
+
+def test_bad_policy_fields():
+    with pytest.raises(ValueError, match="loss_scale"):
+        Policy(loss_scale=-1.0)
+    with pytest.raises(TypeError, match="keep_fp32"):
+        Policy(keep_fp32=(int,))
+
+
+def test_auto_resolves_from_capabilities(monkeypatch):
+    caps = mp.device_capabilities("cpu")
+    assert resolve_dtype("auto", "cpu", warn=False) == to_dtype(caps["auto_dtype"])
+    assert caps["auto_reason"]
+    monkeypatch.setenv("MIXPRECISION_AUTO_DTYPE", "fp32")
+    with pytest.warns(mp.SlowDtypeWarning, match="fp32"):
+        assert resolve_dtype("auto", "cpu") == FP32
+
+
+def test_slow_dtype_warns_once(monkeypatch):
+    monkeypatch.setattr(hardware, "_warned", set())
+    monkeypatch.setattr(hardware, "_cpu_caps", lambda: {
+        "name": "test CPU", "flags": [], "dtypes": {
+            "fp32": {"supported": True, "fast": True, "why": "native"},
+            "bf16": {"supported": True, "fast": False, "why": "no AVX512-BF16"},
+            "fp16": {"supported": True, "fast": False, "why": "no AMX-FP16"}}})
+    with pytest.warns(mp.SlowDtypeWarning, match="bf16 is not fast on test CPU: no AVX512-BF16"):
+        resolve_dtype("bf16", "cpu")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_dtype("bf16", "cpu")  # second time: silent
+    with pytest.warns(mp.SlowDtypeWarning, match="auto.*fp32"):
+        assert resolve_dtype("auto", "cpu") == FP32
+
+
+def test_device_capabilities_shape():
+    caps = mp.device_capabilities()
+    assert caps["device"] == "cpu"
+    assert set(caps["dtypes"]) == {"fp32", "bf16", "fp16"}
+    for info in caps["dtypes"].values():
+        assert set(info) == {"supported", "fast", "why"}
+    assert caps["auto_dtype"] in ("bf16", "fp16", "fp32")
+    with pytest.raises(ValueError, match="device"):
+        mp.device_capabilities("not-a-device")
+
+
+@pytest.mark.cuda
+def test_cuda_capabilities():
+    caps = mp.device_capabilities("cuda")
+    major, _ = torch.cuda.get_device_capability()
+    assert caps["dtypes"]["bf16"]["fast"] == (major >= 8)
+    assert caps["auto_dtype"] == ("bf16" if major >= 8 else "fp16" if major >= 7 else "fp32")
+
+
+def test_dtype_name():
+    assert [dtype_name(d) for d in (FP32, FP16, BF16)] == ["fp32", "fp16", "bf16"]
