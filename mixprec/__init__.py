@@ -6,18 +6,31 @@ and numerics diagnostics. ``import mixprec as mp``.
 
 from .hardware import SlowDtypeWarning, device_capabilities
 from .policy import Policy
+from .master import MasterWeightOptimizer, fp32_state_dict
 from . import formats
 from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
                       make_loss_scaler)
 
 __version__ = "0.1.0"
 
+from .autocast import autocast
+from .oplists import op_lists
+from .prepare import policy_of, prepare, to_float
+
 __all__ = [
+    "autocast",
+    "op_lists",
+    "prepare",
+    "policy_of",
+    "to_float",
     "__version__",
     # hardware / policy
     "device_capabilities",
     "SlowDtypeWarning",
     "Policy",
+    # master weights
+    "MasterWeightOptimizer",
+    "fp32_state_dict",
     # numerics
     "formats",
     # loss scaling
