@@ -1,0 +1,253 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec.policy import NORM_LAYERS
+
+from testmodels import make
+
+BF16, FP32 = torch.bfloat16, torch.float32
+MODELS = ["mlp", "cnn", "transformer"]
+LEVELS = ["O0", "O1", "O2", "O3"]
+COMPUTE = (nn.Linear, nn.Conv2d)
+
+
+def _record_outputs(model):
+    seen = {}
+
+    def hook(name):
+        def fn(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                seen[name] = out.dtype
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if isinstance(m, COMPUTE + NORM_LAYERS)]
+    return seen, handles
+
+
+def _expected_param_dtype(level, module):
+    if level in ("O0", "O1"):
+        return FP32
+    if level == "O2" and isinstance(module, NORM_LAYERS):
+        return FP32
+    return BF16
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_dtypes_follow_the_level_table(name, level):
+    model, x, _ = make(name)
+    model = mp.prepare(model, level=level, dtype="bf16")
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            assert p.dtype == _expected_param_dtype(level, mod), (mod_name, p.dtype)
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b.is_floating_point():
+                assert b.dtype == _expected_param_dtype(level, mod), (mod_name, b_name)
+            else:
+                assert b.dtype == torch.int64  # num_batches_tracked is never cast
+    seen, handles = _record_outputs(model)
+    out = model(x)
+    for h in handles:
+        h.remove()
+    compute = {"O0": FP32, "O1": BF16, "O2": BF16, "O3": BF16}[level]
+    norm_out = {"O0": FP32, "O1": FP32, "O2": BF16, "O3": BF16}[level]
+    for mod_name, mod in model.named_modules():
+        if mod_name not in seen:
+            continue
+        want = norm_out if isinstance(mod, NORM_LAYERS) else compute
+        assert seen[mod_name] == want, (mod_name, seen[mod_name], want)
+    assert out.dtype == (BF16 if level == "O3" else FP32)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_norm_layers_compute_in_fp32(level):
+    """A kept norm layer normalises in fp32: its output is the fp32 result of its input."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+    mp.prepare(model, level=level, dtype="bf16")
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, out: seen.update(x=a[0], out=out))
+    model(torch.randn(8, 16) * 100)
+    x = seen["x"]
+    assert x.dtype == BF16  # what the Linear before it produced
+    ln = model[1]
+    exact = nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float())
+    torch.testing.assert_close(seen["out"].float(), exact.to(seen["out"].dtype).float(), rtol=0, atol=0)
+    assert seen["out"].dtype == (BF16 if level == "O2" else FP32)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_few_steps_reduce_the_loss(name, level):
+    model, x, y = make(name)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = mp.prepare(model, opt, level=level, dtype="bf16")
+    losses = []
+    for _ in range(8):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.9, losses
+
+
+def test_o2_masters_are_fp32_and_model_holds_rounded_masters():
+    model, x, y = make("mlp")
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = mp.prepare(model, opt, level="O2", dtype="bf16")
+    assert isinstance(opt, mp.MasterWeightOptimizer)
+    # the masters start as the exact fp32 weights, not their bf16 rounding
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        master = opt.master_param(p)
+        assert master.dtype == FP32 and torch.equal(master, ref)
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for p in model.parameters():
+        master = opt.master_param(p)
+        assert p.dtype == BF16 and torch.equal(p, master.to(BF16))
+
+
+def test_o2_with_all_fp32_keeps_optimizer_params():
+    model, _, _ = make("cnn")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, opt = mp.prepare(model, opt, level="O2", dtype="bf16")
+    bn_params = {id(p) for p in model.bn1.parameters()}
+    inner = [p for g in opt.param_groups for p in g["params"]]
+    assert all(id(p) in bn_params or p.dtype == FP32 for p in inner)
+    assert any(id(p) in bn_params for p in inner)  # fp32 norm params are stepped directly
+
+
+def test_tied_parameters_are_cast_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, t):
+            return self.head(self.embed(t))
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mp.prepare(model, opt, level="O2", dtype="bf16")
+    assert model.head.weight is model.embed.weight and model.head.weight.dtype == BF16
+    assert sum(len(g["params"]) for g in opt.param_groups) == 1
+    loss = model(torch.tensor([[1, 2, 3]])).float().logsumexp(-1).sum()
+    loss.backward()
+    opt.step()
+    assert torch.equal(model.embed.weight, opt.master_param(model.embed.weight).to(BF16))
+
+
+def test_keep_fp32_by_type_and_name():
+    model, x, _ = make("mlp")
+    mp.prepare(model, level="O2", dtype="bf16", keep_fp32=["4"])
+    assert model[4].weight.dtype == FP32 and model[0].weight.dtype == BF16
+    seen, _ = _record_outputs(model)
+    model(x)
+    assert seen["4"] == BF16  # kept modules hand back the compute dtype at O2
+    model2, _, _ = make("mlp")
+    mp.prepare(model2, level="O3", dtype="bf16", keep_fp32=nn.Linear)
+    assert all(p.dtype == FP32 for p in model2.parameters())
+
+
+def test_policy_of_and_prepare_twice():
+    model, _, _ = make("mlp")
+    assert mp.policy_of(model) is None
+    mp.prepare(model, level="O1", dtype="bf16")
+    assert str(mp.policy_of(model)) == "O1(params=fp32,compute=bf16,output=fp32,master=none)"
+    with pytest.raises(RuntimeError, match="already prepared"):
+        mp.prepare(model, level="O2", dtype="bf16")
+
+
+def test_prepared_model_still_trains_under_state_dict_round_trip():
+    model, x, _ = make("mlp")
+    mp.prepare(model, level="O2", dtype="bf16")
+    sd = model.state_dict()
+    assert all(v.dtype == BF16 for v in sd.values())
+    fresh, _, _ = make("mlp")
+    mp.prepare(fresh, level="O2", dtype="bf16").load_state_dict(sd)
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_custom_op_lists_through_prepare():
+    model, x, _ = make("mlp")
+    mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["linear"])
+    seen, _ = _record_outputs(model)
+    model(x)
+    assert set(seen.values()) == {FP32}
+    with pytest.raises(ValueError, match="autocast"):
+        mp.prepare(make("mlp")[0], level="O3", dtype="bf16", fp32_ops=["linear"])
+
+
+# ---------------------------------------------------------------- to_float
+
+def test_to_float_mindspore_pattern_inner_wins_either_order():
+    for order in ("outer-first", "inner-first"):
+        net, x, _ = make("mlp")
+        if order == "outer-first":
+            mp.to_float(net, "bf16")
+            mp.to_float(net[4], "fp32")
+        else:
+            mp.to_float(net[4], "fp32")
+            mp.to_float(net, "bf16")
+        assert net[0].weight.dtype == BF16 and net[4].weight.dtype == FP32, order
+        seen, _ = _record_outputs(net)
+        out = net(x)
+        assert seen["0"] == BF16 and seen["2"] == BF16 and seen["4"] == FP32, order
+        assert out.dtype == FP32
+
+
+def test_to_float_runs_exactly_in_dtype_even_under_autocast():
+    layer = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(2))
+    mp.to_float(layer, "fp32")
+    x = torch.tensor([[1.0 + 2 ** -12, 1.0]])
+    with mp.autocast("bf16", device_type="cpu"):
+        assert layer(x)[0, 0].item() == 1.0 + 2 ** -12
+
+
+def test_to_float_then_prepare_respects_marks():
+    net, x, _ = make("mlp")
+    mp.to_float(net[0], "fp32")
+    mp.prepare(net, level="O2", dtype="bf16")
+    assert net[0].weight.dtype == FP32 and net[2].weight.dtype == BF16
+    assert net(x).dtype == FP32
+    with pytest.raises(RuntimeError, match="before mp.prepare"):
+        mp.to_float(net[2], "fp32")
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_input():
+    model, _, _ = make("mlp")
+    with pytest.raises(ValueError, match="'O0', 'O1', 'O2', 'O3'; got 'O4'"):
+        mp.prepare(model, level="O4")
+    with pytest.raises(ValueError, match="fp12"):
+        mp.prepare(model, level="O2", dtype="fp12")
+    with pytest.raises(TypeError, match="nn.Module"):
+        mp.prepare(lambda x: x, level="O1")
+    other = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        mp.prepare(model, torch.optim.SGD(other.parameters(), lr=0.1), level="O2", dtype="bf16")
+    with pytest.raises(TypeError, match="optimizer"):
+        mp.prepare(model, "sgd", level="O2", dtype="bf16")
+    with pytest.raises(ValueError, match="unknown op name"):
+        mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["nope"])
+    with pytest.raises(ValueError, match="both"):
+        mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["add"], low_precision_ops=["add"])
+    with pytest.raises(ValueError, match="floating"):
+        mp.to_float(model, torch.int32)
+    with pytest.raises(TypeError, match="nn.Module"):
+        mp.to_float("model", "bf16")
+    assert mp.policy_of(model) is None and all(p.dtype == FP32 for p in model.parameters())
