@@ -12,6 +12,7 @@ import sys
 
 # Subcommand modules, in the order ``mixprec --help`` lists them.
 COMMANDS = (
+    "formats",
     "doctor",
 )
 

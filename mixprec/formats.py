@@ -263,7 +263,7 @@ class Decomposition:
     def __str__(self) -> str:
         f = self.fmt
         sign_bits, exp_bits, frac_bits = self.bits.split(" ")
-        lines = [f"{self.value!r} in {f.name} (1 sign, {f.exponent_bits} exponent, "
+        lines = [f"{_fmt_num(self.value)} in {f.name} (1 sign, {f.exponent_bits} exponent, "
                  f"{f.mantissa_bits} fraction bits; bias {f.bias})",
                  f"  bits       {self.bits}",
                  f"  sign       {sign_bits} ({'-' if self.sign else '+'})"]
