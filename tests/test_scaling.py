@@ -1,0 +1,592 @@
+"""Loss scaling: arithmetic, call order, skipping, differential runs against fp32 controls."""
+
+import copy
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.scaling import DynamicConfig, ScaleState, adjust_scale
+
+INF = float("inf")
+TOL = {"rtol": 1e-5, "atol": 1e-7}
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def compute_loss(model, i, inf=False):
+    x, y = batch(i)
+    dtype = next(model.parameters()).dtype
+    loss = F.mse_loss(model(x.to(dtype)).float(), y)
+    return loss * INF if inf else loss
+
+
+def snapshot(model, opt):
+    """Bitwise copy of parameters and the full optimizer state (incl. masters, step counts)."""
+    return copy.deepcopy({"params": [p.detach() for p in model.parameters()],
+                          "opt": opt.state_dict()})
+
+
+def assert_tree_equal(a, b, **tol):
+    if isinstance(a, torch.Tensor):
+        if tol:
+            torch.testing.assert_close(a, b, **tol)
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_tree_equal(a[k], b[k], **tol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_tree_equal(x, y, **tol)
+    else:
+        assert a == b
+
+
+def grads_of(opt):
+    return [p.grad for g in opt.param_groups for p in g["params"]]
+
+
+SCALERS = {
+    "dynamic": lambda: mp.DynamicLossScaler(init_scale=128.0, growth_interval=1),
+    "static": lambda: mp.StaticLossScaler(128.0),
+    "none": mp.NoLossScaler,
+}
+
+
+# ----------------------------------------------------------------------------- pure arithmetic
+def run_adjust(config, init, overflows):
+    state, scales = ScaleState.initial(init, config.hysteresis), []
+    for found in overflows:
+        state = adjust_scale(state, torch.tensor(float(found)), config)
+        scales.append(state.scale.item())
+    return state, scales
+
+
+def test_adjust_scale_grows_after_interval_and_backs_off_on_overflow():
+    cfg = DynamicConfig(growth_interval=2)
+    _, scales = run_adjust(cfg, 128.0, [0, 0, 0, 1, 0, 0])
+    assert scales == [128.0, 256.0, 256.0, 128.0, 128.0, 256.0]
+
+
+def test_adjust_scale_is_pure():
+    state = ScaleState.initial(64.0, 2)
+    before = state.to_numbers()
+    new = adjust_scale(state, torch.tensor(1.0), DynamicConfig(hysteresis=2))
+    assert state.to_numbers() == before
+    assert new.hysteresis_tracker.item() == 1 and new is not state
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_hysteresis_backs_off_after_that_many_overflows_in_a_row(hysteresis):
+    cfg = DynamicConfig(hysteresis=hysteresis, growth_interval=1000)
+    # A clean step in between refills the hysteresis: no backoff from 1 + 1 overflows when h >= 2.
+    _, scales = run_adjust(cfg, 1024.0, [1, 0] + [1] * hysteresis)
+    assert scales[0] == (512.0 if hysteresis == 1 else 1024.0)
+    assert scales[-1] == scales[-2] / 2
+    assert all(s == scales[1] for s in scales[1:-1])
+
+
+def test_growth_stops_at_max_scale_and_never_reaches_inf():
+    fmax = torch.finfo(torch.float32).max
+    _, scales = run_adjust(DynamicConfig(growth_interval=1, max_scale=fmax), 2.0 ** 126, [0] * 4)
+    assert scales[0] == 2.0 ** 127 and scales[-1] == fmax and all(math.isfinite(s) for s in scales)
+    _, scales = run_adjust(DynamicConfig(growth_interval=1, max_scale=512.0), 256.0, [0] * 3)
+    assert scales == [512.0, 512.0, 512.0]
+
+
+def test_backoff_stops_at_min_scale_and_counts_skips_there():
+    state, scales = run_adjust(DynamicConfig(min_scale=2.0), 8.0, [1] * 5)
+    assert scales == [4.0, 2.0, 2.0, 2.0, 2.0]
+    assert state.skips_at_min.item() == 3  # overflows taken at scale 2
+    state = adjust_scale(state, torch.tensor(0.0), DynamicConfig(min_scale=2.0))
+    assert state.skips_at_min.item() == 0
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, match", [
+    ({"growth_factor": 1.0}, "growth_factor must be > 1"),
+    ({"growth_factor": 0.5}, "growth_factor must be > 1"),
+    ({"backoff_factor": 0.0}, r"backoff_factor must be in the open interval \(0, 1\)"),
+    ({"backoff_factor": 1.0}, "backoff_factor"),
+    ({"backoff_factor": 1.5}, "backoff_factor"),
+    ({"init_scale": 0.0}, "init_scale must be positive"),
+    ({"init_scale": -4.0}, "init_scale must be positive"),
+    ({"init_scale": INF}, "init_scale must be a finite number"),
+    ({"init_scale": float("nan")}, "init_scale must be a finite number"),
+    ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, "min_scale must be <= max_scale"),
+    ({"hysteresis": 0}, "hysteresis must be an integer >= 1"),
+    ({"growth_interval": 0}, "growth_interval must be an integer >= 1"),
+    ({"max_skips_at_min": 0}, "max_skips_at_min"),
+    ({"init_scale": 2.0 ** 30}, r"init_scale must lie in \[min_scale, max_scale\]"),
+    ({"max_scale": INF}, "max_scale must be a finite number"),
+])
+def test_dynamic_rejects_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mp.DynamicLossScaler(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, INF, float("nan"), True])
+def test_static_rejects_bad_scale(scale):
+    with pytest.raises(ValueError, match="scale must be"):
+        mp.StaticLossScaler(scale)
+
+
+@pytest.mark.parametrize("kind", SCALERS)
+def test_call_order_is_enforced(kind):
+    scaler, model = SCALERS[kind](), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"update\(\) called before any step\(\)"):
+        scaler.update()
+    scaler.scale(compute_loss(model, 0)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) called on an optimizer after unscale_\(\)"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called on this optimizer"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"after step\(\) since the last update\(\)"):
+        scaler.unscale_(opt)
+    scaler.update()
+    with pytest.raises(RuntimeError, match=r"update\(\) called before any step\(\)"):
+        scaler.update()
+
+
+@pytest.mark.parametrize("kind", SCALERS)
+def test_closures_are_rejected(kind):
+    scaler, model = SCALERS[kind](), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(compute_loss(model, 0)).backward()
+    closure = lambda: compute_loss(model, 0)  # noqa: E731
+    with pytest.raises(TypeError, match="does not take a closure"):
+        scaler.step(opt, closure)
+    with pytest.raises(TypeError, match="does not take a closure"):
+        scaler.step(opt, closure=closure)
+
+
+def test_bad_arguments_to_scale_and_step():
+    scaler = mp.DynamicLossScaler()
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        scaler.scale(1.5)
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        scaler.scale(torch.tensor(3))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        scaler.step("sgd")
+    with pytest.raises(TypeError, match="nn.Module"):
+        scaler.attach("model")
+
+
+# ----------------------------------------------------------------------------- make_loss_scaler
+@pytest.mark.parametrize("spec, dtype, expected", [
+    ("auto", "fp16", mp.DynamicLossScaler),
+    ("auto", torch.float16, mp.DynamicLossScaler),
+    ("auto", "bf16", mp.NoLossScaler),
+    ("auto", "fp32", mp.NoLossScaler),
+    ("dynamic", None, mp.DynamicLossScaler),
+    ("none", None, mp.NoLossScaler),
+    (None, "fp16", mp.NoLossScaler),
+    (256, None, mp.StaticLossScaler),
+])
+def test_make_loss_scaler(spec, dtype, expected):
+    scaler = mp.make_loss_scaler(spec, dtype)
+    assert type(scaler) is expected
+    if expected is mp.StaticLossScaler:
+        assert scaler.get_scale() == 256.0
+
+
+@pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+@pytest.mark.parametrize("level, dtype, expected", [
+    ("O0", "fp16", mp.NoLossScaler), ("O1", "fp16", mp.DynamicLossScaler),
+    ("O2", "fp16", mp.DynamicLossScaler), ("O3", "fp16", mp.NoLossScaler),
+    ("O1", "bf16", mp.NoLossScaler), ("O2", "bf16", mp.NoLossScaler),
+])
+def test_make_loss_scaler_follows_the_level_table(level, dtype, expected):
+    policy = mp.Policy.from_level(level, dtype)
+    assert type(mp.make_loss_scaler("auto", policy)) is expected
+
+
+def test_make_loss_scaler_passes_scalers_through_and_rejects_junk():
+    scaler = mp.StaticLossScaler(8.0)
+    assert mp.make_loss_scaler(scaler) is scaler
+    with pytest.raises(ValueError, match="needs the training dtype"):
+        mp.make_loss_scaler("auto")
+    with pytest.raises(ValueError, match="'auto', 'dynamic', 'none'"):
+        mp.make_loss_scaler("sometimes")
+    with pytest.raises(TypeError, match="loss scaler spec"):
+        mp.make_loss_scaler([128])
+    with pytest.raises(ValueError, match="scale must be positive"):
+        mp.make_loss_scaler(-2.0)
+
+
+# ----------------------------------------------------------------------------- skipping
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+], ids=["sgd-momentum", "adam", "adamw"])
+def test_skipped_step_leaves_params_and_all_optimizer_state_untouched(make_opt):
+    model = make_model()
+    opt, scaler = make_opt(model.parameters()), mp.DynamicLossScaler(init_scale=1024.0)
+    for i in range(2):  # build momentum buffers / moments / step counts first
+        opt.zero_grad()
+        scaler.scale(compute_loss(model, i)).backward()
+        assert scaler.step(opt) is True
+        scaler.update()
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    scaler.scale(compute_loss(model, 2, inf=True)).backward()
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert_tree_equal(snapshot(model, opt), before)
+    assert scaler.get_scale() == 512.0
+    assert (scaler.skipped_steps, scaler.applied_steps) == (1, 2)
+
+
+def test_nan_gradients_are_skipped_too():
+    model, scaler = make_model(), mp.StaticLossScaler(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    scaler.scale(compute_loss(model, 0) * float("nan")).backward()
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert_tree_equal(snapshot(model, opt), before)
+
+
+def test_static_without_skip_applies_overflowing_steps():
+    model, scaler = make_model(), mp.StaticLossScaler(4.0, skip_on_overflow=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(compute_loss(model, 0, inf=True)).backward()
+    assert scaler.step(opt) is True
+    scaler.update()
+    assert not torch.isfinite(model[0].weight).all()
+
+
+@pytest.mark.parametrize("make", [mp.NoLossScaler, lambda: mp.DynamicLossScaler(enabled=False)],
+                         ids=["NoLossScaler", "dynamic-disabled"])
+def test_disabled_scaling_is_a_no_op(make):
+    scaler, model = make(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = compute_loss(model, 0)
+    assert scaler.scale(loss) is loss and scaler.get_scale() == 1.0
+    loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    assert_tree_equal([p.grad for p in model.parameters()], expected)
+    assert scaler.step(opt) is True
+    scaler.update()
+    scaler.load_state_dict(scaler.state_dict())
+    assert scaler.applied_steps == 1
+
+
+def test_scale_accepts_lists_of_losses():
+    scaler = mp.StaticLossScaler(8.0)
+    a, b = torch.tensor(1.0), torch.tensor(2.0)
+    assert_tree_equal(scaler.scale([a, b]), [torch.tensor(8.0), torch.tensor(16.0)])
+    assert isinstance(scaler.scale((a,)), tuple)
+
+
+# ----------------------------------------------------------------------------- differential runs
+@pytest.mark.parametrize("kind, inf_step, expected_scales", [
+    ("dynamic", 2, [256.0, 512.0, 256.0, 512.0, 1024.0]),
+    ("static", 2, [128.0] * 5),
+    ("none", None, [1.0] * 5),
+])
+def test_differential_against_fp32_control(kind, inf_step, expected_scales):
+    """The scaled run matches an fp32 control that skips the same step; the scale path is exact."""
+    scaler, model, control = SCALERS[kind](), make_model(), make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    copt = torch.optim.Adam(control.parameters(), lr=1e-2)
+    scales = []
+    for i in range(5):
+        bad = i == inf_step
+        opt.zero_grad()
+        copt.zero_grad()
+        scaler.scale(compute_loss(model, i, inf=bad)).backward()
+        assert scaler.step(opt) is (not bad)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        compute_loss(control, i).backward()
+        if not bad:
+            copt.step()
+            assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+        assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+        assert_tree_equal(opt.state_dict(), copt.state_dict(), **TOL)
+    assert scales == expected_scales
+    assert scaler.skipped_steps == (inf_step is not None)
+
+
+def test_gradient_accumulation_scales_every_micro_batch_and_unscales_once():
+    scaler, model, control = mp.DynamicLossScaler(init_scale=2.0 ** 10), make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    copt = torch.optim.SGD(control.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for micro in range(3):
+            scaler.scale(compute_loss(model, 3 * step + micro) / 3).backward()
+            (compute_loss(control, 3 * step + micro) / 3).backward()
+        assert scaler.step(opt)
+        scaler.update()
+        copt.step()
+        assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+        opt.zero_grad()
+        copt.zero_grad()
+    assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+
+
+def test_clipping_after_unscale_sees_true_gradients():
+    scaler, model, control = mp.DynamicLossScaler(init_scale=2.0 ** 12), make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    copt = torch.optim.SGD(control.parameters(), lr=0.5)
+    scaler.scale(compute_loss(model, 0)).backward()
+    scaler.unscale_(opt)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    compute_loss(control, 0).backward()
+    cnorm = nn.utils.clip_grad_norm_(control.parameters(), max_norm=0.05)
+    assert norm.item() > 0.05  # clipping is active
+    torch.testing.assert_close(norm, cnorm, **TOL)
+    assert scaler.step(opt)  # step() does not unscale a second time
+    scaler.update()
+    copt.step()
+    assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+
+
+def test_several_losses_and_optimizers_only_the_overflowing_one_skips():
+    scaler = mp.DynamicLossScaler(init_scale=128.0, growth_interval=1)
+    a, b = make_model(seed=1), make_model(seed=2)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    b_before = snapshot(b, opt_b)
+    a_before = [p.detach().clone() for p in a.parameters()]
+    shared = compute_loss(a, 0)
+    loss_a = shared + 0.5 * compute_loss(b, 0).detach()
+    loss_b = compute_loss(b, 1, inf=True) + 0.0 * shared  # b overflows
+    scaler.scale(loss_a).backward(retain_graph=True)
+    scaler.scale(loss_b).backward()
+    assert scaler.step(opt_a) is True
+    assert scaler.step(opt_b) is False
+    scaler.update()
+    assert scaler.get_scale() == 64.0  # backed off once, not once per optimizer
+    assert_tree_equal(snapshot(b, opt_b), b_before)
+    assert not any(torch.equal(p, q) for p, q in zip(a.parameters(), a_before))
+    assert (scaler.applied_steps, scaler.skipped_steps) == (1, 1)
+
+
+def test_gradient_penalty_double_backward_matches_control():
+    """Scale the loss, take create_graph grads, unscale them by hand, add the penalty, backward."""
+    def penalised_step(model, opt, scaler):
+        x, y = batch(0)
+        loss = F.mse_loss(model(x), y)
+        scaled = scaler.scale(loss) if scaler else loss
+        grads = torch.autograd.grad(scaled, list(model.parameters()), create_graph=True)
+        inv = 1.0 / scaler.get_scale() if scaler else 1.0
+        penalty = sum((g * inv).pow(2).sum() for g in grads)
+        total = loss + 0.1 * penalty
+        (scaler.scale(total) if scaler else total).backward()
+        if scaler:
+            applied = scaler.step(opt)
+            scaler.update()
+            return applied
+        return opt.step()
+
+    scaler, model, control = mp.DynamicLossScaler(init_scale=2.0 ** 10), make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copt = torch.optim.SGD(control.parameters(), lr=0.1)
+    assert penalised_step(model, opt, scaler)
+    penalised_step(control, copt, None)
+    assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+    assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+
+
+def test_none_and_empty_gradients():
+    model = make_model()
+    unused = nn.Linear(3, 3)       # gets no gradient
+    empty = nn.Parameter(torch.zeros(0, 4))
+    opt = torch.optim.Adam([*model.parameters(), *unused.parameters(), empty], lr=1e-2)
+    scaler = mp.DynamicLossScaler(init_scale=64.0)
+    scaler.scale(compute_loss(model, 0) + empty.sum()).backward()
+    assert unused.weight.grad is None
+    assert scaler.step(opt) is True
+    scaler.update()
+    only_none = torch.optim.SGD(unused.parameters(), lr=0.1)   # all gradients None
+    scaler.scale(compute_loss(model, 1)).backward()
+    assert scaler.step(only_none) is True
+    scaler.update()
+    assert scaler.get_scale() == 64.0
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SparseAdam(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=0.1),
+], ids=["sparse-adam", "sgd"])
+def test_sparse_gradients(make_opt):
+    torch.manual_seed(0)
+    emb, cemb = nn.Embedding(10, 3, sparse=True), None
+    cemb = copy.deepcopy(emb)
+    opt, copt = make_opt(emb.parameters()), make_opt(cemb.parameters())
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    idx = torch.tensor([1, 1, 2, 7, 1])  # duplicates: an uncoalesced sparse gradient
+    scaler.scale(emb(idx).pow(2).sum()).backward()
+    assert not emb.weight.grad.is_coalesced()
+    assert scaler.step(opt) is True
+    scaler.update()
+    cemb(idx).pow(2).sum().backward()
+    copt.step()
+    assert emb.weight.grad.is_coalesced()
+    torch.testing.assert_close(emb.weight.grad.to_dense(), cemb.weight.grad.to_dense(), **TOL)
+    torch.testing.assert_close(emb.weight, cemb.weight, **TOL)
+    before = emb.weight.detach().clone()
+    opt.zero_grad()
+    scaler.scale(emb(idx).sum() * INF).backward()
+    assert scaler.step(opt) is False
+    scaler.update()
+    assert torch.equal(emb.weight, before)
+
+
+# ----------------------------------------------------------------------------- persistent overflow
+def overflow_forever(scaler, model, opt, steps):
+    for i in range(steps):
+        opt.zero_grad()
+        scaler.scale(compute_loss(model, i, inf=True)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("attach, name", [(True, "2.weight"), (False, "param_groups[0][2]")])
+def test_persistent_overflow_at_min_scale_raises_naming_parameters(attach, name):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_skips_at_min=3)
+    if attach:
+        scaler.attach(model)
+    overflow_forever(scaler, model, opt, 4)  # 4 -> 2 -> 1, then skips at 1: 1, 2
+    with pytest.raises(mp.NonFiniteGradientsError, match="3 steps in a row") as info:
+        overflow_forever(scaler, model, opt, 1)
+    assert any(p.startswith(f"{name} shape (2, 8)") for p in info.value.parameters)
+    assert name in str(info.value) and "inf" in str(info.value)
+    assert scaler.get_scale() == 1.0 and scaler.skipped_steps == 5
+
+
+def test_a_clean_step_resets_the_skips_at_min():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(init_scale=1.0, max_skips_at_min=2, growth_interval=100)
+    for _ in range(5):
+        overflow_forever(scaler, model, opt, 1)
+        opt.zero_grad()
+        scaler.scale(compute_loss(model, 0)).backward()
+        assert scaler.step(opt)
+        scaler.update()
+    with pytest.raises(mp.NonFiniteGradientsError):
+        overflow_forever(scaler, model, opt, 2)
+
+
+def test_no_limit_when_max_skips_at_min_is_none():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(init_scale=1.0, max_skips_at_min=None)
+    overflow_forever(scaler, model, opt, 12)
+    assert scaler.skipped_steps == 12
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_state_dict_round_trip_keeps_every_counter():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(init_scale=16.0, growth_interval=3, hysteresis=2, min_scale=4.0,
+                                  max_scale=2.0 ** 10, max_skips_at_min=5)
+    for i, bad in enumerate([0, 1, 1, 1, 1, 0, 1]):  # 16 -> 8 -> 4 (hysteresis 2), then at min
+        opt.zero_grad()
+        scaler.scale(compute_loss(model, i, inf=bool(bad))).backward()
+        scaler.step(opt)
+        scaler.update()
+    sd = scaler.state_dict()
+    assert set(sd["state"]) == {f.name for f in dataclasses.fields(ScaleState)}
+    assert set(sd["config"]) == {f.name for f in dataclasses.fields(DynamicConfig)}
+    assert sd["state"] == {"scale": 4.0, "growth_tracker": 0, "hysteresis_tracker": 1,
+                           "skips_at_min": 1}
+    assert sd["counters"] == {"skipped_steps": 5, "applied_steps": 2}
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    restored = mp.DynamicLossScaler()
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    assert restored.state_dict() == sd
+    assert restored.config == scaler.config
+    # both continue identically
+    for s in (scaler, restored):
+        for i in range(4):
+            opt.zero_grad()
+            s.scale(compute_loss(model, i, inf=i == 1)).backward()
+            s.step(opt)
+            s.update()
+    assert restored.state_dict() == scaler.state_dict()
+
+
+def test_static_state_dict_round_trip():
+    scaler = mp.StaticLossScaler(32.0, skip_on_overflow=False)
+    restored = mp.StaticLossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.get_scale() == 32.0 and restored.skip_on_overflow is False
+
+
+def test_loads_a_torch_grad_scaler_state_dict():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=4.0, growth_interval=5)
+    for i in range(3):
+        opt.zero_grad()
+        gs.scale(compute_loss(model, i)).backward()
+        gs.step(opt)
+        gs.update()
+    scaler = mp.DynamicLossScaler()
+    scaler.load_state_dict(gs.state_dict())
+    assert scaler.get_scale() == 1024.0
+    assert (scaler.config.growth_factor, scaler.config.growth_interval) == (4.0, 5)
+    assert scaler.state_dict()["state"]["growth_tracker"] == 3
+    for i in range(2):  # two more clean steps complete the interval of 5
+        opt.zero_grad()
+        scaler.scale(compute_loss(model, i)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 4096.0
+
+
+@pytest.mark.parametrize("sd, match", [
+    ({}, "empty"),
+    ({"kind": "static", "config": {}, "state": {}, "counters": {}}, "from a 'static' loss scaler"),
+    ({"kind": "dynamic", "config": {}}, "missing"),
+    ({"scale": 2.0, "_growth_tracker": 0}, "GradScaler state_dict must have keys"),
+])
+def test_load_state_dict_rejects_foreign_or_broken_dicts(sd, match):
+    with pytest.raises(ValueError, match=match):
+        mp.DynamicLossScaler().load_state_dict(sd)
+
+
+def test_static_and_none_reject_dynamic_state():
+    sd = mp.DynamicLossScaler().state_dict()
+    for scaler in (mp.StaticLossScaler(), mp.NoLossScaler()):
+        with pytest.raises(ValueError, match="from a 'dynamic' loss scaler"):
+            scaler.load_state_dict(sd)
+    with pytest.raises(ValueError, match="use DynamicLossScaler"):
+        mp.StaticLossScaler().load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+
+
+def test_public_names_are_exported():
+    for name in ("DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
+                 "NonFiniteGradientsError"):
+        assert name in mp.__all__ and getattr(mp, name) is getattr(mp.scaling, name)
+    assert issubclass(mp.NonFiniteGradientsError, RuntimeError)
