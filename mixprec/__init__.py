@@ -8,6 +8,8 @@ from .hardware import SlowDtypeWarning, device_capabilities
 from .policy import Policy
 from .master import MasterWeightOptimizer, fp32_state_dict
 from . import formats
+from . import debug
+from .emulation import emulate_fp16
 from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
                       make_loss_scaler)
 
@@ -33,6 +35,8 @@ __all__ = [
     "fp32_state_dict",
     # numerics
     "formats",
+    "debug",
+    "emulate_fp16",
     # loss scaling
     "DynamicLossScaler",
     "StaticLossScaler",
