@@ -251,3 +251,33 @@ def test_bad_input():
     with pytest.raises(TypeError, match="nn.Module"):
         mp.to_float("model", "bf16")
     assert mp.policy_of(model) is None and all(p.dtype == FP32 for p in model.parameters())
+
+
+def test_prepared_model_deepcopies_and_pickles():
+    import io
+    model, x, _ = make("mlp")
+    mp.prepare(model, level="O2", dtype="bf16")
+    clone = copy.deepcopy(model)
+    assert clone.forward.forward.__self__ is clone  # the wrapper follows the copy
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert str(mp.policy_of(loaded)) == str(mp.policy_of(model))
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fp16_levels_run_and_train(level):
+    model, x, y = make("cnn")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = mp.prepare(model, opt, level=level, dtype="fp16")
+    out = model(x)
+    assert out.dtype == (torch.float16 if level == "O3" else FP32)
+    assert model.conv1.weight.dtype == (FP32 if level == "O1" else torch.float16)
+    loss0 = nn.functional.cross_entropy(out.float(), y)
+    loss0.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
