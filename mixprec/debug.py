@@ -7,6 +7,7 @@ and autograd, so they see the casts autocast inserts and the ops of the backward
   in the backward pass, and names the module it belongs to.
 * :func:`op_stats` counts executed ops by (op, output dtype, pass): the evidence that a
   precision level does what it says.
+* :func:`grad_report` (from :mod:`mixprec.gradreport`) tells which gradients a format loses.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .gradreport import GradReport, ParamGradStats, grad_report
 from .policy import dtype_name, to_dtype
 
 __all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",
-           "TensorStats", "NonFiniteError", "op_stats", "OpStats"]
+           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "grad_report",
+           "GradReport", "ParamGradStats"]
 
 _PHASES = ("forward", "backward")
 _MODULE_KEY = "mixprec.module"  # autograd-node metadata: the module whose forward made the node
