@@ -590,3 +590,104 @@ def test_public_names_are_exported():
                  "NonFiniteGradientsError"):
         assert name in mp.__all__ and getattr(mp, name) is getattr(mp.scaling, name)
     assert issubclass(mp.NonFiniteGradientsError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- master weights
+LOW = [torch.bfloat16, torch.float16]
+
+
+def master_setup(dtype, seed=0):
+    model = make_model(dtype, seed)
+    return model, mp.MasterWeightOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+def test_master_optimizer_gets_fp32_master_grads_unscaled(dtype):
+    model, opt = master_setup(dtype)
+    control, copt = master_setup(dtype)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 12)
+    scaler.scale(compute_loss(model, 0)).backward()
+    scaler.unscale_(opt)
+    compute_loss(control, 0).backward()
+    copt.sync_grads()
+    assert all(g.dtype == torch.float32 for g in grads_of(opt))
+    # the model's own low-precision grads are still scaled; the masters' are not
+    assert model[0].weight.grad.abs().max() > 100 * grads_of(opt)[0].abs().max()
+    assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+def test_master_differential_against_unscaled_control(dtype):
+    """Same low-precision model and masters; only the scaling differs (powers of two are exact)."""
+    model, opt = master_setup(dtype)
+    control, copt = master_setup(dtype)
+    scaler = mp.DynamicLossScaler(init_scale=128.0, growth_interval=1)
+    scales = []
+    for i in range(5):
+        bad = i == 2
+        opt.zero_grad()
+        copt.zero_grad()
+        before = snapshot(model, opt)
+        scaler.scale(compute_loss(model, i, inf=bad)).backward()
+        assert scaler.step(opt) is (not bad)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        compute_loss(control, i).backward()
+        if bad:
+            assert_tree_equal(snapshot(model, opt), before)  # params, masters, Adam state
+        else:
+            copt.step()
+            assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+        assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+        assert_tree_equal(opt.state_dict(), copt.state_dict(), **TOL)
+    assert scales == [256.0, 512.0, 256.0, 512.0, 1024.0]
+
+
+def test_master_optimizer_error_names_model_parameters():
+    model, opt = master_setup(torch.bfloat16)
+    scaler = mp.DynamicLossScaler(init_scale=1.0, max_skips_at_min=2).attach(model)
+    with pytest.raises(mp.NonFiniteGradientsError) as info:
+        overflow_forever(scaler, model, opt, 2)
+    names = [p.split(" ")[0] for p in info.value.parameters]
+    assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+# ----------------------------------------------------------------------------- the seeds' claim
+TINY = 2.0 ** -20  # makes every gradient small enough to underflow in fp16 (min subnormal 2^-24)
+
+
+def train_tiny_gradients(dtype, scaler, steps=40):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1 / TINY)  # same update size as lr=0.1
+    opt = inner if dtype == torch.float32 else mp.MasterWeightOptimizer(inner)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = torch.tanh(x @ torch.randn(8, 1, generator=g))
+    losses, zero_fractions = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x.to(dtype)).float(), y)
+        losses.append(loss.item())
+        scaler.scale(loss * TINY).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        zero_fractions.append((grads == 0).float().mean().item())
+        scaler.step(opt)
+        scaler.update()
+    return losses, zero_fractions
+
+
+def test_fp16_without_scaling_stalls_and_dynamic_scaling_tracks_fp32(record_property):
+    fp32, _ = train_tiny_gradients(torch.float32, mp.NoLossScaler())
+    plain, zeros_plain = train_tiny_gradients(torch.float16, mp.NoLossScaler())
+    scaled, zeros_scaled = train_tiny_gradients(torch.float16, mp.DynamicLossScaler())
+    zero_fraction = sum(zeros_plain) / len(zeros_plain)
+    record_property("fp16_zero_grad_fraction_without_scaling", zero_fraction)
+    record_property("final_losses_fp32_fp16plain_fp16scaled", (fp32[-1], plain[-1], scaled[-1]))
+    assert zero_fraction > 0.8, zero_fraction            # measured ~0.98
+    assert max(zeros_scaled) < 0.01
+    assert fp32[-1] < 0.25 * fp32[0]                      # the fp32 run learns
+    assert plain[-1] > 0.7 * plain[0]                     # fp16 without scaling barely moves
+    assert scaled[-1] == pytest.approx(fp32[-1], rel=0.02)  # with scaling it tracks fp32
+    for a, b in zip(scaled, fp32):
+        assert a == pytest.approx(b, rel=0.02, abs=1e-3)
