@@ -15,11 +15,22 @@ from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, 
 
 __version__ = "0.1.0"
 
+from .trainer import History, Trainer
+from .callbacks import Callback, LossMonitor, ModelCheckpoint
+from .metrics import Accuracy
+
 from .autocast import autocast
 from .oplists import op_lists
 from .prepare import policy_of, prepare, to_float
 
 __all__ = [
+    # training loop
+    "Trainer",
+    "History",
+    "Callback",
+    "LossMonitor",
+    "ModelCheckpoint",
+    "Accuracy",
     "autocast",
     "op_lists",
     "prepare",

@@ -1,0 +1,120 @@
+"""Helpers of the Trainer's exact resume: RNG snapshots, data-loader generators, model signatures."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+CHECKPOINT_FORMAT = "mixprec.trainer/1"
+
+
+def loader_generators(data) -> list[torch.Generator]:
+    """The distinct ``torch.Generator`` objects a DataLoader draws its order and seeds from."""
+    found: list[torch.Generator] = []
+    candidates = [getattr(data, "generator", None)]
+    for holder in (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None)):
+        candidates.append(getattr(holder, "generator", None))
+    for gen in candidates:
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+def _numpy_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _set_numpy_state(state: dict) -> None:
+    np.random.set_state((state["name"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                         state["has_gauss"], state["cached_gaussian"]))
+
+
+def capture_rng(data=None) -> dict:
+    """The global RNG states (torch, CUDA, numpy, python) and those of ``data``'s generators."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": _numpy_state(),
+        "python": random.getstate(),
+        "loader": [g.get_state() for g in loader_generators(data)] if data is not None else None,
+    }
+
+
+def restore_rng(state: dict, data=None, *, loader: bool = True, globals_: bool = True) -> None:
+    """Set the states captured by :func:`capture_rng` (the loader's only when ``data`` is given)."""
+    if globals_:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        _set_numpy_state(state["numpy"])
+        random.setstate(state["python"])
+    if loader and data is not None and state.get("loader") is not None:
+        gens = loader_generators(data)
+        if len(gens) != len(state["loader"]):
+            raise ValueError(f"the data loader has {len(gens)} torch.Generator(s) but the checkpoint "
+                             f"recorded {len(state['loader'])}: resume with a DataLoader built the "
+                             f"same way (e.g. DataLoader(..., shuffle=True, generator=g))")
+        for gen, gstate in zip(gens, state["loader"]):
+            gen.set_state(gstate)
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every entry of the model's state_dict."""
+    return [(k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor)]
+
+
+def signature_mismatch(saved, current) -> str | None:
+    """A one-line description of the first difference between two signatures, or None."""
+    saved = [tuple(x) if not isinstance(x, tuple) else x for x in saved]
+    saved_map = {name: (tuple(shape), dt) for name, shape, dt in saved}
+    cur_map = {name: (tuple(shape), dt) for name, shape, dt in current}
+    missing = [n for n in cur_map if n not in saved_map]
+    extra = [n for n in saved_map if n not in cur_map]
+    if missing or extra:
+        return f"keys differ (missing from checkpoint: {missing[:3]}, unexpected: {extra[:3]})"
+    for name, (shape, dt) in cur_map.items():
+        if saved_map[name] != (shape, dt):
+            return (f"{name!r} is {saved_map[name][1]} {list(saved_map[name][0])} in the checkpoint "
+                    f"but {dt} {list(shape)} in this model")
+    return None
+
+
+def atomic_save(obj, path) -> None:
+    """``torch.save`` to a temporary file next to ``path``, then rename it over ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint path {str(path)!r} is a directory; give a file name")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_checkpoint(path) -> dict:
+    """Load and sanity-check a Trainer checkpoint (tensors on the CPU)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {str(path)!r}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types
+        raise ValueError(f"{str(path)!r} is not a readable mixprec Trainer checkpoint: {exc}") from exc
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a mixprec Trainer checkpoint (expected format "
+                         f"{CHECKPOINT_FORMAT!r})")
+    return ckpt

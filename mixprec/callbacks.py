@@ -1,0 +1,149 @@
+"""Callbacks of :class:`mixprec.Trainer`: a loss monitor, checkpointing and the progress bar.
+
+A callback overrides any of the hooks of :class:`Callback`. ``logs`` of ``on_step_end`` is a dict
+with ``epoch`` (1-based), ``step`` (optimizer steps so far, skipped ones included),
+``epoch_step`` (1-based step within the epoch), ``loss``, ``loss_scale`` (the scale the step
+used), ``skipped`` and ``lr``. ``logs`` of ``on_epoch_end`` holds the epoch's metrics. A callback
+may set ``trainer.stop_training = True`` to stop after the current step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar"]
+
+
+class Callback:
+    """Base class: every hook is a no-op."""
+
+    def on_fit_begin(self, trainer) -> None:
+        pass
+
+    def on_epoch_begin(self, trainer, epoch: int) -> None:
+        pass
+
+    def on_step_end(self, trainer, logs: dict) -> None:
+        pass
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        pass
+
+    def on_fit_end(self, trainer) -> None:
+        pass
+
+
+class LossMonitor(Callback):
+    """Print the loss every ``per_print_times`` steps, as MindSpore's ``LossMonitor`` does.
+
+    Output looks like ``epoch: 1 step: 32, loss is 2.3018966`` (the step counted within the
+    epoch, the loss printed as a float32).
+
+    Args:
+        per_print_times: print every this many optimizer steps (and never when 0).
+        print_fn: where the line goes (default ``print``).
+    """
+
+    def __init__(self, per_print_times: int = 1, print_fn: Callable[[str], None] = print):
+        if not isinstance(per_print_times, int) or per_print_times < 0:
+            raise ValueError(f"per_print_times must be an integer >= 0; got {per_print_times!r}")
+        self.per_print_times = per_print_times
+        self.print_fn = print_fn
+
+    def on_step_end(self, trainer, logs: dict) -> None:
+        if self.per_print_times and logs["epoch_step"] % self.per_print_times == 0:
+            self.print_fn(f"epoch: {logs['epoch']} step: {logs['epoch_step']}, "
+                          f"loss is {str(np.float32(logs['loss']))}")
+
+
+class ModelCheckpoint(Callback):
+    """Save the trainer (``Trainer.save``) every ``every_n_steps`` steps and/or every epoch.
+
+    Files are ``{directory}/{prefix}-step{N}.pt``; with ``keep_last`` only the newest that many
+    are kept. ``last_path`` is the newest file written.
+
+    Args:
+        directory: where to write (created if missing).
+        every_n_steps: save after every this many optimizer steps (None: never mid-epoch).
+        every_epoch: save at the end of every epoch.
+        keep_last: how many files to keep (None keeps all).
+        prefix: file name prefix.
+    """
+
+    def __init__(self, directory, every_n_steps: int | None = None, every_epoch: bool = True,
+                 keep_last: int | None = None, prefix: str = "ckpt"):
+        for name, value in (("every_n_steps", every_n_steps), ("keep_last", keep_last)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}")
+        self.directory = Path(directory)
+        self.every_n_steps = every_n_steps
+        self.every_epoch = every_epoch
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self.saved: list[Path] = []
+
+    @property
+    def last_path(self) -> Path | None:
+        return self.saved[-1] if self.saved else None
+
+    def _save(self, trainer) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{self.prefix}-step{trainer.global_step}.pt"
+        if self.saved and self.saved[-1] == path:
+            return
+        trainer.save(path)
+        self.saved.append(path)
+        while self.keep_last is not None and len(self.saved) > self.keep_last:
+            old = self.saved.pop(0)
+            if old.exists():
+                os.remove(old)
+
+    def on_step_end(self, trainer, logs: dict) -> None:
+        if self.every_n_steps and logs["step"] % self.every_n_steps == 0:
+            self._save(trainer)
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        if self.every_epoch:
+            self._save(trainer)
+
+
+class ProgressBar(Callback):
+    """A ``tqdm`` bar per epoch showing the loss and the loss scale.
+
+    Args:
+        total: optimizer steps per epoch, or None when unknown.
+        file: the stream (default ``sys.stdout``).
+    """
+
+    def __init__(self, total: int | None = None, file=None):
+        self.total = total
+        self.file = file
+        self._bar = None
+
+    def on_epoch_begin(self, trainer, epoch: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=self.total, desc=f"epoch {epoch}", file=self.file or sys.stdout,
+                         leave=True, dynamic_ncols=True)
+
+    def on_step_end(self, trainer, logs: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{logs['loss']:.4g}", scale=f"{logs['loss_scale']:g}",
+                                  refresh=False)
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        self._close()
+
+    def on_fit_end(self, trainer) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

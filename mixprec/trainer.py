@@ -1,0 +1,498 @@
+"""A training loop with mixed precision as one argument: ``Trainer(model, loss_fn, opt, level="O2")``.
+
+The Trainer prepares the model and optimizer for the level (:func:`mixprec.prepare`), builds the
+loss scaler (:func:`mixprec.make_loss_scaler`), and runs the canonical step: scale the loss,
+backward on every micro-batch, unscale once, clip the true gradients, step unless they overflowed,
+update the scale, step the LR scheduler only when the update was applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from . import _trainstate as ts
+from .callbacks import Callback, ProgressBar
+from .metrics import make_metrics
+
+__all__ = ["Trainer", "History"]
+
+log = logging.getLogger("mixprec")
+
+
+@dataclasses.dataclass
+class History:
+    """What a :meth:`Trainer.fit` recorded.
+
+    Attributes:
+        loss: per optimizer step, the mean loss of its micro-batches (unscaled).
+        loss_scale: per step, the loss scale the step used.
+        skipped: per step, True when the update was skipped (non-finite gradients).
+        lr: per step, the learning rate of the first parameter group.
+        epochs: per epoch, a dict of metrics (``epoch``, ``loss``, train metrics, ``val_*``).
+        overflows: what ``diagnose_overflow=True`` found, one dict per diagnosed step.
+    """
+
+    loss: list = dataclasses.field(default_factory=list)
+    loss_scale: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+    lr: list = dataclasses.field(default_factory=list)
+    epochs: list = dataclasses.field(default_factory=list)
+    overflows: list = dataclasses.field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.loss)
+
+    def metric(self, name: str) -> list:
+        """The per-epoch values of one metric (e.g. ``"val_accuracy"``)."""
+        return [e[name] for e in self.epochs if name in e]
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, list(state.get(f.name, [])))
+
+
+def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm must be None or a positive finite number; got {max_grad_norm!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar; got {loss_fn!r}")
+
+
+def _to_device(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _split(batch) -> tuple[tuple, Any]:
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        raise TypeError(f"each batch must be a tuple (inputs..., target); got {type(batch).__name__}"
+                        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
+    return tuple(batch[:-1]), batch[-1]
+
+
+def _length(data) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+class Trainer:
+    """Train a model at an optimisation level with loss scaling, accumulation, clipping and resume.
+
+    Args:
+        model: the fp32 model (prepared in place; see :func:`mixprec.prepare`).
+        loss_fn: ``(output, target) -> scalar tensor``; use a mean-reduced loss so that
+            gradient accumulation averages like a large batch. Outputs reach it as fp32.
+        optimizer: an optimizer over ``model``'s parameters (wrapped in a
+            :class:`mixprec.MasterWeightOptimizer` at O2).
+        level: "O0", "O1", "O2" or "O3".
+        dtype: the low-precision dtype or "auto".
+        loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
+            O1/O2, none otherwise) or a scaler.
+        metrics: None, "accuracy", a :class:`mixprec.metrics.Metric`, or a list of them.
+        scheduler: an LR scheduler over ``optimizer``; stepped after every applied update.
+        grad_accum_steps: micro-batches per optimizer step (each loss is divided by the number of
+            micro-batches in its window, so the update equals the large-batch one).
+        max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
+        device: where to train (default: the device of the model's parameters).
+        callbacks: :class:`mixprec.callbacks.Callback` objects.
+        compile: run each step's forward and loss under ``torch.compile``.
+        diagnose_overflow: when a step overflows, re-run its last micro-batch once under
+            :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
+            (recorded in ``History.overflows``; the re-run changes no state).
+        progress: show a tqdm bar (only when stdout is a terminal).
+
+    Raises:
+        ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level or dtype.
+        TypeError: a non-callable ``loss_fn`` or a bad callback.
+
+    Example:
+        >>> import torch, mixprec as mp
+        >>> model = torch.nn.Linear(4, 3)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> trainer = mp.Trainer(model, torch.nn.functional.cross_entropy, opt, level="O2",
+        ...                      dtype="bf16", metrics="accuracy", progress=False)
+        >>> data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 4
+        >>> history = trainer.fit(data, epochs=2)
+        >>> history.steps
+        8
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, *,
+                 level: str = "O1", dtype: Any = "auto", loss_scaler: Any = "auto", metrics=None,
+                 scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
+                 device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
+                 diagnose_overflow: bool = False, progress: bool = True):
+        from .prepare import policy_of, prepare
+        from .scaling import make_loss_scaler
+
+        _check_options(grad_accum_steps, max_grad_norm, loss_fn)
+        self.callbacks = list(callbacks)
+        if not all(isinstance(cb, Callback) for cb in self.callbacks):
+            raise TypeError(f"callbacks must be mixprec.callbacks.Callback instances; got {self.callbacks!r}")
+        self.metrics = make_metrics(metrics)
+        self.device = torch.device(device) if device is not None else self._model_device(model)
+        model.to(self.device)
+        self.model, self.optimizer = prepare(model, optimizer, level=level, dtype=dtype)
+        self.policy = policy_of(self.model)
+        self.scaler = make_loss_scaler(loss_scaler, dtype=self.policy)
+        if hasattr(self.scaler, "attach"):
+            self.scaler.attach(self.model)
+        self.loss_fn, self.scheduler = loss_fn, scheduler
+        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self.diagnose_overflow, self.progress = diagnose_overflow, progress
+        self._forward_loss_fn = torch.compile(self._forward_loss) if compile else self._forward_loss
+        self.history = History()
+        self.global_step = 0       # optimizer steps taken (skipped ones included)
+        self.epoch = 0             # epochs completed
+        self.stop_training = False
+        self.timings: dict | None = None  # set to {} to accumulate per-phase seconds
+        self._reset_epoch_position()
+        self._pending_loader_rng = None
+
+    @staticmethod
+    def _model_device(model: nn.Module) -> torch.device:
+        for t in model.parameters():
+            return t.device
+        return torch.device("cpu")
+
+    def _reset_epoch_position(self) -> None:
+        self._batch_in_epoch = 0      # micro-batches consumed in the current epoch
+        self._epoch_start_rng = None  # RNG states from just before the epoch's iter()
+        self._epoch_loss = [0.0, 0]   # sum and count of finite step losses this epoch
+
+    # ----------------------------------------------------------------- the step
+    def _forward_loss(self, inputs: tuple, target):
+        output = self.model(*inputs)
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
+            output = output.float()
+        return self.loss_fn(output, target), output
+
+    def _tick(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + now - start
+        return now
+
+    def _micro_step(self, batch, divisor: int) -> torch.Tensor:
+        """Forward, loss and scaled backward of one micro-batch; returns the detached loss."""
+        t = time.perf_counter()
+        inputs, target = _split(_to_device(batch, self.device))
+        loss, output = self._forward_loss_fn(inputs, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a floating scalar (0-d) tensor; got {shape}: reduce "
+                             f"it, e.g. with reduction='mean'")
+        for m in self.metrics:
+            m.update(output.detach(), target)
+        t = self._tick("forward", t)
+        self.scaler.scale(loss / divisor if divisor > 1 else loss).backward()
+        self._tick("backward", t)
+        self._last_batch = (inputs, target)
+        return loss.detach()
+
+    def _apply_update(self) -> tuple[bool, float]:
+        """Unscale, clip, step (unless overflowed), update the scale, step the scheduler."""
+        t = time.perf_counter()
+        scale = self.scaler.get_scale()
+        if self.max_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        applied = bool(self.scaler.step(self.optimizer))
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied and self.scheduler is not None:
+            self.scheduler.step()
+        self._tick("update", t)
+        return applied, scale
+
+    def train_step(self, micro_batches: list) -> dict:
+        """One optimizer step over ``micro_batches`` (a list of batches); returns the step's logs.
+
+        ``fit`` runs the same code; this entry point serves benchmarks and custom loops.
+        """
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch; got an empty list")
+        self.model.train()
+        loss = sum(self._micro_step(b, len(micro_batches)) for b in micro_batches) / len(micro_batches)
+        return self._finish_step(loss, epoch_step=None)
+
+    def _finish_step(self, window_loss: torch.Tensor, epoch_step: int | None) -> dict:
+        applied, scale = self._apply_update()
+        self.global_step += 1
+        loss = float(window_loss)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        h = self.history
+        h.loss.append(loss), h.loss_scale.append(scale), h.skipped.append(not applied), h.lr.append(lr)
+        if math.isfinite(loss):
+            self._epoch_loss[0] += loss
+            self._epoch_loss[1] += 1
+        if not applied and self.diagnose_overflow:
+            self._diagnose()
+        return {"epoch": self.epoch + 1, "step": self.global_step, "epoch_step": epoch_step,
+                "loss": loss, "loss_scale": scale, "skipped": not applied, "lr": lr}
+
+    def _diagnose(self) -> None:
+        """Re-run the last micro-batch under the non-finite tracer; restore every state after."""
+        from . import debug
+
+        inputs, target = self._last_batch
+        rng = ts.capture_rng()
+        buffers = {k: v.clone() for k, v in self.model.named_buffers()}
+        try:
+            with debug.trace_nonfinite(self.model) as tracer:
+                loss, _ = self._forward_loss(inputs, target)
+                (loss * self.history.loss_scale[-1]).backward()
+            found = tracer.report
+            report = {"step": self.global_step, "scale": self.history.loss_scale[-1],
+                      "report": str(found) if found is not None else "no non-finite value on re-run"}
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            ts.restore_rng(rng)
+            with torch.no_grad():
+                for k, v in self.model.named_buffers():
+                    v.copy_(buffers[k])
+        self.history.overflows.append(report)
+        log.warning("mixprec: step %d overflowed at loss scale %g; first non-finite values:\n%s",
+                    self.global_step, report["scale"], report["report"])
+
+    # ----------------------------------------------------------------- epochs
+    def fit(self, train_data: Iterable, epochs: int = 1, eval_data: Iterable | None = None,
+            progress: bool | None = None) -> History:
+        """Train until ``epochs`` epochs are complete.
+
+        ``epochs`` counts from the start of the run, including epochs restored by :meth:`load`,
+        so ``trainer.load(ckpt); trainer.fit(data, epochs=10)`` finishes the interrupted run. A
+        run restored in the middle of an epoch continues at the next batch of that epoch: the
+        epoch's data order is replayed from the RNG states recorded at its start, and the
+        batches already trained on are fetched and dropped.
+
+        Args:
+            train_data: re-iterable batches ``(inputs..., target)``, e.g. a DataLoader. For exact
+                resume, shuffle with a seeded ``generator``.
+            epochs: the total number of epochs to reach.
+            eval_data: batches to :meth:`evaluate` after every epoch (metrics get a ``val_`` prefix).
+            progress: override the constructor's ``progress``.
+
+        Returns:
+            The :class:`History` (also ``trainer.history``).
+
+        Raises:
+            ValueError: empty data, ``epochs < 1``, a non-scalar loss.
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1; got {epochs!r}")
+        for name, data in (("train_data", train_data), ("eval_data", eval_data)):
+            if data is not None and _length(data) == 0:
+                raise ValueError(f"{name} is empty (0 batches); nothing to train or evaluate on")
+        callbacks = list(self.callbacks)
+        show = self.progress if progress is None else progress
+        if show and sys.stdout.isatty():
+            n = _length(train_data)
+            callbacks.append(ProgressBar(None if n is None else math.ceil(n / self.grad_accum_steps)))
+        self._data, self.stop_training = train_data, False
+        for cb in callbacks:
+            cb.on_fit_begin(self)
+        try:
+            while self.epoch < epochs and not self.stop_training:
+                if not self._run_epoch(train_data, callbacks):
+                    break
+                logs = self._epoch_logs(eval_data)
+                self.history.epochs.append(logs)
+                self.epoch += 1
+                self._reset_epoch_position()
+                for cb in callbacks:
+                    cb.on_epoch_end(self, self.epoch, logs)
+        finally:
+            for cb in callbacks:
+                cb.on_fit_end(self)
+        return self.history
+
+    def _epoch_iterator(self, data):
+        """``iter(data)``, positioned where the epoch left off (replaying its shuffle)."""
+        if self._batch_in_epoch == 0:
+            if self._pending_loader_rng is not None:
+                ts.restore_rng(self._pending_loader_rng, data, globals_=False)
+            self._pending_loader_rng = None
+            self._epoch_start_rng = ts.capture_rng(data)
+            return iter(data)
+        now, self._pending_loader_rng = ts.capture_rng(), None
+        ts.restore_rng(self._epoch_start_rng, data)
+        it = iter(data)
+        for i in range(self._batch_in_epoch):
+            if next(it, None) is None:
+                raise ValueError(f"train_data has only {i} batches but the run stopped after batch "
+                                 f"{self._batch_in_epoch} of this epoch: resume on the same data")
+        ts.restore_rng(now, loader=False)
+        return it
+
+    def _run_epoch(self, data, callbacks) -> bool:
+        """Train one (rest of an) epoch; False when a callback stopped training mid-epoch."""
+        n, accum = _length(data), self.grad_accum_steps
+        it = self._epoch_iterator(data)
+        for cb in callbacks:
+            cb.on_epoch_begin(self, self.epoch + 1)
+        self.model.train()
+        for m in self.metrics:
+            m.reset()
+        window, window_loss, divisor = 0, None, accum
+        for batch in it:
+            if window == 0:
+                start = self._batch_in_epoch
+                divisor = accum if n is None else min(accum, n - start)
+            loss = self._micro_step(batch, divisor)
+            window_loss = loss if window_loss is None else window_loss + loss
+            self._batch_in_epoch += 1
+            window += 1
+            if window == divisor:
+                self._end_window(window_loss / divisor, callbacks)
+                window, window_loss = 0, None
+                if self.stop_training:
+                    return False
+        if window:  # a trailing partial window of data without len()
+            self._end_window(window_loss / window, callbacks)
+        if self._batch_in_epoch == 0:
+            raise ValueError("train_data yielded no batches")
+        return True
+
+    def _end_window(self, loss: torch.Tensor, callbacks) -> None:
+        logs = self._finish_step(loss, math.ceil(self._batch_in_epoch / self.grad_accum_steps))
+        for cb in callbacks:
+            cb.on_step_end(self, logs)
+
+    def _epoch_logs(self, eval_data) -> dict:
+        total, count = self._epoch_loss
+        logs = {"epoch": self.epoch + 1, "loss": total / count if count else float("nan")}
+        logs.update({m.name: m.compute() for m in self.metrics})
+        if eval_data is not None:
+            logs.update({f"val_{k}": v for k, v in self.evaluate(eval_data).items()})
+        return logs
+
+    def evaluate(self, data: Iterable) -> dict:
+        """Mean loss (weighted by batch size) and metrics over ``data``, without gradients.
+
+        Returns:
+            ``{"loss": float, <metric name>: float, ...}``.
+
+        Raises:
+            ValueError: empty data.
+        """
+        metrics = [copy.deepcopy(m) for m in self.metrics]
+        for m in metrics:
+            m.reset()
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            with torch.no_grad():
+                for batch in data:
+                    inputs, target = _split(_to_device(batch, self.device))
+                    loss, output = self._forward_loss(inputs, target)
+                    size = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 1
+                    total, count = total + float(loss) * size, count + size
+                    for m in metrics:
+                        m.update(output, target)
+        finally:
+            self.model.train(was_training)
+        if count == 0:
+            raise ValueError("evaluation data is empty (0 batches)")
+        return {"loss": total / count, **{m.name: m.compute() for m in metrics}}
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path) -> None:
+        """Write everything a resumed run needs to continue bitwise identically.
+
+        Model, optimizer (with fp32 masters), loss scaler, scheduler, step/epoch counters, the
+        position in the epoch, the history, and the RNG states (torch, CUDA, numpy, python, the
+        data loader's generators, and those from the start of the current epoch). The file is
+        written to a temporary name and renamed, so a failure leaves any old file intact.
+        """
+        ckpt = {
+            "format": ts.CHECKPOINT_FORMAT,
+            "policy": str(self.policy),
+            "signature": ts.model_signature(self.model),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "counters": {"global_step": self.global_step, "epoch": self.epoch,
+                         "batch_in_epoch": self._batch_in_epoch, "epoch_loss": list(self._epoch_loss)},
+            "history": self.history.state_dict(),
+            "rng": ts.capture_rng(getattr(self, "_data", None)),
+            "epoch_start_rng": self._epoch_start_rng,
+        }
+        ts.atomic_save(ckpt, path)
+
+    def _snapshot(self) -> dict:
+        states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                  "scaler": self.scaler.state_dict()}
+        if self.scheduler is not None:
+            states["scheduler"] = self.scheduler.state_dict()
+        return copy.deepcopy(states)
+
+    def _load_states(self, states: dict) -> None:
+        self.model.load_state_dict(states["model"])
+        self.optimizer.load_state_dict(states["optimizer"])
+        self.scaler.load_state_dict(states["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(states["scheduler"])
+
+    def _check_compatible(self, ckpt: dict, path) -> None:
+        if ckpt["policy"] != str(self.policy):
+            raise ValueError(f"checkpoint {str(path)!r} was saved with policy {ckpt['policy']} but "
+                             f"this trainer uses {self.policy}")
+        diff = ts.signature_mismatch(ckpt["signature"], ts.model_signature(self.model))
+        if diff:
+            raise ValueError(f"checkpoint {str(path)!r} was saved from a different model: {diff}")
+        if (ckpt["scheduler"] is None) != (self.scheduler is None):
+            have = "no scheduler" if self.scheduler is None else "a scheduler"
+            raise ValueError(f"checkpoint {str(path)!r} {'has no' if ckpt['scheduler'] is None else 'has a'} "
+                             f"scheduler state but this trainer has {have}")
+
+    def load(self, path) -> None:
+        """Restore a :meth:`save` file; the next :meth:`fit` continues where it was saved.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a Trainer checkpoint, or one from another model, policy or setup;
+                the trainer is left unchanged.
+        """
+        ckpt = ts.read_checkpoint(path)
+        self._check_compatible(ckpt, path)
+        backup = self._snapshot()
+        try:
+            self._load_states(ckpt)
+        except Exception as exc:
+            self._load_states(backup)
+            raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
+                             f"unchanged") from exc
+        c = ckpt["counters"]
+        self.global_step, self.epoch = c["global_step"], c["epoch"]
+        self._batch_in_epoch, self._epoch_loss = c["batch_in_epoch"], list(c["epoch_loss"])
+        self.history.load_state_dict(ckpt["history"])
+        self._epoch_start_rng = ckpt["epoch_start_rng"]
+        ts.restore_rng(ckpt["rng"])
+        self._pending_loader_rng = ckpt["rng"] if ckpt["rng"]["loader"] is not None else None

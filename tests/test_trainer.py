@@ -1,0 +1,334 @@
+"""Trainer: levels on real data, exact resume, skipped steps, accumulation, clipping, bad input."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec as mp
+from mixprec.callbacks import Callback, LossMonitor, ModelCheckpoint, ProgressBar
+from mixprec.trainer import History, Trainer
+
+slow_fp16 = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return TensorDataset(x[:1400], y[:1400]), TensorDataset(x[1400:], y[1400:])
+
+
+def mlp(dropout=0.0):
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 10))
+
+
+def loader(ds, batch=64, seed=0, shuffle=True):
+    return DataLoader(ds, batch_size=batch, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+
+
+def make_trainer(level="O0", dtype="bf16", seed=0, dropout=0.0, lr=0.2, sched=False, **kw):
+    torch.manual_seed(seed)
+    model = mlp(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7) if sched else None
+    kw.setdefault("progress", False)
+    return Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, metrics="accuracy",
+                   scheduler=scheduler, **kw)
+
+
+def params(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+# ----------------------------------------------------------------- accuracy per level
+@pytest.fixture(scope="module")
+def fp32_accuracy(digits):
+    train, test = digits
+    trainer = make_trainer("O0")
+    trainer.fit(loader(train, 128), epochs=3)
+    return trainer.evaluate(DataLoader(test, batch_size=400))["accuracy"]
+
+
+@slow_fp16
+@pytest.mark.parametrize("level,dtype", [("O1", "bf16"), ("O2", "bf16"), ("O3", "bf16"), ("O2", "fp16")])
+def test_each_level_reaches_fp32_accuracy_on_digits(digits, fp32_accuracy, level, dtype):
+    train, test = digits
+    trainer = make_trainer(level, dtype)
+    history = trainer.fit(loader(train, 128), epochs=3, eval_data=DataLoader(test, batch_size=400))
+    acc = history.epochs[-1]["val_accuracy"]
+    assert fp32_accuracy > 0.9  # the control itself learned
+    assert acc >= fp32_accuracy - 0.01, (level, dtype, acc, fp32_accuracy)
+    assert history.steps == 3 * math.ceil(1400 / 128)
+    assert history.metric("val_accuracy")[-1] == acc
+
+
+def test_prepared_attributes_follow_the_level():
+    t2 = make_trainer("O2", "bf16")
+    assert isinstance(t2.optimizer, mp.MasterWeightOptimizer)
+    assert t2.model[0].weight.dtype == torch.bfloat16
+    assert mp.policy_of(t2.model).level == "O2"
+    assert isinstance(t2.scaler, mp.NoLossScaler)  # bf16 needs no loss scaling
+
+
+@slow_fp16
+def test_fp16_o2_scaler_is_dynamic():
+    assert isinstance(make_trainer("O2", "fp16").scaler, mp.DynamicLossScaler)
+
+
+# ----------------------------------------------------------------- exact resume
+class StopAt(Callback):
+    def __init__(self, step, path):
+        self.step, self.path = step, path
+
+    def on_step_end(self, trainer, logs):
+        if logs["step"] == self.step:
+            trainer.save(self.path)
+            trainer.stop_training = True
+
+
+@slow_fp16
+@pytest.mark.parametrize("level,dtype,accum,stop", [
+    ("O0", "fp32", 1, 7),      # mid-epoch 1
+    ("O2", "bf16", 1, 12),     # mid-epoch 2
+    ("O2", "fp16", 2, 6),      # the epoch boundary, with accumulation and a dynamic scaler
+    ("O1", "bf16", 2, 4),
+])
+def test_resume_is_bitwise_identical(digits, tmp_path, level, dtype, accum, stop):
+    train = torch.utils.data.Subset(digits[0], range(320))  # 10 batches of 32 per epoch
+    ref = make_trainer(level, dtype, dropout=0.2, sched=True, grad_accum_steps=accum)
+    ref.fit(loader(train, 32), epochs=3)
+
+    first = make_trainer(level, dtype, dropout=0.2, sched=True, grad_accum_steps=accum,
+                         callbacks=[StopAt(stop, tmp_path / "ck.pt")])
+    first.fit(loader(train, 32), epochs=3)
+    assert first.global_step == stop
+    torch.manual_seed(123)  # a different global RNG state: load() must restore it
+    resumed = make_trainer(level, dtype, seed=99, dropout=0.2, sched=True, grad_accum_steps=accum)
+    resumed.load(tmp_path / "ck.pt")
+    resumed.fit(loader(train, 32), epochs=3)
+
+    assert resumed.global_step == ref.global_step == 3 * 10 // accum
+    for a, b in zip(params(resumed), params(ref)):
+        assert torch.equal(a, b)
+    assert resumed.history.loss == ref.history.loss
+    assert resumed.history.loss_scale == ref.history.loss_scale
+    assert resumed.scheduler.state_dict() == ref.scheduler.state_dict()
+    assert resumed.scaler.get_scale() == ref.scaler.get_scale()
+
+
+def test_load_rejects_a_checkpoint_of_another_model(tmp_path):
+    t = make_trainer("O0")
+    t.save(tmp_path / "a.pt")
+    torch.manual_seed(1)
+    other_model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 10))
+    other = Trainer(other_model, F.cross_entropy, torch.optim.SGD(other_model.parameters(), lr=0.1),
+                    level="O0", progress=False)
+    before = params(other)
+    with pytest.raises(ValueError, match="different model.*0.weight"):
+        other.load(tmp_path / "a.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, params(other)))
+    assert other.global_step == 0
+
+
+def test_load_rejects_another_policy_and_bad_files(tmp_path):
+    make_trainer("O2", "bf16").save(tmp_path / "o2.pt")
+    t = make_trainer("O0")
+    with pytest.raises(ValueError, match="policy O2"):
+        t.load(tmp_path / "o2.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable"):
+        t.load(tmp_path / "junk.pt")
+    with pytest.raises(FileNotFoundError):
+        t.load(tmp_path / "missing.pt")
+
+
+def test_save_failure_keeps_the_old_file(tmp_path):
+    t = make_trainer("O0")
+    t.save(tmp_path / "c.pt")
+    old = (tmp_path / "c.pt").read_bytes()
+    with pytest.raises(ValueError, match="is a directory"):
+        t.save(tmp_path)
+    assert (tmp_path / "c.pt").read_bytes() == old
+
+
+# ----------------------------------------------------------------- skipped steps and scheduler
+class InfAt:
+    """A loss that returns +inf at the given (1-based) calls."""
+
+    def __init__(self, steps):
+        self.steps, self.calls = set(steps), 0
+
+    def __call__(self, out, target):
+        self.calls += 1
+        loss = F.cross_entropy(out, target)
+        return loss * math.inf if self.calls in self.steps else loss
+
+
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_scheduler_does_not_step_on_skipped_steps(digits, level):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = Trainer(model, InfAt({3, 4}), opt, level=level, dtype="bf16", scheduler=sched,
+                      loss_scaler=mp.DynamicLossScaler(init_scale=1024.0), progress=False)
+    data = loader(torch.utils.data.Subset(digits[0], range(6 * 32)), 32, shuffle=False)
+    history = trainer.fit(data, epochs=1)
+    assert history.skipped == [False, False, True, True, False, False]
+    assert history.loss_scale == [1024.0, 1024.0, 1024.0, 512.0, 256.0, 256.0]
+    assert sched.last_epoch == 4  # 4 applied updates
+    assert history.lr == [0.05, 0.025, 0.025, 0.025, 0.0125, 0.00625]
+    assert trainer.scaler.skipped_steps == 2
+
+
+def test_skipped_step_leaves_parameters_unchanged(digits):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, InfAt({1}), opt, level="O0", loss_scaler=8.0, progress=False)
+    before = params(trainer)
+    x, y = digits[0][:32]
+    log = trainer.train_step([(x, y)])
+    assert log["skipped"] and math.isinf(log["loss"])
+    assert all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
+
+
+# ----------------------------------------------------------------- accumulation and clipping
+@pytest.mark.parametrize("n,batch,accum", [(64, 16, 4), (80, 16, 2), (48, 8, 3)])
+def test_accumulation_equals_the_large_batch_step(n, batch, accum):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    def run(b, k):
+        torch.manual_seed(0)
+        model = mlp()
+        t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.5), level="O0",
+                    grad_accum_steps=k, progress=False)
+        t.fit(DataLoader(ds, batch_size=b), epochs=1)
+        return t
+
+    small, large = run(batch, accum), run(batch * accum, 1)
+    assert small.global_step == large.global_step == math.ceil(n / (batch * accum))
+    for a, b in zip(params(small), params(large)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert small.history.loss == pytest.approx(large.history.loss, abs=1e-6)
+
+
+def test_clipping_acts_on_unscaled_gradients(digits):
+    torch.manual_seed(0)
+    model = mlp()
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=1.0), level="O0",
+                      loss_scaler=1024.0, max_grad_norm=0.01, progress=False)
+    before = params(trainer)
+    trainer.train_step([digits[0][:64]])
+    delta = torch.cat([(a - b).flatten() for a, b in zip(params(trainer), before)])
+    assert delta.norm().item() == pytest.approx(0.01, rel=1e-3)
+
+
+# ----------------------------------------------------------------- bad input
+def test_bad_arguments_raise_clear_errors(digits):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1"):
+            Trainer(model, F.cross_entropy, opt, grad_accum_steps=bad)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        Trainer(model, F.cross_entropy, opt, max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="level must be one of"):
+        Trainer(model, F.cross_entropy, opt, level="O4")
+    with pytest.raises(ValueError, match="unknown metric"):
+        Trainer(model, F.cross_entropy, opt, metrics="f1")
+
+
+def test_empty_data_and_non_scalar_loss(digits):
+    t = make_trainer("O0")
+    with pytest.raises(ValueError, match="train_data is empty"):
+        t.fit(DataLoader(TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long)), batch_size=4))
+    with pytest.raises(ValueError, match="epochs must be"):
+        t.fit(loader(digits[0]), epochs=0)
+    model = mlp()
+    bad = Trainer(model, nn.CrossEntropyLoss(reduction="none"), torch.optim.SGD(model.parameters(), lr=0.1),
+                  level="O0", progress=False)
+    before = params(bad)
+    with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor; got \(64,\)"):
+        bad.fit(loader(digits[0]))
+    assert all(torch.equal(a, b) for a, b in zip(before, params(bad)))
+    with pytest.raises(TypeError, match="each batch must be a tuple"):
+        make_trainer("O0").fit([torch.zeros(4, 64)])
+
+
+# ----------------------------------------------------------------- callbacks, history, progress
+def test_loss_monitor_prints_like_mindspore(digits, capsys):
+    t = make_trainer("O0", callbacks=[LossMonitor(per_print_times=2)])
+    t.fit(loader(torch.utils.data.Subset(digits[0], range(128)), 32), epochs=2)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4
+    assert re.fullmatch(r"epoch: 1 step: 2, loss is \d+\.\d+", lines[0])
+    assert lines[-1].startswith("epoch: 2 step: 4, loss is ")
+
+
+def test_checkpoint_callback_keeps_the_last_files(digits, tmp_path):
+    ck = ModelCheckpoint(tmp_path, every_n_steps=2, every_epoch=True, keep_last=2)
+    make_trainer("O0", callbacks=[ck]).fit(loader(torch.utils.data.Subset(digits[0], range(160)), 32),
+                                           epochs=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-step4.pt", "ckpt-step5.pt"]
+    assert ck.last_path.name == "ckpt-step5.pt"
+
+
+def test_progress_bar_only_on_a_terminal(digits, capsys):
+    make_trainer("O0", progress=True).fit(loader(torch.utils.data.Subset(digits[0], range(64)), 32))
+    assert capsys.readouterr().out == ""  # pytest's stdout is not a TTY
+    import io
+
+    buf = io.StringIO()
+    bar = ProgressBar(total=2, file=buf)
+    make_trainer("O0", callbacks=[bar]).fit(loader(torch.utils.data.Subset(digits[0], range(64)), 32))
+    assert "2/2" in buf.getvalue() and "scale=1" in buf.getvalue()
+
+
+def test_history_round_trips():
+    h = History(loss=[1.0, 0.5], loss_scale=[2.0, 2.0], skipped=[False, True], lr=[0.1, 0.1],
+                epochs=[{"epoch": 1, "loss": 0.75}])
+    h2 = History()
+    h2.load_state_dict(h.state_dict())
+    assert h2 == h and h2.steps == 2 and h2.metric("loss") == [0.75]
+
+
+def test_diagnose_overflow_reports_and_changes_nothing(digits):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, InfAt({2}), opt, level="O0", loss_scaler=4.0, diagnose_overflow=True,
+                      progress=False)
+    rng = torch.get_rng_state()
+    trainer.train_step([digits[0][:32]])
+    assert trainer.history.overflows == []
+    before = params(trainer)
+    trainer.train_step([digits[0][:32]])
+    assert trainer.history.skipped == [False, True]
+    assert len(trainer.history.overflows) == 1 and trainer.history.overflows[0]["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)  # no dropout here: the RNG was not consumed
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own imports under compile
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compile_matches_eager(digits):
+    data = torch.utils.data.Subset(digits[0], range(256))
+    eager = make_trainer("O1", "bf16")
+    eager.fit(loader(data, 64), epochs=1)
+    compiled = make_trainer("O1", "bf16", compile=True)
+    compiled.fit(loader(data, 64), epochs=1)
+    assert compiled.history.loss == pytest.approx(eager.history.loss, rel=2e-2)
