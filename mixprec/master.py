@@ -56,14 +56,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         * ``step()`` calls ``sync_grads()`` unless it already ran, so a scaler that skips a step
           simply does not call ``step()``; masters, model parameters and state stay untouched.
 
-    Host-device synchronisation: none of ``sync_grads()``, ``step()``, ``zero_grad()`` adds one
-    (all copies are asynchronous device ops); the inner optimizer's own step behaves as it
-    would unwrapped. ``state_dict()`` returns references (like torch optimizers), not copies.
+    Host-device synchronisation: none of ``sync_grads()``, ``step()``, ``zero_grad()``,
+    ``state_dict()``, ``load_state_dict()`` adds one (all copies are asynchronous device ops);
+    the inner optimizer's own step behaves as it would unwrapped.
+
+    Memory: each low-precision parameter costs an fp32 master plus an fp32 gradient buffer that
+    stays allocated between steps (``zero_grad(set_to_none=True)`` still sets every ``.grad``,
+    model and master, to None). Wrap after the model is cast and moved to its device; after
+    editing model weights directly, call ``refresh_masters()``.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32 mixed
-            freely, several param groups allowed). Any state it already holds is moved to the
-            masters and cast to fp32.
+            freely, several param groups, tied parameters listed once). Any state it already
+            holds is moved to the masters and cast to fp32.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -303,12 +308,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
             ValueError: no ``"params"`` entry, or a parameter already in this optimizer.
         """
-        if not isinstance(param_group, Mapping) or "params" not in param_group:
-            raise (ValueError if isinstance(param_group, Mapping) else TypeError)(
-                "param_group must be a dict with a 'params' entry; got "
-                f"{type(param_group).__name__}"
-                + (f" with keys {sorted(param_group)}" if isinstance(param_group, Mapping) else "")
-            )
+        if not isinstance(param_group, Mapping):
+            raise TypeError("param_group must be a dict with a 'params' entry; got "
+                            f"{type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError(f"param_group needs a 'params' entry; got keys {sorted(param_group)}")
         group = dict(param_group)
         params = group["params"]
         if isinstance(params, set):
@@ -348,8 +352,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             ``{"state", "param_groups", "master_weights": {flat param index: fp32 tensor}}``;
             tensors are references, as with torch optimizers (``torch.save`` or deep-copy it).
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state = self.inner.state_dict()
         state[MASTERS_KEY] = {i: m.detach() for i, m in self._indexed_masters().items()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -364,17 +372,21 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         state_dict = dict(state_dict)
         saved = state_dict.pop(MASTERS_KEY, None)
         masters = self._indexed_masters()
         if saved is not None:
             _check_saved_masters(saved, masters)
         self.inner.load_state_dict(state_dict)
-        with torch.no_grad():
-            for i, master in masters.items() if saved is not None else ():
-                master.copy_(saved[i])
+        if saved:
+            with torch.no_grad():
+                torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
         self._write_back()
         self._synced = False
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _not_ours(tensor: Any) -> str:
