@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import _grads
-from ._lossscale import ScaleState, check_keys
+from ._lossscale import ScaleState, check_keys, positive_scale
 
 __all__ = ["LossScaler"]
 
@@ -107,7 +107,9 @@ class LossScaler:
         Call it before clipping or inspecting gradients (at most once per optimizer per
         iteration); step() calls it when you did not. For a :class:`mixprec.MasterWeightOptimizer`
         it first calls ``optimizer.sync_grads()`` and then unscales the fp32 master gradients.
-        Sparse gradients are coalesced first. ``None`` gradients are skipped.
+        Sparse gradients are coalesced first. ``None`` gradients are skipped. Gradients are
+        unscaled in their own dtype: fp16 gradients of a plain optimizer may underflow again,
+        which is why fp16 training wants a MasterWeightOptimizer (level O2).
 
         Raises:
             RuntimeError: unscale_() was already called on this optimizer, or step() was,
@@ -142,7 +144,7 @@ class LossScaler:
             TypeError: a closure was passed (it would recompute gradients after the check).
             RuntimeError: step() was already called on this optimizer since the last update().
         """
-        if "closure" in kwargs or any(callable(a) for a in args):
+        if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise TypeError("step() does not take a closure: it would recompute scaled gradients "
                             "after the inf/NaN check. Compute the loss, call "
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
@@ -206,12 +208,13 @@ class LossScaler:
         if state_dict["kind"] != self._kind:
             raise ValueError(f"this state_dict is from a {state_dict['kind']!r} loss scaler; "
                              f"{type(self).__name__} loads only {self._kind!r} ones")
-        self._load_config(state_dict["config"])
         check_keys("state_dict['state']", state_dict["state"],
-                    tuple(f.name for f in dataclasses.fields(ScaleState)))
-        self._state = ScaleState.from_numbers(state_dict["state"], self._state.device)
+                   tuple(f.name for f in dataclasses.fields(ScaleState)))
         check_keys("state_dict['counters']", state_dict["counters"],
-                    tuple(f.name for f in dataclasses.fields(_Counters)))
+                   tuple(f.name for f in dataclasses.fields(_Counters)))
+        positive_scale("state_dict['state']['scale']", state_dict["state"]["scale"])
+        self._load_config(state_dict["config"])  # validates before anything is assigned
+        self._state = ScaleState.from_numbers(state_dict["state"], self._state.device)
         self._counters = _Counters(**state_dict["counters"])
         self._records = {}
 
@@ -222,7 +225,7 @@ class LossScaler:
     def _next_overflow_raises(self) -> bool:
         return False
 
-    def _persistent_overflow_error(self, names: list[str]) -> NonFiniteGradientsError:
+    def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
         raise NotImplementedError
 
     def _config_dict(self) -> dict:

@@ -108,7 +108,9 @@ class DynamicLossScaler(LossScaler):
     def _scales(self) -> bool:
         return self.config.enabled
 
-    _checks = _scales
+    @property
+    def _checks(self) -> bool:
+        return self.config.enabled
 
     def _checked_init(self, init_scale) -> float:
         init = positive_scale("init_scale", init_scale)
@@ -150,14 +152,17 @@ class DynamicLossScaler(LossScaler):
             raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves nothing); "
                              "nothing to load")
         check_keys("a torch.amp.GradScaler state_dict", state_dict, keys)
-        self.config = dataclasses.replace(
+        config = dataclasses.replace(
             self.config, growth_factor=state_dict["growth_factor"],
             backoff_factor=state_dict["backoff_factor"], growth_interval=state_dict["growth_interval"])
-        numbers = self._state.to_numbers()
-        numbers.update(scale=self._checked_init(state_dict["scale"]),
-                       growth_tracker=state_dict["_growth_tracker"],
-                       hysteresis_tracker=self.config.hysteresis, skips_at_min=0)
-        self._state = ScaleState.from_numbers(numbers, self._state.device)
+        scale = positive_scale("the GradScaler's scale", state_dict["scale"])
+        if not config.min_scale <= scale <= config.max_scale:
+            raise ValueError(f"the GradScaler's scale {scale} lies outside [min_scale, max_scale] = "
+                             f"[{config.min_scale}, {config.max_scale}]")
+        self.config = config
+        self._state = ScaleState.from_numbers(
+            {"scale": scale, "growth_tracker": state_dict["_growth_tracker"],
+             "hysteresis_tracker": config.hysteresis, "skips_at_min": 0}, self._state.device)
         self._records = {}
 
 
