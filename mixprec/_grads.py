@@ -1,4 +1,4 @@
-"""Gradient passes used by the loss scalers: fused unscale + inf/NaN check, naming bad parameters."""
+"""Gradient passes for the loss scalers: fused unscale + inf/NaN check, naming bad parameters."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _grad_values(param) -> torch.Tensor | None:
 
 
 def unscale_and_check_(param_groups, inv_scale: torch.Tensor, out_device) -> torch.Tensor:
-    """Multiply every gradient by ``inv_scale`` in place and return a 0-d inf/NaN flag on ``out_device``.
+    """Multiply every gradient by ``inv_scale`` in place; return a 0-d inf/NaN flag.
 
     One fused foreach kernel per (device, dtype) group; no host sync. The flag is > 0 when any
     gradient value is inf or NaN (those values stay non-finite).

@@ -1,4 +1,4 @@
-"""Loss-scale arithmetic: the state (0-d tensors), the dynamic hyper-parameters, and the pure update.
+"""Loss-scale arithmetic: the state (0-d tensors), the dynamic hyper-parameters, the pure update.
 
 Kept apart from the scaler objects in :mod:`mixprec.scaling`, which are thin shells around it.
 """
@@ -50,7 +50,8 @@ class ScaleState:
         return {f.name: getattr(self, f.name).item() for f in dataclasses.fields(self)}
 
     def to(self, device) -> "ScaleState":
-        return ScaleState(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        fields = dataclasses.fields(self)
+        return ScaleState(**{f.name: getattr(self, f.name).to(device) for f in fields})
 
     @property
     def device(self) -> torch.device:
@@ -73,7 +74,8 @@ class DynamicConfig:
     def __post_init__(self):
         gf = _finite_number("growth_factor", self.growth_factor)
         if gf <= 1.0:
-            raise ValueError(f"growth_factor must be > 1 (the scale must be able to grow); got {gf}")
+            raise ValueError(f"growth_factor must be > 1 (the scale must be able to grow); "
+                             f"got {gf}")
         bf = _finite_number("backoff_factor", self.backoff_factor)
         if not 0.0 < bf < 1.0:
             raise ValueError(f"backoff_factor must be in the open interval (0, 1); got {bf}")
@@ -118,7 +120,8 @@ def adjust_scale(state: ScaleState, found_inf: torch.Tensor, config: DynamicConf
         scale=scale,
         growth_tracker=torch.where(grow, torch.zeros_like(growth), growth),
         hysteresis_tracker=torch.where(back_off, hyst_full, hyst),
-        skips_at_min=torch.where(at_min, state.skips_at_min + 1, torch.zeros_like(state.skips_at_min)),
+        skips_at_min=torch.where(at_min, state.skips_at_min + 1,
+                                 torch.zeros_like(state.skips_at_min)),
     )
 
 
@@ -131,7 +134,8 @@ def _finite_number(name: str, value) -> float:
 def positive_scale(name: str, value) -> float:
     v = _finite_number(name, value)
     if not 0.0 < v <= _FP32_MAX:
-        raise ValueError(f"{name} must be positive and at most float32 max ({_FP32_MAX:.4g}); got {value!r}")
+        raise ValueError(f"{name} must be positive and at most float32 max ({_FP32_MAX:.4g}); "
+                         f"got {value!r}")
     return v
 
 
@@ -144,7 +148,8 @@ def _int_at_least(name: str, value, low: int) -> int:
 def check_keys(what: str, d, expected: tuple[str, ...]) -> None:
     """Raise ValueError unless ``d`` is a dict with exactly the ``expected`` keys."""
     if not isinstance(d, dict):
-        raise ValueError(f"{what} must be a dict with keys {list(expected)}; got {type(d).__name__}")
+        raise ValueError(f"{what} must be a dict with keys {list(expected)}; "
+                         f"got {type(d).__name__}")
     missing, unknown = set(expected) - set(d), set(d) - set(expected)
     if missing or unknown:
         raise ValueError(f"{what} must have keys {list(expected)}; missing {sorted(missing)}, "

@@ -16,7 +16,8 @@ from ._lossscale import ScaleState, check_keys, positive_scale
 
 __all__ = ["LossScaler"]
 
-_SEQUENCE = "the order per iteration is scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
+_SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt)] -> step(opt) "
+             "-> update()")
 
 
 class _Stage(enum.Enum):
@@ -93,8 +94,8 @@ class LossScaler:
         if isinstance(loss, (list, tuple)):
             return type(loss)(self.scale(x) for x in loss)
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
-            raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of them; "
-                            f"got {_describe(loss)}")
+            raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
+                            f"them; got {_describe(loss)}")
         if not self._scales:
             return loss
         if self._state.device != loss.device and not self._records:
@@ -180,14 +181,16 @@ class LossScaler:
         """
         stepped = [r for r in self._records.values() if r.stage is _Stage.STEPPED]
         if not stepped:
-            raise RuntimeError(f"update() called before any step() since the last update(); {_SEQUENCE}")
+            raise RuntimeError(f"update() called before any step() since the last update(); "
+                               f"{_SEQUENCE}")
         self._records = {}
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             self._state = self._adjust(torch.stack([f.to(self._state.device) for f in flags]).sum())
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
-            raise self._persistent_overflow_error(list(dict.fromkeys(n for names in bad for n in names)))
+            names = list(dict.fromkeys(n for names in bad for n in names))
+            raise self._persistent_overflow_error(names)
 
     def state_dict(self) -> dict:
         """Everything needed to resume: kind, hyper-parameters, scale state and counters (syncs)."""
@@ -255,13 +258,17 @@ class LossScaler:
         return names
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._config_dict().items())})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config_dict().items())
+        return f"{type(self).__name__}({args})"
 
 
 def _check_optimizer(optimizer) -> None:
     if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
-        raise TypeError(f"expected a torch.optim.Optimizer (or MasterWeightOptimizer); got {_describe(optimizer)}")
+        raise TypeError(f"expected a torch.optim.Optimizer (or MasterWeightOptimizer); "
+                        f"got {_describe(optimizer)}")
 
 
 def _describe(x) -> str:
-    return f"{type(x).__name__} {x!r}" if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
+    if isinstance(x, torch.Tensor):
+        return f"tensor of {x.dtype}"
+    return f"{type(x).__name__} {x!r}"

@@ -63,7 +63,7 @@ class NoLossScaler(LossScaler):
 
 
 class DynamicLossScaler(LossScaler):
-    """Loss scaling that skips overflowing steps and adapts the scale (torch GradScaler, Paddle, apex).
+    """Loss scaling that skips overflowing steps and adapts the scale (as torch, Paddle, apex do).
 
     Args:
         init_scale: the first scale; must lie in ``[min_scale, max_scale]``.
@@ -116,7 +116,8 @@ class DynamicLossScaler(LossScaler):
         init = positive_scale("init_scale", init_scale)
         lo, hi = self.config.min_scale, self.config.max_scale
         if not lo <= init <= hi:
-            raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{lo}, {hi}]; got {init}")
+            raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{lo}, {hi}]; "
+                             f"got {init}")
         return init
 
     def _adjust(self, found_inf):
@@ -143,22 +144,24 @@ class DynamicLossScaler(LossScaler):
         return dataclasses.asdict(self.config)
 
     def _load_config(self, config):
-        check_keys("state_dict['config']", config, tuple(f.name for f in dataclasses.fields(DynamicConfig)))
+        names = tuple(f.name for f in dataclasses.fields(DynamicConfig))
+        check_keys("state_dict['config']", config, names)
         self.config = DynamicConfig(**config)
 
     def _load_grad_scaler(self, state_dict):
         keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
         if not state_dict:
-            raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves nothing); "
-                             "nothing to load")
+            raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves "
+                             "nothing); nothing to load")
         check_keys("a torch.amp.GradScaler state_dict", state_dict, keys)
         config = dataclasses.replace(
             self.config, growth_factor=state_dict["growth_factor"],
-            backoff_factor=state_dict["backoff_factor"], growth_interval=state_dict["growth_interval"])
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"])
         scale = positive_scale("the GradScaler's scale", state_dict["scale"])
         if not config.min_scale <= scale <= config.max_scale:
-            raise ValueError(f"the GradScaler's scale {scale} lies outside [min_scale, max_scale] = "
-                             f"[{config.min_scale}, {config.max_scale}]")
+            raise ValueError(f"the GradScaler's scale {scale} lies outside [min_scale, max_scale]"
+                             f" = [{config.min_scale}, {config.max_scale}]")
         self.config = config
         self._state = ScaleState.from_numbers(
             {"scale": scale, "growth_tracker": state_dict["_growth_tracker"],
@@ -251,6 +254,6 @@ def _auto_spec(dtype):
     if isinstance(dtype, Policy):
         return dtype.loss_scale
     if dtype is None:
-        raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') or a "
-                         "Policy; got dtype=None")
+        raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') "
+                         "or a Policy; got dtype=None")
     return "dynamic" if to_dtype(dtype) == torch.float16 else None

@@ -156,7 +156,7 @@ def test_call_order_is_enforced(kind):
         scaler.update()
     scaler.scale(compute_loss(model, 0)).backward()
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"unscale_\(\) called on an optimizer after unscale_\(\)"):
+    with pytest.raises(RuntimeError, match=r"on an optimizer after unscale_\(\)"):
         scaler.unscale_(opt)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"step\(\) has already been called on this optimizer"):
