@@ -187,12 +187,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         already fp32/fp64 (it is its own master).
 
         Raises:
+            TypeError: ``param`` is not a tensor.
             ValueError: ``param`` is not one of this optimizer's parameters.
         """
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"param must be a Tensor; got {type(param).__name__}")
         master = self._master_of.get(param)
         if master is not None:
             return master
-        if isinstance(param, torch.Tensor) and self._holds(param):
+        if self._holds(param):
             return param
         raise ValueError(_not_ours(param))
 
@@ -200,12 +203,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """The model parameter behind ``master`` (a tensor from ``param_groups``).
 
         Raises:
+            TypeError: ``master`` is not a tensor.
             ValueError: ``master`` is neither a master nor a parameter of this optimizer.
         """
+        if not isinstance(master, torch.Tensor):
+            raise TypeError(f"master must be a Tensor; got {type(master).__name__}")
         param = self._model_of.get(master)
         if param is not None:
             return param
-        if isinstance(master, torch.Tensor) and (master in self._master_of or self._holds(master)):
+        if master in self._master_of or self._holds(master):
             return master
         raise ValueError(_not_ours(master))
 
@@ -389,10 +395,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
 
-def _not_ours(tensor: Any) -> str:
-    what = (f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
-            if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
-    return f"{what} is not a parameter (or master) of this MasterWeightOptimizer"
+def _not_ours(tensor: torch.Tensor) -> str:
+    return (f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is not a parameter (or master) "
+            "of this MasterWeightOptimizer")
 
 
 def _check_saved_masters(saved: Mapping[int, torch.Tensor], masters: dict[int, torch.Tensor]) -> None:

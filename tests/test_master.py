@@ -277,6 +277,19 @@ def test_lr_schedulers_drive_the_wrapper_like_a_plain_optimizer(sched, opt_name)
     assert len({tuple(x) for x in seen}) > 1
 
 
+def test_scheduler_built_on_the_plain_optimizer_before_wrapping_keeps_working():
+    model = Mixed([torch.bfloat16])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = MasterWeightOptimizer(inner)  # what prepare() does to the user's optimizer
+    for _ in range(2):
+        opt.zero_grad()
+        loss_of(model, torch.randn(4, 8)).backward()
+        opt.step()
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.025
+
+
 def test_hooks_registered_on_the_wrapper_run():
     model = Mixed([torch.bfloat16])
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -405,6 +418,8 @@ def test_rejects_foreign_tensors_and_bad_param_groups():
         opt.master_param(stranger)
     with pytest.raises(ValueError, match="not a parameter"):
         opt.model_param(torch.zeros(2))
+    with pytest.raises(TypeError, match="param must be a Tensor; got str"):
+        opt.master_param("layers.0.weight")
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [model.layers[0].weight]})
     with pytest.raises(TypeError, match="dict with a 'params' entry; got list"):
