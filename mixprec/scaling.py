@@ -178,6 +178,10 @@ class StaticLossScaler(LossScaler):
             ``drop_overflow_update``). False applies every step without reading the flag (no
             host sync at all).
 
+    The scale never changes, so persistent overflow is not raised as an error: watch
+    ``skipped_steps`` (or use :class:`DynamicLossScaler`, which raises
+    :class:`NonFiniteGradientsError`).
+
     Example:
         >>> StaticLossScaler(1024.0).get_scale()
         1024.0
@@ -203,10 +207,6 @@ class StaticLossScaler(LossScaler):
     def _load_config(self, config):
         check_keys("state_dict['config']", config, ("skip_on_overflow",))
         self.skip_on_overflow = bool(config["skip_on_overflow"])
-
-    def _load_grad_scaler(self, state_dict):
-        raise ValueError(f"StaticLossScaler cannot load a torch.amp.GradScaler state_dict (keys "
-                         f"{sorted(state_dict)}); use DynamicLossScaler")
 
 
 def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:

@@ -148,6 +148,11 @@ def test_static_rejects_bad_scale(scale):
         mp.StaticLossScaler(scale)
 
 
+def test_static_rejects_non_bool_skip_on_overflow():
+    with pytest.raises(TypeError, match="skip_on_overflow must be a bool"):
+        mp.StaticLossScaler(8.0, skip_on_overflow="yes")
+
+
 @pytest.mark.parametrize("kind", SCALERS)
 def test_call_order_is_enforced(kind):
     scaler, model = SCALERS[kind](), make_model()
