@@ -169,6 +169,18 @@ def test_sparse_embedding_gradient_reaches_its_master():
     assert torch.equal(emb.weight, opt.master_param(emb.weight).to(torch.bfloat16))
 
 
+def test_all_none_grads_and_zero_size_params_step_cleanly():
+    empty = nn.Parameter(torch.empty(0, 3, dtype=torch.bfloat16))
+    w = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = MasterWeightOptimizer(torch.optim.Adam([empty, w], lr=0.1))
+    opt.step()  # no gradients at all: nothing moves, no state appears
+    assert torch.equal(w, torch.ones(3, dtype=torch.bfloat16)) and len(opt.state) == 0
+    empty.grad = torch.empty_like(empty)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert opt.master_param(empty).shape == (0, 3)
+    assert torch.equal(w, opt.master_param(w).to(torch.bfloat16)) and (w < 1).all()
+
 @pytest.mark.parametrize("name", ["sgd_momentum_wd_nesterov", "adam"])
 def test_param_without_grad_is_skipped_and_its_state_untouched(name):
     model = Mixed([torch.bfloat16, torch.bfloat16])
