@@ -111,7 +111,8 @@ class NonFiniteEvent:
         created: True when the op turned finite inputs into inf (overflow) or NaN; False when
             the non-finite values came in through an input (the data, a parameter, a constant
             such as a -inf mask) and no op of the pass created any.
-        inputs: stats of the floating tensor inputs, or the float itself for a scalar input.
+        inputs: stats of the floating tensor inputs (for an in-place op, as it left them), or
+            the float itself for a scalar input.
         outputs: stats of the floating tensor outputs.
     """
 
@@ -235,21 +236,25 @@ class NonFiniteTracer:
         phase = _phase()
         if phase in self._created or func.is_view:
             return func(*args, **kwargs)
-        before = None
-        if func._schema.is_mutable:  # inputs change in place: summarise them first
-            before = [TensorStats.of(t) for t in _floating((args, kwargs))]
+        # an in-place op overwrites its inputs: note whether they were finite before it ran
+        inputs_were_finite = _all_finite(_floating((args, kwargs))) if func._schema.is_mutable else None
         out = func(*args, **kwargs)
         outs = _floating(out)
         if outs and not _all_finite(outs):
-            self._record(phase, func, args, kwargs, outs, before)
+            self._record(phase, func, args, kwargs, outs, inputs_were_finite)
         return out
 
-    def _record(self, phase, func, args, kwargs, outs, before):
+    def _record(self, phase, func, args, kwargs, outs, inputs_were_finite):
         out_stats = tuple(TensorStats.of(t) for t in outs)
-        in_stats = before if before is not None else [TensorStats.of(t) for t in _floating((args, kwargs))]
+        in_stats = [TensorStats.of(t) for t in _floating((args, kwargs))]  # after an in-place op
         scalars = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, float)]
-        in_inf = any(s.n_inf for s in in_stats) or any(math.isinf(x) for x in scalars)
-        in_nan = any(s.n_nan for s in in_stats) or any(math.isnan(x) for x in scalars)
+        in_inf = any(math.isinf(x) for x in scalars)
+        in_nan = any(math.isnan(x) for x in scalars)
+        if inputs_were_finite is None:
+            in_inf = in_inf or any(s.n_inf for s in in_stats)
+            in_nan = in_nan or any(s.n_nan for s in in_stats)
+        elif not inputs_were_finite:
+            in_inf = in_nan = True  # unknown which kind came in: call it inherited
         created = (any(s.n_inf for s in out_stats) and not in_inf) or (
             any(s.n_nan for s in out_stats) and not in_nan)
         if not created and phase in self._inherited:

@@ -218,6 +218,21 @@ def test_nonfinite_data_is_inherited():
     assert tracer.report.forward.created is False
 
 
+class ScaleInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(1e5)
+
+
+def test_in_place_overflow_is_created():
+    with debug.trace_nonfinite() as tracer:
+        ScaleInPlace()(torch.full((2, 3), 10.0, dtype=torch.float16))
+    event = tracer.report.forward
+    assert (event.module, event.op, event.created) == ("ScaleInPlace", "aten.mul_.Tensor", True)
+    with debug.trace_nonfinite() as tracer:
+        ScaleInPlace()(torch.tensor([1.0, float("inf")]))
+    assert tracer.report.forward.created is False
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_raise_on_first(phase):
     net = _fp16_net(fc2_weight=1e4) if phase == "forward" else _fp16_net(head_weight=300.0)
