@@ -104,7 +104,7 @@ class _Fp16EmulationMode(TorchFunctionMode):
             op = EMULATED_FUNCTIONS.get(func)
         except TypeError:  # an unhashable callable is never one of ours
             op = None
-        if op is None or "out" in kwargs or not self._wanted(op, args, kwargs):
+        if op is None or kwargs.get("out") is not None or not self._wanted(op, args, kwargs):
             return func(*args, **kwargs)
         args, kwargs = tree_map(_round, (args, kwargs))
         with torch.autocast(self.device_type, enabled=False):
