@@ -14,6 +14,8 @@ import sys
 COMMANDS = (
     "formats",
     "doctor",
+    "bench",
+    "demo",
 )
 
 

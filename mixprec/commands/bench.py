@@ -1,0 +1,260 @@
+"""``mixprec bench``: time a model at each level against fp32 and plain ``torch.autocast``.
+
+Every row trains the same seeded model on the same fixed synthetic batch: ``warmup`` steps, then
+``steps`` timed steps; a row reports the median time per step. The level rows run
+:meth:`mixprec.Trainer.train_step` (prepare + scaler + master weights, what a user gets); the
+reference row is the plain PyTorch loop (``torch.autocast``, plus ``torch.amp.GradScaler`` for
+fp16). By default each row runs in a fresh subprocess, so its peak memory is its own:
+peak MB = the process's peak resident set (``VmHWM``) minus its resident set just before the
+model was built (the batch already exists) -- weights, gradients, optimizer state and masters,
+activations and kernel workspaces, as the OS sees them (CPU PyTorch keeps no allocator
+statistics; on CUDA the allocator's peak is used instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from .. import benchmodels
+from ..policy import LEVELS, dtype_name, resolve_dtype
+from .doctor import matmul_gflops
+
+__all__ = ["run_row", "run_bench", "register"]
+
+REFERENCE = "torch.autocast"
+
+
+# ----------------------------------------------------------------- memory
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _malloc_trim() -> None:
+    """Return freed heap memory to the OS (glibc), so the resident set is an honest baseline."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak(device: torch.device) -> int | None:
+    """Reset the peak-memory counter; returns the baseline in KiB (None when unavailable)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) // 1024
+    _malloc_trim()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
+    except OSError:
+        return None
+    return _status_kb("VmRSS")
+
+
+def _peak_mb(device: torch.device, base_kb: int | None) -> float | None:
+    if base_kb is None:
+        return None
+    peak = (torch.cuda.max_memory_allocated(device) // 1024 if device.type == "cuda"
+            else _status_kb("VmHWM"))
+    return None if peak is None else round((peak - base_kb) / 1024, 1)
+
+
+# ----------------------------------------------------------------- one row
+def _preload(bm, dtype: torch.dtype, device: torch.device) -> None:
+    """Run a miniature of the row once, so that lazily loaded kernels and thread pools are in
+    the baseline and not in the row's peak."""
+    tiny = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).to(device)
+    bm.make_optimizer(tiny.parameters())  # the first optimizer imports torch._dynamo (~70 MB)
+    for dt in {torch.float32, dtype}:
+        with torch.autocast(device.type, dtype=dt, enabled=dt != torch.float32):
+            tiny(torch.randn(4, 16, device=device)).float().square().mean().backward()
+        tiny.to(dt)(torch.randn(4, 16, device=device, dtype=dt)).float().sum().backward()
+        tiny.float()
+
+
+def _reference_step(model, opt, loss_fn, inputs, target, dtype, device):
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = model(inputs)
+        loss = loss_fn(out.float(), target)
+        scaler.scale(loss).backward()
+        t = time.perf_counter()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.item(), scaler.get_scale() if scaler.is_enabled() else 1.0, time.perf_counter() - t
+    return step
+
+
+def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device):
+    from ..trainer import Trainer
+
+    trainer = Trainer(model, loss_fn, opt, level=level, dtype=dtype, device=device, progress=False)
+
+    def step():
+        trainer.timings = {}
+        logs = trainer.train_step([(inputs, target)])
+        return logs["loss"], logs["loss_scale"], trainer.timings["update"]
+    return step
+
+
+def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, warmup: int,
+            device: str = "cpu") -> dict:
+    """Time one row in this process; ``level`` is "O0".."O3" or ``"torch.autocast"``."""
+    dev = torch.device(device)
+    bm = benchmodels.get_model(model_name, **sizes)
+    torch.manual_seed(0)
+    inputs, target = (t.to(dev) for t in bm.batch(torch.Generator().manual_seed(0)))
+    dt = torch.float32 if level == "O0" else resolve_dtype(dtype, dev, warn=False)
+    from .. import trainer  # noqa: F401  (imported before the memory baseline)
+
+    _preload(bm, dt, dev)
+    base = _reset_peak(dev)
+    model = bm.build().to(dev)
+    opt = bm.make_optimizer(model.parameters())
+    make = _reference_step if level == REFERENCE else _trainer_step
+    step = make(model, opt, bm.loss_fn, inputs, target, *((dt,) if level == REFERENCE else (level, dt)), dev)
+    times, updates, loss, scale = [], [], float("nan"), 1.0
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        loss, scale, upd = step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+            updates.append(upd)
+    return {"row": level, "dtype": dtype_name(dt), "ms_per_step": 1e3 * statistics.median(times),
+            "update_ms": 1e3 * statistics.median(updates), "peak_mb": _peak_mb(dev, base),
+            "final_loss": loss, "loss_scale": scale, "times_ms": [round(1e3 * t, 2) for t in times]}
+
+
+def _run_isolated(spec: dict) -> dict:
+    """``run_row`` in a fresh interpreter (own memory peak, no allocator state from other rows)."""
+    code = "import json,sys; from mixprec.commands.bench import run_row; " \
+           "print(json.dumps(run_row(**json.loads(sys.argv[1]))))"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench row {spec['level']} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _parse_levels(text: str) -> list[str]:
+    levels = [x.strip().upper() for x in text.split(",") if x.strip()]
+    bad = [x for x in levels if x not in LEVELS]
+    if not levels or bad:
+        raise ValueError(f"unknown level(s) {bad or text!r}; choose from {', '.join(LEVELS)} "
+                         f"(comma-separated)")
+    return levels
+
+
+def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype: str = "auto",
+              steps: int = 10, warmup: int = 3, repeat: int = 1, reference: bool = True,
+              isolate: bool = True, device: str = "cpu", **sizes) -> dict:
+    """Run the benchmark and return the report ``--json`` prints.
+
+    Rows run in the order given, ``repeat`` rounds; each row keeps the round with the median
+    time. Speed-ups are over the O0 row of the same run; achieved GFLOP/s counts the model's
+    matmul/conv/attention FLOPs (``benchmodels.count_flops``) per median step; the matmul peak
+    is ``doctor``'s probe at the model's representative GEMM shape, measured in this run.
+    """
+    for name, value in (("steps", steps), ("repeat", repeat)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0; got {warmup!r}")
+    bm = benchmodels.get_model(model, **sizes)
+    low = dtype_name(resolve_dtype(dtype, device))
+    rows = list(levels) + ([REFERENCE] if reference else [])
+    rounds: dict[str, list[dict]] = {r: [] for r in rows}
+    for _ in range(repeat):
+        for row in rows:
+            spec = {"model_name": model, "sizes": sizes, "level": row, "dtype": low, "steps": steps,
+                    "warmup": warmup, "device": device}
+            rounds[row].append(_run_isolated(spec) if isolate else run_row(**spec))
+    flops = benchmodels.count_flops(bm)
+    results = [sorted(rounds[r], key=lambda x: x["ms_per_step"])[(repeat - 1) // 2] for r in rows]
+    peaks = {d: matmul_gflops(resolve_dtype(d, device, warn=False), bm.gemm_shape, device)
+             for d in sorted({r["dtype"] for r in results})}
+    base = next((r["ms_per_step"] for r in results if r["row"] == "O0"), None)
+    for r in results:
+        r["speedup"] = base / r["ms_per_step"] if base else None
+        r["gflops"] = flops / (r["ms_per_step"] / 1e3) / 1e9
+        r["peak_share"] = r["gflops"] / peaks[r["dtype"]]
+        r["update_share"] = r["update_ms"] / r["ms_per_step"]
+    return {"model": model, "sizes": bm.sizes, "flops_per_step": flops, "steps": steps,
+            "warmup": warmup, "repeat": repeat, "device": device, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "isolated": isolate, "gemm_shape": list(bm.gemm_shape),
+            "matmul_peak_gflops": {k: round(v, 1) for k, v in peaks.items()}, "rows": results}
+
+
+def format_table(rep: dict) -> str:
+    """The human-readable report."""
+    sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
+    lines = [f"mixprec bench: {rep['model']} ({sizes}); {rep['flops_per_step'] / 1e9:.1f} GFLOP per "
+             f"step; median of {rep['steps']} steps after {rep['warmup']} warm-up; {rep['device']}, "
+             f"{rep['threads']} threads, torch {rep['torch']}", "",
+             f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
+             f"{'GFLOP/s':>9}{'% peak':>8}{'update ms':>11}{'update %':>9}"]
+    for r in rep["rows"]:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        mem = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "n/a"
+        lines.append(f"{r['row']:<15}{r['dtype']:<6}{r['ms_per_step']:>9.1f}{sp:>9}{mem:>9}"
+                     f"{r['final_loss']:>12.6g}{r['gflops']:>9.0f}{100 * r['peak_share']:>7.0f}%"
+                     f"{r['update_ms']:>11.1f}{100 * r['update_share']:>8.1f}%")
+    m, k, n = rep["gemm_shape"]
+    peaks = ", ".join(f"{d} {v:.0f}" for d, v in rep["matmul_peak_gflops"].items())
+    lines += ["", f"matmul peak (doctor's probe at {m}x{k}x{n}, GFLOP/s): {peaks}",
+              "peak MB: peak resident memory of the row's process above its level before the model "
+              "was built" + ("" if rep["isolated"] else " (rows share one process: indicative only)"),
+              "update: optimizer step incl. master-weight copy, loss-scaler step/update, zero_grad"]
+    return "\n".join(lines)
+
+
+def _run(args) -> int:
+    sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
+             if getattr(args, k) is not None}
+    if args.model not in benchmodels.MODELS:
+        raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(benchmodels.MODELS)}")
+    rep = run_bench(args.model, _parse_levels(args.levels), args.dtype, args.steps, args.warmup,
+                    args.repeat, not args.no_reference, not args.in_process, args.device, **sizes)
+    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time a model at each level vs fp32 and torch.autocast",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="nine-linear", help=f"one of {', '.join(benchmodels.MODELS)}")
+    p.add_argument("--levels", default="O0,O1,O2,O3", help="comma-separated levels (default %(default)s)")
+    p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over all rows; median round kept")
+    for name in ("width", "batch", "depth", "seq-len", "image-size"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"model {name} (default: per model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
+    p.add_argument("--in-process", action="store_true",
+                   help="run rows in this process (faster; memory peaks less meaningful)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run)
