@@ -87,6 +87,7 @@ class TensorStats:
 
     @property
     def finite(self) -> bool:
+        """True when the tensor holds no inf and no NaN."""
         return self.n_inf == 0 and self.n_nan == 0
 
     def __str__(self) -> str:
@@ -193,8 +194,9 @@ class NonFiniteTracer:
         if self._mode is not None:
             raise RuntimeError("this trace_nonfinite() tracer is already active; use a new one")
         self._thread = threading.get_ident()
-        self._handles = [_module_hooks.register_module_forward_pre_hook(self._pre_hook),
-                         _module_hooks.register_module_forward_hook(self._post_hook, always_call=True)]
+        self._handles = [
+            _module_hooks.register_module_forward_pre_hook(self._pre_hook),
+            _module_hooks.register_module_forward_hook(self._post_hook, always_call=True)]
         self._mode = _NonFiniteMode(self)
         self._mode.__enter__()
         return self
@@ -214,7 +216,8 @@ class NonFiniteTracer:
             self._stack.append((id(module), name, stop))
 
     def _post_hook(self, module, args, output):
-        if threading.get_ident() != self._thread or not self._stack or self._stack[-1][0] != id(module):
+        mine = threading.get_ident() == self._thread
+        if not (mine and self._stack and self._stack[-1][0] == id(module)):
             return
         _, name, stop = self._stack.pop()
         todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
@@ -237,7 +240,9 @@ class NonFiniteTracer:
         if phase in self._created or func.is_view:
             return func(*args, **kwargs)
         # an in-place op overwrites its inputs: note whether they were finite before it ran
-        inputs_were_finite = _all_finite(_floating((args, kwargs))) if func._schema.is_mutable else None
+        inputs_were_finite = None
+        if func._schema.is_mutable:
+            inputs_were_finite = _all_finite(_floating((args, kwargs)))
         out = func(*args, **kwargs)
         outs = _floating(out)
         if outs and not _all_finite(outs):
@@ -386,6 +391,7 @@ class OpStats:
 
     @property
     def total(self) -> int:
+        """The number of ops counted."""
         return sum(self.counts.values())
 
     def table(self) -> str:

@@ -36,11 +36,15 @@ CASES = {
     "mv": (torch.mv, lambda: (_r(12, 40), _r(40))),
     "addmv": (torch.addmv, lambda: (_r(12), _r(12, 40), _r(40))),
     "conv1d": (F.conv1d, lambda: (_r(2, 4, 20), _r(6, 4, 5))),
-    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), lambda: (_r(2, 3, 10, 10), _r(8, 3, 3, 3), _r(8))),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1),
+               lambda: (_r(2, 3, 10, 10), _r(8, 3, 3, 3), _r(8))),
     "conv3d": (F.conv3d, lambda: (_r(1, 2, 5, 6, 6), _r(3, 2, 3, 3, 3))),
-    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2), lambda: (_r(2, 4, 5, 5), _r(4, 3, 3, 3))),
-    "sdpa": (F.scaled_dot_product_attention, lambda: (_r(2, 2, 8, 16), _r(2, 2, 8, 16), _r(2, 2, 8, 16))),
-    "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), lambda: (_r(2, 8, 32), _r(2, 32, 4))),
+    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2),
+                         lambda: (_r(2, 4, 5, 5), _r(4, 3, 3, 3))),
+    "sdpa": (F.scaled_dot_product_attention,
+             lambda: (_r(2, 2, 8, 16), _r(2, 2, 8, 16), _r(2, 2, 8, 16))),
+    "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b),
+               lambda: (_r(2, 8, 32), _r(2, 32, 4))),
     "tensordot": (lambda a, b: torch.tensordot(a, b, 2), lambda: (_r(3, 4, 16), _r(4, 16, 5))),
     "bilinear": (F.bilinear, lambda: (_r(4, 5), _r(4, 6), _r(3, 5, 6), _r(3))),
 }
@@ -100,7 +104,8 @@ def test_emulated_value_is_fp32_sum_of_fp16_products_rounded_once():
         out = a16 @ b16
     expected = (a16.double() @ b16.double()).half()  # exact products, one rounding
     # the fp32 accumulation may move a result by at most one fp16 ulp
-    ulps = (out.double() - expected.double()).abs() / (expected.double().abs() * FP16_EPS).clamp_min(2.0 ** -24)
+    ulp = (expected.double().abs() * FP16_EPS).clamp_min(2.0 ** -24)
+    ulps = (out.double() - expected.double()).abs() / ulp
     assert ulps.max() <= 1.0
     assert (out == expected).float().mean() > 0.95
 
@@ -137,17 +142,20 @@ def test_autocast_leaves_ops_outside_its_fp16_list_alone():
 @pytest.mark.parametrize("name", ["linear", "mm", "matmul", "conv2d", "bmm", "mv", "addmv",
                                   "einsum", "tensordot", "scaled_dot_product_attention"])
 def test_autocast_table_agrees_with_torch_autocast(name):
-    fn = {"linear": lambda a, b: F.linear(a, b), "conv2d": lambda a, b: F.conv2d(a[None, None], b[None, None]),
+    fn = {"linear": lambda a, b: F.linear(a, b),
+          "conv2d": lambda a, b: F.conv2d(a[None, None], b[None, None]),
           "mv": lambda a, b: torch.mv(a, b[0]), "addmv": lambda a, b: torch.addmv(b[0], a, b[0]),
           "bmm": lambda a, b: torch.bmm(a[None], b[None]),
           "einsum": lambda a, b: torch.einsum("ij,jk->ik", a, b),
           "tensordot": lambda a, b: torch.tensordot(a, b, 1),
-          "scaled_dot_product_attention": lambda a, b: F.scaled_dot_product_attention(a[None], b[None], b[None]),
+          "scaled_dot_product_attention":
+              lambda a, b: F.scaled_dot_product_attention(a[None], b[None], b[None]),
           }.get(name, getattr(torch, name, None))
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.float16):
         native_dtype = fn(a, b).dtype
-    expected = torch.float16 if emulation.autocast_runs_in_low_precision(name, "cpu") else torch.float32
+    low = emulation.autocast_runs_in_low_precision(name, "cpu")
+    expected = torch.float16 if low else torch.float32
     assert native_dtype == expected
     with torch.autocast("cpu", dtype=torch.float16), mp.emulate_fp16():
         assert fn(a, b).dtype == expected
@@ -192,7 +200,8 @@ def _train(mode, steps=30):
     """A small fp16 (O3-style) or fp32 regression run; returns the loss trajectory."""
     torch.manual_seed(1)
     dtype = torch.float32 if mode == "fp32" else torch.float16
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 1))
     model.to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(64, 16)
