@@ -161,6 +161,20 @@ def test_autocast_table_agrees_with_torch_autocast(name):
         assert fn(a, b).dtype == expected
 
 
+@pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+def test_composes_with_mixprec_autocast_custom_lists():
+    m, v, w = torch.randn(6, 5), torch.randn(5), torch.randn(3, 5)
+    with op_stats() as stats, mp.autocast("fp16", device_type="cpu", fp32_ops=["linear"],
+                                          low_precision_ops=["mv"], emulate_fp16=True):
+        kept_fp32 = F.linear(m, w)  # moved to the fp32 list: not emulated
+        moved_low = torch.mv(m, v)  # moved to the low-precision list: emulated
+        default_low = m @ w.T  # on torch's list: emulated
+    assert kept_fp32.dtype == torch.float32 and torch.allclose(kept_fp32, m @ w.T)
+    assert moved_low.dtype == default_low.dtype == torch.float16
+    assert stats.ops(dtype="fp16") == ["_to_copy"], stats.table()
+    assert stats.count(op="mv", dtype="fp32") == 1 and stats.count(op="mm", dtype="fp32") == 2
+
+
 def test_autocast_bf16_is_not_touched():
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16), mp.emulate_fp16(), op_stats() as stats:
