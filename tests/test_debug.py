@@ -328,16 +328,21 @@ def test_op_stats_show_each_level_does_what_it_says(level, linear, norm):
 
 
 @pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
-def test_op_stats_show_fp16_emulation_at_o1():
-    model = mp.prepare(_mlp(), level="O1", dtype="fp16")
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_op_stats_show_fp16_emulation_at_each_level(level):
+    model = mp.prepare(_mlp(), level=level, dtype="fp16")
     with debug.op_stats() as stats:
         out = model(torch.randn(4, 16))
-    assert out.dtype == torch.float32
-    native = stats.count(op="addmm", dtype="fp16")
-    emulated = stats.count(op="addmm", dtype="fp32")
-    assert native + emulated == 3
-    if not mp.hardware.is_fast(torch.float16, "cpu"):
-        assert emulated == 3 and stats.count(op="_to_copy", dtype="fp16") >= 3
+        out.float().sum().backward()
+    gemms = stats.count(op="addmm") + stats.count(op="mm")
+    assert gemms == 3 + 5
+    if mp.hardware.is_fast(torch.float16, "cpu"):
+        return
+    # emulated: every GEMM runs an fp32 kernel on fp16-rounded values, outputs rounded to fp16
+    assert stats.count(op="addmm", dtype="fp32") + stats.count(op="mm", dtype="fp32") == gemms
+    assert stats.count(op="_to_copy", dtype="fp16", phase="forward") >= 3, stats.table()
+    param_dtype = torch.float32 if level == "O1" else torch.float16
+    assert all(p.grad.dtype == param_dtype for p in model.parameters())
 
 
 def test_op_stats_filters_views_nesting_and_bad_input():
