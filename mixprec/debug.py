@@ -48,7 +48,9 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _floating(tree) -> list[torch.Tensor]:
-    return [t for t in _tensors(tree) if t.is_floating_point() and t.numel() > 0]
+    """The non-empty dense floating tensors whose values can be read (no sparse, no meta)."""
+    return [t for t in _tensors(tree) if t.is_floating_point() and t.numel() > 0
+            and t.layout == torch.strided and t.device.type != "meta"]
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -159,6 +161,19 @@ class NonFiniteError(RuntimeError):
         self.event = event
 
 
+def _incoming(args, kwargs, in_stats, scalars, inputs_were_finite) -> tuple[bool, bool]:
+    """Did inf / NaN come into the op through an input (tensor or scalar)?"""
+    in_inf = any(math.isinf(x) for x in scalars)
+    in_nan = any(math.isnan(x) for x in scalars)
+    floating = [t for t in _tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
+    if inputs_were_finite is False or len(in_stats) < len(floating):
+        return True, True  # overwritten in place or unreadable (sparse): call it inherited
+    if inputs_were_finite is None:
+        in_inf = in_inf or any(s.n_inf for s in in_stats)
+        in_nan = in_nan or any(s.n_nan for s in in_stats)
+    return in_inf, in_nan
+
+
 class _NonFiniteMode(TorchDispatchMode):
     def __init__(self, tracer: NonFiniteTracer):
         super().__init__()
@@ -253,13 +268,7 @@ class NonFiniteTracer:
         out_stats = tuple(TensorStats.of(t) for t in outs)
         in_stats = [TensorStats.of(t) for t in _floating((args, kwargs))]  # after an in-place op
         scalars = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, float)]
-        in_inf = any(math.isinf(x) for x in scalars)
-        in_nan = any(math.isnan(x) for x in scalars)
-        if inputs_were_finite is None:
-            in_inf = in_inf or any(s.n_inf for s in in_stats)
-            in_nan = in_nan or any(s.n_nan for s in in_stats)
-        elif not inputs_were_finite:
-            in_inf = in_nan = True  # unknown which kind came in: call it inherited
+        in_inf, in_nan = _incoming(args, kwargs, in_stats, scalars, inputs_were_finite)
         created = (any(s.n_inf for s in out_stats) and not in_inf) or (
             any(s.n_nan for s in out_stats) and not in_nan)
         if not created and phase in self._inherited:

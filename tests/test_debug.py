@@ -237,6 +237,16 @@ def test_in_place_overflow_is_created():
     assert tracer.report.forward.created is False
 
 
+def test_sparse_and_meta_tensors_do_not_break_tracing():
+    index, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, float("inf")])
+    with debug.trace_nonfinite() as tracer:
+        sparse = torch.sparse_coo_tensor(index, values, (2, 2), check_invariants=False)
+        sparse.to_dense()
+        torch.empty(3, device="meta") * 2
+    event = tracer.report.forward
+    assert event.op == "aten._to_dense.default" and event.created is False
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_raise_on_first(phase):
     net = _fp16_net(fc2_weight=1e4) if phase == "forward" else _fp16_net(head_weight=300.0)
