@@ -400,7 +400,8 @@ def _not_ours(tensor: torch.Tensor) -> str:
             "of this MasterWeightOptimizer")
 
 
-def _check_saved_masters(saved: Mapping[int, torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
+def _check_saved_masters(saved: Mapping[int, torch.Tensor],
+                         masters: dict[int, torch.Tensor]) -> None:
     if set(saved) != set(masters):
         raise ValueError(
             f"state_dict holds fp32 masters for parameter indices {sorted(saved)}, but this "
