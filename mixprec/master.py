@@ -9,6 +9,7 @@ small updates accumulate until they move the low-precision weight.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -104,6 +105,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
         self._grad_bufs: dict[torch.Tensor, torch.Tensor] = {}  # master -> its fp32 grad buffer
         self._synced = False
+        self._seen_grads: list = []
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._replace_with_masters(group["params"])
         self._rebuild_buckets()
@@ -218,7 +220,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     # -- the hot path --------------------------------------------------------------------------
     def sync_grads(self) -> None:
         """Copy model gradients into the masters' fp32 ``.grad`` (see the class docstring)."""
-        if self._synced:
+        if self._synced and self._grads_unchanged():
             return
         for params, masters in self._buckets:
             dst, src = [], []
@@ -238,6 +240,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     torch._foreach_copy_(dst, src)
         self._synced = True
+        self._seen_grads = [(weakref.ref(g), g._version) if g is not None else None
+                            for g in (p.grad for p in self._master_of)]
+
+    def _grads_unchanged(self) -> bool:
+        """True while every low-precision model gradient is the tensor, at the version, synced.
+
+        Catches ``model.zero_grad()`` (new tensors or in-place zeroing) and a new backward after
+        a skipped step, which must not leave stale (e.g. inf) master gradients behind.
+        """
+        seen = self._seen_grads
+        for p, rec in zip(self._master_of, seen):
+            g = p.grad
+            if rec is None or g is None:
+                if rec is not g:
+                    return False
+            elif rec[0]() is not g or rec[1] != g._version:
+                return False
+        return len(seen) == len(self._master_of)
 
     def _write_back(self) -> None:
         with torch.no_grad():

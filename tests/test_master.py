@@ -481,3 +481,19 @@ def test_hot_path_forces_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_sync_grads_sees_a_new_backward_after_model_zero_grad(set_to_none):
+    """A sync that was not followed by step() must not leave stale master gradients behind."""
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = mp.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    model(x).float().sum().mul(float("inf")).backward()
+    opt.sync_grads()                       # e.g. a scaler's unscale_ before a skipped step
+    assert not torch.isfinite(opt.master_param(model.weight).grad).all()
+    model.zero_grad(set_to_none=set_to_none)
+    model(x).float().sum().backward()
+    opt.sync_grads()
+    torch.testing.assert_close(opt.master_param(model.weight).grad, model.weight.grad.float(),
+                               rtol=0, atol=0)

@@ -671,9 +671,7 @@ def test_master_differential_against_unscaled_control(dtype):
     assert scales == [256.0, 512.0, 256.0, 512.0, 1024.0]
 
 
-@pytest.mark.parametrize("zero", ["optimizer", pytest.param("model", marks=pytest.mark.xfail(
-    strict=True, reason="mixprec.master: sync_grads() stays a no-op after a skipped step until "
-    "opt.step()/opt.zero_grad(); model.zero_grad() leaves stale inf master grads (reported)"))])
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
 def test_master_optimizer_recovers_after_a_skipped_step(zero):
     model, opt = master_setup(torch.float16)
     scaler = mp.DynamicLossScaler(init_scale=8.0)
