@@ -305,21 +305,25 @@ def test_history_round_trips():
 
 
 def test_diagnose_overflow_reports_and_changes_nothing(digits):
-    torch.manual_seed(0)
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model, InfAt({2}), opt, level="O0", loss_scaler=4.0, diagnose_overflow=True,
-                      progress=False)
-    rng = torch.get_rng_state()
-    trainer.train_step([digits[0][:32]])
-    assert trainer.history.overflows == []
-    before = params(trainer)
-    trainer.train_step([digits[0][:32]])
-    assert trainer.history.skipped == [False, True]
-    assert len(trainer.history.overflows) == 1 and trainer.history.overflows[0]["step"] == 2
-    assert all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
-    assert all(p.grad is None for p in trainer.model.parameters())
-    assert torch.equal(torch.get_rng_state(), rng)  # no dropout here: the RNG was not consumed
+    x, y = digits[0][:32]
+    batches = [(x, y), (torch.full_like(x, 3e38), y), (x, y)]  # step 2 overflows in layer "0"
+
+    def run(diagnose):
+        torch.manual_seed(0)
+        model = mlp(dropout=0.3)  # dropout: the re-run must not shift the RNG stream
+        t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
+                    loss_scaler=4.0, diagnose_overflow=diagnose, progress=False)
+        for b in batches:
+            t.train_step([b])
+        return t
+
+    plain, diagnosed = run(False), run(True)
+    assert diagnosed.history.skipped == [False, True, False]
+    (found,) = diagnosed.history.overflows
+    assert found["step"] == 2 and found["scale"] == 4.0
+    assert found["report"].startswith("first non-finite in forward: 0 (aten.addmm")
+    assert plain.history.overflows == []
+    assert all(torch.equal(a, b) for a, b in zip(params(plain), params(diagnosed)))
 
 
 @pytest.mark.slow
