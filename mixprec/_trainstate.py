@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import tempfile
@@ -118,3 +119,71 @@ def read_checkpoint(path) -> dict:
         raise ValueError(f"{str(path)!r} is not a mixprec Trainer checkpoint (expected format "
                          f"{CHECKPOINT_FORMAT!r})")
     return ckpt
+
+
+# ----------------------------------------------------------------- Trainer checkpoints
+def trainer_state(trainer) -> dict:
+    """Everything :meth:`mixprec.Trainer.save` writes."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "policy": str(trainer.policy),
+        "signature": model_signature(trainer.model),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
+        "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
+                     "batch_in_epoch": trainer._batch_in_epoch, "epoch_loss": list(trainer._epoch_loss)},
+        "history": trainer.history.state_dict(),
+        "rng": capture_rng(getattr(trainer, "_data", None)),
+        "epoch_start_rng": trainer._epoch_start_rng,
+    }
+
+
+def _states(trainer) -> dict:
+    states = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+              "scaler": trainer.scaler.state_dict()}
+    if trainer.scheduler is not None:
+        states["scheduler"] = trainer.scheduler.state_dict()
+    return states
+
+
+def _load_states(trainer, states: dict) -> None:
+    trainer.model.load_state_dict(states["model"])
+    trainer.optimizer.load_state_dict(states["optimizer"])
+    trainer.scaler.load_state_dict(states["scaler"])
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(states["scheduler"])
+
+
+def _check_compatible(trainer, ckpt: dict, path) -> None:
+    where = f"checkpoint {str(path)!r}"
+    if ckpt["policy"] != str(trainer.policy):
+        raise ValueError(f"{where} was saved with policy {ckpt['policy']} but this trainer uses "
+                         f"{trainer.policy}")
+    diff = signature_mismatch(ckpt["signature"], model_signature(trainer.model))
+    if diff:
+        raise ValueError(f"{where} was saved from a different model: {diff}")
+    if (ckpt["scheduler"] is None) != (trainer.scheduler is None):
+        saved = "no" if ckpt["scheduler"] is None else "a"
+        have = "no scheduler" if trainer.scheduler is None else "a scheduler"
+        raise ValueError(f"{where} has {saved} scheduler state but this trainer has {have}")
+
+
+def load_trainer_state(trainer, ckpt: dict, path) -> None:
+    """Restore ``ckpt`` into ``trainer``, all or nothing."""
+    _check_compatible(trainer, ckpt, path)
+    backup = copy.deepcopy(_states(trainer))
+    try:
+        _load_states(trainer, ckpt)
+    except Exception as exc:
+        _load_states(trainer, backup)
+        raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
+                         f"unchanged") from exc
+    c = ckpt["counters"]
+    trainer.global_step, trainer.epoch = c["global_step"], c["epoch"]
+    trainer._batch_in_epoch, trainer._epoch_loss = c["batch_in_epoch"], list(c["epoch_loss"])
+    trainer.history.load_state_dict(ckpt["history"])
+    trainer._epoch_start_rng = ckpt["epoch_start_rng"]
+    restore_rng(ckpt["rng"])
+    trainer._pending_loader_rng = ckpt["rng"] if ckpt["rng"]["loader"] is not None else None

@@ -429,70 +429,18 @@ class Trainer:
         position in the epoch, the history, and the RNG states (torch, CUDA, numpy, python, the
         data loader's generators, and those from the start of the current epoch). The file is
         written to a temporary name and renamed, so a failure leaves any old file intact.
+
+        Raises:
+            ValueError: ``path`` is a directory.
         """
-        ckpt = {
-            "format": ts.CHECKPOINT_FORMAT,
-            "policy": str(self.policy),
-            "signature": ts.model_signature(self.model),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "counters": {"global_step": self.global_step, "epoch": self.epoch,
-                         "batch_in_epoch": self._batch_in_epoch, "epoch_loss": list(self._epoch_loss)},
-            "history": self.history.state_dict(),
-            "rng": ts.capture_rng(getattr(self, "_data", None)),
-            "epoch_start_rng": self._epoch_start_rng,
-        }
-        ts.atomic_save(ckpt, path)
-
-    def _snapshot(self) -> dict:
-        states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                  "scaler": self.scaler.state_dict()}
-        if self.scheduler is not None:
-            states["scheduler"] = self.scheduler.state_dict()
-        return copy.deepcopy(states)
-
-    def _load_states(self, states: dict) -> None:
-        self.model.load_state_dict(states["model"])
-        self.optimizer.load_state_dict(states["optimizer"])
-        self.scaler.load_state_dict(states["scaler"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(states["scheduler"])
-
-    def _check_compatible(self, ckpt: dict, path) -> None:
-        if ckpt["policy"] != str(self.policy):
-            raise ValueError(f"checkpoint {str(path)!r} was saved with policy {ckpt['policy']} but "
-                             f"this trainer uses {self.policy}")
-        diff = ts.signature_mismatch(ckpt["signature"], ts.model_signature(self.model))
-        if diff:
-            raise ValueError(f"checkpoint {str(path)!r} was saved from a different model: {diff}")
-        if (ckpt["scheduler"] is None) != (self.scheduler is None):
-            have = "no scheduler" if self.scheduler is None else "a scheduler"
-            raise ValueError(f"checkpoint {str(path)!r} {'has no' if ckpt['scheduler'] is None else 'has a'} "
-                             f"scheduler state but this trainer has {have}")
+        ts.atomic_save(ts.trainer_state(self), path)
 
     def load(self, path) -> None:
         """Restore a :meth:`save` file; the next :meth:`fit` continues where it was saved.
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a Trainer checkpoint, or one from another model, policy or setup;
-                the trainer is left unchanged.
+            ValueError: not a Trainer checkpoint, or one from another model, policy or set-up
+                (scheduler or not); the trainer is left unchanged.
         """
-        ckpt = ts.read_checkpoint(path)
-        self._check_compatible(ckpt, path)
-        backup = self._snapshot()
-        try:
-            self._load_states(ckpt)
-        except Exception as exc:
-            self._load_states(backup)
-            raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
-                             f"unchanged") from exc
-        c = ckpt["counters"]
-        self.global_step, self.epoch = c["global_step"], c["epoch"]
-        self._batch_in_epoch, self._epoch_loss = c["batch_in_epoch"], list(c["epoch_loss"])
-        self.history.load_state_dict(ckpt["history"])
-        self._epoch_start_rng = ckpt["epoch_start_rng"]
-        ts.restore_rng(ckpt["rng"])
-        self._pending_loader_rng = ckpt["rng"] if ckpt["rng"]["loader"] is not None else None
+        ts.load_trainer_state(self, ts.read_checkpoint(path), path)
