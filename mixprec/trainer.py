@@ -36,7 +36,7 @@ class History:
         loss: per optimizer step, the mean loss of its micro-batches (unscaled).
         loss_scale: per step, the loss scale the step used.
         skipped: per step, True when the update was skipped (non-finite gradients).
-        lr: per step, the learning rate of the first parameter group.
+        lr: per step, the learning rate the step used (first parameter group).
         epochs: per epoch, a dict of metrics (``epoch``, ``loss``, train metrics, ``val_*``).
         overflows: what ``diagnose_overflow=True`` found, one dict per diagnosed step.
     """
@@ -241,12 +241,12 @@ class Trainer:
         return self._finish_step(loss, epoch_step=None)
 
     def _finish_step(self, window_loss: torch.Tensor, epoch_step: int | None) -> dict:
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         applied, scale = self._apply_update()
         self.global_step += 1
         loss = float(window_loss)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        h = self.history
-        h.loss.append(loss), h.loss_scale.append(scale), h.skipped.append(not applied), h.lr.append(lr)
+        for name, value in (("loss", loss), ("loss_scale", scale), ("skipped", not applied), ("lr", lr)):
+            getattr(self.history, name).append(value)
         if math.isfinite(loss):
             self._epoch_loss[0] += loss
             self._epoch_loss[1] += 1

@@ -187,7 +187,7 @@ def test_scheduler_does_not_step_on_skipped_steps(digits, level):
     assert history.skipped == [False, False, True, True, False, False]
     assert history.loss_scale == [1024.0, 1024.0, 1024.0, 512.0, 256.0, 256.0]
     assert sched.last_epoch == 4  # 4 applied updates
-    assert history.lr == [0.05, 0.025, 0.025, 0.025, 0.0125, 0.00625]
+    assert history.lr == [0.1, 0.05, 0.025, 0.025, 0.025, 0.0125]
     assert trainer.scaler.skipped_steps == 2
 
 
