@@ -7,7 +7,6 @@ a PNG with the loss curves and the loss-scale history.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import time
