@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     doc = doctor_report()
-    parts = [f"Machine: {doc['name']}, {doc['cpu_count']} CPUs, {doc['threads']} threads, torch "
+    parts = [f"Machine: {doc['cpu_model']} ({doc['name']}), {doc['cpu_count']} CPUs, {doc['threads']} threads, torch "
              f"{doc['torch']}, python {platform.python_version()}; doctor matmul GFLOP/s: "
              + ", ".join(f"{k} {v.get('matmul_gflops', 0):.0f}" for k, v in doc["dtypes"].items())]
     for model in args.models.split(","):

@@ -58,6 +58,18 @@ def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_
     return 2.0 * m * k * n / statistics.median(times) / 1e9
 
 
+def cpu_model() -> str:
+    """The CPU model name the kernel reports (``platform.processor()`` where /proc is absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> dict:
     """Everything ``mixprec doctor`` prints, as a dict (what ``--json`` emits)."""
     caps = device_capabilities(device)
@@ -70,6 +82,7 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> di
     return {
         "device": caps["device"],
         "name": caps["name"],
+        "cpu_model": cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
@@ -85,6 +98,7 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> di
 def _print(rep: dict) -> None:
     m, k, n = rep["matmul_shape"]
     print(f"device      {rep['device']}: {rep['name']}")
+    print(f"cpu         {rep['cpu_model']}")
     print(f"torch       {rep['torch']} (python {rep['python']}), {rep['threads']} threads, "
           f"{rep['cpu_count']} CPUs")
     if rep["flags"]:
