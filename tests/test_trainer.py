@@ -100,7 +100,8 @@ class StopAt(Callback):
 @pytest.mark.parametrize("level,dtype,accum,stop", [
     ("O0", "fp32", 1, 7),      # mid-epoch 1
     ("O2", "bf16", 1, 12),     # mid-epoch 2
-    ("O2", "fp16", 2, 6),      # the epoch boundary, with accumulation and a dynamic scaler
+    ("O2", "fp16", 2, 5),      # the last step of epoch 1, with accumulation and a dynamic scaler
+    ("O2", "fp16", 2, 6),      # the first step of epoch 2
     ("O1", "bf16", 2, 4),
 ])
 def test_resume_is_bitwise_identical(digits, tmp_path, level, dtype, accum, stop):
@@ -124,6 +125,22 @@ def test_resume_is_bitwise_identical(digits, tmp_path, level, dtype, accum, stop
     assert resumed.history.loss_scale == ref.history.loss_scale
     assert resumed.scheduler.state_dict() == ref.scheduler.state_dict()
     assert resumed.scaler.get_scale() == ref.scaler.get_scale()
+
+
+@slow_fp16
+def test_resume_from_an_epoch_end_checkpoint(digits, tmp_path):
+    train = torch.utils.data.Subset(digits[0], range(320))
+    ref = make_trainer("O2", "fp16", dropout=0.2, sched=True)
+    ref.fit(loader(train, 32), epochs=3)
+    ck = ModelCheckpoint(tmp_path, every_epoch=True)
+    make_trainer("O2", "fp16", dropout=0.2, sched=True, callbacks=[ck]).fit(loader(train, 32), epochs=1)
+    assert ck.last_path.name == "ckpt-step10.pt"
+    resumed = make_trainer("O2", "fp16", seed=5, dropout=0.2, sched=True)
+    resumed.load(ck.last_path)
+    assert resumed.epoch == 1 and resumed.history.steps == 10
+    resumed.fit(loader(train, 32), epochs=3)
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(ref)))
+    assert resumed.history.epochs == ref.history.epochs
 
 
 def test_load_rejects_a_checkpoint_of_another_model(tmp_path):
