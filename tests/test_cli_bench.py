@@ -87,3 +87,13 @@ def test_demo_runs_and_writes_the_plot(capsys, tmp_path):
     assert all(0 <= r["test_accuracy"] <= 1 and len(r["loss"]) == 6 for r in rep["runs"])
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert rep["plot"] == str(tmp_path / "demo.png")
+
+
+def test_bench_repeat_pools_the_steps_of_all_rounds(capsys):
+    code, out, _ = run(capsys, "bench", "--levels", "O0", "--no-reference", "--steps", "3",
+                       "--warmup", "0", "--repeat", "2", "--width", "8", "--batch", "4",
+                       "--in-process", "--json")
+    (row,) = json.loads(out)["rows"]
+    assert code == 0 and len(row["times_ms"]) == 6 and len(row["update_times_ms"]) == 6
+    times = sorted(row["times_ms"])
+    assert times[2] <= row["ms_per_step"] <= times[3]  # the median of the pooled steps

@@ -144,6 +144,7 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
             updates.append(upd)
     return {"row": level, "dtype": dtype_name(dt), "ms_per_step": 1e3 * statistics.median(times),
             "update_ms": 1e3 * statistics.median(updates), "peak_mb": _peak_mb(dev, base),
+            "update_times_ms": [round(1e3 * u, 2) for u in updates],
             "final_loss": loss, "loss_scale": scale, "times_ms": [round(1e3 * t, 2) for t in times]}
 
 
@@ -156,6 +157,18 @@ def _run_isolated(spec: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"bench row {spec['level']} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _pool(rounds: list[dict]) -> dict:
+    """One row from its rounds: medians over the timed steps of all rounds pooled."""
+    row = dict(rounds[0])
+    row["times_ms"] = [t for r in rounds for t in r["times_ms"]]
+    row["update_times_ms"] = [t for r in rounds for t in r["update_times_ms"]]
+    row["ms_per_step"] = statistics.median(row["times_ms"])
+    row["update_ms"] = statistics.median(row["update_times_ms"])
+    peaks = [r["peak_mb"] for r in rounds if r["peak_mb"] is not None]
+    row["peak_mb"] = max(peaks) if peaks else None
+    return row
 
 
 def _parse_levels(text: str) -> list[str]:
@@ -172,8 +185,9 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
               isolate: bool = True, device: str = "cpu", **sizes) -> dict:
     """Run the benchmark and return the report ``--json`` prints.
 
-    Rows run in the order given, ``repeat`` rounds; each row keeps the round with the median
-    time. Speed-ups are over the O0 row of the same run; achieved GFLOP/s counts the model's
+    Rows run in the order given, ``repeat`` rounds (interleaved, so a burst of load elsewhere
+    does not hit one row only); a row's time is the median over the timed steps of all its
+    rounds, its peak memory the largest of its rounds. Speed-ups are over the O0 row of the same run; achieved GFLOP/s counts the model's
     matmul/conv/attention FLOPs (``benchmodels.count_flops``) per median step; the matmul peak
     is ``doctor``'s probe at the model's representative GEMM shape, measured in this run.
     """
@@ -192,7 +206,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
                     "warmup": warmup, "device": device}
             rounds[row].append(_run_isolated(spec) if isolate else run_row(**spec))
     flops = benchmodels.count_flops(bm)
-    results = [sorted(rounds[r], key=lambda x: x["ms_per_step"])[(repeat - 1) // 2] for r in rows]
+    results = [_pool(rounds[r]) for r in rows]
     peaks = {d: matmul_gflops(resolve_dtype(d, device, warn=False), bm.gemm_shape, device)
              for d in sorted({r["dtype"] for r in results})}
     base = next((r["ms_per_step"] for r in results if r["row"] == "O0"), None)
@@ -249,7 +263,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=1, help="rounds over all rows; median round kept")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all rows; medians pool the steps of all rounds")
     for name in ("width", "batch", "depth", "seq-len", "image-size"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name} (default: per model)")
     p.add_argument("--device", default="cpu")
