@@ -65,10 +65,12 @@ TORCH_DEFAULTS: dict[str, dict[str, frozenset[str]]] = {
     "cuda": _table(_CUDA_LOW, _CUDA_FP32, _CUDA_PROMOTE),
 }
 
-#: Precision-sensitive ops mixprec keeps in fp32 where torch's list for the device does not
-#: (torch's CPU list leaves softmax and the norms in low precision; CUDA's already has them).
+#: Precision-sensitive ops mixprec keeps in fp32 where torch's list for the device does not:
+#: torch's CPU list leaves softmax, logsumexp and the layer/group/RMS norms in low precision
+#: where CUDA's list keeps them in fp32. batch_norm is in neither list on purpose: its kernels
+#: take low-precision activations with fp32 statistics and parameters and accumulate in fp32.
 MIXPREC_FP32_ADDITIONS: frozenset[str] = frozenset(
-    "softmax log_softmax logsumexp layer_norm group_norm batch_norm instance_norm rms_norm".split())
+    "softmax log_softmax logsumexp layer_norm group_norm rms_norm".split())
 
 _OPERATOR_NAMES = {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__",
                    "true_divide": "__truediv__", "matmul": "__matmul__", "pow": "__pow__"}

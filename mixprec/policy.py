@@ -170,8 +170,8 @@ class Policy:
         low = resolve_dtype(dtype, device)
         fp32 = torch.float32
         scale = "dynamic" if low == torch.float16 else None
-        if level == "O1":
-            return cls(fp32, low, fp32, NORM_LAYERS, False, scale, True, "O1")
+        if level == "O1":  # params are fp32 already; the op lists decide each norm's compute
+            return cls(fp32, low, fp32, (), False, scale, True, "O1")
         if level == "O2":
             return cls(low, low, fp32, NORM_LAYERS, low != fp32, scale, True, "O2")
         return cls(low, low, low, (), False, None, False, "O3")

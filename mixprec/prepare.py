@@ -203,7 +203,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 
     * O0: nothing changes (fp32).
     * O1: parameters stay fp32; the forward runs under :class:`mixprec.autocast` (low precision
-      for matmul/conv/linear, fp32 for softmax, norms and losses); outputs are cast to fp32.
+      for matmul/conv/linear; fp32 for softmax, layer/group/RMS norms and losses; BatchNorm
+      takes low-precision activations with its fp32 statistics and parameters, accumulating in
+      fp32, as torch.autocast does); ``keep_fp32`` modules run in fp32; outputs are cast to fp32.
     * O2: parameters and floating buffers are cast to the low-precision dtype, except norm layers
       and ``keep_fp32`` modules, which stay fp32 (inputs cast up, outputs cast back down); inputs
       are cast to the compute dtype at entry, outputs to fp32; the forward runs under

@@ -35,7 +35,7 @@ def test_level_table_bf16(level, params, compute, output, master):
     assert (p.param_dtype, p.compute_dtype, p.output_dtype, p.master_weights) == (params, compute, output, master)
     assert p.loss_scale is None  # bf16 needs no loss scaling at any level
     assert p.autocast == (level in ("O1", "O2"))
-    assert (set(p.keep_fp32) == set(NORM_LAYERS)) == (level in ("O1", "O2"))
+    assert (set(p.keep_fp32) == set(NORM_LAYERS)) == (level == "O2")
 
 
 @pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")

@@ -60,6 +60,8 @@ def test_dtypes_follow_the_level_table(name, level):
         if mod_name not in seen:
             continue
         want = norm_out if isinstance(mod, NORM_LAYERS) else compute
+        if level == "O1" and isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            want = BF16  # torch's mixed kernel: bf16 activations, fp32 statistics and params
         assert seen[mod_name] == want, (mod_name, seen[mod_name], want)
     assert out.dtype == (BF16 if level == "O3" else FP32)
 
