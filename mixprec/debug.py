@@ -174,6 +174,11 @@ def _incoming(args, kwargs, in_stats, scalars, inputs_were_finite) -> tuple[bool
     return in_inf, in_nan
 
 
+# Ops that return uninitialised memory: garbage bits may read as inf/NaN and mean nothing.
+_UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
+                            "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted"})
+
+
 class _NonFiniteMode(TorchDispatchMode):
     def __init__(self, tracer: NonFiniteTracer):
         super().__init__()
@@ -252,7 +257,7 @@ class NonFiniteTracer:
     # the per-op check
     def _run(self, func, args, kwargs):
         phase = _phase()
-        if phase in self._created or func.is_view:
+        if phase in self._created or func.is_view or func._schema.name in _UNINITIALIZED:
             return func(*args, **kwargs)
         # an in-place op overwrites its inputs: note whether they were finite before it ran
         inputs_were_finite = None

@@ -289,8 +289,16 @@ def _cast_model(model: nn.Module, policy: Policy) -> dict[int, torch.Tensor]:
     out = policy.compute_dtype if policy.level in ("O2", "O3") else None
     for name, mod in model.named_modules():
         if _float_mark(mod) is None and keep(mod, name) and policy.level != "O0":
-            _wrap_forward(mod, fp32, out, _fixed_precision_context(fp32, device_type))
+            in_dtype = None if _takes_low_precision_input(mod, device_type) else fp32
+            _wrap_forward(mod, in_dtype, out, _fixed_precision_context(fp32, device_type))
     return originals
+
+
+def _takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
+    """BatchNorm's CPU and CUDA kernels read bf16/fp16 activations with fp32 statistics and
+    parameters and accumulate in fp32: the same numbers as casting the input up (to rounding of
+    the output), without the two casts around the layer."""
+    return isinstance(mod, nn.modules.batchnorm._BatchNorm) and device_type in ("cpu", "cuda")
 
 
 def _wrap_optimizer(optimizer, originals: dict[int, torch.Tensor]):

@@ -215,6 +215,14 @@ def test_nan_from_infinities_is_created():
     assert event.created and event.outputs[0].n_nan > 0 and "softmax" in event.op
 
 
+def test_uninitialised_memory_is_not_an_overflow():
+    with debug.trace_nonfinite() as tracer:
+        for _ in range(50):  # garbage bits of torch.empty may read as inf/NaN: never report them
+            torch.empty(64, 64)
+            torch.empty_like(torch.ones(8)).new_empty((32,))
+    assert tracer.report is None
+
+
 def test_nonfinite_data_is_inherited():
     x = torch.tensor([[1.0, float("nan")]])
     with debug.trace_nonfinite() as tracer:

@@ -82,6 +82,26 @@ def test_norm_layers_compute_in_fp32(level):
     assert seen["out"].dtype == (BF16 if level == "O2" else FP32)
 
 
+def test_o2_batchnorm_matches_fp32_normalisation():
+    """O2 BatchNorm reads bf16 activations with fp32 statistics: fp32 numbers up to rounding."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(16)
+    reference = copy.deepcopy(bn)
+    model = nn.Sequential(bn)
+    mp.prepare(model, level="O2", dtype="bf16")
+    x = (torch.randn(8, 16, 6, 6) * 3 + 1).to(BF16)
+    seen = {}
+    bn.register_forward_hook(lambda m, a, o: seen.update(out=o))
+    model(x)
+    out = seen["out"]
+    exact = reference(x.float()).to(BF16)
+    assert out.dtype == BF16 and bn.running_var.dtype == FP32 and bn.weight.dtype == FP32
+    ulp = exact.float().abs().clamp_min(2 ** -126) * 2 ** -7
+    assert ((out.float() - exact.float()).abs() <= ulp).all()  # at most one bf16 ulp
+    torch.testing.assert_close(bn.running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("level", LEVELS)
 def test_few_steps_reduce_the_loss(name, level):
