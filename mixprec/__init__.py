@@ -4,26 +4,43 @@ Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, 
 and numerics diagnostics. ``import mixprec as mp``.
 """
 
-from .hardware import SlowDtypeWarning, device_capabilities
-from .policy import Policy
-from .master import MasterWeightOptimizer, fp32_state_dict
-from . import formats
-from . import debug
+from . import debug, formats
+from .autocast import autocast
+from .callbacks import Callback, LossMonitor, ModelCheckpoint
 from .emulation import emulate_fp16
+from .hardware import SlowDtypeWarning, device_capabilities
+from .master import MasterWeightOptimizer, fp32_state_dict
+from .metrics import Accuracy
+from .oplists import op_lists
+from .policy import Policy
+from .prepare import policy_of, prepare, to_float
 from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
                       make_loss_scaler)
+from .trainer import History, Trainer
 
 __version__ = "0.1.0"
 
-from .trainer import History, Trainer
-from .callbacks import Callback, LossMonitor, ModelCheckpoint
-from .metrics import Accuracy
-
-from .autocast import autocast
-from .oplists import op_lists
-from .prepare import policy_of, prepare, to_float
-
 __all__ = [
+    "__version__",
+    # hardware, policy and levels
+    "device_capabilities",
+    "SlowDtypeWarning",
+    "Policy",
+    "prepare",
+    "policy_of",
+    "to_float",
+    # autocast with custom op lists
+    "autocast",
+    "op_lists",
+    # master weights
+    "MasterWeightOptimizer",
+    "fp32_state_dict",
+    # loss scaling
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "NoLossScaler",
+    "make_loss_scaler",
+    "NonFiniteGradientsError",
     # training loop
     "Trainer",
     "History",
@@ -31,27 +48,8 @@ __all__ = [
     "LossMonitor",
     "ModelCheckpoint",
     "Accuracy",
-    "autocast",
-    "op_lists",
-    "prepare",
-    "policy_of",
-    "to_float",
-    "__version__",
-    # hardware / policy
-    "device_capabilities",
-    "SlowDtypeWarning",
-    "Policy",
-    # master weights
-    "MasterWeightOptimizer",
-    "fp32_state_dict",
     # numerics
     "formats",
     "debug",
     "emulate_fp16",
-    # loss scaling
-    "DynamicLossScaler",
-    "StaticLossScaler",
-    "NoLossScaler",
-    "make_loss_scaler",
-    "NonFiniteGradientsError",
 ]
