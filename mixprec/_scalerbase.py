@@ -135,7 +135,9 @@ class LossScaler:
 
         Under ``torch.distributed`` the overflow flag is first all-reduced (max) over
         ``process_group``, so every rank skips together. A skipped step leaves the parameters and
-        all optimizer state untouched. One host sync (reading the flag); one more on a step that
+        all optimizer state untouched. A scaler that neither scales nor checks (``NoLossScaler``)
+        does not unscale implicitly: a :class:`mixprec.MasterWeightOptimizer` then syncs (or,
+        fused, reads) the model gradients in its own step. One host sync (reading the flag); one more on a step that
         overflowed. Extra arguments go to ``optimizer.step``.
 
         Returns:
@@ -156,7 +158,10 @@ class LossScaler:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
                                f"update(); {_SEQUENCE}")
         if record is None or record.stage is _Stage.READY:
-            self.unscale_(optimizer)
+            if self._scales or self._checks:
+                self.unscale_(optimizer)
+            else:  # nothing to unscale or check: the optimizer's step reads the gradients itself
+                self._records[id(optimizer)] = _OptimizerRecord()
             record = self._records[id(optimizer)]
         record.stage = _Stage.STEPPED
         if self._checks and self._overflowed(record):

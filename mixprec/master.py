@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _fusedstep
+
 __all__ = ["MasterWeightOptimizer", "fp32_state_dict", "is_master_optimizer", "needs_master"]
 
 # Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
@@ -66,15 +68,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     model and master, to None). Wrap after the model is cast and moved to its device; after
     editing model weights directly, call ``refresh_masters()``.
 
+    Fused step (``fused=True``, opt-in): for ``torch.optim.SGD`` and ``Adam``/``AdamW`` (see
+    ``mixprec._fusedstep.SUPPORTED``), ``step()`` updates each low-precision parameter in one
+    ``torch.compile``-d elementwise pass that reads its gradient (the model's low-precision
+    gradient, or the fp32 master gradient when ``sync_grads()`` ran, e.g. in a scaler's
+    ``unscale_``), the master and the optimizer state, and writes master, state and the rounded
+    model parameter; no fp32 gradient buffer is written. fp32 parameters go through the inner
+    optimizer's own step. State keys are torch's, so state dicts and ``fused`` can be switched
+    freely; results agree with the unfused step to a few fp32 ulps. Hyper-parameters reach the
+    kernel as tensors: schedulers do not recompile. The first step compiles (seconds on a CPU;
+    dynamic shapes, one compile per kernel and parameter/gradient dtype pair).
+
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32 mixed
             freely, several param groups, tied parameters listed once). Any state it already
             holds is moved to the masters and cast to fp32.
+        fused: use the fused step (also settable later through the ``fused`` attribute).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         ValueError: ``optimizer`` is already a ``MasterWeightOptimizer``, or holds a
-            low-precision tensor that is not a leaf.
+            low-precision tensor that is not a leaf, or ``fused=True`` with an optimizer or
+            option the fused step does not support.
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)
@@ -85,7 +100,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         torch.float32
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, fused: bool = False) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError(
                 "optimizer is already a MasterWeightOptimizer (around "
@@ -109,6 +124,21 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._replace_with_masters(group["params"])
         self._rebuild_buckets()
+        self._fused = False
+        self.fused = fused
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``step()`` runs the fused master step (see the class docstring)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"fused must be True or False; got {value!r}")
+        if value:
+            _fusedstep.check_supported(self.inner)
+        self._fused = value
 
     # -- forwarded attributes ------------------------------------------------------------------
     @property
@@ -274,12 +304,25 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Returns:
             What the inner optimizer's ``step`` returns (the closure's loss, or None).
         """
+        if self._fused:
+            return self._fused_step(closure)
         if closure is None:
             self.sync_grads()
             loss = self.inner.step()
         else:
             loss = self.inner.step(self._wrap_closure(closure))
         self._write_back()
+        self._synced = False
+        return loss
+
+    def _fused_step(self, closure: Callable[[], Any] | None) -> Any:
+        loss = None
+        if closure is not None:  # evaluated once, before the update, as torch's SGD/Adam do
+            with torch.enable_grad():
+                loss = closure()
+            self._synced = False
+        master_grads = self._synced and self._grads_unchanged()
+        _fusedstep.fused_step(self.inner, self._model_of, master_grads)
         self._synced = False
         return loss
 

@@ -118,7 +118,10 @@ class Trainer:
         max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
         device: where to train (default: the device of the model's parameters).
         callbacks: :class:`mixprec.callbacks.Callback` objects.
-        compile: run each step's forward and loss under ``torch.compile``.
+        compile: run each step's forward and loss under ``torch.compile``; at O2 with a
+            ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the fused step supports),
+            also turn on the fused master step (``MasterWeightOptimizer(fused=True)``: one
+            compiled pass per parameter instead of grad copy, step and write-back).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
             :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
             (recorded in ``History.overflows``; the re-run changes no state).
@@ -164,6 +167,8 @@ class Trainer:
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self._forward_loss) if compile else self._forward_loss
+        if compile:
+            self._enable_fused_master_step()
         self.history = History()
         self.global_step = 0       # optimizer steps taken (skipped ones included)
         self.epoch = 0             # epochs completed
@@ -171,6 +176,14 @@ class Trainer:
         self.timings: dict | None = None  # set to {} to accumulate per-phase seconds
         self._reset_epoch_position()
         self._pending_loader_rng = None
+
+    def _enable_fused_master_step(self) -> None:
+        from . import _fusedstep
+        from .master import is_master_optimizer
+
+        opt = self.optimizer
+        if is_master_optimizer(opt) and _fusedstep.is_supported(opt.inner):
+            opt.fused = True
 
     @staticmethod
     def _model_device(model: nn.Module) -> torch.device:

@@ -105,10 +105,11 @@ def _reference_step(model, opt, loss_fn, inputs, target, dtype, device):
     return step
 
 
-def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device):
+def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device, compile=False):
     from ..trainer import Trainer
 
-    trainer = Trainer(model, loss_fn, opt, level=level, dtype=dtype, device=device, progress=False)
+    trainer = Trainer(model, loss_fn, opt, level=level, dtype=dtype, device=device, progress=False,
+                      compile=compile)
 
     def step():
         trainer.timings = {}
@@ -118,8 +119,12 @@ def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device):
 
 
 def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, warmup: int,
-            device: str = "cpu") -> dict:
-    """Time one row in this process; ``level`` is "O0".."O3" or ``"torch.autocast"``."""
+            device: str = "cpu", compile: bool = False) -> dict:
+    """Time one row in this process; ``level`` is "O0".."O3" or ``"torch.autocast"``.
+
+    ``compile=True`` builds level rows with ``Trainer(compile=True)`` (compiled forward and loss;
+    at O2 the fused master step); the first step compiles, so keep ``warmup >= 1``.
+    """
     dev = torch.device(device)
     bm = benchmodels.get_model(model_name, **sizes)
     torch.manual_seed(0)
@@ -131,8 +136,10 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
     base = _reset_peak(dev)
     model = bm.build().to(dev)
     opt = bm.make_optimizer(model.parameters())
-    make = _reference_step if level == REFERENCE else _trainer_step
-    step = make(model, opt, bm.loss_fn, inputs, target, *((dt,) if level == REFERENCE else (level, dt)), dev)
+    if level == REFERENCE:
+        step = _reference_step(model, opt, bm.loss_fn, inputs, target, dt, dev)
+    else:
+        step = _trainer_step(model, opt, bm.loss_fn, inputs, target, level, dt, dev, compile)
     times, updates, loss, scale = [], [], float("nan"), 1.0
     for i in range(warmup + steps):
         t = time.perf_counter()
@@ -182,7 +189,7 @@ def _parse_levels(text: str) -> list[str]:
 
 def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype: str = "auto",
               steps: int = 10, warmup: int = 3, repeat: int = 1, reference: bool = True,
-              isolate: bool = True, device: str = "cpu", **sizes) -> dict:
+              isolate: bool = True, device: str = "cpu", compile: bool = False, **sizes) -> dict:
     """Run the benchmark and return the report ``--json`` prints.
 
     Rows run in the order given, ``repeat`` rounds (interleaved, so a burst of load elsewhere
@@ -190,6 +197,8 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     rounds, its peak memory the largest of its rounds. Speed-ups are over the O0 row of the same run; achieved GFLOP/s counts the model's
     matmul/conv/attention FLOPs (``benchmodels.count_flops``) per median step; the matmul peak
     is ``doctor``'s probe at the model's representative GEMM shape, measured in this run.
+    ``compile=True``: level rows (not the torch.autocast row) use ``Trainer(compile=True)``; the
+    compile time falls in the warm-up steps and is not in the medians.
     """
     for name, value in (("steps", steps), ("repeat", repeat)):
         if not isinstance(value, int) or value < 1:
@@ -203,7 +212,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     for _ in range(repeat):
         for row in rows:
             spec = {"model_name": model, "sizes": sizes, "level": row, "dtype": low, "steps": steps,
-                    "warmup": warmup, "device": device}
+                    "warmup": warmup, "device": device, "compile": compile}
             rounds[row].append(_run_isolated(spec) if isolate else run_row(**spec))
     flops = benchmodels.count_flops(bm)
     results = [_pool(rounds[r]) for r in rows]
@@ -216,7 +225,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
         r["peak_share"] = r["gflops"] / peaks[r["dtype"]]
         r["update_share"] = r["update_ms"] / r["ms_per_step"]
     return {"model": model, "sizes": bm.sizes, "flops_per_step": flops, "steps": steps,
-            "warmup": warmup, "repeat": repeat, "device": device, "threads": torch.get_num_threads(),
+            "warmup": warmup, "repeat": repeat, "device": device, "compile": compile, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "isolated": isolate, "gemm_shape": list(bm.gemm_shape),
             "matmul_peak_gflops": {k: round(v, 1) for k, v in peaks.items()}, "rows": results}
 
@@ -241,6 +250,9 @@ def format_table(rep: dict) -> str:
               "peak MB: peak resident memory of the row's process above its level before the model "
               "was built" + ("" if rep["isolated"] else " (rows share one process: indicative only)"),
               "update: optimizer step incl. master-weight copy, loss-scaler step/update, zero_grad"]
+    if rep.get("compile"):
+        lines.append("compiled: level rows ran Trainer(compile=True) (forward+loss compiled; O2 fused "
+                     "master step); compile time is in the warm-up, not in the medians")
     return "\n".join(lines)
 
 
@@ -250,7 +262,8 @@ def _run(args) -> int:
     if args.model not in benchmodels.MODELS:
         raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(benchmodels.MODELS)}")
     rep = run_bench(args.model, _parse_levels(args.levels), args.dtype, args.steps, args.warmup,
-                    args.repeat, not args.no_reference, not args.in_process, args.device, **sizes)
+                    args.repeat, not args.no_reference, not args.in_process, args.device,
+                    compile=args.compile, **sizes)
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
     return 0
 
@@ -271,5 +284,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
                    help="run rows in this process (faster; memory peaks less meaningful)")
+    p.add_argument("--compile", action="store_true",
+                   help="level rows use Trainer(compile=True): compiled forward+loss and, at O2, the "
+                        "fused master step (compile time falls in the warm-up)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_run)
