@@ -1,13 +1,16 @@
 """Where the time of one training step goes, per level: phases and op categories.
 
     .venv/bin/python bench/profile_step.py [--model nine-linear] [--levels O0,O1,O2,O3,torch] [--steps 5]
+        [--compile]
 
 Phases come from ``Trainer.timings`` (forward incl. loss, backward, update = scaler + optimizer +
 master copies + zero_grad). Op categories come from ``torch.profiler`` self-CPU times of the
 timed steps: GEMM (mm/addmm/bmm/conv), casts (copy_/_to_copy: autocast and prepare's casts),
 master copies (_foreach_copy_: grads -> fp32 masters, masters -> params), optimizer math
 (_foreach_add_/mul_/...), reductions (sum: bias grads), other ops, and "python" (wall time not
-spent in any op: hooks, autocast dispatch, the loop itself).
+spent in any op: hooks, autocast dispatch, the loop itself). With ``--compile`` the levels run
+``Trainer(compile=True)``; the self time of compiled graphs (e.g. O2's fused master step, whose
+kernel replaces the master copies and optimizer math) is "compiled kernels".
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _category(name: str) -> str:
     return "other ops"
 
 
-def _step_fn(bm, level, inputs, target):
+def _step_fn(bm, level, inputs, target, compile=False):
     torch.manual_seed(0)
     model = bm.build()
     opt = bm.make_optimizer(model.parameters())
@@ -49,13 +52,14 @@ def _step_fn(bm, level, inputs, target):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step, None
-    trainer = Trainer(model, bm.loss_fn, opt, level=level, dtype="bf16", progress=False)
+    trainer = Trainer(model, bm.loss_fn, opt, level=level, dtype="bf16", progress=False,
+                      compile=compile)
     return (lambda: trainer.train_step([(inputs, target)])), trainer
 
 
-def profile_level(bm, level: str, steps: int) -> None:
+def profile_level(bm, level: str, steps: int, compile: bool = False) -> None:
     inputs, target = bm.batch(torch.Generator().manual_seed(0))
-    step, trainer = _step_fn(bm, level, inputs, target)
+    step, trainer = _step_fn(bm, level, inputs, target, compile)
     for _ in range(3):
         step()
     if trainer is not None:
@@ -69,6 +73,8 @@ def profile_level(bm, level: str, steps: int) -> None:
     for ev in prof.key_averages():
         if ev.key.startswith("aten::"):
             cats[_category(ev.key)] += ev.self_cpu_time_total / 1e3 / steps
+        elif ev.key.startswith("## Call CompiledFxGraph"):
+            cats["compiled kernels"] += ev.self_cpu_time_total / 1e3 / steps
         if ev.key == "aten::_foreach_copy_":  # its per-tensor copy_ children belong to it
             children = (ev.cpu_time_total - ev.self_cpu_time_total) / 1e3 / steps
             cats["master copies"] += children
@@ -87,10 +93,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--width", type=int)
     ap.add_argument("--batch", type=int)
+    ap.add_argument("--compile", action="store_true", help="Trainer(compile=True) for the levels")
     args = ap.parse_args()
     bm = benchmodels.get_model(args.model, width=args.width, batch=args.batch)
     for level in args.levels.split(","):
-        profile_level(bm, level, args.steps)
+        profile_level(bm, level, args.steps, args.compile)
 
 
 if __name__ == "__main__":

@@ -297,6 +297,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Sync gradients (unless already synced), step the inner optimizer, write back.
 
+        With ``fused=True``: one compiled pass per low-precision parameter instead (reading the
+        fp32 master gradient if ``sync_grads()`` ran since the last backward, else the model's
+        gradient), then the inner optimizer's step over the fp32 parameters only.
+
         Args:
             closure: re-evaluates the model and returns the loss (as for any torch optimizer);
                 the model sees the current masters before each re-evaluation.
