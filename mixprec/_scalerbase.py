@@ -137,8 +137,8 @@ class LossScaler:
         ``process_group``, so every rank skips together. A skipped step leaves the parameters and
         all optimizer state untouched. A scaler that neither scales nor checks (``NoLossScaler``)
         does not unscale implicitly: a :class:`mixprec.MasterWeightOptimizer` then syncs (or,
-        fused, reads) the model gradients in its own step. One host sync (reading the flag); one more on a step that
-        overflowed. Extra arguments go to ``optimizer.step``.
+        fused, reads) the model gradients in its own step. One host sync (reading the flag);
+        one more on a step that overflowed. Extra arguments go to ``optimizer.step``.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.

@@ -105,7 +105,7 @@ def test_fused_matches_unfused_over_steps(name, mix):
 def test_scheduler_changes_lr_without_recompiling():
     counters = torch._dynamo.utils.counters
     models = [model_of(DTYPE_MIXES["bf16"]) for _ in range(2)]
-    opts = [wrapped(m, "sgd_momentum_wd_nesterov", fused) for m, fused in zip(models, (False, True))]
+    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, True))]
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
     seq = grad_sequence(models[0], steps=5)
     for i, grads in enumerate(seq):
@@ -176,7 +176,8 @@ def test_skipped_step_leaves_masters_params_and_state_untouched():
         assert torch.equal(s["momentum_buffer"], before[0]["state"][i]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("first_fused", [False, True], ids=["unfused-then-fused", "fused-then-unfused"])
+@pytest.mark.parametrize("first_fused", [False, True],
+                         ids=["unfused-then-fused", "fused-then-unfused"])
 def test_state_dict_round_trip_between_fused_and_unfused(first_fused):
     ref_model = model_of(DTYPE_MIXES["bf16"])
     ref = wrapped(ref_model, "adamw", False)

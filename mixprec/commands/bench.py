@@ -225,7 +225,8 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
         r["peak_share"] = r["gflops"] / peaks[r["dtype"]]
         r["update_share"] = r["update_ms"] / r["ms_per_step"]
     return {"model": model, "sizes": bm.sizes, "flops_per_step": flops, "steps": steps,
-            "warmup": warmup, "repeat": repeat, "device": device, "compile": compile, "threads": torch.get_num_threads(),
+            "warmup": warmup, "repeat": repeat, "device": device, "compile": compile,
+            "threads": torch.get_num_threads(),
             "torch": torch.__version__, "isolated": isolate, "gemm_shape": list(bm.gemm_shape),
             "matmul_peak_gflops": {k: round(v, 1) for k, v in peaks.items()}, "rows": results}
 
