@@ -179,7 +179,7 @@ def _adam_state(optimizer, master: torch.Tensor) -> dict:
 def _adam_group(optimizer, group: dict, items: list) -> None:
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
-    decoupled = bool(group.get("decoupled_weight_decay", False))
+    decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
     l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
     states = [_adam_state(optimizer, master) for master, _, _ in items]
     torch._foreach_add_([s["step"] for s in states], 1)

@@ -31,7 +31,10 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
     "sgd_momentum_wd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
                                                            weight_decay=1e-2, nesterov=True),
+    "sgd_momentum_dampening": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.1),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
+                                           weight_decay=1e-2),
 }
 DTYPE_MIXES = {
     "bf16": [torch.bfloat16] * 2,
