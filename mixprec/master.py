@@ -77,7 +77,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     optimizer's own step. State keys are torch's, so state dicts and ``fused`` can be switched
     freely; results agree with the unfused step to a few fp32 ulps. Hyper-parameters reach the
     kernel as tensors: schedulers do not recompile. The first step compiles (seconds on a CPU;
-    dynamic shapes, one compile per kernel and parameter/gradient dtype pair).
+    dynamic shapes, one compile per kernel and parameter/gradient dtype pair), so it needs a
+    working ``torch.compile`` (a C++ compiler on CPU, Triton on GPU). No host sync is added,
+    except reading Adam's ``step`` when that state lives on a GPU.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32 mixed
