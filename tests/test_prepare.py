@@ -78,8 +78,13 @@ def test_norm_layers_compute_in_fp32(level):
     assert x.dtype == BF16  # what the Linear before it produced
     ln = model[1]
     exact = nn.functional.layer_norm(x.float(), (64,), ln.weight.float(), ln.bias.float())
-    torch.testing.assert_close(seen["out"].float(), exact.to(seen["out"].dtype).float(), rtol=0, atol=0)
-    assert seen["out"].dtype == (BF16 if level == "O2" else FP32)
+    if level == "O1":  # the op list runs layer_norm in fp32: the fp32 result itself
+        assert seen["out"].dtype == FP32
+        torch.testing.assert_close(seen["out"], exact, rtol=0, atol=0)
+    else:  # fp32 accumulation with bf16 activations: the fp32 result, rounded (1 ulp)
+        assert seen["out"].dtype == BF16
+        torch.testing.assert_close(seen["out"].float(), exact, rtol=2 ** -8, atol=1e-5)
+        assert (seen["out"] == exact.to(BF16)).float().mean() > 0.99
 
 
 def test_o2_batchnorm_matches_fp32_normalisation():
