@@ -58,7 +58,7 @@ def test_constants_match_torch_finfo(name):
     assert fmt.eps == fi.eps
     assert fmt.min_subnormal == from_pattern(1, fmt)  # the pattern 0...01
     assert from_pattern(fmt.bias << fmt.mantissa_bits, fmt) == 1.0  # 1.0 has biased exponent == bias
-    assert 1 + fmt.exponent_bits + fmt.mantissa_bits == fmt.bits
+    assert fmt.bits == 1 + fmt.exponent_bits + fmt.mantissa_bits  # sign + exponent + fraction
 
 
 @pytest.mark.parametrize("name, bias, mx, min_normal, min_sub", [
