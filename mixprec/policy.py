@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -86,7 +87,6 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
         caps = hardware.device_capabilities(device)
         resolved = to_dtype(caps["auto_dtype"])
         if resolved == torch.float32 and warn:
-            import warnings
             warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: {caps['auto_reason']}",
                           hardware.SlowDtypeWarning, stacklevel=3)
         return resolved
