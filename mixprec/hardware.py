@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -62,6 +63,12 @@ def _cpu_caps() -> dict:
     }
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_caps_cached(device: torch.device) -> dict:
+    """A device's capabilities do not change: probe each CUDA device once per process."""
+    return _cuda_caps(device)
+
+
 def _cuda_caps(device: torch.device) -> dict:
     major, minor = torch.cuda.get_device_capability(device)
     cc = f"{major}.{minor}"
@@ -105,7 +112,7 @@ def device_capabilities(device=None) -> dict:
     elif dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {dev} was asked for but CUDA is not available")
-        caps = _cuda_caps(dev)
+        caps = copy.deepcopy(_cuda_caps_cached(dev))
     else:
         caps = {"name": dev.type, "flags": [], "dtypes": {
             "fp32": {"supported": True, "fast": True, "why": "native"},

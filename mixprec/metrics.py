@@ -43,7 +43,7 @@ class Accuracy(Metric):
         self.reset()
 
     def reset(self) -> None:
-        self.correct = 0
+        self.correct = 0  # an int, or a device tensor while updates accumulate (no host sync)
         self.total = 0
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
@@ -53,11 +53,11 @@ class Accuracy(Metric):
             raise ValueError(f"Accuracy needs class scores of shape (N, C, ...) and targets (N, ...); "
                              f"got output {tuple(output.shape)} and target {tuple(target.shape)}")
         pred = output.argmax(dim=1)
-        self.correct += int((pred == target).sum())
+        self.correct = (pred == target).sum() + self.correct
         self.total += target.numel()
 
     def compute(self) -> float:
-        return self.correct / self.total if self.total else float("nan")
+        return int(self.correct) / self.total if self.total else float("nan")
 
 
 class MeanAbsoluteError(Metric):
@@ -73,11 +73,11 @@ class MeanAbsoluteError(Metric):
         self.count = 0
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        self.sum += float((output.float() - target.float()).abs().sum())
+        self.sum = (output.float() - target.float()).abs().sum(dtype=torch.float64) + self.sum
         self.count += output.numel()
 
     def compute(self) -> float:
-        return self.sum / self.count if self.count else float("nan")
+        return float(self.sum) / self.count if self.count else float("nan")
 
 
 _BY_NAME = {"accuracy": Accuracy, "acc": Accuracy, "mae": MeanAbsoluteError}
