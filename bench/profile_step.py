@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mixprec import benchmodels
-from mixprec.trainer import Trainer
+from mixprec.training import Trainer
 
 CATS = (("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::convolution", "aten::mkldnn_convolution",
                   "aten::_scaled_dot_product", "aten::linear")),

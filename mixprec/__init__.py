@@ -6,17 +6,15 @@ and numerics diagnostics. ``import mixprec as mp``.
 
 from . import debug, formats
 from .autocast import autocast
-from .callbacks import Callback, LossMonitor, ModelCheckpoint
 from .emulation import emulate_fp16
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer, fp32_state_dict
-from .metrics import Accuracy
 from .oplists import op_lists
 from .policy import Policy
 from .prepare import policy_of, prepare, to_float
 from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
                       make_loss_scaler)
-from .trainer import History, Trainer
+from .training import Accuracy, Callback, History, LossMonitor, ModelCheckpoint, Trainer
 
 __version__ = "0.1.0"
 

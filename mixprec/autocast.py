@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from . import oplists
+from .emulation import emulation_context
 from .policy import resolve_dtype
 
 __all__ = ["autocast", "cast_floating"]
@@ -127,7 +128,6 @@ class autocast(contextlib.ContextDecorator):
             stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype,
                                                cache_enabled=self.cache_enabled))
             if self.dtype == torch.float16:
-                from .emulation import emulation_context
                 stack.enter_context(emulation_context(self.device_type, self.dtype, self.emulate_fp16))
             if self._targets:
                 stack.enter_context(_OpListMode(self.device_type, self._targets))

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import hardware, oplists
-from .policy import to_dtype
+from .dtypes import to_dtype
 
 __all__ = ["emulation_context", "emulate_fp16", "EMULATED_FUNCTIONS"]
 

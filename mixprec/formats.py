@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from .policy import _CANONICAL, DTYPE_ALIASES, dtype_name
+from .dtypes import ALIASES, CANONICAL, dtype_name
 
-__all__ = ["FloatFormat", "Decomposition", "RangeReport", "get", "names", "decompose", "range_report"]
+__all__ = ["FloatFormat", "Decomposition", "RangeReport", "get", "names", "decompose", "range_report",
+           "check_scale"]
 
 _CHUNK = 1 << 20  # elements converted to float64 at a time by range_report
 _INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -96,7 +97,7 @@ def _layout(name: str, exponent_bits: int, mantissa_bits: int, *, has_inf: bool 
         min_normal=math.ldexp(1.0, 1 - bias),
         min_subnormal=math.ldexp(1.0, 1 - bias - mantissa_bits),
         eps=math.ldexp(1.0, -mantissa_bits),
-        torch_dtype=_CANONICAL.get(name),
+        torch_dtype=CANONICAL.get(name),
         has_inf=has_inf,
     )
 
@@ -145,10 +146,10 @@ def get(name_or_dtype: Any) -> FloatFormat:
             raise ValueError(f"no floating-point format for {name_or_dtype}; known formats: {known}")
         return fmt
     if isinstance(name_or_dtype, str):
-        canonical = DTYPE_ALIASES.get(name_or_dtype.strip().lower())
+        canonical = ALIASES.get(name_or_dtype.strip().lower())
         if canonical is None:
             raise ValueError(f"unknown format {name_or_dtype!r}; known formats: {known} "
-                             f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})")
+                             f"(aliases: {', '.join(sorted(ALIASES))})")
         return _FORMATS[canonical]
     raise TypeError(f"a format must be a name, a torch.dtype or a FloatFormat; "
                     f"got {type(name_or_dtype).__name__} {name_or_dtype!r}")
@@ -490,7 +491,7 @@ def range_report(tensor: torch.Tensor, fmt: Any = "fp16", *, scale: float = 1.0)
         raise TypeError(f"range_report needs a torch.Tensor; got {type(tensor).__name__}")
     if not tensor.is_floating_point():
         raise TypeError(f"range_report needs a floating-point tensor; got dtype {tensor.dtype}")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     totals = dict.fromkeys(_COUNT_FIELDS, 0) | {"rel_max": 0.0, "rel_sum": 0.0}
     for chunk in tensor.detach().reshape(-1).split(_CHUNK):
         counts = _chunk_counts(chunk.to(torch.float64) * scale, fmt)
@@ -501,7 +502,7 @@ def range_report(tensor: torch.Tensor, fmt: Any = "fp16", *, scale: float = 1.0)
                        mean_rel_error=rel_sum / totals["representable"] if totals["representable"] else 0.0)
 
 
-def _check_scale(scale: Any) -> float:
+def check_scale(scale: Any) -> float:
     """A positive finite float, else ValueError/TypeError."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a positive number; got {type(scale).__name__} {scale!r}")

@@ -5,26 +5,38 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import platform
 import warnings
 
 import torch
 
-__all__ = ["device_capabilities", "cpu_flags", "is_fast", "warn_if_slow"]
+__all__ = ["device_capabilities", "cpu_flags", "cpu_model", "is_fast", "warn_if_slow",
+           "SlowDtypeWarning"]
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _cpuinfo_field(key: str) -> str | None:
+    """The value of the first ``key`` line of /proc/cpuinfo (None where absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is absent)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_model() -> str:
+    """The CPU model name the kernel reports (``platform.processor()`` where /proc is absent)."""
+    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
 def _normalize_device(device) -> torch.device:

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .policy import to_dtype
+from .dtypes import to_dtype
 
 __all__ = ["op_lists", "TORCH_DEFAULTS", "MIXPREC_FP32_ADDITIONS", "resolve_op", "POLICIES"]
 

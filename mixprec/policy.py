@@ -1,4 +1,4 @@
-"""Precision policy: dtype names, the O0-O3 level table, and ``dtype="auto"`` resolution."""
+"""Precision policy: the frozen ``Policy``, the O0-O3 level table, ``dtype="auto"`` resolution."""
 
 from __future__ import annotations
 
@@ -10,30 +10,11 @@ import torch
 from torch import nn
 
 from . import hardware
+from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 
-__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "to_dtype", "dtype_name", "resolve_dtype"]
+__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "resolve_dtype"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
-
-# Canonical short name -> torch dtype (None where this torch build lacks it).
-_CANONICAL: dict[str, torch.dtype | None] = {
-    "fp64": torch.float64,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
-    "fp8_e5m2": getattr(torch, "float8_e5m2", None),
-}
-# Every accepted spelling -> canonical short name.
-DTYPE_ALIASES: dict[str, str] = {
-    "fp64": "fp64", "float64": "fp64", "double": "fp64",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp8_e4m3": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
-}
-_DTYPE_TO_NAME = {dt: name for name, dt in _CANONICAL.items() if dt is not None}
 
 # Layers whose statistics and affine parameters stay fp32 at O1/O2 (the seeds: BatchNorm and the
 # loss are precision sensitive).
@@ -44,37 +25,6 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
         nn.LocalResponseNorm, getattr(nn, "RMSNorm", None),
     ) if t is not None
 )
-
-_VALID_DTYPE_HINT = "one of 'fp32', 'fp16'/'half', 'bf16', 'fp64', 'fp8_e4m3', 'fp8_e5m2' or a torch dtype"
-
-
-def to_dtype(spec: Any, *, what: str = "dtype") -> torch.dtype:
-    """Turn a dtype name (``"bf16"``, ``"half"``, ...) or a floating ``torch.dtype`` into a dtype.
-
-    Raises:
-        ValueError: an unknown name, or a dtype this torch build lacks.
-        TypeError: neither a string nor a torch dtype.
-    """
-    if isinstance(spec, torch.dtype):
-        if not spec.is_floating_point:
-            raise ValueError(f"{what} must be a floating-point dtype ({_VALID_DTYPE_HINT}); got {spec}")
-        return spec
-    if isinstance(spec, str):
-        name = DTYPE_ALIASES.get(spec.strip().lower())
-        if name is None:
-            raise ValueError(f"{what} must be {_VALID_DTYPE_HINT}; got {spec!r}")
-        dt = _CANONICAL[name]
-        if dt is None:
-            raise ValueError(f"{what} {spec!r} is not available in torch {torch.__version__}")
-        return dt
-    raise TypeError(f"{what} must be a string or a torch.dtype ({_VALID_DTYPE_HINT}); "
-                    f"got {type(spec).__name__} {spec!r}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Short canonical name of a dtype: ``torch.bfloat16`` -> ``"bf16"``."""
-    return _DTYPE_TO_NAME.get(dtype, str(dtype).replace("torch.", ""))
-
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
     """Resolve a low-precision dtype spec; ``"auto"`` picks the fast 16-bit type of ``device``.
@@ -91,7 +41,7 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
                           hardware.SlowDtypeWarning, stacklevel=3)
         return resolved
     resolved = to_dtype(dtype)
-    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+    if resolved not in TRAINING_DTYPES:
         raise ValueError(f"a training dtype must be 'fp32', 'fp16' or 'bf16'; got {dtype!r}")
     if warn:
         hardware.warn_if_slow(resolved, device)

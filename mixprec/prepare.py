@@ -15,7 +15,10 @@ import torch
 from torch import nn
 
 from .autocast import autocast, cast_floating
-from .policy import Policy, to_dtype
+from .dtypes import to_dtype
+from .emulation import emulation_context
+from .master import MasterWeightOptimizer, is_master_optimizer
+from .policy import Policy
 
 __all__ = ["prepare", "to_float", "policy_of"]
 
@@ -54,7 +57,6 @@ def _fixed_precision_context(dtype: torch.dtype, device_type: str):
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast(device_type, enabled=False))
         if dtype == torch.float16:
-            from .emulation import emulation_context
             stack.enter_context(emulation_context(device_type, dtype, "auto"))
         return stack
     return factory
@@ -176,7 +178,6 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
     owned = {id(p) for p in model.parameters()}
-    from .master import is_master_optimizer
     params = ([optimizer.model_param(p) for g in optimizer.param_groups for p in g["params"]]
               if is_master_optimizer(optimizer) else
               [p for g in optimizer.param_groups for p in g["params"]])
@@ -306,7 +307,6 @@ def _takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
 
 def _wrap_optimizer(optimizer, originals: dict[int, torch.Tensor]):
     """Wrap in a MasterWeightOptimizer whose masters hold the exact fp32 originals."""
-    from .master import MasterWeightOptimizer, is_master_optimizer
     if is_master_optimizer(optimizer):
         return optimizer
     wrapped = MasterWeightOptimizer(optimizer)

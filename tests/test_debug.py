@@ -388,5 +388,5 @@ def test_empty_op_stats_table():
     assert stats.total == 0 and stats.table().splitlines()[-1].split() == ["total", "0", "0", "0"]
 
 
-def test_grad_report_is_reexported():
-    assert debug.grad_report is mp.gradreport.grad_report
+def test_grad_report_lives_in_debug():
+    assert mp.debug.grad_report is debug.gradreport.grad_report

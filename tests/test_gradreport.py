@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.gradreport import GradReport, grad_report
+from mixprec.debug.gradreport import GradReport, grad_report
 
 
 def hand_built_linear() -> nn.Linear:

@@ -3,7 +3,8 @@ import torch
 
 import mixprec as mp
 from mixprec import hardware
-from mixprec.policy import NORM_LAYERS, Policy, dtype_name, resolve_dtype, to_dtype
+from mixprec.dtypes import dtype_name, to_dtype
+from mixprec.policy import NORM_LAYERS, Policy, resolve_dtype
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -10,8 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
-from mixprec.callbacks import Callback, LossMonitor, ModelCheckpoint, ProgressBar
-from mixprec.trainer import History, Trainer
+from mixprec.training import Callback, History, LossMonitor, ModelCheckpoint, ProgressBar, Trainer
 
 slow_fp16 = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 

@@ -25,7 +25,8 @@ import time
 import torch
 
 from .. import benchmodels
-from ..policy import LEVELS, dtype_name, resolve_dtype
+from ..dtypes import dtype_name
+from ..policy import LEVELS, resolve_dtype
 from .doctor import matmul_gflops
 
 __all__ = ["run_row", "run_bench", "register"]
@@ -106,7 +107,7 @@ def _reference_step(model, opt, loss_fn, inputs, target, dtype, device):
 
 
 def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device, compile=False):
-    from ..trainer import Trainer
+    from ..training import Trainer
 
     trainer = Trainer(model, loss_fn, opt, level=level, dtype=dtype, device=device, progress=False,
                       compile=compile)
@@ -130,7 +131,7 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
     torch.manual_seed(0)
     inputs, target = (t.to(dev) for t in bm.batch(torch.Generator().manual_seed(0)))
     dt = torch.float32 if level == "O0" else resolve_dtype(dtype, dev, warn=False)
-    from .. import trainer  # noqa: F401  (imported before the memory baseline)
+    from .. import training  # noqa: F401  (imported before the memory baseline)
 
     _preload(bm, dt, dev)
     base = _reset_peak(dev)

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..callbacks import Callback
+from ..training import Callback
 from ..hardware import SlowDtypeWarning
-from ..policy import dtype_name, resolve_dtype
+from ..dtypes import dtype_name
+from ..policy import resolve_dtype
 from ..scaling import DynamicLossScaler
 from .bench import _peak_mb, _reset_peak
 
@@ -78,7 +79,7 @@ RUNS = (("O0", "auto"), ("O1", "auto"), ("O2", "auto"), ("O3", "auto"), ("O2", "
 
 
 def _train_one(level: str, dtype: str, data, args) -> dict:
-    from ..trainer import Trainer
+    from ..training import Trainer
 
     train, test = data
     torch.manual_seed(args.seed)

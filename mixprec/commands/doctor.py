@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..hardware import device_capabilities
+from ..hardware import cpu_model, device_capabilities
 
 __all__ = ["matmul_gflops", "doctor_report", "register"]
 
@@ -56,18 +56,6 @@ def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_
         _sync(device)
         times.append(time.perf_counter() - t0)
     return 2.0 * m * k * n / statistics.median(times) / 1e9
-
-
-def cpu_model() -> str:
-    """The CPU model name the kernel reports (``platform.processor()`` where /proc is absent)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> dict:

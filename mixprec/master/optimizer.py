@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _fusedstep
+from . import kernels as _fusedstep
 
 __all__ = ["MasterWeightOptimizer", "fp32_state_dict", "is_master_optimizer", "needs_master"]
 

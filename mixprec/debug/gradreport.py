@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import formats
-from .formats import FloatFormat, RangeReport
+from .. import formats
+from ..formats import FloatFormat, RangeReport
 
 __all__ = ["grad_report", "GradReport", "ParamGradStats"]
 
@@ -206,7 +206,7 @@ def grad_report(model: nn.Module, fmt: Any = "fp16", scale: float | None = None)
     if not isinstance(model, nn.Module):
         raise TypeError(f"grad_report needs an nn.Module; got {type(model).__name__}")
     fmt = formats.get(fmt)
-    scale = formats._check_scale(1.0 if scale is None else scale)
+    scale = formats.check_scale(1.0 if scale is None else scale)
     named = list(model.named_parameters())
     with_grad = [(n, p) for n, p in named if p.grad is not None]
     if not with_grad:

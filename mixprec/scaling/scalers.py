@@ -11,9 +11,9 @@ Three scalers share one shape (``scale`` -> ``unscale_`` -> ``step`` -> ``update
 * :class:`NoLossScaler` is a no-op with the same methods, so a training loop keeps one shape.
 
 The scale arithmetic is the pure function :func:`adjust_scale` over a :class:`ScaleState` of 0-d
-tensors living on the loss's device (``_lossscale.py``); the scaler objects are thin mutable
-shells around it (the shared shell, :class:`LossScaler`, is in ``_scalerbase.py``; the fused
-gradient passes in ``_grads.py``).
+tensors living on the loss's device (:mod:`mixprec.scaling.state`); the scaler objects are thin
+mutable shells around it (the shared shell, :class:`LossScaler`, is in
+:mod:`mixprec.scaling.base`; the fused gradient pass in :mod:`mixprec.scaling.unscale`).
 
 Host-device syncs (they matter on CUDA): ``step()`` reads the overflow flag once (and once more on
 a step that overflowed, to check the ``min_scale`` limit); ``get_scale()`` and ``state_dict()``
@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from ._lossscale import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
-from ._scalerbase import LossScaler
+from ..policy import Policy
+from ..dtypes import to_dtype
+from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
+from .base import LossScaler
 
 __all__ = [
     "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
@@ -250,7 +252,6 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
 
 
 def _auto_spec(dtype):
-    from .policy import Policy, to_dtype
     if isinstance(dtype, Policy):
         return dtype.loss_scale
     if dtype is None:

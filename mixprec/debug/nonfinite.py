@@ -1,18 +1,11 @@
-"""Numerics diagnostics: which op made the first inf/NaN, and which dtype each op really ran in.
+"""``trace_nonfinite``: which op made the first inf/NaN, in the forward and the backward pass.
 
-Both tools watch the ATen ops that actually execute (a ``TorchDispatchMode``), below autocast
-and autograd, so they see the casts autocast inserts and the ops of the backward pass.
-
-* :func:`trace_nonfinite` finds the first op whose output holds inf or NaN, in the forward and
-  in the backward pass, and names the module it belongs to.
-* :func:`op_stats` counts executed ops by (op, output dtype, pass): the evidence that a
-  precision level does what it says.
-* :func:`grad_report` (from :mod:`mixprec.gradreport`) tells which gradients a format loses.
+It watches the ATen ops that actually execute (a ``TorchDispatchMode``), below autocast and
+autograd, and names the module each op belongs to.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import threading
@@ -22,34 +15,18 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .gradreport import GradReport, ParamGradStats, grad_report
-from .policy import dtype_name, to_dtype
+from ..dtypes import dtype_name
+from ._common import PHASES, current_phase, tensors_in
 
 __all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",
-           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "grad_report",
-           "GradReport", "ParamGradStats"]
+           "TensorStats", "NonFiniteError"]
 
-_PHASES = ("forward", "backward")
 _MODULE_KEY = "mixprec.module"  # autograd-node metadata: the module whose forward made the node
-
-
-def _phase() -> str:
-    return "forward" if torch._C._current_autograd_node() is None else "backward"
-
-
-def _op_name(func) -> str:
-    """``aten.addmm.default`` -> ``"addmm"``; other namespaces keep theirs (``"quantized.add"``)."""
-    name = func.overloadpacket.__name__
-    return name if func.namespace == "aten" else f"{func.namespace}.{name}"
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _floating(tree) -> list[torch.Tensor]:
     """The non-empty dense floating tensors whose values can be read (no sparse, no meta)."""
-    return [t for t in _tensors(tree) if t.is_floating_point() and t.numel() > 0
+    return [t for t in tensors_in(tree) if t.is_floating_point() and t.numel() > 0
             and t.layout == torch.strided and t.device.type != "meta"]
 
 
@@ -165,7 +142,7 @@ def _incoming(args, kwargs, in_stats, scalars, inputs_were_finite) -> tuple[bool
     """Did inf / NaN come into the op through an input (tensor or scalar)?"""
     in_inf = any(math.isinf(x) for x in scalars)
     in_nan = any(math.isnan(x) for x in scalars)
-    floating = [t for t in _tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
+    floating = [t for t in tensors_in((args, kwargs)) if t.is_floating_point() and t.numel()]
     if inputs_were_finite is False or len(in_stats) < len(floating):
         return True, True  # overwritten in place or unreadable (sparse): call it inherited
     if inputs_were_finite is None:
@@ -207,7 +184,7 @@ class NonFiniteTracer:
     @property
     def report(self) -> NonFiniteReport | None:
         """The first non-finite op of the forward and backward pass, or None if all was finite."""
-        events = {p: self._created.get(p) or self._inherited.get(p) for p in _PHASES}
+        events = {p: self._created.get(p) or self._inherited.get(p) for p in PHASES}
         return NonFiniteReport(**events) if any(events.values()) else None
 
     def __enter__(self) -> NonFiniteTracer:
@@ -231,7 +208,7 @@ class NonFiniteTracer:
     # module stack (forward) and module tags on autograd nodes (backward)
     def _pre_hook(self, module, args):
         if threading.get_ident() == self._thread:
-            stop = {t.grad_fn for t in _tensors(args) if t.grad_fn is not None}
+            stop = {t.grad_fn for t in tensors_in(args) if t.grad_fn is not None}
             name = self._names.get(id(module), type(module).__name__)
             self._stack.append((id(module), name, stop))
 
@@ -240,7 +217,7 @@ class NonFiniteTracer:
         if not (mine and self._stack and self._stack[-1][0] == id(module)):
             return
         _, name, stop = self._stack.pop()
-        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         while todo:  # tag the nodes this module's own ops created (inner modules tagged theirs)
             node = todo.pop()
             if node is None or node in stop or _MODULE_KEY in node.metadata:
@@ -256,7 +233,7 @@ class NonFiniteTracer:
 
     # the per-op check
     def _run(self, func, args, kwargs):
-        phase = _phase()
+        phase = current_phase()
         if phase in self._created or func.is_view or func._schema.name in _UNINITIALIZED:
             return func(*args, **kwargs)
         # an in-place op overwrites its inputs: note whether they were finite before it ran
@@ -320,129 +297,3 @@ def trace_nonfinite(model: torch.nn.Module | None = None, *, raise_on_first: boo
         ('0', 'aten.addmm.default')
     """
     return NonFiniteTracer(model, raise_on_first=raise_on_first)
-
-
-# ----------------------------------------------------------------------------- op_stats
-
-
-class _CountMode(TorchDispatchMode):
-    def __init__(self, stats: OpStats):
-        super().__init__()
-        self.stats = stats
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.stats.include_views or not func.is_view:
-            tensors = _tensors(out)
-            floating = [t for t in tensors if t.is_floating_point()]
-            dtype = (floating or tensors)[0].dtype if tensors else None
-            self.stats.counts[(_op_name(func), dtype, _phase())] += 1
-        return out
-
-
-def _short_op(op: str) -> str:
-    """``"aten.mm.default"``, ``"aten.mm"``, ``"mm"`` -> ``"mm"``."""
-    parts = op.split(".")
-    if parts[0] == "aten" and len(parts) > 1:
-        return parts[1]
-    return op
-
-
-class OpStats:
-    """Counts of executed ATen ops by (op, output dtype, pass); made by :func:`op_stats`.
-
-    ``counts`` is a ``Counter`` keyed by ``(op, dtype, phase)``, e.g. ``("addmm",
-    torch.bfloat16, "forward")``; ``dtype`` is the first floating output's (None for ops
-    without tensor outputs).
-    """
-
-    def __init__(self, include_views: bool = False):
-        self.include_views = bool(include_views)
-        self.counts: collections.Counter = collections.Counter()
-        self._modes: list[_CountMode] = []
-
-    def __enter__(self) -> OpStats:
-        mode = _CountMode(self)
-        mode.__enter__()
-        self._modes.append(mode)
-        return self
-
-    def __exit__(self, *exc):
-        return self._modes.pop().__exit__(*exc)
-
-    def _match(self, op, dtype, phase):
-        if phase is not None and phase not in _PHASES:
-            raise ValueError(f"phase must be 'forward', 'backward' or None; got {phase!r}")
-        op = None if op is None else _short_op(op)
-        dtype = None if dtype is None else to_dtype(dtype)
-        return [(key, n) for key, n in self.counts.items()
-                if (op is None or key[0] == op) and (dtype is None or key[1] == dtype)
-                and (phase is None or key[2] == phase)]
-
-    def count(self, op: str | None = None, dtype=None, phase: str | None = None) -> int:
-        """How many ops ran matching all given filters.
-
-        Args:
-            op: "mm", "aten.mm" or "aten.mm.default".
-            dtype: output dtype ("bf16", torch.bfloat16, ...).
-            phase: "forward" or "backward".
-
-        Raises:
-            ValueError: an unknown phase or dtype name.
-        """
-        return sum(n for _, n in self._match(op, dtype, phase))
-
-    def by_dtype(self, phase: str | None = None) -> dict:
-        """``{output dtype: op count}`` (None for ops without tensor outputs)."""
-        out: collections.Counter = collections.Counter()
-        for (_, dtype, _), n in self._match(None, None, phase):
-            out[dtype] += n
-        return dict(out)
-
-    def ops(self, dtype=None, phase: str | None = None) -> list[str]:
-        """Sorted names of the ops that ran (with output ``dtype``, in ``phase``)."""
-        return sorted({key[0] for key, _ in self._match(None, dtype, phase)})
-
-    @property
-    def total(self) -> int:
-        """The number of ops counted."""
-        return sum(self.counts.values())
-
-    def table(self) -> str:
-        """A text table: one row per (op, dtype) with forward, backward and total counts."""
-        rows: dict = collections.defaultdict(lambda: [0, 0])
-        for (op, dtype, phase), n in self.counts.items():
-            rows[(op, "-" if dtype is None else dtype_name(dtype))][_PHASES.index(phase)] += n
-        width = max([len(op) for op, _ in rows] + [2])
-        lines = [f"{'op':<{width}}  {'dtype':<8} {'forward':>8} {'backward':>8} {'total':>8}"]
-        for (op, dt), (fw, bw) in sorted(rows.items()):
-            lines.append(f"{op:<{width}}  {dt:<8} {fw:>8} {bw:>8} {fw + bw:>8}")
-        lines.append(f"{'total':<{width}}  {'':<8} {self.count(phase='forward'):>8} "
-                     f"{self.count(phase='backward'):>8} {self.total:>8}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        return f"OpStats(total={self.total}, by_dtype={self.by_dtype()})"
-
-
-def op_stats(include_views: bool = False) -> OpStats:
-    """Count the ATen ops executed in the block by (op, output dtype, forward/backward).
-
-    Args:
-        include_views: also count view and alias ops (``t``, ``view``, ``detach``, ...), which
-            compute nothing.
-
-    Returns:
-        An :class:`OpStats` (a context manager) filled in as the block runs.
-
-    Example:
-        >>> import torch
-        >>> with op_stats() as stats, torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     _ = torch.nn.Linear(4, 4)(torch.ones(2, 4))
-        >>> stats.count(op="addmm", dtype="bf16")
-        1
-    """
-    return OpStats(include_views)

@@ -6,18 +6,11 @@ from collections import defaultdict
 
 import torch
 
+from ..master import is_master_optimizer
+
 __all__ = ["is_master_optimizer", "unscale_and_check_", "nonfinite_param_names"]
 
 
-def is_master_optimizer(optimizer) -> bool:
-    """True for a :class:`mixprec.MasterWeightOptimizer` (False while mixprec.master is absent)."""
-    try:
-        from .master import is_master_optimizer as check
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.master":
-            raise
-        return False
-    return check(optimizer)
 
 
 def _grad_values(param) -> torch.Tensor | None:

@@ -19,49 +19,19 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import _trainstate as ts
+from .. import debug
+from ..master import kernels as _fusedstep
+from ..master import is_master_optimizer
+from ..prepare import policy_of, prepare
+from ..scaling import make_loss_scaler
+from . import state as ts
 from .callbacks import Callback, ProgressBar
+from .history import History
 from .metrics import make_metrics
 
 __all__ = ["Trainer", "History"]
 
 log = logging.getLogger("mixprec")
-
-
-@dataclasses.dataclass
-class History:
-    """What a :meth:`Trainer.fit` recorded.
-
-    Attributes:
-        loss: per optimizer step, the mean loss of its micro-batches (unscaled).
-        loss_scale: per step, the loss scale the step used.
-        skipped: per step, True when the update was skipped (non-finite gradients).
-        lr: per step, the learning rate the step used (first parameter group).
-        epochs: per epoch, a dict of metrics (``epoch``, ``loss``, train metrics, ``val_*``).
-        overflows: what ``diagnose_overflow=True`` found, one dict per diagnosed step.
-    """
-
-    loss: list = dataclasses.field(default_factory=list)
-    loss_scale: list = dataclasses.field(default_factory=list)
-    skipped: list = dataclasses.field(default_factory=list)
-    lr: list = dataclasses.field(default_factory=list)
-    epochs: list = dataclasses.field(default_factory=list)
-    overflows: list = dataclasses.field(default_factory=list)
-
-    @property
-    def steps(self) -> int:
-        return len(self.loss)
-
-    def metric(self, name: str) -> list:
-        """The per-epoch values of one metric (e.g. ``"val_accuracy"``)."""
-        return [e[name] for e in self.epochs if name in e]
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, list(state.get(f.name, [])))
 
 
 def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
@@ -111,13 +81,13 @@ class Trainer:
         dtype: the low-precision dtype or "auto".
         loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
             O1/O2, none otherwise) or a scaler.
-        metrics: None, "accuracy", a :class:`mixprec.metrics.Metric`, or a list of them.
+        metrics: None, "accuracy", a :class:`mixprec.training.Metric`, or a list of them.
         scheduler: an LR scheduler over ``optimizer``; stepped after every applied update.
         grad_accum_steps: micro-batches per optimizer step (each loss is divided by the number of
             micro-batches in its window, so the update equals the large-batch one).
         max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
         device: where to train (default: the device of the model's parameters).
-        callbacks: :class:`mixprec.callbacks.Callback` objects.
+        callbacks: :class:`mixprec.Callback` objects.
         compile: run each step's forward and loss under ``torch.compile``; at O2 with a
             ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the fused step supports),
             also turn on the fused master step (``MasterWeightOptimizer(fused=True)``: one
@@ -148,13 +118,10 @@ class Trainer:
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True):
-        from .prepare import policy_of, prepare
-        from .scaling import make_loss_scaler
-
         _check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
-            raise TypeError(f"callbacks must be mixprec.callbacks.Callback instances; got {self.callbacks!r}")
+            raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
         self.metrics = make_metrics(metrics)
         self.device = torch.device(device) if device is not None else self._model_device(model)
         model.to(self.device)
@@ -178,9 +145,6 @@ class Trainer:
         self._pending_loader_rng = None
 
     def _enable_fused_master_step(self) -> None:
-        from . import _fusedstep
-        from .master import is_master_optimizer
-
         opt = self.optimizer
         if is_master_optimizer(opt) and _fusedstep.is_supported(opt.inner):
             opt.fused = True
@@ -270,8 +234,6 @@ class Trainer:
 
     def _diagnose(self) -> None:
         """Re-run the last micro-batch under the non-finite tracer; restore every state after."""
-        from . import debug
-
         inputs, target = self._last_batch
         rng = ts.capture_rng()
         buffers = {k: v.clone() for k, v in self.model.named_buffers()}

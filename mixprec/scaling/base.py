@@ -11,8 +11,8 @@ import weakref
 import torch
 from torch import nn
 
-from . import _grads
-from ._lossscale import ScaleState, check_keys, positive_scale
+from . import unscale as _grads
+from .state import ScaleState, check_keys, positive_scale
 
 __all__ = ["LossScaler"]
 

@@ -1,0 +1,17 @@
+"""Numerics diagnostics: ``mp.debug.trace_nonfinite``, ``mp.debug.op_stats``, ``mp.debug.grad_report``.
+
+* :func:`trace_nonfinite` finds the first op whose output holds inf or NaN, in the forward and
+  in the backward pass, and names the module it belongs to.
+* :func:`op_stats` counts executed ops by (op, output dtype, pass): the evidence that a
+  precision level does what it says.
+* :func:`grad_report` tells which gradients a format loses, and at which loss scale.
+"""
+
+from .gradreport import GradReport, ParamGradStats, grad_report
+from .nonfinite import (NonFiniteError, NonFiniteEvent, NonFiniteReport, NonFiniteTracer,
+                        TensorStats, trace_nonfinite)
+from .opstats import OpStats, op_stats
+
+__all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",
+           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "grad_report",
+           "GradReport", "ParamGradStats"]

@@ -1,0 +1,9 @@
+"""fp32 master weights: :class:`MasterWeightOptimizer` and :func:`fp32_state_dict`.
+
+* :mod:`.optimizer`: the optimizer wrapper that keeps fp32 masters of low-precision parameters.
+* :mod:`.kernels`: its fused update kernels.
+"""
+
+from .optimizer import MasterWeightOptimizer, fp32_state_dict, is_master_optimizer
+
+__all__ = ["MasterWeightOptimizer", "fp32_state_dict", "is_master_optimizer"]

@@ -1,0 +1,16 @@
+"""Loss scaling: pure scale state and its update, the scalers, and the unscale pass.
+
+* :mod:`.state`: :class:`ScaleState` (0-d tensors), :class:`DynamicConfig`, :func:`adjust_scale`.
+* :mod:`.base`: :class:`LossScaler`, the shell every scaler shares (stages, unscale/step/update).
+* :mod:`.scalers`: :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`NoLossScaler`,
+  :func:`make_loss_scaler`.
+* :mod:`.unscale`: the fused unscale + inf/NaN pass over plain optimizers' gradients.
+"""
+
+from .base import LossScaler
+from .scalers import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
+                      make_loss_scaler)
+from .state import DynamicConfig, ScaleState, adjust_scale
+
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
+           "NonFiniteGradientsError", "LossScaler", "ScaleState", "DynamicConfig", "adjust_scale"]

@@ -1,0 +1,14 @@
+"""The training API: :class:`Trainer`, its :class:`History`, callbacks and metrics.
+
+* :mod:`.trainer`: the Trainer (prepare, scale, accumulate, clip, step, resume).
+* :mod:`.state`: checkpoint state, RNG snapshots and atomic files for exact resume.
+* :mod:`.history`, :mod:`.callbacks`, :mod:`.metrics`.
+"""
+
+from .callbacks import Callback, LossMonitor, ModelCheckpoint, ProgressBar
+from .history import History
+from .metrics import Accuracy, MeanAbsoluteError, Metric, make_metrics
+from .trainer import Trainer
+
+__all__ = ["Trainer", "History", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar",
+           "Metric", "Accuracy", "MeanAbsoluteError", "make_metrics"]
