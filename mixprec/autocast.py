@@ -178,7 +178,7 @@ class autocast(contextlib.ContextDecorator):
                  extend_defaults: bool = True, emulate_fp16="auto"):
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        oplists._check_device_type(device_type)
+        oplists.check_device_type(device_type)
         low, fp32 = oplists.validate_custom_lists(low_precision_ops, fp32_ops)
         self.device_type = device_type
         self.dtype = resolve_dtype(dtype, device_type, warn=bool(enabled))
