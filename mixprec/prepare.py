@@ -18,6 +18,7 @@ from .autocast import autocast, cast_floating
 from .dtypes import to_dtype
 from .emulation import emulation_context
 from .master import MasterWeightOptimizer, is_master_optimizer
+from .oplists import warn_unreachable
 from .policy import Policy
 
 __all__ = ["prepare", "to_float", "policy_of"]
@@ -249,6 +250,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     policy = _resolve_policy(model, level, dtype, keep_fp32)
     _check_optimizer(model, optimizer)
     context = _level_context(policy, _device_of(model).type, low_precision_ops, fp32_ops, emulate_fp16)
+    warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=3)  # names op lists miss
     originals = _cast_model(model, policy)
     if policy.master_weights and optimizer is not None:
         optimizer = _wrap_optimizer(optimizer, originals)

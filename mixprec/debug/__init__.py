@@ -10,8 +10,8 @@
 from .gradreport import GradReport, ParamGradStats, grad_report
 from .nonfinite import (NonFiniteError, NonFiniteEvent, NonFiniteReport, NonFiniteTracer,
                         TensorStats, trace_nonfinite)
-from .opstats import OpStats, op_stats
+from .opstats import OpRecord, OpStats, op_stats
 
 __all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",
-           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "grad_report",
+           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "OpRecord", "grad_report",
            "GradReport", "ParamGradStats"]
