@@ -1,9 +1,9 @@
 """Floating-point formats: their constants, how one value is stored, and range reports.
 
 Every constant of a :class:`FloatFormat` is derived from its bit layout (exponent and mantissa
-widths, and whether the top exponent encodes inf/NaN), so the table reads like the seeds' worked
-example: fp16 has 1 sign bit, 5 exponent bits, 10 fraction bits, bias 15, and its largest value
-is ``0 11110 1111111111`` = 1.9990234375 x 2^15 = 65504.
+widths, and whether the top exponent encodes inf/NaN), so the table reads like the MindSpore
+guide's worked example: fp16 has 1 sign bit, 5 exponent bits, 10 fraction bits, bias 15, and its
+largest value is ``0 11110 1111111111`` = 1.9990234375 x 2^15 = 65504.
 
 Rounding is round-to-nearest-even, computed exactly in float64 arithmetic from the bit layout
 (the quantum of a value is a power of two, so ``round(x / q) * q`` is exact). It agrees with
@@ -11,8 +11,10 @@ torch's own casts for every value they round once; it differs from them in two d
 places: torch casts float64 to fp16/bf16/fp8 through float32 (double rounding, e.g.
 1 + 2^-11 + 2^-40 becomes 1.0 instead of 1.0009765625), and torch's CPU cast to
 ``float8_e4m3fn`` saturates out-of-range values (and inf) to +-448, where this module reports an
-overflow and stores NaN, the format's only non-finite value. Bit patterns are read back from the
-real torch dtype (``view`` as an integer) wherever torch has the dtype.
+overflow and stores NaN, the format's only non-finite value. :func:`decompose` shows both: the
+format's rule (``stored``) and torch's own cast (``torch_cast``, with ``torch_note`` saying why
+they differ). Bit patterns are read back from the real torch dtype (``view`` as an integer)
+wherever torch has the dtype.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def normalize_op_name(name: str) -> str:
         ValueError: ``name`` is not a non-empty string.
     """
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"an op name must be a non-empty string such as 'add' or 'softmax'; got {name!r}")
+        raise ValueError(f"an op name must be a non-empty string such as 'add' or 'softmax'; "
+                         f"got {name!r}")
     name = name.strip()
     for prefix, replacement in _QUALIFIERS:
         if name.startswith(prefix) and len(name) > len(prefix):

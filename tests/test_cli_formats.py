@@ -1,4 +1,5 @@
-"""`mixprec formats` and `mixprec explain`: output, the seeds' examples, bad input."""
+"""`mixprec formats` and `mixprec explain`: output, the MindSpore guide's examples, bad input,
+negative values, torch's own cast next to the format's rule, and `--version`."""
 
 import importlib.metadata
 import json
@@ -58,7 +59,7 @@ def test_formats_json(capsys):
     ("0.00006666666", "0 00001 0001011110", "normal", "6.663799285888672e-05"),
     ("1/3", "0 01101 0101010101", "normal", "0.333251953125"),
 ])
-def test_explain_seed_examples(capsys, value, bits, kind, stored):
+def test_explain_mindspore_guide_examples(capsys, value, bits, kind, stored):
     code, out, err = run(capsys, "explain", value)
     assert code == 0 and err == ""
     assert field(out, "bits") == bits
@@ -169,13 +170,15 @@ def test_explain_negative_values_need_no_double_dash(capsys, argv, stored, sign)
 def test_explain_negative_values_mixed_with_others_keep_their_order(capsys):
     code, out, _ = run(capsys, "explain", "1", "-inf", "-2", "--format", "fp16")
     blocks = out.strip().split("\n\n")
-    assert code == 0 and [field(b, "stored") for b in blocks] == ["1.0 = 2^0", "-inf", "-2.0 = -2^1"]
+    assert code == 0
+    assert [field(b, "stored") for b in blocks] == ["1.0 = 2^0", "-inf", "-2.0 = -2^1"]
     code, _, err = run(capsys, "explain", "-1e400")
     assert code == 2 and "beyond the float64 range" in err and "' -1e400'" not in err
 
 
 def test_normalize_argv_touches_explain_values_only():
-    assert cli.normalize_argv(["explain", "-inf", "-f", "bf16"]) == ["explain", " -inf", "-f", "bf16"]
+    assert cli.normalize_argv(["explain", "-inf", "-f", "bf16"]) == [
+        "explain", " -inf", "-f", "bf16"]
     assert cli.normalize_argv(["explain", "--", "-inf"]) == ["explain", "--", "-inf"]
     assert cli.normalize_argv(["doctor", "--shape", "1,2,3"]) == ["doctor", "--shape", "1,2,3"]
     assert cli.normalize_argv(["--version"]) == ["--version"]

@@ -1,4 +1,5 @@
-"""mixprec.formats: constants vs torch.finfo, the seeds' worked examples, rounding, range reports."""
+"""mixprec.formats: constants vs torch.finfo, the MindSpore guide's worked examples, rounding,
+torch's own casts, range reports."""
 
 import math
 import random
@@ -113,7 +114,7 @@ def test_get_unknown_name_lists_known():
         F.get(16)
 
 
-# ----------------------------------------------------------------------------- seeds' worked examples
+# ------------------------------------------------------------ the MindSpore guide's worked examples
 
 @pytest.mark.parametrize("value, bits, kind", [
     (65504, "0 11110 1111111111", "normal"),        # MindSpore: the fp16 max
@@ -407,4 +408,5 @@ def test_decomposition_str_shows_both_rule_and_torch_cast():
     assert "stored     nan (the format's rule)" in text
     assert "torch cast 448.0 (float64 .to(torch.float8_e4m3fn)):" in text
     assert "saturates out-of-range values and inf to +-448" in text
-    assert "torch cast 65504.0 (float64 .to(torch.float16): same)" in str(F.decompose(65504, "fp16"))
+    same_text = "torch cast 65504.0 (float64 .to(torch.float16): same)"
+    assert same_text in str(F.decompose(65504, "fp16"))

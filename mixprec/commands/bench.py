@@ -291,7 +291,8 @@ def format_table(rep: dict) -> str:
         exceeded |= over
         lines.append(f"{r['row']:<15}{r['dtype']:<6}{r['ms_per_step']:>9.1f}{sp:>9}{mem:>9}"
                      f"{r['final_loss']:>12.6g}{r['gflops']:>9.0f}{100 * r['peak_share']:>7.0f}%"
-                     f"{'!' if over else ' '}{r['update_ms']:>11.1f}{100 * r['update_share']:>8.1f}%")
+                     f"{'!' if over else ' '}{r['update_ms']:>11.1f}"
+                     f"{100 * r['update_share']:>8.1f}%")
     m, k, n = rep["gemm_shape"]
     probes = rep.get("matmul_peak", {})
     peaks = ", ".join(f"{key} {v:.0f}" + _peak_remark(probes.get(key, {}))
@@ -312,8 +313,9 @@ def format_table(rep: dict) -> str:
 
 
 def _peak_remark(probe: dict) -> str:
-    notes = (["emulated"] if probe.get("emulated") else []) + (
-        [f"at {'x'.join(map(str, probe['shape']))} only"] if probe.get("full_size") is False else [])
+    notes = ["emulated"] if probe.get("emulated") else []
+    if probe.get("full_size") is False:
+        notes.append(f"at {'x'.join(map(str, probe['shape']))} only")
     return f" ({', '.join(notes)})" if notes else ""
 
 

@@ -275,8 +275,9 @@ def _run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="device capabilities and measured matmul throughput",
                               description="Show which dtypes this device supports and which are "
-                              "fast, measure matmul GFLOP/s per dtype, and say what dtype='auto' means. "
-                              "Slow kernels are measured at a small shape only, so it takes seconds.")
+                              "fast, measure matmul GFLOP/s per dtype, and say what dtype='auto' "
+                              "means. Slow kernels are measured at a smaller shape, so it takes "
+                              "seconds.")
     p.add_argument("--device", default="cpu", help="device to probe (default: cpu)")
     p.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
                    help="GEMM shape M,K,N for the throughput probe (default: %(default)s)")

@@ -249,7 +249,8 @@ class OpStats:
         rows: dict = collections.defaultdict(lambda: [0, 0])
         for key, n in self.records.items():
             dt = "-" if key.dtype is None else dtype_name(key.dtype)
-            rows[(key.op, dt, key.list_name or "-", key.inputs or "-")][PHASES.index(key.phase)] += n
+            row = (key.op, dt, key.list_name or "-", key.inputs or "-")
+            rows[row][PHASES.index(key.phase)] += n
         width = max([len(k[0]) for k in rows] + [2])
         lwidth = max([len(k[2]) for k in rows] + [len("op list name")])
         lines = [f"{'op':<{width}}  {'dtype':<8} {'forward':>8} {'backward':>8} {'total':>8}  "
