@@ -637,11 +637,11 @@ def test_master_optimizer_gets_fp32_master_grads_unscaled(dtype):
     scaler.scale(compute_loss(model, 0)).backward()
     scaler.unscale_(opt)
     compute_loss(control, 0).backward()
-    copt.sync_grads()
+    copt.unscale_grads_(None)
     assert all(g.dtype == torch.float32 for g in grads_of(opt))
-    # the model's own low-precision grads are still scaled; the masters' are not
-    assert model[0].weight.grad.abs().max() > 100 * grads_of(opt)[0].abs().max()
     assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
+    # the model's own low-precision grads read as unscaled too (their rounding of the masters')
+    torch.testing.assert_close(model[0].weight.grad, grads_of(opt)[0].to(dtype), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
@@ -665,7 +665,6 @@ def test_master_differential_against_unscaled_control(dtype):
             assert_tree_equal(snapshot(model, opt), before)  # params, masters, Adam state
         else:
             copt.step()
-            assert_tree_equal(grads_of(opt), grads_of(copt), **TOL)
         assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
         assert_tree_equal(opt.state_dict(), copt.state_dict(), **TOL)
     assert scales == [256.0, 512.0, 256.0, 512.0, 1024.0]

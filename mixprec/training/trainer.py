@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import debug
-from ..master import kernels as _fusedstep
+from ..master import kernels
 from ..master import is_master_optimizer
 from ..prepare import policy_of, prepare
 from ..scaling import make_loss_scaler
@@ -146,8 +146,8 @@ class Trainer:
 
     def _enable_fused_master_step(self) -> None:
         opt = self.optimizer
-        if is_master_optimizer(opt) and _fusedstep.is_supported(opt.inner):
-            opt.fused = True
+        if is_master_optimizer(opt) and kernels.is_compilable(opt.inner):
+            opt.fused = "compile"
 
     @staticmethod
     def _model_device(model: nn.Module) -> torch.device:
@@ -195,9 +195,7 @@ class Trainer:
         t = time.perf_counter()
         scale = self.scaler.get_scale()
         if self.max_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.scaler.clip_grad_norm_(self.optimizer, self.max_grad_norm)
         applied = bool(self.scaler.step(self.optimizer))
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
