@@ -311,7 +311,7 @@ class Decomposition:
                          f" = {_fmt_num(self.stored)}")
         rule = "" if self.torch_agrees else " (the format's rule)"
         lines.append(f"  stored     {_fmt_num(self.stored)}{rule}")
-        if self.torch_cast is not None:
+        if self.torch_cast is not None and f.bits < 64:  # float64 -> float64 is no cast
             cast = f"  torch cast {_fmt_num(self.torch_cast)} (float64 .to({f.torch_dtype})"
             if self.torch_agrees:
                 lines.append(cast + ": same)")

@@ -289,10 +289,9 @@ MODULE_FUNCTIONS: dict[type, tuple[str, ...]] = {
     nn.Dropout: ("dropout",), nn.Flatten: ("flatten",), nn.Identity: (),
     nn.MSELoss: ("mse_loss",), nn.L1Loss: ("l1_loss",), nn.CrossEntropyLoss: ("cross_entropy",),
     nn.NLLLoss: ("nll_loss",), nn.BCEWithLogitsLoss: ("binary_cross_entropy_with_logits",),
+    nn.RMSNorm: ("rms_norm",),
     nn.Sequential: (), nn.ModuleList: (), nn.ModuleDict: (),
 }
-if hasattr(nn, "RMSNorm"):  # torch >= 2.4
-    MODULE_FUNCTIONS[nn.RMSNorm] = ("rms_norm",)
 
 _LINEAR_GEMMS = frozenset({"addmm", "mm", "bmm", "matmul", "_addmm_activation"})
 _CONVOLUTIONS = frozenset({"convolution", "_convolution", "mkldnn_convolution",
@@ -311,26 +310,29 @@ _ATTENTION = frozenset({"_scaled_dot_product_flash_attention",
 #: ``fp32_ops=["linear"]`` does. (tests/test_oplists.py checks it against what really runs.)
 OPS_BENEATH: dict[str, frozenset[str]] = {
     "linear": _LINEAR_GEMMS,
-    "bilinear": frozenset({"_trilinear"}),
+    "bilinear": frozenset({"_trilinear", "add"}),
     **{name: _CONVOLUTIONS | {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"} - {name}
        for name in _CONV.values()},
     "layer_norm": frozenset({"native_layer_norm"}),
     "group_norm": frozenset({"native_group_norm"}),
     "batch_norm": _BATCH_NORMS,
-    "instance_norm": _BATCH_NORMS | {"batch_norm"},
+    "instance_norm": _BATCH_NORMS | {"batch_norm", "repeat"},
     "rms_norm": frozenset({"_fused_rms_norm", "rsqrt", "pow", "mean", "mul", "add", "add_"}),
     "softmax": frozenset({"_softmax"}),
     "log_softmax": frozenset({"_log_softmax"}),
     "cross_entropy": frozenset({"log_softmax", "_log_softmax", "nll_loss"}),
-    "embedding_bag": frozenset({"_embedding_bag"}),
+    "embedding_bag": frozenset({"_embedding_bag", "arange"}),
     "dropout": frozenset({"native_dropout", "bernoulli", "bernoulli_", "empty_like", "mul",
                           "div_"}),
     "scaled_dot_product_attention": _ATTENTION,
     "multi_head_attention_forward": _LINEAR_GEMMS | _ATTENTION | {
         "linear", "baddbmm", "softmax", "_softmax", "scaled_dot_product_attention",
         "_native_multi_head_attention", "add", "mul", "mean", "clone"},
-    "lstm": frozenset({"mkldnn_rnn_layer", "lstm_cell", "linear"}),
-    "gru": frozenset({"gru_cell", "linear"}),
+    "lstm": frozenset({"mkldnn_rnn_layer", "lstm_cell", "linear", "clone", "stack"}),
+    "gru": _LINEAR_GEMMS | {"gru_cell", "linear", "add", "add_", "clone", "mul_", "sigmoid_",
+                            "stack", "sub", "tanh_", "unsafe_split"},
+    **{name: _LINEAR_GEMMS | {f"{name}_cell", "linear", "add_", "stack", "tanh", "relu"}
+       for name in ("rnn_tanh", "rnn_relu")},
 }
 
 
@@ -412,10 +414,11 @@ def unreachable_names(model: nn.Module, names) -> dict[str, tuple[str, ...]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
-    if isinstance(names, str):
-        names = (names,)
+    names = (names,) if isinstance(names, str) else tuple(names)
     for name in names:
         resolve_op(name)
+    if not names:
+        return {}
     calls = _model_calls(model)
     if calls is None:
         return {}
