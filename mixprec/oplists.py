@@ -123,7 +123,7 @@ def _check_device_type(device_type: str) -> str:
 
 
 def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = True,
-             low_precision_ops=(), fp32_ops=()) -> dict[str, list[str]]:
+             low_precision_ops=(), fp32_ops=(), promote_ops=()) -> dict[str, list[str]]:
     """The effective cast policy lists of :func:`mixprec.autocast`.
 
     Args:
@@ -132,6 +132,7 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
         extend_defaults: include mixprec's fp32 additions (softmax, norms) on top of torch's list.
         low_precision_ops: op names moved to the low-precision list.
         fp32_ops: op names moved to the fp32 list.
+        promote_ops: op names moved to the promote list (inputs cast to the widest input dtype).
 
     Returns:
         ``{"low_precision": [...], "fp32": [...], "promote": [...]}``, each sorted.
@@ -142,11 +143,11 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
     """
     _check_device_type(device_type)
     to_dtype(dtype)
-    low, fp32 = validate_custom_lists(low_precision_ops, fp32_ops)
+    low, fp32, promote = validate_custom_lists(low_precision_ops, fp32_ops, promote_ops)
     table = {k: set(v) for k, v in TORCH_DEFAULTS[device_type].items()}
     if extend_defaults:
         table["fp32"] |= MIXPREC_FP32_ADDITIONS
-    for moved, target in ((low, "low_precision"), (fp32, "fp32")):
+    for moved, target in ((low, "low_precision"), (fp32, "fp32"), (promote, "promote")):
         for name in moved:
             for key in table:
                 table[key].discard(name)
@@ -154,10 +155,11 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
     return {k: sorted(v) for k, v in table.items()}
 
 
-def validate_custom_lists(low_precision_ops, fp32_ops) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Check two custom op lists: known names, no name in both. Returns them as tuples."""
-    lists = []
-    for what, ops in (("low_precision_ops", low_precision_ops), ("fp32_ops", fp32_ops)):
+def validate_custom_lists(low_precision_ops, fp32_ops, promote_ops=()) -> tuple[tuple[str, ...], ...]:
+    """Check custom op lists: known names, no name in two lists. Returns them as tuples."""
+    lists = {}
+    for what, ops in (("low_precision_ops", low_precision_ops), ("fp32_ops", fp32_ops),
+                      ("promote_ops", promote_ops)):
         if isinstance(ops, str):
             ops = (ops,)
         try:
@@ -166,9 +168,12 @@ def validate_custom_lists(low_precision_ops, fp32_ops) -> tuple[tuple[str, ...],
             raise TypeError(f"{what} must be an iterable of op names; got {type(ops).__name__}") from None
         for name in ops:
             resolve_op(name)
-        lists.append(ops)
-    both = sorted(set(lists[0]) & set(lists[1]))
-    if both:
-        raise ValueError(f"op(s) {', '.join(map(repr, both))} named in both low_precision_ops and "
-                         f"fp32_ops; an op can be moved to one list only")
-    return lists[0], lists[1]
+        lists[what] = ops
+    names = list(lists)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            both = sorted(set(lists[first]) & set(lists[second]))
+            if both:
+                raise ValueError(f"op(s) {', '.join(map(repr, both))} named in both {first} and "
+                                 f"{second}; an op can be moved to one list only")
+    return tuple(lists.values())
