@@ -123,8 +123,8 @@ class autocast(contextlib.ContextDecorator):
     """
 
     def __init__(self, dtype="auto", *, enabled: bool = True, device_type: str | None = None,
-                 low_precision_ops=(), fp32_ops=(), promote_ops=(), cache_enabled: bool = True,
-                 extend_defaults: bool = True, emulate_fp16="auto"):
+                 low_precision_ops=(), fp32_ops=(), cache_enabled: bool = True,
+                 extend_defaults: bool = True, emulate_fp16="auto", promote_ops=()):
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         oplists._check_device_type(device_type)

@@ -47,7 +47,7 @@ def train(model, optimizer, steps):
 model, optimizer = build()
 model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
 start_loss = train(model, optimizer, 1)
-train(model, optimizer, 149)
+train(model, optimizer, 99)
 
 checkpoint = {
     "model": model.state_dict(),
@@ -63,7 +63,7 @@ checkpoint = torch.load(io.BytesIO(buffer.getvalue()))
 model.load_state_dict(checkpoint["model"])
 optimizer.load_state_dict(checkpoint["optimizer"])
 amp.load_state_dict(checkpoint["amp"])
-final_loss = train(model, optimizer, 150)
+final_loss = train(model, optimizer, 100)
 '''
 
 MIXPREC_PROGRAM = APEX_PROGRAM.replace("from apex import amp",
@@ -87,7 +87,7 @@ def test_only_the_import_changes():
 def test_o1_and_o2_train_to_the_fp32_loss_within_3_percent():
     start, fp32 = _run("O0")
     losses = {level: _run(level)[1] for level in ("O1", "O2")}
-    print(f"final loss after 300 steps: O0 {fp32:.6f}, "
+    print(f"final loss after 200 steps: O0 {fp32:.6f}, "
           + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
     assert fp32 < start / 4  # it learned (the noise floor is 0.01)
     for level, loss in losses.items():
