@@ -116,7 +116,8 @@ def _known_names() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _check_device_type(device_type: str) -> str:
+def check_device_type(device_type: str) -> str:
+    """Return ``device_type`` if the op lists know it, else raise ValueError."""
     if not isinstance(device_type, str) or device_type not in TORCH_DEFAULTS:
         raise ValueError(f"device_type must be one of {sorted(TORCH_DEFAULTS)}; got {device_type!r}")
     return device_type
@@ -141,7 +142,7 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
         >>> "mm" in op_lists("cpu", "bf16")["low_precision"]
         True
     """
-    _check_device_type(device_type)
+    check_device_type(device_type)
     to_dtype(dtype)
     low, fp32, promote = validate_custom_lists(low_precision_ops, fp32_ops, promote_ops)
     table = {k: set(v) for k, v in TORCH_DEFAULTS[device_type].items()}
@@ -155,7 +156,8 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
     return {k: sorted(v) for k, v in table.items()}
 
 
-def validate_custom_lists(low_precision_ops, fp32_ops, promote_ops=()) -> tuple[tuple[str, ...], ...]:
+def validate_custom_lists(low_precision_ops, fp32_ops,
+                          promote_ops=()) -> tuple[tuple[str, ...], ...]:
     """Check custom op lists: known names, no name in two lists. Returns them as tuples."""
     lists = {}
     for what, ops in (("low_precision_ops", low_precision_ops), ("fp32_ops", fp32_ops),

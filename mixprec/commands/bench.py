@@ -13,8 +13,6 @@ statistics; on CUDA the allocator's peak is used instead).
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
 import statistics
@@ -25,56 +23,15 @@ import time
 import torch
 
 from .. import benchmodels
+from ..training import Trainer  # imported here, so it is in the memory baseline of a row
 from ..dtypes import dtype_name
 from ..policy import LEVELS, resolve_dtype
 from .doctor import matmul_gflops
+from .memory import peak_mb, reset_peak
 
 __all__ = ["run_row", "run_bench", "register"]
 
 REFERENCE = "torch.autocast"
-
-
-# ----------------------------------------------------------------- memory
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _malloc_trim() -> None:
-    """Return freed heap memory to the OS (glibc), so the resident set is an honest baseline."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak(device: torch.device) -> int | None:
-    """Reset the peak-memory counter; returns the baseline in KiB (None when unavailable)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device) // 1024
-    _malloc_trim()
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
-    except OSError:
-        return None
-    return _status_kb("VmRSS")
-
-
-def _peak_mb(device: torch.device, base_kb: int | None) -> float | None:
-    if base_kb is None:
-        return None
-    peak = (torch.cuda.max_memory_allocated(device) // 1024 if device.type == "cuda"
-            else _status_kb("VmHWM"))
-    return None if peak is None else round((peak - base_kb) / 1024, 1)
 
 
 # ----------------------------------------------------------------- one row
@@ -107,8 +64,6 @@ def _reference_step(model, opt, loss_fn, inputs, target, dtype, device):
 
 
 def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device, compile=False):
-    from ..training import Trainer
-
     trainer = Trainer(model, loss_fn, opt, level=level, dtype=dtype, device=device, progress=False,
                       compile=compile)
 
@@ -131,10 +86,8 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
     torch.manual_seed(0)
     inputs, target = (t.to(dev) for t in bm.batch(torch.Generator().manual_seed(0)))
     dt = torch.float32 if level == "O0" else resolve_dtype(dtype, dev, warn=False)
-    from .. import training  # noqa: F401  (imported before the memory baseline)
-
     _preload(bm, dt, dev)
-    base = _reset_peak(dev)
+    base = reset_peak(dev)
     model = bm.build().to(dev)
     opt = bm.make_optimizer(model.parameters())
     if level == REFERENCE:
@@ -151,7 +104,7 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
             times.append(time.perf_counter() - t)
             updates.append(upd)
     return {"row": level, "dtype": dtype_name(dt), "ms_per_step": 1e3 * statistics.median(times),
-            "update_ms": 1e3 * statistics.median(updates), "peak_mb": _peak_mb(dev, base),
+            "update_ms": 1e3 * statistics.median(updates), "peak_mb": peak_mb(dev, base),
             "update_times_ms": [round(1e3 * u, 2) for u in updates],
             "final_loss": loss, "loss_scale": scale, "times_ms": [round(1e3 * t, 2) for t in times]}
 

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from .. import oplists
 from ..autocast import autocast, cast_floating
 from ..master import is_master_optimizer
+from ..policy import Policy
 from ..prepare import policy_of, prepare
 from .apex_lists import APEX_O1_LISTS
 from .apex_optimizer import AmpOptimizer
@@ -228,60 +229,40 @@ def _fp32_originals(models: list[nn.Module]) -> dict[int, torch.Tensor]:
 
 def _set_up_model(model: nn.Module, props: AmpProperties, cast_model_outputs) -> None:
     cast_type = props.cast_model_type or None
-    if cast_type is not None and cast_type != torch.float32:
-        _cast_with_mixprec(model, cast_type, bool(props.keep_batchnorm_fp32))
     if cast_type is not None:
-        _register_fp32_state_dict(model)
+        _cast_with_mixprec(model, cast_type, bool(props.keep_batchnorm_fp32))
     out_dtype = cast_model_outputs or (torch.float32 if cast_type is not None else None)
     context = (_o1_context(model, props.low_dtype) if props.patch_torch_functions
                else contextlib.nullcontext)
-    model.forward = _AmpForward(model.forward, cast_type, out_dtype, context)
+    if out_dtype is not None or props.patch_torch_functions:
+        model.forward = _AmpForward(model.forward, out_dtype, context)
     setattr(model, _INITIALIZED_ATTR, True)
 
 
 def _cast_with_mixprec(model: nn.Module, cast_type: torch.dtype, keep_batchnorm: bool) -> None:
-    """Cast a model's parameters, buffers and compute to ``cast_type`` (apex's O2/O3 cast).
+    """apex's model cast: parameters, buffers, inputs and compute in ``cast_type``.
 
-    Affine BatchNorm layers stay fp32 when ``keep_batchnorm`` (they take the low-precision
-    activations and return them in ``cast_type``); nothing runs under autocast. Today this is
-    ``prepare``'s level O3 plus ``keep_fp32``; with a Policy it is
-    ``prepare(model, policy=Policy(param_dtype=cast_type, compute_dtype=cast_type,
-    output_dtype=None, keep_fp32=kept, autocast=False, cast_inputs=True))``.
+    Affine BatchNorm layers stay fp32 when ``keep_batchnorm`` (they read the low-precision
+    activations and return them in ``cast_type``); nothing runs under autocast (every op in the
+    dtype of its inputs); ``state_dict()`` is fp32. Outputs are cast by the caller.
     """
-    kept = [name for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine] if keep_batchnorm else []
-    prepare(model, level="O3", dtype=cast_type, keep_fp32=kept or None)
-
-
-def _register_fp32_state_dict(model: nn.Module) -> None:
-    """``model.state_dict()`` returns fp32 tensors (apex's hook), whatever the model holds."""
-    register = getattr(model, "register_state_dict_post_hook", None)
-    if register is None:  # torch < 2.5 has only the private spelling
-        register = model._register_state_dict_hook
-    register(_fp32_state_dict_hook)
-
-
-def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    for key, value in state_dict.items():
-        # keep_vars=True asks for the live Parameters: leave those alone
-        if (key.startswith(prefix) and isinstance(value, torch.Tensor)
-                and not isinstance(value, nn.Parameter)
-                and value.dtype in (torch.float16, torch.bfloat16)):
-            state_dict[key] = value.float()
+    kept = tuple(name for name, m in model.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine
+                 ) if keep_batchnorm else ()
+    prepare(model, policy=Policy(param_dtype=cast_type, compute_dtype=cast_type,
+                                 output_dtype=None, keep_fp32=kept, autocast=False,
+                                 cast_inputs=True))
 
 
 class _AmpForward:
-    """Replaces ``model.forward``: cast inputs, run under the O1 lists (if any), cast outputs."""
+    """Replaces ``model.forward``: run under apex's O1 lists (if asked), cast the outputs."""
 
-    def __init__(self, forward, in_dtype, out_dtype, context):
+    def __init__(self, forward, out_dtype, context):
         self.forward = forward
-        self.in_dtype = in_dtype
         self.out_dtype = out_dtype
         self.context = context
 
     def __call__(self, *args, **kwargs):
-        if self.in_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.in_dtype)
         with self.context():
             out = self.forward(*args, **kwargs)
         return out if self.out_dtype is None else cast_floating(out, self.out_dtype)

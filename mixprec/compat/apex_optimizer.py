@@ -31,14 +31,13 @@ def _unscale_grads(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                    device: torch.device) -> torch.Tensor:
     """Make the gradients ``optimizer.step()`` will use equal the model's times ``inv_scale``.
 
-    For a MasterWeightOptimizer those are the fp32 master gradients (the model gradients copied
-    and unscaled) plus the unscaled gradients of its fp32 parameters; for a plain optimizer the
-    parameters' own gradients, unscaled in place. Returns a 0-d flag, > 0 when a gradient holds
-    inf/NaN. No host sync. This is the one place that speaks the scaler <-> master-optimizer
-    protocol.
+    For a MasterWeightOptimizer those are the fp32 master gradients it makes in
+    ``unscale_grads_`` plus its fp32 parameters' gradients, unscaled in place; for a plain
+    optimizer the parameters' own gradients, unscaled in place. Returns a 0-d flag, > 0 when a
+    gradient holds inf/NaN. No host sync.
     """
     if is_master_optimizer(optimizer):
-        optimizer.sync_grads()
+        return optimizer.unscale_grads_(inv_scale)
     return unscale_and_check_(optimizer.param_groups, inv_scale, device)
 
 
@@ -107,7 +106,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 if param is not t:            # an fp32 master: its model gradient is consumed
                     param.grad = None
                     if self._live and t.grad is not None:
-                        self._set_aside[t] = t.grad.clone()
+                        self._set_aside[t] = t.grad   # unscale_grads_ makes a new tensor
                 elif t.grad is not None:      # an fp32 parameter: keep what it holds
                     self._set_aside[t] = t.grad
                     t.grad = None
@@ -117,6 +116,13 @@ class AmpOptimizer(torch.optim.Optimizer):
 
         Returns the inf/NaN flag of the fresh gradients (0-d tensor, no host sync).
         """
+        if is_master_optimizer(self.inner):
+            # a master with a set-aside gradient and none fresh: give its model parameter a
+            # zero gradient, so that the optimizer makes (and later steps) the master gradient
+            for t in self._set_aside:
+                param = self.inner.model_param(t)
+                if param is not t and param.grad is None:
+                    param.grad = torch.zeros_like(param)
         found = _unscale_grads(self.inner, inv_scale, device)
         grads, extra = [], []
         for t, g in self._set_aside.items():
@@ -153,6 +159,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                                "inside amp.scale_loss, then call optimizer.step()")
         self._live = False
         if overflowed is not None:
+            if is_master_optimizer(self.inner):
+                self.inner.drop_master_grads()
             if self.verbosity > 0:
                 loss_id, scale = overflowed
                 print(f"apex_amp: gradient overflow, skipping this step; loss scaler {loss_id} "
@@ -197,9 +205,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 def _start_masters_from(optimizer: MasterWeightOptimizer, originals: dict[int, torch.Tensor]):
     """Copy the exact fp32 values a parameter had before the model was cast into its master."""
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            for master in group["params"]:
-                param = optimizer.model_param(master)
-                original = originals.get(id(param))
-                if param is not master and original is not None:
-                    master.copy_(original)
+        for param, master in optimizer.masters_by_param().items():
+            original = originals.get(id(param))
+            if original is not None:
+                master.copy_(original)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from tqdm.auto import tqdm
 
 __all__ = ["Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar"]
 
@@ -126,8 +127,6 @@ class ProgressBar(Callback):
         self._bar = None
 
     def on_epoch_begin(self, trainer, epoch: int) -> None:
-        from tqdm.auto import tqdm
-
         self._bar = tqdm(total=self.total, desc=f"epoch {epoch}", file=self.file or sys.stdout,
                          leave=True, dynamic_ncols=True)
 
