@@ -6,16 +6,14 @@ amp_level=..., loss_scale_manager=...)`` and prints ``epoch: 1 step: 32, loss is
 once per epoch through ``LossMonitor``. Here the same network and data run through
 ``mp.Trainer`` with the guide's settings:
 
-=========================================================  ==========================================
-MindSpore                                                  mixprec
-=========================================================  ==========================================
-``amp_level="O2"``, ``FixedLossScaleManager(1024.0,        ``level="O2"``,
-False)`` (apply the update even on overflow)               ``StaticLossScaler(1024.0, skip_on_overflow=False)``
-``amp_level="O2"``, ``DynamicLossScaleManager()``          ``level="O2"``, ``DynamicLossScaler(init_scale=2**24,
-(2**24, factor 2, window 2000)                             growth_factor=2, backoff_factor=0.5, growth_interval=2000)``
-``amp_level="O3"``, ``loss_scale_manager=None``            ``level="O3"``, ``loss_scaler=None``
-``network.conv1.to_float(mstype.float16)``                 ``mp.to_float(network.conv1, "fp16")``, ``level="O0"``
-=========================================================  ==========================================
+* ``amp_level="O2"``, ``FixedLossScaleManager(1024.0, False)`` (apply the update even on
+  overflow): ``level="O2"``, ``loss_scaler=mp.StaticLossScaler(1024.0, skip_on_overflow=False)``
+* ``amp_level="O2"``, ``DynamicLossScaleManager()`` (2**24, factor 2, window 2000):
+  ``level="O2"``, ``loss_scaler=mp.DynamicLossScaler(init_scale=2**24, growth_factor=2,
+  backoff_factor=0.5, growth_interval=2000)``
+* ``amp_level="O3"``, ``loss_scale_manager=None``: ``level="O3"``, ``loss_scaler=None``
+* ``network.conv1.to_float(mstype.float16)``: ``mp.to_float(network.conv1, "fp16")``,
+  ``level="O0"``
 
 The labels are random, so the loss stays near ln(10) = 2.30 as in the guide's printout.
 
@@ -117,7 +115,8 @@ def train(name: str, run: dict, data, epochs: int, dtype: str) -> dict:
     result = {"loss": history.loss[-1], "seconds": seconds,
               "skipped": sum(history.skipped), "scale": trainer.scaler.get_scale(),
               "accuracy": history.epochs[-1]["accuracy"]}
-    print(f"   {epochs} epochs in {seconds:.2f} s ({1e3 * seconds / len(history.loss):.1f} ms/step), "
+    ms_per_step = 1e3 * seconds / len(history.loss)
+    print(f"   {epochs} epochs in {seconds:.2f} s ({ms_per_step:.1f} ms/step), "
           f"loss scale {result['scale']:g}, {result['skipped']} skipped steps, "
           f"train accuracy {result['accuracy']:.3f}")
     return result

@@ -7,20 +7,18 @@ last loss and the mean time per step of each: float32, AMP-O1 (``auto_cast`` wit
 (``decorate(models=model, level='O2')`` plus the same scaler). On a V100 it measured
 0.529 s / 0.118 s / 0.102 s per step. It also shows gradient accumulation under O1.
 
-=============================================================  ===================================================
-PaddlePaddle                                                   mixprec
-=============================================================  ===================================================
-``with auto_cast(custom_white_list={'elementwise_add'},        ``with mp.autocast(dtype, low_precision_ops=["add"],
-custom_black_list={'reduce_mean'}, level='O1')``               fp32_ops=["mean"])``
-``paddle.amp.decorate(models=model, level='O2')``              ``mp.prepare(model, optimizer, level="O2", dtype=dtype)``
-``with auto_cast(level='O2')``                                 (the prepared model's forward runs under mp.autocast)
-``GradScaler(init_loss_scaling=1024)`` (the guide's version:   ``mp.DynamicLossScaler(init_scale=1024, growth_factor=2,
-incr_ratio 2, decr_ratio 0.5, incr_every_n_steps 1000,         backoff_factor=0.5, growth_interval=1000,
-decr_every_n_nan_or_inf 2)``                                   hysteresis=2)``
-``scaled = scaler.scale(loss); scaled.backward()``             ``scaler.scale(loss).backward()``
-``scaler.step(optimizer); scaler.update()``                    ``scaler.step(optimizer); scaler.update()``
-``optimizer.clear_grad(set_to_zero=False)``                    ``optimizer.zero_grad(set_to_none=True)``
-=============================================================  ===================================================
+* ``with auto_cast(custom_white_list={'elementwise_add'}, custom_black_list={'reduce_mean'},
+  level='O1')``: ``with mp.autocast(dtype, low_precision_ops=["add"], fp32_ops=["mean"])``
+* ``paddle.amp.decorate(models=model, level='O2')`` and ``with auto_cast(level='O2')``:
+  ``mp.prepare(model, optimizer, level="O2", dtype=dtype)`` (fp32 master weights; the prepared
+  model's forward runs under ``mp.autocast`` itself)
+* ``GradScaler(init_loss_scaling=1024)`` with the guide's defaults (incr_ratio 2, decr_ratio
+  0.5, incr_every_n_steps 1000, decr_every_n_nan_or_inf 2):
+  ``mp.DynamicLossScaler(init_scale=1024, growth_factor=2, backoff_factor=0.5,
+  growth_interval=1000, hysteresis=2)``
+* ``scaled = scaler.scale(loss); scaled.backward(); scaler.step(optimizer); scaler.update()``:
+  the same calls
+* ``optimizer.clear_grad(set_to_zero=False)``: ``optimizer.zero_grad(set_to_none=True)``
 
 Run: ``python examples/paddle_nine_linear.py [--tiny] [--width N] [--batch N] [--dtype D]``
 (``--tiny``, or ``MIXPREC_EXAMPLE_TINY=1``: width 64, batch 32, for the test suite; the default
@@ -140,7 +138,8 @@ def main(argv=None) -> dict:
     base = results["float32"][1]
     print(f"\n| - | {' | '.join(results)} |")
     print(f"|---|{'---|' * len(results)}")
-    print(f"| time per step | {' | '.join(f'{s:.3f}s ({base / s:.2f}x)' for _, s in results.values())} |")
+    times = " | ".join(f"{s:.3f}s ({base / s:.2f}x)" for _, s in results.values())
+    print(f"| time per step | {times} |")
     print(f"| loss | {' | '.join(f'{v:.7g}' for v, _ in results.values())} |")
     return results
 

@@ -167,7 +167,8 @@ def validate_custom_lists(low_precision_ops, fp32_ops,
         try:
             ops = tuple(ops)
         except TypeError:
-            raise TypeError(f"{what} must be an iterable of op names; got {type(ops).__name__}") from None
+            raise TypeError(f"{what} must be an iterable of op names; "
+                            f"got {type(ops).__name__}") from None
         for name in ops:
             resolve_op(name)
         lists[what] = ops

@@ -302,7 +302,6 @@ def test_delay_unscale_accumulates_like_fp32(level):
     model = copy.deepcopy(ref)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0,
                                 opt_level=level, dtype="bf16")
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     xs = [torch.randn(3, 4) for _ in range(3)]
     for i, x in enumerate(xs):
         ref(x).float().pow(2).mean().backward()

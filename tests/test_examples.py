@@ -40,7 +40,8 @@ def test_mindspore_lenet(capsys):
                             "manual: conv1.to_float(float16), the rest fp32"}
     for r in results.values():
         assert math.isfinite(r["loss"]) and 1.5 < r["loss"] < 3.0   # ~ln(10): random labels
-    assert results["O2 + FixedLossScaleManager(1024.0, drop_overflow_update=False)"]["scale"] == 1024
+    fixed = results["O2 + FixedLossScaleManager(1024.0, drop_overflow_update=False)"]
+    assert fixed["scale"] == 1024
     dynamic = results["O2 + DynamicLossScaleManager()"]
     assert dynamic["scale"] == 2.0 ** 24 / 2 ** dynamic["skipped"]  # backs off from 2**24
     assert "O2(params=fp16,compute=fp16,output=fp32,master=fp32)" in out

@@ -76,7 +76,7 @@ class _AmpState:
 
 _state: _AmpState | None = None
 _seen_optimizers: weakref.WeakSet = weakref.WeakSet()
-_user_lists: dict[str, str] = {}  # op name -> policy, from register_*_function on torch's namespaces
+_user_lists: dict[str, str] = {}  # op name -> policy (register_*_function on torch's namespaces)
 # The low-precision dtype while an O1 model's forward runs (None elsewhere, or in disable_casts).
 _cast_dtype: contextvars.ContextVar = contextvars.ContextVar("apex_amp_cast_dtype", default=None)
 
