@@ -9,7 +9,7 @@ from .autocast import autocast
 from .emulation import emulate_fp16
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer, fp32_state_dict
-from .oplists import op_lists
+from .oplists import OpListWarning, op_lists
 from .policy import Policy
 from .prepare import policy_of, prepare, to_float
 from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
@@ -30,6 +30,7 @@ __all__ = [
     # autocast with custom op lists
     "autocast",
     "op_lists",
+    "OpListWarning",
     # master weights
     "MasterWeightOptimizer",
     "fp32_state_dict",

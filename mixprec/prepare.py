@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from .autocast import PrecisionContext, autocast, cast_floating
 from .dtypes import TRAINING_DTYPES, dtype_name, is_low_precision, to_dtype
 from .master import MasterWeightOptimizer, is_master_optimizer
+from .oplists import warn_unreachable
 from .policy import Policy
 
 __all__ = ["prepare", "to_float", "policy_of", "module_device"]
@@ -346,6 +347,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     _check_optimizer(model, optimizer)
     device_type = module_device(model).type
     context = _policy_context(policy, device_type, low_precision_ops, fp32_ops, emulate_fp16)
+    warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=3)  # names op lists miss
     originals = _cast_model(model, policy, device_type)
     if policy.master_weights and optimizer is not None:
         optimizer = _wrap_optimizer(optimizer, originals)
