@@ -5,6 +5,8 @@ The cast tests port what apex's own tests/L0/run_amp checked (test_basic_casts, 
 test_rnn, test_cache), on CPU and inside the forward of a model returned by initialize.
 """
 
+import copy
+import io
 import sys
 import types
 
@@ -558,3 +560,18 @@ def test_disable_casts():
 
     model = o1(body)
     assert [t.dtype for t in model(torch.randn(3, 3))] == [FLOAT, FLOAT, HALF, HALF]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_initialized_models_pickle_and_deepcopy(level):
+    torch.manual_seed(0)
+    model = amp.initialize(Net(), opt_level=level, dtype="bf16", verbosity=0).eval()
+    x = torch.randn(6, 4)
+    expected = model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for clone in (loaded, copy.deepcopy(model)):
+        got = clone(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert clone.forward.module is clone

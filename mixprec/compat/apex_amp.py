@@ -48,7 +48,7 @@ from .. import oplists
 from ..autocast import autocast, cast_floating
 from ..master import is_master_optimizer
 from ..policy import Policy
-from ..prepare import policy_of, prepare
+from ..prepare import module_device, policy_of, prepare
 from .apex_lists import APEX_O1_LISTS
 from .apex_optimizer import AmpOptimizer
 from .apex_options import AmpProperties, check_dtype, resolve_properties
@@ -232,10 +232,9 @@ def _set_up_model(model: nn.Module, props: AmpProperties, cast_model_outputs) ->
     if cast_type is not None:
         _cast_with_mixprec(model, cast_type, bool(props.keep_batchnorm_fp32))
     out_dtype = cast_model_outputs or (torch.float32 if cast_type is not None else None)
-    context = (_o1_context(model, props.low_dtype) if props.patch_torch_functions
-               else contextlib.nullcontext)
-    if out_dtype is not None or props.patch_torch_functions:
-        model.forward = _AmpForward(model.forward, out_dtype, context)
+    o1 = _O1Casts(model, props.low_dtype) if props.patch_torch_functions else None
+    if out_dtype is not None or o1 is not None:
+        model.forward = _AmpForward(model, out_dtype, o1)
     setattr(model, _INITIALIZED_ATTR, True)
 
 
@@ -255,16 +254,25 @@ def _cast_with_mixprec(model: nn.Module, cast_type: torch.dtype, keep_batchnorm:
 
 
 class _AmpForward:
-    """Replaces ``model.forward``: run under apex's O1 lists (if asked), cast the outputs."""
+    """Replaces ``model.forward`` (an instance attribute; picklable): run the forward it replaced
+    under apex's O1 lists (if asked), cast the floating outputs to ``out_dtype`` (if given)."""
 
-    def __init__(self, forward, out_dtype, context):
-        self.forward = forward
+    def __init__(self, module: nn.Module, out_dtype, o1: _O1Casts | None):
+        self.module = module
+        self.inner = module.__dict__.get("forward")  # prepare's entry, else the class's forward
         self.out_dtype = out_dtype
-        self.context = context
+        self.o1 = o1
+
+    def _forward(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        with self.context():
-            out = self.forward(*args, **kwargs)
+        if self.o1 is None:
+            out = self._forward(*args, **kwargs)
+        else:
+            out = self.o1.run(self._forward, args, kwargs)
         return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
 
 
@@ -276,26 +284,36 @@ def _o1_lists() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in lists.items()}
 
 
-def _o1_context(model: nn.Module, low_dtype: torch.dtype):
-    """A factory of the O1 context for ``model``'s device: apex's lists through mp.autocast."""
-    device_type = next((t.device.type for t in model.parameters()), "cpu")
-    lists = _o1_lists()
-    autocast(low_dtype, device_type=device_type, extend_defaults=False,  # validate now
-             low_precision_ops=lists["low_precision"], fp32_ops=lists["fp32"],
-             promote_ops=lists["promote"])
+class _O1Casts:
+    """apex's O1 for one model: its lists through mp.autocast on the model's device, and the
+    cast decorators switched on, while the forward runs."""
 
-    @contextlib.contextmanager
-    def o1_casts():
-        token = _cast_dtype.set(low_dtype)
+    def __init__(self, model: nn.Module, low_dtype: torch.dtype):
+        self.low_dtype = low_dtype
+        self.device_type = module_device(model).type
+        self.lists = _o1_lists()
+        self.context = self._context()
+
+    def _context(self):
+        lists = self.lists
+        return autocast(self.low_dtype, device_type=self.device_type, extend_defaults=False,
+                        low_precision_ops=lists["low_precision"], fp32_ops=lists["fp32"],
+                        promote_ops=lists["promote"]).context
+
+    def __getstate__(self) -> dict:
+        # the context maps torch callables (some operators are not picklable): rebuilt on load
+        return {k: v for k, v in self.__dict__.items() if k != "context"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.context = self._context()
+
+    def run(self, fn, args: tuple, kwargs: dict):
+        token = _cast_dtype.set(self.low_dtype)
         try:
-            with autocast(low_dtype, device_type=device_type, extend_defaults=False,
-                          low_precision_ops=lists["low_precision"], fp32_ops=lists["fp32"],
-                          promote_ops=lists["promote"]):
-                yield
+            return self.context.run(fn, args, kwargs)
         finally:
             _cast_dtype.reset(token)
-
-    return o1_casts
 
 
 def _print(verbosity: int, message: str) -> None:
