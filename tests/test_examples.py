@@ -1,5 +1,6 @@
-"""The examples/ programs (the source documents' example programs in mixprec form) run at their
-tiny size and print what their sources print."""
+"""The examples/ programs (the MindSpore and PaddlePaddle AMP guides' and the apex O0-O3
+write-up's example programs in mixprec form) run at their tiny size and print what the originals
+print."""
 
 import importlib.util
 import math
