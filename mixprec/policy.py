@@ -16,7 +16,7 @@ __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "resolve_dtype"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
-# Layers whose statistics and affine parameters stay fp32 at O1/O2 (the seeds: BatchNorm and the
+# Layers whose statistics and affine parameters stay fp32 at O1/O2 (the MindSpore and PaddlePaddle guides: BatchNorm and the
 # loss are precision sensitive).
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     t for t in (

@@ -8,7 +8,7 @@ import pytest
 
 import mixprec as mp
 
-# Names ../shared/API.md promises, as `mp.<name>`.
+# Names the public API contract promises, as `mp.<name>`.
 CONTRACT = [
     "formats.get", "formats.FloatFormat", "formats.decompose", "formats.range_report",
     "Policy", "Policy.from_level", "device_capabilities", "autocast", "op_lists", "prepare",

@@ -692,7 +692,7 @@ def test_master_optimizer_error_names_model_parameters():
     assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-# ----------------------------------------------------------------------------- the seeds' claim
+# ----------------------------------------------- the guides' claim: scaling rescues small gradients
 TINY = 2.0 ** -20  # makes every gradient small enough to underflow in fp16 (min subnormal 2^-24)
 
 

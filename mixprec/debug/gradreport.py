@@ -1,7 +1,8 @@
 """``grad_report``: would these gradients survive a low-precision format, and at which loss scale?
 
-The seeds explain loss scaling with a histogram of gradient magnitudes: most values sit far
-below fp16's smallest subnormal (2^-24) and become zero, while the top of the range is unused.
+The mixed-precision guides explain loss scaling with a histogram of gradient magnitudes: most
+values sit far below fp16's smallest subnormal (2^-24) and become zero, while the top of the
+range is unused.
 :func:`grad_report` measures exactly that for a model's current ``.grad`` tensors: per
 parameter, the fractions that would underflow, become subnormal or overflow in a format after
 multiplying by a scale, and the largest power-of-two scale that keeps every value finite.
