@@ -12,8 +12,13 @@ from .master import MasterWeightOptimizer, fp32_state_dict
 from .oplists import OpListWarning, op_lists
 from .policy import Policy
 from .prepare import policy_of, prepare, to_float
-from .scaling import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
-                      make_loss_scaler)
+from .scaling import (
+                      DynamicLossScaler,
+                      NoLossScaler,
+                      NonFiniteGradientsError,
+                      StaticLossScaler,
+                      make_loss_scaler,
+)
 from .training import Accuracy, Callback, History, LossMonitor, ModelCheckpoint, Trainer
 
 __version__ = "0.1.0"

@@ -2,12 +2,11 @@ import copy
 
 import pytest
 import torch
+from testmodels import make
 from torch import nn
 
 import mixprec as mp
 from mixprec.policy import NORM_LAYERS
-
-from testmodels import make
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MODELS = ["mlp", "cnn", "transformer"]

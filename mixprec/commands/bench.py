@@ -23,11 +23,11 @@ import time
 import torch
 
 from .. import benchmodels
-from ..training import Trainer  # imported here, so it is in the memory baseline of a row
 from ..dtypes import dtype_name
 from ..emulation import emulation_context
 from ..hardware import is_fast
 from ..policy import LEVELS, resolve_dtype
+from ..training import Trainer  # imported here, so it is in the memory baseline of a row
 from .doctor import probe_matmul
 from .memory import peak_mb, reset_peak
 

@@ -9,8 +9,14 @@
 """
 
 from .gradreport import GradReport, ParamGradStats, grad_report
-from .nonfinite import (NonFiniteError, NonFiniteEvent, NonFiniteReport, NonFiniteTracer,
-                        TensorStats, trace_nonfinite)
+from .nonfinite import (
+                        NonFiniteError,
+                        NonFiniteEvent,
+                        NonFiniteReport,
+                        NonFiniteTracer,
+                        TensorStats,
+                        trace_nonfinite,
+)
 from .opstats import OpRecord, OpStats, op_stats
 
 __all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",

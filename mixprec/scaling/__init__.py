@@ -8,8 +8,13 @@
 """
 
 from .base import LossScaler
-from .scalers import (DynamicLossScaler, NoLossScaler, NonFiniteGradientsError, StaticLossScaler,
-                      make_loss_scaler)
+from .scalers import (
+                      DynamicLossScaler,
+                      NoLossScaler,
+                      NonFiniteGradientsError,
+                      StaticLossScaler,
+                      make_loss_scaler,
+)
 from .state import DynamicConfig, ScaleState, adjust_scale
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",

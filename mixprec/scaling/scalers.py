@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..policy import Policy
 from ..dtypes import to_dtype
-from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
+from ..policy import Policy
 from .base import LossScaler
+from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
 
 __all__ = [
     "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",

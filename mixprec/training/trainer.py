@@ -9,7 +9,6 @@ update the scale, step the LR scheduler only when the update was applied.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import sys
@@ -21,14 +20,13 @@ import torch
 from torch import nn
 
 from .. import debug
-from ..master import kernels
-from ..master import is_master_optimizer
+from ..master import is_master_optimizer, kernels
 from ..prepare import module_device, policy_of, prepare
 from ..scaling import make_loss_scaler
 from . import state as ts
+from .batches import compute_loss, logits_of, split_batch, to_device
 from .callbacks import Callback, ProgressBar
 from .history import History
-from .batches import compute_loss, logits_of, split_batch, to_device
 from .metrics import make_metrics
 
 __all__ = ["Trainer", "History"]
