@@ -4,13 +4,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test lint bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,demo]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,demo,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 bench: $(STAMP)
 	$(PY) -m mixprec bench
