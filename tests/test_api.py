@@ -16,6 +16,9 @@ CONTRACT = [
     "StaticLossScaler", "NoLossScaler", "make_loss_scaler", "NonFiniteGradientsError", "Trainer",
     "History", "debug.trace_nonfinite", "debug.op_stats", "debug.grad_report",
 ]
+APEX = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+        "register_half_function", "register_float_function", "register_promote_function",
+        "half_function", "float_function", "promote_function", "disable_casts"]
 
 
 @pytest.mark.parametrize("name", mp.__all__)
@@ -29,6 +32,25 @@ def test_contract_names_exist(dotted):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     assert callable(obj) or inspect.ismodule(obj)
+
+
+@pytest.mark.parametrize("name", APEX)
+def test_apex_compat_names_exist(name):
+    from mixprec.compat import apex_amp
+
+    assert callable(getattr(apex_amp, name))
+
+
+def test_apex_initialize_and_scale_loss_keep_apex_signatures():
+    from mixprec.compat import apex_amp
+
+    assert list(inspect.signature(apex_amp.initialize).parameters) == [
+        "models", "optimizers", "enabled", "opt_level", "cast_model_type",
+        "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale",
+        "cast_model_outputs", "num_losses", "verbosity", "min_loss_scale", "max_loss_scale",
+        "dtype"]
+    assert list(inspect.signature(apex_amp.scale_loss).parameters) == [
+        "loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check"]
 
 
 @pytest.mark.parametrize("cls,params", [
