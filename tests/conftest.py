@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from mixprec.compat import apex_amp
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -15,3 +17,12 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def restore_apex_registrations():
+    """apex_amp.register_*_function changes process-wide lists (as apex's did): undo it after."""
+    saved = dict(apex_amp._user_lists)
+    yield
+    apex_amp._user_lists.clear()
+    apex_amp._user_lists.update(saved)

@@ -8,20 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.compat import apex_amp
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning"),
+              pytest.mark.usefixtures("restore_apex_registrations")]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-@pytest.fixture(autouse=True)
-def _restore_apex_registrations():
-    """The programs register torch.sigmoid as an fp32 function (process-wide): undo it after."""
-    saved = dict(apex_amp._user_lists)
-    yield
-    apex_amp._user_lists.clear()
-    apex_amp._user_lists.update(saved)
 
 
 def _load(name):

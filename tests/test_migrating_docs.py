@@ -8,22 +8,13 @@ from pathlib import Path
 import pytest
 
 from mixprec import oplists
-from mixprec.compat import apex_amp
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning"),
+              pytest.mark.usefixtures("restore_apex_registrations")]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```\s*$", re.S | re.M)
 SECTIONS = ("From apex", "From torch.amp", "From PaddlePaddle", "From MindSpore")
-
-
-@pytest.fixture(autouse=True)
-def _restore_apex_registrations():
-    """The programs register torch.sigmoid as an fp32 function (process-wide): undo it after."""
-    saved = dict(apex_amp._user_lists)
-    yield
-    apex_amp._user_lists.clear()
-    apex_amp._user_lists.update(saved)
 
 
 def _blocks(text):
