@@ -16,6 +16,7 @@ COMMANDS = (
     "doctor",
     "bench",
     "demo",
+    "plan",
 )
 
 
