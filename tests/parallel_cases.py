@@ -28,14 +28,16 @@ GLOBAL_BATCH = 8
 FEATURES = 8
 
 
-def launch(fn, out_dir, *args, world=WORLD, timeout=90.0, pg_timeout=30.0):
+def launch(fn, out_dir, *args, world=WORLD, timeout=90.0, pg_timeout=30.0, barrier=True):
     """Run ``fn(rank, out_dir, *args)`` on ``world`` spawned gloo ranks; return each rank's result.
 
     Fails the test when the ranks are still running after ``timeout`` seconds (a hang), and
-    re-raises a rank's exception with its traceback.
+    re-raises a rank's exception with its traceback. ``barrier=False``: ranks leave without a
+    last barrier (for cases that break the group).
     """
     out = str(out_dir)
-    ctx = tmp.start_processes(_entry, args=(fn, out, world, pg_timeout, args), nprocs=world,
+    ctx = tmp.start_processes(_entry, args=(fn, out, world, pg_timeout, barrier, args),
+                              nprocs=world,
                               join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -49,14 +51,15 @@ def launch(fn, out_dir, *args, world=WORLD, timeout=90.0, pg_timeout=30.0):
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def _entry(rank, fn, out, world, pg_timeout, args):
+def _entry(rank, fn, out, world, pg_timeout, barrier, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     result = fn(rank, out, *args)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     os._exit(0)
 
 

@@ -4,6 +4,8 @@ One launch runs every case on both ranks (module fixture); the tests compare the
 single-process run at the same global batch.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,10 +61,13 @@ def _inf_in_data(rank):
             "weights": mp.fp32_state_dict(trainer.model)}
 
 
-def _state_dict_and_logging(rank):
+def _state_dict_and_logging(rank, out):
     lines = []
-    trainer = make_trainer("ddp", "O2", callbacks=[mp.LossMonitor(print_fn=lines.append)])
+    ckpts = os.path.join(out, "ckpts")
+    saver = mp.ModelCheckpoint(ckpts, every_n_steps=2, every_epoch=False, keep_last=1)
+    trainer = make_trainer("ddp", "O2", callbacks=[mp.LossMonitor(print_fn=lines.append), saver])
     trainer.fit(loader(GLOBAL_BATCH // WORLD), epochs=1)
+    dist.barrier()  # rank 0 deletes old files after its save returned
     sd = mp.fp32_state_dict(trainer.model, trainer.optimizer)
     plain = Net()
     plain.load_state_dict(sd)  # strict: plain names, nothing missing
@@ -72,7 +77,7 @@ def _state_dict_and_logging(rank):
     x = dataset().tensors[0][:8]
     with torch.no_grad():
         out_diff = (plain(x) - trainer.model(x)).abs().max().item()
-    return {"lines": lines, "keys": list(sd), "masters_equal": masters_equal,
+    return {"lines": lines, "keys": list(sd), "checkpoints": sorted(os.listdir(ckpts)), "masters_equal": masters_equal,
             "out_diff": out_diff, "optimizer": type(trainer.optimizer).__name__,
             "wrapper": type(trainer.model).__name__,
             "linear_dtype": module.blocks[0].fc.weight.dtype,
@@ -94,7 +99,7 @@ def suite(rank, out):
     results["skip"] = skip_case(rank, _ddp_skip_model)
     results["inf_data"] = _inf_in_data(rank)
     results["resume"] = resume_case(rank, out, "ddp", "O2")
-    results["misc"] = _state_dict_and_logging(rank)
+    results["misc"] = _state_dict_and_logging(rank, out)
     return results
 
 
@@ -182,5 +187,6 @@ def test_fp32_state_dict_has_plain_names_and_loads_into_a_plain_model(ranks):
         assert misc["out_diff"] < 2e-2  # bf16 model vs its fp32 masters
 
 
-def test_loss_monitor_prints_on_rank_zero_only(ranks):
+def test_loss_monitor_prints_on_rank_zero_only_and_rank_zero_writes_one_file(ranks):
     assert len(ranks[0]["misc"]["lines"]) == 4 and ranks[1]["misc"]["lines"] == []
+    assert ranks[0]["misc"]["checkpoints"] == ranks[1]["misc"]["checkpoints"] == ["ckpt-step4.pt"]

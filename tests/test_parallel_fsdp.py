@@ -5,6 +5,8 @@ One launch runs every case on both ranks (module fixture). Gradient parity again
 also guards against FSDP2 summing instead of averaging on gloo (pytorch#162338).
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,14 +84,18 @@ def _inf_in_data(rank):
             "weights": mp.fp32_state_dict(trainer.model)}
 
 
-def _state_dict(rank):
-    trainer = make_trainer("fsdp", "O2")
+def _state_dict(rank, out):
+    ckpts = os.path.join(out, "ckpts")
+    saver = mp.ModelCheckpoint(ckpts, every_n_steps=2, every_epoch=False, keep_last=1)
+    trainer = make_trainer("fsdp", "O2", callbacks=[saver])
     trainer.fit(loader(GLOBAL_BATCH // WORLD), epochs=1)
+    dist.barrier()
+    saved = {name: sorted(os.listdir(os.path.join(ckpts, name))) for name in os.listdir(ckpts)}
     sd = mp.fp32_state_dict(trainer.model, trainer.optimizer)
     plain = Net()
     plain.load_state_dict(sd)  # strict: plain names, full tensors
     shards_equal = all(torch.equal(sd[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
-    return {"keys": list(sd), "types": {type(v).__name__ for v in sd.values()},
+    return {"checkpoints": saved, "keys": list(sd), "types": {type(v).__name__ for v in sd.values()},
             "dtypes": {v.dtype for v in sd.values()}, "shards_equal": shards_equal}
 
 
@@ -104,7 +110,7 @@ def suite(rank, out):
     results["skip"] = skip_case(rank, _fsdp_o0)
     results["inf_data"] = _inf_in_data(rank)
     results["resume"] = resume_case(rank, out, "fsdp", "O2")
-    results["state_dict"] = _state_dict(rank)
+    results["state_dict"] = _state_dict(rank, out)
     return results
 
 
@@ -204,3 +210,5 @@ def test_fp32_state_dict_gathers_full_plain_tensors(ranks):
         assert sd["keys"] == list(Net().state_dict())
         assert sd["types"] == {"Tensor"} and sd["dtypes"] == {torch.float32}
         assert sd["shards_equal"]
+        assert sd["checkpoints"] == {"ckpt-step4": [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                    "rank0.pt", "rank1.pt", "trainer.pt"]}

@@ -11,12 +11,18 @@ from ..policy import LEVELS
 __all__ = ["plan_report", "register"]
 
 _GIB = 2.0 ** 30
-_HEADER = ("  strategy  ranks  level   params  masters    grads  optimizer    total  B/param"
-           "   traffic/step")
+_COLUMNS = ("strategy", "ranks", "level", "params", "masters", "grads", "optimizer", "total",
+            "B/param", "traffic/step")
+
+
+def _line(mark: str, cells) -> str:
+    strategy, ranks, level, *sizes, bpp, traffic = cells
+    return (f"{mark} {strategy:<8} {ranks:>5}  {level:<5} "
+            + " ".join(f"{c:>9}" for c in sizes) + f" {bpp:>8} {traffic:>13}")
 
 
 def _gib(x: float) -> str:
-    return f"{x / _GIB:8.2f}"
+    return f"{x / _GIB:.2f}"
 
 
 def _count(n: int) -> str:
@@ -28,11 +34,10 @@ def _count(n: int) -> str:
 
 def _row(p: MemoryPlan, chosen: bool) -> str:
     shard = p.world if p.strategy == "fsdp" else 1
-    per_param = p.total * shard / p.params
-    bpp = f"{per_param:g}" + (f"/{shard}" if shard > 1 else "")
-    return (f"{'*' if chosen else ' '} {p.strategy:<8}{p.world:>6}  {p.level:<5}"
-            f"{_gib(p.parameters)} {_gib(p.masters)} {_gib(p.gradients)}   {_gib(p.optimizer_state)}"
-            f" {_gib(p.total)}  {bpp:>7}  {p.traffic / _GIB:9.2f} GiB")
+    bpp = f"{p.total * shard / p.params:g}" + (f"/{shard}" if shard > 1 else "")
+    return _line("*" if chosen else " ", (
+        p.strategy, p.world, p.level, _gib(p.parameters), _gib(p.masters), _gib(p.gradients),
+        _gib(p.optimizer_state), _gib(p.total), bpp, f"{p.traffic / _GIB:.2f} GiB"))
 
 
 def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, optimizer="adamw",
@@ -50,7 +55,7 @@ def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, o
         "GiB per rank; B/param = bytes per parameter (/N: sharded over N ranks); traffic = "
         "bytes one rank sends per step",
         "",
-        _HEADER,
+        _line(" ", _COLUMNS),
     ]
     key = (chosen.strategy, chosen.level, chosen.world)
     lines += [_row(p, (p.strategy, p.level, p.world) == key) for p in rows]

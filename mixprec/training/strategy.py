@@ -230,7 +230,7 @@ class _Distributed(Strategy):
 
     def failed(self, exc: BaseException) -> None:
         where = f"rank {env.rank()} of {env.world_size()}"
-        if isinstance(exc, dist.DistError):
+        if _collective_failure(exc):
             raise RuntimeError(f"{where}: a collective operation failed, most likely because "
                                f"another rank raised or stopped (see its log): {exc}") from exc
         log.error("mixprec: %s failed: %s: %s", where, type(exc).__name__, exc)
@@ -253,6 +253,14 @@ class _Distributed(Strategy):
         failed = [m for m in messages if m]
         if failed:
             raise RuntimeError(f"{what} failed on another rank: {'; '.join(failed)}")
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A failed or timed-out collective (gloo's come through autograd as plain RuntimeErrors)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text)
 
 
 def _for_this_rank(ckpt: dict, path, rank: int, world: int) -> dict:
