@@ -90,6 +90,25 @@ def _ddp_skip_model():
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _different_initial_weights(rank):
+    """Ranks seeded differently: the Trainer broadcasts rank 0's fp32 weights before preparing;
+    mp.parallel.ddp on a model prepared at O2 refuses (its masters would differ)."""
+    torch.manual_seed(rank)
+    model = Net()
+    trainer = mp.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                         level="O2", dtype="bf16", strategy="ddp", progress=False)
+    masters = mp.fp32_state_dict(trainer.model, trainer.optimizer)
+    torch.manual_seed(rank)
+    net = Net()
+    net, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype="bf16")
+    try:
+        mp.parallel.ddp(net)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"masters": masters, "error": error}
+
+
 def suite(rank, out):
     results = {f"fit_{level}": fit("ddp", level, world=WORLD) for level in LEVELS}
     results["fit_O2_bf16_reduce"] = fit("ddp", "O2", world=WORLD, reduce="bf16")
@@ -100,6 +119,7 @@ def suite(rank, out):
     results["inf_data"] = _inf_in_data(rank)
     results["resume"] = resume_case(rank, out, "ddp", "O2")
     results["misc"] = _state_dict_and_logging(rank, out)
+    results["seeds"] = _different_initial_weights(rank)
     return results
 
 
@@ -190,3 +210,12 @@ def test_fp32_state_dict_has_plain_names_and_loads_into_a_plain_model(ranks):
 def test_loss_monitor_prints_on_rank_zero_only_and_rank_zero_writes_one_file(ranks):
     assert len(ranks[0]["misc"]["lines"]) == 4 and ranks[1]["misc"]["lines"] == []
     assert ranks[0]["misc"]["checkpoints"] == ranks[1]["misc"]["checkpoints"] == ["ckpt-step4.pt"]
+
+
+def test_ranks_start_from_rank_zeros_weights_and_masters(ranks):
+    torch.manual_seed(0)
+    rank0_init = Net().state_dict()
+    for r in ranks:
+        masters = r["seeds"]["masters"]
+        assert all(torch.equal(masters[k], rank0_init[k]) for k in rank0_init)
+        assert "parameters differ across ranks" in r["seeds"]["error"]

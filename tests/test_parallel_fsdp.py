@@ -99,6 +99,21 @@ def _state_dict(rank, out):
             "dtypes": {v.dtype for v in sd.values()}, "shards_equal": shards_equal}
 
 
+def _save_before_training(rank, out):
+    """Saving before the first step changes nothing (DCP would give AdamW a step count of 1)."""
+    path = os.path.join(out, "step0")
+    runs = []
+    for action in (None, "save", "load"):
+        trainer = make_trainer("fsdp", "O2", adam=True)
+        if action == "save":
+            trainer.save(path)
+        elif action == "load":
+            trainer.load(path)
+        trainer.fit(loader(GLOBAL_BATCH // WORLD), epochs=1)
+        runs.append(mp.fp32_state_dict(trainer.model))
+    return [all(torch.equal(runs[0][k], run[k]) for k in run) for run in runs[1:]]
+
+
 def suite(rank, out):
     results = {f"fit_{level}": fit("fsdp", level, world=WORLD) for level in LEVELS}
     results["fit_O2_bf16_reduce"] = fit("fsdp", "O2", world=WORLD, reduce="bf16")
@@ -111,6 +126,7 @@ def suite(rank, out):
     results["inf_data"] = _inf_in_data(rank)
     results["resume"] = resume_case(rank, out, "fsdp", "O2")
     results["state_dict"] = _state_dict(rank, out)
+    results["step0"] = _save_before_training(rank, out)
     return results
 
 
@@ -202,6 +218,7 @@ def test_resume_from_a_dcp_directory_is_bitwise_equal(ranks):
         res = r["resume"]
         assert res["stopped_at"] == 6 and res["steps"] == 8
         assert res["equal"] and res["loss_equal"] and res["is_dir"]
+        assert r["step0"] == [True, True]
 
 
 def test_fp32_state_dict_gathers_full_plain_tensors(ranks):

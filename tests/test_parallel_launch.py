@@ -75,3 +75,18 @@ def test_a_rank_that_raises_does_not_leave_the_others_waiting(tmp_path):
     assert r1["error"] == "ValueError: bad batch on rank 1"  # reported where it happened
     assert r0["error"].startswith("RuntimeError: rank 0 of 2: a collective operation failed")
     assert r0["seconds"] < 20  # the group's timeout, not forever
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy,reduce_dtype", [("ddp", "bf16"), ("fsdp", "fp32")])
+def test_torchrun_on_cuda_takes_the_device_from_local_rank(tmp_path, strategy, reduce_dtype):
+    """NCCL for CUDA tensors (torch's own bf16 compression hook under DDP), one rank per GPU."""
+    ranks = min(2, torch.cuda.device_count())
+    run = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(ranks), str(EXAMPLE), "--level", "O2", "--strategy",
+                strategy, "--reduce-dtype", reduce_dtype, "--epochs", "1", "--out", "w.pt"],
+               tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith(f"{strategy} x{ranks} O2")
+    weights = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in weights.values())

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from ..parallel import env
 from ..parallel.sharding import fsdp
@@ -47,11 +48,12 @@ class FSDPStrategy(_Distributed):
         if self.is_main:
             error = _try(lambda: shutil.rmtree(tmp) if tmp.exists() else None)
         self.agree(error, f"preparing {str(tmp)!r}")
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+        tensors, groups = _sharded_state(trainer)
+        dcp.save(tensors, checkpoint_id=str(tmp))
         ranks = self.rank_states(trainer)
         if self.is_main:
-            meta = {**ts.trainer_meta(trainer), "world_size": env.world_size()}
+            meta = {**ts.trainer_meta(trainer), "world_size": env.world_size(),
+                    "param_groups": groups}
             error = _try(lambda: torch.save(meta, tmp / _META))
         error = error or _try(lambda: torch.save(ranks[env.rank()], tmp / f"rank{env.rank()}.pt"))
         self.agree(error, f"saving checkpoint {str(path)!r}")
@@ -71,15 +73,39 @@ class FSDPStrategy(_Distributed):
         except Exception as exc:
             error = exc
         self.agree(error, f"loading checkpoint {str(path)!r}")
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        if meta["param_groups"] is None:
+            state = dict(zip(("model", "optimizer"), get_state_dict(trainer.model,
+                                                                    trainer.optimizer)))
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:  # saved before the optimizer had state: weights and hyper-parameters only
+            state = {"model": get_model_state_dict(trainer.model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(trainer.model, state["model"])
+            trainer.optimizer.state.clear()
+            for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
+                group.update(saved)
         trainer.scaler.load_state_dict(meta["scaler"])
         if trainer.scheduler is not None:
             trainer.scheduler.load_state_dict(meta["scheduler"])
         ts.restore_progress(trainer, meta)
+
+
+def _sharded_state(trainer) -> tuple[dict, list | None]:
+    """What DCP saves, and the param groups' options when the optimizer has no state yet.
+
+    ``get_state_dict`` gives a stateless optimizer zero state by stepping it at lr 0 (Adam's
+    step count becomes 1): that state is dropped again, so saving never changes training.
+    """
+    optimizer = trainer.optimizer
+    fresh = not any(optimizer.state.values())
+    model_sd, optim_sd = get_state_dict(trainer.model, optimizer)
+    if not fresh:
+        return {"model": model_sd, "optimizer": optim_sd}, None
+    optimizer.state.clear()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"model": model_sd}, groups
 
 
 def _try(action) -> BaseException | None:
@@ -102,11 +128,11 @@ def _replace_dir(tmp: Path, path: Path) -> None:
 
 
 def _read_meta(path: Path) -> dict:
+    if path.is_file():
+        raise ValueError(f"{str(path)!r} is a file; an FSDP Trainer checkpoint is the directory "
+                         f"Trainer.save writes under strategy='fsdp'")
     if not (path / _META).is_file():
-        what = "a file" if path.is_file() else "no checkpoint directory"
-        raise FileNotFoundError(f"{str(path)!r} is {what} with {_META}: not an FSDP Trainer "
-                                f"checkpoint (Trainer.save under strategy='fsdp' writes a "
-                                f"directory)")
+        raise FileNotFoundError(f"no FSDP Trainer checkpoint at {str(path)!r} (no {_META} there)")
     meta = ts.read_checkpoint(path / _META)
     if "world_size" not in meta:
         raise ValueError(f"{str(path / _META)!r} is not an FSDP Trainer checkpoint")
