@@ -62,7 +62,8 @@ def _measure(strategy, level, width, depth, optimizer, batch=32):
     gc.collect()
     after = rss()
     opt = trainer.optimizer
-    master_grads = sum(b.numel() * b.element_size() for b in getattr(opt, "_grad_bufs", {}).values())
+    buffers = getattr(opt, "_grad_bufs", {}).values()  # fp32 master gradients kept between steps
+    master_grads = sum(b.numel() * b.element_size() for b in buffers)
     del trainer, opt
     gc.collect()
     return after - before, master_grads

@@ -9,7 +9,7 @@ from .autocast import autocast
 from .emulation import emulate_fp16
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer
-from .oplists import op_lists
+from .oplists import OpListWarning, op_lists
 from .parallel import fp32_state_dict
 from .policy import Policy
 from .prepare import policy_of, prepare, to_float
@@ -31,6 +31,7 @@ __all__ = [
     # autocast with custom op lists
     "autocast",
     "op_lists",
+    "OpListWarning",
     # master weights
     "MasterWeightOptimizer",
     "fp32_state_dict",

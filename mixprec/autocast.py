@@ -4,22 +4,27 @@ torch's autocast keeps its cast policies in C++ tables that cannot be edited. mi
 ``torch.autocast`` for the default lists and, only when some op must change list, a
 ``TorchFunctionMode`` that catches exactly those ops (as functions, ``Tensor`` methods and
 operators alike), casts their floating inputs and runs them with autocast off.
+
+:class:`PrecisionContext` is the same thing as plain data, decided once: what a prepared model's
+forward runs under. It pickles with the model and compiles into one ``torch.compile`` graph
+(``torch.autocast`` and the modes are entered inside the traced code).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from . import oplists
-from .emulation import emulation_context
+from .emulation import Fp16EmulationMode, should_emulate
 from .policy import resolve_dtype
 
-__all__ = ["autocast", "cast_floating"]
+__all__ = ["autocast", "cast_floating", "PrecisionContext"]
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW = "low"  # marker: "the autocast dtype in force at call time"
@@ -76,6 +81,69 @@ def _targets(device_type: str, low_ops, fp32_ops, extend_defaults: bool) -> dict
     return targets
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrecisionContext:
+    """What a block of code computes in: autocast (with op lists) or one fixed dtype.
+
+    Attributes:
+        device_type: "cpu", "cuda", ...
+        dtype: the compute dtype (the autocast dtype, or the fixed dtype).
+        autocast: True runs ``torch.autocast(device_type, dtype)`` with the op-list
+            interceptions; False runs with autocast off, every op in the dtype of its inputs.
+        cache_enabled: torch.autocast's weight-cast cache.
+        targets: Python callable -> the dtype its inputs are cast to (or ``"low"``: the autocast
+            dtype), for the ops that change list.
+        emulate: run fp16 GEMM/conv through the fp16 emulation (see :mod:`mixprec.emulation`).
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    autocast: bool
+    cache_enabled: bool = True
+    targets: dict = dataclasses.field(default_factory=dict)
+    emulate: bool = False
+
+    @classmethod
+    def fixed(cls, dtype: torch.dtype, device_type: str, emulate_fp16="auto") -> PrecisionContext:
+        """Autocast off: every op computes in exactly ``dtype`` (with fp16 emulation if needed)."""
+        return cls(device_type, dtype, False,
+                   emulate=should_emulate(device_type, dtype, emulate_fp16))
+
+    def run(self, fn, args: tuple, kwargs: dict):
+        """``fn(*args, **kwargs)`` under this context."""
+        if self.autocast:
+            with torch.autocast(self.device_type, dtype=self.dtype,
+                                cache_enabled=self.cache_enabled):
+                return self._with_modes(fn, args, kwargs)
+        with torch.autocast(self.device_type, enabled=False):
+            return self._with_modes(fn, args, kwargs)
+
+    def _with_modes(self, fn, args, kwargs):
+        if self.targets and self.emulate:  # the op lists innermost: they see each call first
+            with Fp16EmulationMode(self.device_type), \
+                    _OpListMode(self.device_type, self.targets):
+                return fn(*args, **kwargs)
+        if self.targets:
+            with _OpListMode(self.device_type, self.targets):
+                return fn(*args, **kwargs)
+        if self.emulate:
+            with Fp16EmulationMode(self.device_type):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        """Enter this context on ``stack`` (for code that is not one function call)."""
+        if self.autocast:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype,
+                                               cache_enabled=self.cache_enabled))
+        else:
+            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        if self.emulate:
+            stack.enter_context(Fp16EmulationMode(self.device_type))
+        if self.targets:
+            stack.enter_context(_OpListMode(self.device_type, self.targets))
+
+
 class autocast(contextlib.ContextDecorator):
     """Autocast with custom op lists; a context manager and a decorator.
 
@@ -110,7 +178,7 @@ class autocast(contextlib.ContextDecorator):
                  extend_defaults: bool = True, emulate_fp16="auto"):
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        oplists._check_device_type(device_type)
+        oplists.check_device_type(device_type)
         low, fp32 = oplists.validate_custom_lists(low_precision_ops, fp32_ops)
         self.device_type = device_type
         self.dtype = resolve_dtype(dtype, device_type, warn=bool(enabled))
@@ -119,27 +187,22 @@ class autocast(contextlib.ContextDecorator):
         self.low_precision_ops, self.fp32_ops = low, fp32
         self.extend_defaults = bool(extend_defaults)
         self.emulate_fp16 = emulate_fp16
-        self._targets = _targets(device_type, low, fp32, self.extend_defaults) if self.enabled else {}
+        targets = _targets(device_type, low, fp32, self.extend_defaults) if self.enabled else {}
+        self.context = PrecisionContext(
+            device_type, self.dtype, self.enabled, cache_enabled, targets,
+            self.enabled and should_emulate(device_type, self.dtype, emulate_fp16))
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self):
         stack = contextlib.ExitStack()
-        if self.enabled:
-            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype,
-                                               cache_enabled=self.cache_enabled))
-            if self.dtype == torch.float16:
-                stack.enter_context(emulation_context(self.device_type, self.dtype, self.emulate_fp16))
-            if self._targets:
-                stack.enter_context(_OpListMode(self.device_type, self._targets))
-        else:
-            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        self.context.enter(stack)
         self._stacks.append(stack)
         return self
 
     def __exit__(self, *exc):
         return self._stacks.pop().__exit__(*exc)
 
-    def _recreate_cm(self):
+    def _recreate_cm(self):  # ContextDecorator: each decorated call gets its own stack
         clone = copy.copy(self)
         clone._stacks = []
         return clone

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["BenchModel", "MODELS", "get_model", "NineLinear", "ConvNet", "TinyGPT", "count_flops"]
 
@@ -197,8 +198,6 @@ def count_flops(bm: BenchModel) -> int:
     The model runs on the meta device, so nothing is computed. Counts matmul, conv and
     attention FLOPs (2 per multiply-add); elementwise ops are not counted.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     with torch.device("meta"):
         model = bm.build()
     inputs, target = bm.batch(torch.Generator().manual_seed(0))

@@ -2,6 +2,9 @@
 
 Each subcommand lives in a module of ``mixprec.commands`` that exposes ``register(subparsers)``;
 ``register`` adds a parser and sets ``func`` (called with the parsed args, returns an exit code).
+A module may also define ``normalize_argv(command, args) -> args``, applied to the arguments
+after the subcommand's name before parsing (``explain`` uses it so that ``-inf`` is a value, not
+an option); it returns ``args`` unchanged for commands it does not own.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from . import __version__
 
 # Subcommand modules, in the order ``mixprec --help`` lists them.
 COMMANDS = (
@@ -20,18 +25,39 @@ COMMANDS = (
 )
 
 
+def _modules() -> dict:
+    return {name: importlib.import_module(f"mixprec.commands.{name}") for name in COMMANDS}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training tools for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMANDS:
-        importlib.import_module(f"mixprec.commands.{name}").register(sub)
+    for module in _modules().values():
+        module.register(sub)
     return parser
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """Apply the subcommand modules' ``normalize_argv`` hooks to the arguments after the
+    subcommand's name (the first token that is not an option)."""
+    argv = list(argv)
+    for i, token in enumerate(argv):
+        if not token.startswith("-"):
+            rest = argv[i + 1:]
+            for module in _modules().values():
+                hook = getattr(module, "normalize_argv", None)
+                if hook is not None:
+                    rest = hook(token, rest)
+            return argv[:i + 1] + rest
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(normalize_argv(argv))
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -36,7 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import hardware, oplists
 from .dtypes import to_dtype
 
-__all__ = ["emulation_context", "emulate_fp16", "EMULATED_FUNCTIONS"]
+__all__ = ["emulation_context", "should_emulate", "Fp16EmulationMode", "emulate_fp16",
+           "EMULATED_FUNCTIONS"]
 
 _LOG = logging.getLogger("mixprec")
 _FP16 = torch.float16
@@ -91,7 +92,7 @@ def _to_fp16(t):
     return t
 
 
-class _Fp16EmulationMode(TorchFunctionMode):
+class Fp16EmulationMode(TorchFunctionMode):
     """Runs fp16 GEMM/conv/attention as fp32 math on fp16-rounded values (see module doc)."""
 
     def __init__(self, device_type: str):
@@ -148,8 +149,8 @@ def _device_type(device) -> str:
                      f"torch.device); got {device!r}")
 
 
-def emulation_context(device_type, dtype, mode="auto"):
-    """The context manager that emulates fp16 GEMM/conv on ``device_type``, or a no-op.
+def should_emulate(device_type, dtype, mode="auto") -> bool:
+    """Whether fp16 GEMM/conv on ``device_type`` are emulated for compute ``dtype``.
 
     Args:
         device_type: "cpu", "cuda", ... (a ``torch.device`` is accepted too).
@@ -158,12 +159,29 @@ def emulation_context(device_type, dtype, mode="auto"):
             (:func:`mixprec.hardware.is_fast`), logging one notice on the "mixprec" logger;
             True always emulates fp16; False never does.
 
+    Raises:
+        ValueError: ``mode`` is not "auto", True or False, or a bad device type or dtype.
+    """
+    if not any(mode is m or (isinstance(mode, str) and mode == m) for m in _MODES):
+        raise ValueError(f"mode must be 'auto', True or False; got {mode!r}")
+    device_type = _device_type(device_type)
+    if to_dtype(dtype) != _FP16 or mode is False:
+        return False
+    if mode == "auto":
+        if hardware.is_fast(_FP16, device_type):
+            return False
+        _notice(device_type)
+    return True
+
+
+def emulation_context(device_type, dtype, mode="auto"):
+    """The context manager that emulates fp16 GEMM/conv on ``device_type``, or a no-op.
+
+    Arguments as for :func:`should_emulate`.
+
     Returns:
         A fresh emulation mode to enter with ``with``, or ``contextlib.nullcontext()`` when
         nothing is emulated (zero overhead).
-
-    Raises:
-        ValueError: ``mode`` is not "auto", True or False, or a bad device type or dtype.
 
     Example:
         >>> import torch
@@ -172,17 +190,9 @@ def emulation_context(device_type, dtype, mode="auto"):
         ...     (a @ a.T).dtype
         torch.float16
     """
-    if not any(mode is m or (isinstance(mode, str) and mode == m) for m in _MODES):
-        raise ValueError(f"mode must be 'auto', True or False; got {mode!r}")
-    device_type = _device_type(device_type)
-    dtype = to_dtype(dtype)
-    if dtype != _FP16 or mode is False:
-        return contextlib.nullcontext()
-    if mode == "auto":
-        if hardware.is_fast(_FP16, device_type):
-            return contextlib.nullcontext()
-        _notice(device_type)
-    return _Fp16EmulationMode(device_type)
+    if should_emulate(device_type, dtype, mode):
+        return Fp16EmulationMode(_device_type(device_type))
+    return contextlib.nullcontext()
 
 
 def emulate_fp16(enabled=True, *, device_type="cpu"):

@@ -1,9 +1,9 @@
 """Floating-point formats: their constants, how one value is stored, and range reports.
 
 Every constant of a :class:`FloatFormat` is derived from its bit layout (exponent and mantissa
-widths, and whether the top exponent encodes inf/NaN), so the table reads like the seeds' worked
-example: fp16 has 1 sign bit, 5 exponent bits, 10 fraction bits, bias 15, and its largest value
-is ``0 11110 1111111111`` = 1.9990234375 x 2^15 = 65504.
+widths, and whether the top exponent encodes inf/NaN), so the table reads like the MindSpore
+guide's worked example: fp16 has 1 sign bit, 5 exponent bits, 10 fraction bits, bias 15, and its
+largest value is ``0 11110 1111111111`` = 1.9990234375 x 2^15 = 65504.
 
 Rounding is round-to-nearest-even, computed exactly in float64 arithmetic from the bit layout
 (the quantum of a value is a power of two, so ``round(x / q) * q`` is exact). It agrees with
@@ -11,8 +11,10 @@ torch's own casts for every value they round once; it differs from them in two d
 places: torch casts float64 to fp16/bf16/fp8 through float32 (double rounding, e.g.
 1 + 2^-11 + 2^-40 becomes 1.0 instead of 1.0009765625), and torch's CPU cast to
 ``float8_e4m3fn`` saturates out-of-range values (and inf) to +-448, where this module reports an
-overflow and stores NaN, the format's only non-finite value. Bit patterns are read back from the
-real torch dtype (``view`` as an integer) wherever torch has the dtype.
+overflow and stores NaN, the format's only non-finite value. :func:`decompose` shows both: the
+format's rule (``stored``) and torch's own cast (``torch_cast``, with ``torch_note`` saying why
+they differ). Bit patterns are read back from the real torch dtype (``view`` as an integer)
+wherever torch has the dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import textwrap
 from typing import Any
 
 import torch
@@ -166,7 +169,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     overflow_to = math.inf if fmt.has_inf else math.nan
     out = torch.where(out.abs() > fmt.max, torch.copysign(torch.full_like(x, overflow_to), x), out)
     if not fmt.has_inf:
-        out = torch.where(torch.isinf(x), torch.full_like(x, math.nan), out)
+        out = torch.where(torch.isinf(x), torch.copysign(torch.full_like(x, math.nan), x), out)
     return torch.where(torch.isnan(x), x, out)
 
 
@@ -237,6 +240,11 @@ class Decomposition:
         kind: "normal", "subnormal", "zero", "inf" or "nan" (of the stored value).
         overflow: a finite value became inf (NaN in fp8_e4m3).
         underflow: a nonzero value became zero.
+        torch_cast: what torch's own cast of the float64 value to ``fmt.torch_dtype`` gives
+            (None where this torch has no such dtype). It can differ from ``stored``, the
+            format's rule: torch's CPU cast to ``float8_e4m3fn`` saturates to +-448 where the
+            format stores NaN, and torch rounds float64 to 16-bit and fp8 types through float32
+            (double rounding). :attr:`torch_note` says which.
     """
 
     value: float
@@ -252,6 +260,26 @@ class Decomposition:
     kind: str
     overflow: bool
     underflow: bool
+    torch_cast: float | None = None
+
+    @property
+    def torch_agrees(self) -> bool:
+        """True when torch's cast stores what the format's rule does (or torch lacks the dtype)."""
+        return self.torch_cast is None or _same(self.torch_cast, self.stored)
+
+    @property
+    def torch_note(self) -> str:
+        """Why torch's cast differs from the format's rule ("" when it does not)."""
+        if self.torch_agrees:
+            return ""
+        f = self.fmt
+        if not f.has_inf and math.isnan(self.stored) and not math.isnan(self.value):
+            return (f"torch saturates out-of-range values and inf to +-{f.max:g}; the format "
+                    f"has no inf, so its rule stores NaN")
+        via_fp32 = torch.tensor([self.value], dtype=torch.float64).to(torch.float32).double()
+        if _same(_round(via_fp32, f).item(), self.torch_cast):
+            return "torch rounds float64 to float32 first, then to this format (double rounding)"
+        return "torch's cast differs from round-to-nearest-even"
 
     @property
     def significand(self) -> float | None:
@@ -281,8 +309,17 @@ class Decomposition:
                          f"-> significand {self.significand!r}")
             lines.append(f"  value      (-1)^{self.sign} x 2^{self.exponent} x {self.significand!r}"
                          f" = {_fmt_num(self.stored)}")
-        lines += [f"  stored     {_fmt_num(self.stored)}",
-                  f"  error      abs {self.abs_error:.6g}, rel {self.rel_error:.6g}",
+        rule = "" if self.torch_agrees else " (the format's rule)"
+        lines.append(f"  stored     {_fmt_num(self.stored)}{rule}")
+        if self.torch_cast is not None and f.bits < 64:  # float64 -> float64 is no cast
+            cast = f"  torch cast {_fmt_num(self.torch_cast)} (float64 .to({f.torch_dtype})"
+            if self.torch_agrees:
+                lines.append(cast + ": same)")
+            else:
+                lines.append(cast + "):")
+                lines += textwrap.wrap(self.torch_note, 88, initial_indent=" " * 13,
+                                       subsequent_indent=" " * 13)
+        lines += [f"  error      abs {self.abs_error:.6g}, rel {self.rel_error:.6g}",
                   f"  kind       {self.kind}",
                   f"  overflow   {'yes' if self.overflow else 'no'}",
                   f"  underflow  {'yes' if self.underflow else 'no'}"]
@@ -362,7 +399,19 @@ def decompose(value: Any, fmt: Any = "fp16") -> Decomposition:
         stored=stored, abs_error=abs_error, rel_error=rel_error, kind=kind,
         overflow=math.isfinite(x) and not math.isfinite(stored),
         underflow=x != 0 and stored == 0,
+        torch_cast=_torch_cast(x, fmt),
     )
+
+
+def _torch_cast(x: float, fmt: FloatFormat) -> float | None:
+    """torch's own cast of float64 ``x`` to the format's dtype, read back as a float."""
+    if fmt.torch_dtype is None:
+        return None
+    return torch.tensor([x], dtype=torch.float64).to(fmt.torch_dtype).double().item()
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _fraction(field: str) -> property:

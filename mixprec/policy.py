@@ -52,14 +52,25 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
 class Policy:
     """How a model stores parameters, computes, and returns outputs.
 
+    Every cast :func:`mixprec.prepare` makes follows from these fields (no level string is
+    consulted): parameters and floating buffers take ``param_dtype``; ``keep_fp32`` modules
+    keep fp32 parameters and compute in fp32, returning their outputs in the dtype their input
+    came in; with ``cast_inputs`` the model's floating inputs are cast to ``compute_dtype`` at
+    entry; the forward runs under :class:`mixprec.autocast` in ``compute_dtype`` when
+    ``autocast`` is set, else with autocast off (every op in the dtype of its inputs); outputs
+    are cast to ``output_dtype``; ``master_weights`` wraps the optimizer in
+    :class:`mixprec.MasterWeightOptimizer`.
+
     Args:
         param_dtype: dtype of the model's parameters and floating buffers.
         compute_dtype: dtype compute-heavy ops run in (matmul, conv, linear).
-        output_dtype: dtype the model's outputs are cast to (fp32 keeps the loss in fp32).
+        output_dtype: dtype the model's floating outputs are cast to (fp32 keeps the loss in
+            fp32), or None to leave them as they come.
         keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute.
         master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
         loss_scale: ``"dynamic"``, a fixed float, or None.
         autocast: run the forward under :func:`mixprec.autocast` with ``compute_dtype``.
+        cast_inputs: cast the model's floating inputs to ``compute_dtype`` at entry.
         level: the level this policy came from ("O0".."O3"), or None for a custom one.
 
     Example:
@@ -69,16 +80,20 @@ class Policy:
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
-    output_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype | None = torch.float32
     keep_fp32: tuple = ()
     master_weights: bool = False
     loss_scale: str | float | None = None
     autocast: bool = False
+    cast_inputs: bool = False
     level: str | None = None
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        for field in ("param_dtype", "compute_dtype"):
             object.__setattr__(self, field, to_dtype(getattr(self, field), what=field))
+        if self.output_dtype is not None:
+            object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
+                                                              what="output_dtype"))
         keep = self.keep_fp32
         if isinstance(keep, (type, str)):
             keep = (keep,)
@@ -87,15 +102,21 @@ class Policy:
                             f"got {type(keep).__name__}")
         for k in keep:
             if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
-                raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified module "
-                                f"names; got {k!r}")
+                raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified "
+                                f"module names; got {k!r}")
         object.__setattr__(self, "keep_fp32", tuple(keep))
+        for flag in ("master_weights", "autocast", "cast_inputs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False; got {getattr(self, flag)!r}")
         ls = self.loss_scale
-        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
-                                                   and 0 < float(ls) < float("inf"))):
-            raise ValueError(f"loss_scale must be 'dynamic', a positive finite number or None; got {ls!r}")
+        if not (ls is None or ls == "dynamic" or (
+                isinstance(ls, (int, float)) and not isinstance(ls, bool)
+                and 0 < float(ls) < float("inf"))):
+            raise ValueError(f"loss_scale must be 'dynamic', a positive finite number or None; "
+                             f"got {ls!r}")
         if self.level is not None and self.level not in LEVELS:
-            raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; got {self.level!r}")
+            raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
+                             f"got {self.level!r}")
 
     @classmethod
     def from_level(cls, level: str, dtype: Any = "auto", device=None) -> "Policy":
@@ -121,10 +142,10 @@ class Policy:
         fp32 = torch.float32
         scale = "dynamic" if low == torch.float16 else None
         if level == "O1":  # params are fp32 already; the op lists decide each norm's compute
-            return cls(fp32, low, fp32, (), False, scale, True, "O1")
+            return cls(fp32, low, fp32, (), False, scale, True, False, "O1")
         if level == "O2":
-            return cls(low, low, fp32, NORM_LAYERS, low != fp32, scale, True, "O2")
-        return cls(low, low, low, (), False, None, False, "O3")
+            return cls(low, low, fp32, NORM_LAYERS, low != fp32, scale, True, True, "O2")
+        return cls(low, low, low, (), False, None, False, True, "O3")
 
     def replace(self, **changes) -> "Policy":
         """A copy with some fields changed (the level becomes None unless given)."""
@@ -133,10 +154,16 @@ class Policy:
 
     @property
     def is_mixed(self) -> bool:
+        """True unless the policy is plain fp32 everywhere (then prepare changes nothing)."""
         return self.compute_dtype != torch.float32 or self.param_dtype != torch.float32
 
     def __str__(self) -> str:
         master = "fp32" if self.master_weights else "none"
+        output = "as-is" if self.output_dtype is None else dtype_name(self.output_dtype)
         body = (f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
-                f"output={dtype_name(self.output_dtype)},master={master}")
+                f"output={output},master={master}")
+        extras = [name for name, on in (("autocast", self.autocast),
+                                         ("cast_inputs", self.cast_inputs)) if on]
+        if self.level is None and extras:
+            body += "," + ",".join(extras)
         return f"{self.level or 'custom'}({body})"

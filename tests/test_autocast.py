@@ -191,8 +191,8 @@ def test_exception_inside_block_restores_state():
 def test_no_mode_without_custom_lists():
     """With torch's lists only, mp.autocast is exactly torch.autocast: nothing intercepts ops."""
     ac = mp.autocast("bf16", device_type="cpu", extend_defaults=False)
-    assert ac._targets == {}
-    assert mp.autocast("bf16", device_type="cpu")._targets  # the CPU additions need the mode
+    assert ac.context.targets == {}
+    assert mp.autocast("bf16", device_type="cpu").context.targets  # the CPU additions need the mode
 
 
 @pytest.mark.parametrize("kw,match", [

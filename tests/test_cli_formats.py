@@ -1,13 +1,22 @@
-"""`mixprec formats` and `mixprec explain`: output, the seeds' examples, bad input."""
+"""`mixprec formats` and `mixprec explain`: output, the MindSpore guide's examples, bad input,
+negative values, torch's own cast next to the format's rule, and `--version`."""
 
+import importlib.metadata
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import mixprec
 from mixprec import cli
+
+try:
+    import tomllib  # Python >= 3.11
+except ModuleNotFoundError:
+    tomllib = None
 from mixprec.commands.formats import parse_value
 
 
@@ -50,7 +59,7 @@ def test_formats_json(capsys):
     ("0.00006666666", "0 00001 0001011110", "normal", "6.663799285888672e-05"),
     ("1/3", "0 01101 0101010101", "normal", "0.333251953125"),
 ])
-def test_explain_seed_examples(capsys, value, bits, kind, stored):
+def test_explain_mindspore_guide_examples(capsys, value, bits, kind, stored):
     code, out, err = run(capsys, "explain", value)
     assert code == 0 and err == ""
     assert field(out, "bits") == bits
@@ -71,6 +80,7 @@ def test_explain_max_shows_the_formula(capsys):
     (["explain", "65520"], "overflow"),
     (["explain", "500", "--format", "fp8_e4m3"], "overflow"),
     (["explain", "--", "-1e6"], "overflow"),
+    (["explain", "-1e6"], "overflow"),
 ])
 def test_explain_flags_overflow_and_underflow(capsys, argv, flag):
     code, out, _ = run(capsys, *argv)
@@ -131,3 +141,57 @@ def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "mixprec", "explain", "65504"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "0 11110 1111111111" in done.stdout
+
+
+def test_explain_e4m3_beyond_max_shows_rule_and_torch_cast(capsys):
+    code, out, _ = run(capsys, "explain", "500", "--format", "fp8_e4m3")
+    assert code == 0
+    assert field(out, "stored") == "nan (the format's rule)"
+    assert field(out, "torch cast").startswith("448.0 (float64 .to(torch.float8_e4m3fn)):")
+    assert "saturates" in out and field(out, "overflow") == "yes"
+
+
+@pytest.mark.parametrize("argv, stored, sign", [
+    (["explain", "-1"], "-1.0 = -2^0", "1 (-)"),
+    (["explain", "-inf"], "-inf", "1 (-)"),
+    (["explain", "-Infinity", "-f", "bf16"], "-inf", "1 (-)"),
+    (["explain", "-2**-24"], "-5.960464477539063e-08 = -2^-24", "1 (-)"),
+    (["explain", "-0x1p-14", "--format", "fp16"], "-6.103515625e-05 = -2^-14", "1 (-)"),
+    (["explain", "-.5"], "-0.5 = -2^-1", "1 (-)"),
+    (["explain", "-nan", "-f", "fp8_e4m3"], "nan", "1 (-)"),
+    (["explain", "-f", "fp16", "-inf"], "-inf", "1 (-)"),
+])
+def test_explain_negative_values_need_no_double_dash(capsys, argv, stored, sign):
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == ""
+    assert field(out, "stored") == stored and field(out, "sign") == sign
+
+
+def test_explain_negative_values_mixed_with_others_keep_their_order(capsys):
+    code, out, _ = run(capsys, "explain", "1", "-inf", "-2", "--format", "fp16")
+    blocks = out.strip().split("\n\n")
+    assert code == 0
+    assert [field(b, "stored") for b in blocks] == ["1.0 = 2^0", "-inf", "-2.0 = -2^1"]
+    code, _, err = run(capsys, "explain", "-1e400")
+    assert code == 2 and "beyond the float64 range" in err and "' -1e400'" not in err
+
+
+def test_normalize_argv_touches_explain_values_only():
+    assert cli.normalize_argv(["explain", "-inf", "-f", "bf16"]) == [
+        "explain", " -inf", "-f", "bf16"]
+    assert cli.normalize_argv(["explain", "--", "-inf"]) == ["explain", "--", "-inf"]
+    assert cli.normalize_argv(["doctor", "--shape", "1,2,3"]) == ["doctor", "--shape", "1,2,3"]
+    assert cli.normalize_argv(["--version"]) == ["--version"]
+
+
+def test_version_comes_from_one_place(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out == f"mixprec {mixprec.__version__}\n"
+    assert importlib.metadata.version("mixprec") == mixprec.__version__
+    if tomllib is None:
+        pytest.skip("tomllib needs Python >= 3.11")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mixprec.__version__"}

@@ -308,8 +308,10 @@ def test_op_stats_autocast_bf16_mlp_forward_and_backward():
     assert sum(stats.by_dtype().values()) == stats.total
     assert "t" not in stats.ops()  # views are not counted by default
     table = stats.table()
-    assert table.splitlines()[0].split() == ["op", "dtype", "forward", "backward", "total"]
-    assert any(line.split()[:3] == ["addmm", "bf16", "3"] for line in table.splitlines())
+    assert table.splitlines()[0].split() == ["op", "dtype", "forward", "backward", "total", "op",
+                                             "list", "name", "inputs"]
+    assert any(line.split() == ["addmm", "bf16", "3", "0", "3", "linear", "bf16"]
+               for line in table.splitlines())
 
 
 # (torch's list name, ATen op it runs, call on a bf16 activation h)

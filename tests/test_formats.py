@@ -1,4 +1,5 @@
-"""mixprec.formats: constants vs torch.finfo, the seeds' worked examples, rounding, range reports."""
+"""mixprec.formats: constants vs torch.finfo, the MindSpore guide's worked examples, rounding,
+torch's own casts, range reports."""
 
 import math
 import random
@@ -113,7 +114,7 @@ def test_get_unknown_name_lists_known():
         F.get(16)
 
 
-# ----------------------------------------------------------------------------- seeds' worked examples
+# ------------------------------------------------------------ the MindSpore guide's worked examples
 
 @pytest.mark.parametrize("value, bits, kind", [
     (65504, "0 11110 1111111111", "normal"),        # MindSpore: the fp16 max
@@ -372,3 +373,40 @@ def test_range_report_combine_and_str():
         F.RangeReport.combine([a, F.range_report(torch.ones(1), "bf16")])
     text = str(both)
     assert "5 values -> fp16" in text and "underflow" in text and "20.00%" in text
+
+
+# ----------------------------------------------------------------------------- torch's own cast
+
+@pytest.mark.parametrize("value, stored, cast", [
+    (500, math.nan, 448.0), (-500, math.nan, -448.0), (1e6, math.nan, 448.0),
+    (math.inf, math.nan, 448.0), (-math.inf, math.nan, -448.0),
+])
+def test_e4m3_shows_the_rule_and_torch_saturating_cast(value, stored, cast):
+    d = F.decompose(value, "fp8_e4m3")
+    assert same(d.stored, stored) and d.torch_cast == cast
+    assert d.torch_cast == torch.tensor(float(value)).to(torch.float8_e4m3fn).item()
+    assert not d.torch_agrees and "saturates" in d.torch_note and "448" in d.torch_note
+    assert math.copysign(1, d.stored) == math.copysign(1, value)  # NaN keeps the sign
+
+
+@pytest.mark.parametrize("value, fmt", [(448, "fp8_e4m3"), (65504, "fp16"), (1e6, "fp16"),
+                                        (1 / 3, "bf16"), (500, "fp8_e5m2"), (math.nan, "fp16"),
+                                        (1 / 3, "fp64"), (0.1, "fp32")])
+def test_torch_cast_agrees_where_torch_follows_the_rule(value, fmt):
+    d = F.decompose(value, fmt)
+    assert d.torch_agrees and d.torch_note == "" and same(d.torch_cast, d.stored)
+
+
+def test_torch_cast_double_rounding_is_named():
+    d = F.decompose(1 + 2 ** -11 + 2 ** -40, "fp16")
+    assert d.stored == 1 + 2 ** -10 and d.torch_cast == 1.0
+    assert "float32 first" in d.torch_note
+
+
+def test_decomposition_str_shows_both_rule_and_torch_cast():
+    text = str(F.decompose(500, "fp8_e4m3"))
+    assert "stored     nan (the format's rule)" in text
+    assert "torch cast 448.0 (float64 .to(torch.float8_e4m3fn)):" in text
+    assert "saturates out-of-range values and inf to +-448" in text
+    same_text = "torch cast 65504.0 (float64 .to(torch.float16): same)"
+    assert same_text in str(F.decompose(65504, "fp16"))

@@ -108,54 +108,137 @@ def test_state_made_before_wrapping_moves_to_master_in_fp32():
     assert buf.dtype == torch.float32 and torch.equal(buf, model.weight.grad.float())
 
 
-# -- gradient sync, the contract the loss scalers rely on ----------------------------------------
-def test_sync_grads_gives_fp32_grads_and_none_for_missing_ones():
+# -- gradients: the protocol the loss scalers rely on --------------------------------------------
+def test_unscale_grads_makes_fp32_master_grads_and_none_for_missing_ones():
     model = Mixed([torch.bfloat16, torch.bfloat16])
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     model.layers[1].weight.requires_grad_(False)  # this one will have grad None
     loss_of(model, torch.randn(3, 8)).backward()
-    opt.sync_grads()
+    scaled = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
+    found = opt.unscale_grads_(torch.tensor(0.25))
+    assert found.item() == 0
     for p in model.parameters():
         g = opt.master_param(p).grad
         if p.grad is None:
             assert g is None
         else:
-            assert g.dtype == torch.float32 and torch.equal(g, p.grad.float())
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, scaled[p].float() * 0.25, rtol=0, atol=0)
+            # the model's gradients read as unscaled too (bf16: a power of two is exact)
+            torch.testing.assert_close(p.grad, (scaled[p].float() * 0.25).to(p.dtype),
+                                       rtol=0, atol=0)
 
 
-def test_sync_grads_is_idempotent_so_an_unscale_survives_until_step():
+def test_unscale_grads_flags_inf_and_nan_in_any_gradient():
+    model = Mixed([torch.float16, torch.float32])
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for bad, where in ((float("inf"), 0), (float("nan"), 1)):
+        opt.zero_grad()
+        loss_of(model, torch.randn(3, 8)).backward()
+        model.layers[where].weight.grad[0, 0] = bad
+        assert opt.unscale_grads_(torch.tensor(1.0)).item() > 0
+    opt.zero_grad()
+    loss_of(model, torch.randn(3, 8)).backward()
+    assert opt.unscale_grads_(None).item() == 0
+
+
+def test_step_uses_the_unscaled_master_grads_and_frees_them():
     model = Mixed([torch.bfloat16])
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
     loss_of(model, torch.randn(3, 8)).backward()
     w = model.layers[0].weight
     expected = opt.master_param(w).detach() - 0.25 * w.grad.float()
-    opt.sync_grads()
-    for g in opt.param_groups:
-        for p in g["params"]:
-            p.grad.mul_(0.25)  # what a loss scaler's unscale_ does
-    opt.sync_grads()  # must not overwrite the unscaled grads
+    opt.unscale_grads_(torch.tensor(0.25))
     opt.step()
     assert torch.equal(opt.master_param(w), expected)
+    assert all(p.grad is None for g in opt.param_groups for p in g["params"]
+               if p is not opt.model_param(p))  # no fp32 gradient outlives the step
 
 
-def test_grad_buffers_are_reused_and_zero_grad_clears_both_sides():
+@pytest.mark.parametrize("fused", ["auto", False])
+def test_step_with_grad_scale_divides_the_model_grads_as_it_reads_them(fused):
+    model = Mixed([torch.float16, torch.float32])
+    ref_model = copy.deepcopy(model)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), fused=fused)
+    ref = MasterWeightOptimizer(torch.optim.SGD(ref_model.parameters(), lr=0.5), fused=fused)
+    x = torch.randn(3, 8)
+    (loss_of(model, x) * 1024).backward()
+    loss_of(ref_model, x).backward()
+    opt.step(grad_scale=torch.tensor(1024.0))
+    ref.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(opt.master_param(p), ref.master_param(q), rtol=1e-6, atol=1e-7)
+
+
+def test_no_fp32_gradient_lives_between_steps_and_zero_grad_clears_both_sides():
     model = Mixed([torch.bfloat16])
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     w = model.layers[0].weight
-    ptrs = []
-    for _ in range(3):
+    for _ in range(2):
         loss_of(model, torch.randn(3, 8)).backward()
         opt.step()
-        ptrs.append(opt.master_param(w).grad.data_ptr())
+        assert opt.master_param(w).grad is None and w.grad is not None
         opt.zero_grad()
-        assert w.grad is None and opt.master_param(w).grad is None
-    assert len(set(ptrs)) == 1
+        assert w.grad is None
     loss_of(model, torch.randn(3, 8)).backward()
-    opt.sync_grads()
+    opt.unscale_grads_(None)
     opt.zero_grad(set_to_none=False)
     for p in model.parameters():
         assert torch.count_nonzero(p.grad) == 0
-        assert torch.count_nonzero(opt.master_param(p).grad) == 0
+    assert opt.master_param(w).grad is None
+
+
+def test_changing_model_grads_after_unscale_grads_raises_at_step():
+    model = Mixed([torch.bfloat16])
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss_of(model, torch.randn(3, 8)).backward()
+    opt.unscale_grads_(torch.tensor(0.5))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    with pytest.raises(RuntimeError, match=r"changed after its fp32 master gradient.*"
+                                           r"scaler.clip_grad_norm_\(optimizer, max_norm\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_unscale_grads_again_after_a_new_backward_replaces_stale_master_grads(set_to_none):
+    """Master gradients made before a skipped step must not survive into the next one."""
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = mp.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    model(x).float().sum().mul(float("inf")).backward()
+    assert opt.unscale_grads_(None).item() > 0  # e.g. a scaler's unscale_ before a skipped step
+    model.zero_grad(set_to_none=set_to_none)
+    model(x).float().sum().backward()
+    assert opt.unscale_grads_(None).item() == 0
+    torch.testing.assert_close(opt.master_param(model.weight).grad, model.weight.grad.float(),
+                               rtol=0, atol=0)
+    opt.drop_master_grads()
+    assert opt.master_param(model.weight).grad is None
+
+
+def test_the_wrapped_optimizer_refuses_to_step_directly():
+    model = Mixed([torch.bfloat16])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = MasterWeightOptimizer(inner)
+    loss_of(model, torch.randn(3, 8)).backward()
+    with pytest.raises(RuntimeError, match="wrapped in a MasterWeightOptimizer.*optimizer prepare "
+                                           "returned"):
+        inner.step()
+    opt.step()  # the wrapper steps it
+    clone = copy.deepcopy(opt)
+    with pytest.raises(RuntimeError, match="wrapped in a MasterWeightOptimizer"):
+        clone.inner.step()
+
+
+def test_torch_grad_scaler_is_refused_with_a_pointer_to_mixprec_scalers():
+    model = Mixed([torch.float16])
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(loss_of(model, torch.randn(3, 8))).backward()
+    with pytest.raises(RuntimeError, match="torch.amp.GradScaler.*mp.DynamicLossScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_sparse_embedding_gradient_reaches_its_master():
@@ -220,13 +303,18 @@ def test_update_below_half_ulp_is_lost_without_masters_and_kept_with_them(dtype)
     assert torch.equal(kept, torch.full((4,), target, dtype=dtype))
 
 
+@pytest.mark.parametrize("fused", ["auto", False])
 @pytest.mark.parametrize("mix", DTYPE_MIXES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_masters_track_an_fp32_model_fed_the_same_grads(name, mix):
+def test_masters_track_an_fp32_model_fed_the_same_grads(name, mix, fused):
+    """Bitwise: fused=False runs the optimizer's own (foreach) step, "auto" torch's fused one."""
     model = Mixed(DTYPE_MIXES[mix])
     ref_model = copy.deepcopy(model).float()  # exact upcast: the fp32 control
-    opt = MasterWeightOptimizer(make(model, name))
+    opt = MasterWeightOptimizer(make(model, name), fused=fused)
     ref_opt = make(ref_model, name)
+    if fused == "auto":
+        for group in ref_opt.param_groups:
+            group["fused"], group["foreach"] = True, False
     losses = []
     for _ in range(6):
         opt.zero_grad()
@@ -475,25 +563,10 @@ def test_hot_path_forces_no_host_sync_on_cuda():
     loss_of(model, torch.randn(4, 8, device="cuda")).backward()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        opt.sync_grads()
+        opt.unscale_grads_(torch.tensor(0.5, device="cuda"))
         opt.step()
+        loss_of(model, torch.randn(4, 8, device="cuda")).backward()
+        opt.step(grad_scale=torch.tensor(2.0, device="cuda"))
         opt.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_sync_grads_sees_a_new_backward_after_model_zero_grad(set_to_none):
-    """A sync that was not followed by step() must not leave stale master gradients behind."""
-    model = nn.Linear(4, 3).to(torch.bfloat16)
-    opt = mp.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    x = torch.ones(2, 4, dtype=torch.bfloat16)
-    model(x).float().sum().mul(float("inf")).backward()
-    opt.sync_grads()                       # e.g. a scaler's unscale_ before a skipped step
-    assert not torch.isfinite(opt.master_param(model.weight).grad).all()
-    model.zero_grad(set_to_none=set_to_none)
-    model(x).float().sum().backward()
-    opt.sync_grads()
-    torch.testing.assert_close(opt.master_param(model.weight).grad, model.weight.grad.float(),
-                               rtol=0, atol=0)

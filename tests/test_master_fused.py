@@ -1,4 +1,4 @@
-"""Tests for MasterWeightOptimizer(fused=True): the compiled one-pass master step.
+"""Tests for MasterWeightOptimizer(fused="compile"): the compiled one-pass master step.
 
 The fused step is compared with the unfused one (gradient copy, torch's own optimizer step,
 write-back) on the same gradients. Both compute in fp32 from the same values, but the compiled
@@ -96,7 +96,7 @@ def run(opt, model, grads_seq):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_fused_matches_unfused_over_steps(name, mix):
     ref_model, fused_model = model_of(DTYPE_MIXES[mix]), model_of(DTYPE_MIXES[mix])
-    ref, fused = wrapped(ref_model, name, False), wrapped(fused_model, name, True)
+    ref, fused = wrapped(ref_model, name, False), wrapped(fused_model, name, "compile")
     seq = grad_sequence(ref_model, steps=5)
     run(ref, ref_model, seq)
     run(fused, fused_model, seq)
@@ -108,7 +108,7 @@ def test_fused_matches_unfused_over_steps(name, mix):
 def test_scheduler_changes_lr_without_recompiling():
     counters = torch._dynamo.utils.counters
     models = [model_of(DTYPE_MIXES["bf16"]) for _ in range(2)]
-    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, True))]
+    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, "compile"))]
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
     seq = grad_sequence(models[0], steps=5)
     for i, grads in enumerate(seq):
@@ -126,13 +126,13 @@ def test_scheduler_changes_lr_without_recompiling():
 
 def test_no_loss_scaler_step_reads_model_grads_without_syncing():
     model, ref_model = model_of(DTYPE_MIXES["bf16"]), model_of(DTYPE_MIXES["bf16"])
-    opt, ref = wrapped(model, "sgd", True), wrapped(ref_model, "sgd", False)
+    opt, ref = wrapped(model, "sgd", "compile"), wrapped(ref_model, "sgd", False)
     grads = grad_sequence(model, steps=2)[1]
     for m, o in ((model, opt), (ref_model, ref)):
         set_grads(m, grads)
         assert mp.NoLossScaler().step(o) is True
-    assert opt.master_param(model[0].weight).grad is None  # no fp32 gradient buffer written
-    assert ref.master_param(ref_model[0].weight).grad is not None  # unfused: synced in step
+    assert opt.master_param(model[0].weight).grad is None  # no fp32 gradient written
+    assert ref.master_param(ref_model[0].weight).grad is None  # unfused: transient, freed
     assert_same_training_state(ref, ref_model, opt, model)
 
 
@@ -151,7 +151,7 @@ def scaled_step(model, opt, scaler, grads, clip=None):
 
 def test_after_unscale_and_clipping_the_fused_step_uses_master_grads():
     models = [model_of(DTYPE_MIXES["fp16"]) for _ in range(2)]
-    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, True))]
+    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, "compile"))]
     scalers = [mp.StaticLossScaler(1024.0) for _ in range(2)]
     for grads in grad_sequence(models[0], steps=3):
         for model, opt, scaler in zip(models, opts, scalers):
@@ -162,7 +162,7 @@ def test_after_unscale_and_clipping_the_fused_step_uses_master_grads():
 
 def test_skipped_step_leaves_masters_params_and_state_untouched():
     model = model_of(DTYPE_MIXES["fp16"])
-    opt = wrapped(model, "sgd_momentum_wd_nesterov", True)
+    opt = wrapped(model, "sgd_momentum_wd_nesterov", "compile")
     scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
     first, second = grad_sequence(model, steps=2)
     assert scaled_step(model, opt, scaler, first)
@@ -179,7 +179,7 @@ def test_skipped_step_leaves_masters_params_and_state_untouched():
         assert torch.equal(s["momentum_buffer"], before[0]["state"][i]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("first_fused", [False, True],
+@pytest.mark.parametrize("first_fused", [False, "compile"],
                          ids=["unfused-then-fused", "fused-then-unfused"])
 def test_state_dict_round_trip_between_fused_and_unfused(first_fused):
     ref_model = model_of(DTYPE_MIXES["bf16"])
@@ -191,7 +191,7 @@ def test_state_dict_round_trip_between_fused_and_unfused(first_fused):
     run(opt, model, seq[:2])
     resumed_model = model_of(DTYPE_MIXES["bf16"])
     resumed_model.load_state_dict(model.state_dict())  # a checkpoint has the fp32 LayerNorm too
-    resumed = wrapped(resumed_model, "adamw", not first_fused)
+    resumed = wrapped(resumed_model, "adamw", "compile" if first_fused is False else False)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     run(resumed, resumed_model, seq[2:])
     steps = {float(s["step"]) for s in resumed.state_dict()["state"].values()}
@@ -201,7 +201,7 @@ def test_state_dict_round_trip_between_fused_and_unfused(first_fused):
 
 def test_closure_is_evaluated_once_and_its_loss_returned():
     model = model_of(DTYPE_MIXES["bf16"])
-    opt = wrapped(model, "sgd", True)
+    opt = wrapped(model, "sgd", "compile")
     x = torch.randn(4, 8)
     calls = []
 
@@ -230,27 +230,28 @@ def test_closure_is_evaluated_once_and_its_loss_returned():
 def test_unsupported_optimizer_or_option_is_rejected(make, what):
     model = model_of(DTYPE_MIXES["bf16"])
     with pytest.raises(ValueError, match=what) as err:
-        MasterWeightOptimizer(make(model.parameters()), fused=True)
+        MasterWeightOptimizer(make(model.parameters()), fused="compile")
     assert what in str(err.value) and "torch.optim.SGD" in str(err.value)
-    opt = MasterWeightOptimizer(make(model.parameters()))  # unfused still wraps it
+    opt = MasterWeightOptimizer(make(model.parameters()))  # the eager kernels still wrap it
     with pytest.raises(ValueError, match=what):
-        opt.fused = True
-    assert opt.fused is False
+        opt.fused = "compile"
+    assert opt.fused == "auto"
 
 
 def test_option_turned_on_after_wrapping_is_rejected_at_step():
     model = model_of(DTYPE_MIXES["bf16"])
-    opt = wrapped(model, "sgd", True)
+    opt = wrapped(model, "sgd", "compile")
     opt.param_groups[1]["maximize"] = True
     set_grads(model, grad_sequence(model, steps=1)[0])
     with pytest.raises(ValueError, match=r"param_groups\[1\].*maximize"):
         opt.step()
 
 
-def test_fused_must_be_a_bool():
+@pytest.mark.parametrize("bad", ["yes", True, None])
+def test_fused_must_be_one_of_the_kernels(bad):
     model = model_of(DTYPE_MIXES["bf16"])
-    with pytest.raises(TypeError, match="fused must be True or False; got 'yes'"):
-        MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fused="yes")
+    with pytest.raises(ValueError, match=f"fused must be 'auto', 'compile' or False; got {bad!r}"):
+        MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fused=bad)
 
 
 @pytest.mark.slow
@@ -258,11 +259,11 @@ def test_fused_must_be_a_bool():
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_trainer_compile_turns_the_fused_step_on_at_o2_only_when_supported():
     data = [(torch.randn(4, 8), torch.randn(4, 8))] * 2
-    for make, expected in ((lambda ps: torch.optim.SGD(ps, lr=0.1), True),
-                           (lambda ps: torch.optim.Adagrad(ps), False)):
+    for make, expected in ((lambda ps: torch.optim.SGD(ps, lr=0.1), "compile"),
+                           (lambda ps: torch.optim.Adagrad(ps), "auto")):
         model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
         trainer = mp.Trainer(model, nn.functional.mse_loss, make(model.parameters()), level="O2",
                              dtype="bf16", compile=True, progress=False)
-        assert trainer.optimizer.fused is expected
+        assert trainer.optimizer.fused == expected
         history = trainer.fit(data, epochs=1)
         assert history.steps == 2 and all(map(torch.isfinite, map(torch.tensor, history.loss)))

@@ -77,8 +77,9 @@ def _state_dict_and_logging(rank, out):
     x = dataset().tensors[0][:8]
     with torch.no_grad():
         out_diff = (plain(x) - trainer.model(x)).abs().max().item()
-    return {"lines": lines, "keys": list(sd), "checkpoints": sorted(os.listdir(ckpts)), "masters_equal": masters_equal,
-            "out_diff": out_diff, "optimizer": type(trainer.optimizer).__name__,
+    return {"lines": lines, "keys": list(sd), "checkpoints": sorted(os.listdir(ckpts)),
+            "masters_equal": masters_equal, "out_diff": out_diff,
+            "optimizer": type(trainer.optimizer).__name__,
             "wrapper": type(trainer.model).__name__,
             "linear_dtype": module.blocks[0].fc.weight.dtype,
             "norm_dtype": module.blocks[0].norm.weight.dtype}

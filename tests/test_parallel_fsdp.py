@@ -94,8 +94,10 @@ def _state_dict(rank, out):
     sd = mp.fp32_state_dict(trainer.model, trainer.optimizer)
     plain = Net()
     plain.load_state_dict(sd)  # strict: plain names, full tensors
-    shards_equal = all(torch.equal(sd[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
-    return {"checkpoints": saved, "keys": list(sd), "types": {type(v).__name__ for v in sd.values()},
+    shards_equal = all(torch.equal(sd[n], p.full_tensor())
+                       for n, p in trainer.model.named_parameters())
+    return {"checkpoints": saved, "keys": list(sd),
+            "types": {type(v).__name__ for v in sd.values()},
             "dtypes": {v.dtype for v in sd.values()}, "shards_equal": shards_equal}
 
 

@@ -342,6 +342,109 @@ def test_diagnose_overflow_reports_and_changes_nothing(digits):
     assert all(torch.equal(a, b) for a, b in zip(params(plain), params(diagnosed)))
 
 
+def test_persistent_overflow_is_reported_once_then_counted(digits, caplog):
+    """0.1 logged one six-line report per overflowing step (19 under persistent overflow)."""
+    x, y = digits[0][:32]
+    bad, other = (torch.full_like(x, 3e38), y), (x, torch.full_like(y, 0))
+    torch.manual_seed(0)
+    model = mlp()
+    t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
+                loss_scaler=4.0, diagnose_overflow=True, progress=False)
+    with caplog.at_level("INFO", logger="mixprec"):
+        for _ in range(5):
+            t.train_step([bad])
+    assert t.history.skipped == [True] * 5
+    (entry,) = t.history.overflows
+    assert entry["step"] == 1 and entry["repeats"] == 4 and "addmm" in entry["cause"]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "first non-finite in forward" in warnings[0].getMessage()
+    repeats = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(repeats) == 4 and "same first cause as step 1" in repeats[-1]
+    assert all(len(m.splitlines()) == 1 for m in repeats)
+    t.train_step([other])  # a clean step; the history keeps counting across checkpoints
+    assert History().load_state_dict(t.history.state_dict()) is None
+
+
+# ----------------------------------------------------------------- Hugging Face batches
+class DictModel(nn.Module):
+    """A Hugging Face-style model: keyword inputs, a ModelOutput-like dict with loss and logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, pixels, labels=None, scale=1.0):
+        logits = self.body(pixels) * scale
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.float(), labels)
+        return out
+
+
+def dict_batches(ds, batch=64):
+    x, y = ds[:]
+    return [{"pixels": x[i:i + batch], "labels": y[i:i + batch]} for i in range(0, len(x), batch)]
+
+
+@pytest.mark.parametrize("loss_fn", [None, F.cross_entropy], ids=["output.loss", "loss_fn"])
+def test_dict_batches_and_model_outputs(digits, loss_fn):
+    """0.1 rejected dict batches (`each batch must be a tuple`) and broke on ModelOutput."""
+    train, test = digits
+    torch.manual_seed(0)
+    model = DictModel()
+    trainer = Trainer(model, loss_fn, torch.optim.Adam(model.parameters(), lr=3e-3), level="O2",
+                      dtype="bf16", metrics="accuracy", progress=False)
+    history = trainer.fit(dict_batches(train), epochs=5, eval_data=dict_batches(test, 200))
+    assert history.epochs[-1]["val_accuracy"] > 0.9
+    assert history.loss[-1] < 0.5 * history.loss[0]
+    evaluated = trainer.evaluate(dict_batches(test, 200))
+    assert evaluated["accuracy"] == history.epochs[-1]["val_accuracy"]
+
+
+def test_hugging_face_model_output_with_loss_fn_none():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32, num_labels=2,
+                                  max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (32, 8), generator=g)
+    labels = (ids[:, 0] > 32).long()  # learnable from the first token
+    batches = [{"input_ids": ids[i:i + 8], "attention_mask": torch.ones(8, 8, dtype=torch.long),
+                "labels": labels[i:i + 8]} for i in range(0, 32, 8)]
+    trainer = Trainer(model, None, torch.optim.AdamW(model.parameters(), lr=3e-3), level="O2",
+                      dtype="bf16", metrics="accuracy", progress=False)
+    history = trainer.fit(batches, epochs=6)
+    assert history.epochs[-1]["accuracy"] > 0.8 and history.loss[-1] < history.loss[0]
+
+
+def test_batches_without_what_the_trainer_needs_get_clear_errors(digits):
+    x, y = digits[0][:8]
+    model = DictModel()
+    trainer = Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
+                      metrics="accuracy", progress=False)
+    with pytest.raises(ValueError, match=r"model's output \(\.loss.*has none: give the batch labels"):
+        trainer.train_step([{"pixels": x}])
+    plain = mlp()
+    with pytest.raises(TypeError, match=r"tuple \(inputs..., target\) or a dict"):
+        Trainer(plain, F.cross_entropy, torch.optim.SGD(plain.parameters(), lr=0.1),
+                progress=False).train_step([x])
+
+
+def test_cuda_device_without_cuda_and_one_shot_iterators_are_refused(digits):
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            make_trainer("O0", device="cuda")
+    trainer = make_trainer("O0")
+    x, y = digits[0][:64]
+    gen = ((x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16))
+    with pytest.raises(TypeError, match="one-shot iterator.*exhausted after the first of 2"):
+        trainer.fit(gen, epochs=2)
+    trainer.fit(gen, epochs=1)  # one epoch of a generator is fine
+    assert trainer.history.steps == 4
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own imports under compile
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")

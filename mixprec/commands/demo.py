@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..training import Callback
-from ..hardware import SlowDtypeWarning
 from ..dtypes import dtype_name
+from ..hardware import SlowDtypeWarning
 from ..policy import resolve_dtype
 from ..scaling import DynamicLossScaler
-from .bench import _peak_mb, _reset_peak
+from ..training import Callback, Trainer
+from .memory import peak_mb, reset_peak
 
 __all__ = ["digits_data", "DigitsCNN", "run_demo", "register"]
 
@@ -79,8 +79,6 @@ RUNS = (("O0", "auto"), ("O1", "auto"), ("O2", "auto"), ("O3", "auto"), ("O2", "
 
 
 def _train_one(level: str, dtype: str, data, args) -> dict:
-    from ..training import Trainer
-
     train, test = data
     torch.manual_seed(args.seed)
     model = DigitsCNN(args.width)
@@ -88,7 +86,7 @@ def _train_one(level: str, dtype: str, data, args) -> dict:
     steps_per_epoch = -(-len(train) // args.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch)
     timer = _StepTimer()
-    base = _reset_peak(torch.device("cpu"))
+    base = reset_peak(torch.device("cpu"))
     # fp16: a dynamic scaler that starts too high and grows often, so the plot shows it at work
     scaler = DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16" else "auto"
     trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scaler=scaler,
@@ -101,7 +99,7 @@ def _train_one(level: str, dtype: str, data, args) -> dict:
     result = trainer.evaluate(DataLoader(test, batch_size=512))
     return {"level": level, "dtype": dtype_name(trainer.policy.compute_dtype),
             "ms_per_step": 1e3 * statistics.median(timer.times), "seconds": wall,
-            "peak_mb": _peak_mb(torch.device("cpu"), base), "final_loss": history.epochs[-1]["loss"],
+            "peak_mb": peak_mb(torch.device("cpu"), base), "final_loss": history.epochs[-1]["loss"],
             "test_loss": result["loss"], "test_accuracy": result["accuracy"],
             "skipped_steps": sum(history.skipped), "loss": history.loss,
             "loss_scale": history.loss_scale}

@@ -1,8 +1,17 @@
-"""``mixprec doctor``: what this device supports, what is fast, and measured matmul throughput."""
+"""``mixprec doctor``: what this device supports, what is fast, and measured matmul throughput.
+
+The throughput probe is bounded in time: each dtype is timed at a small shape first
+(:data:`SMALL_SHAPE`), then at shapes that double towards the full one while the next shape's
+predicted cost fits the time budget (:func:`probe_matmul`). A slow kernel stops early and is
+reported at the largest shape it reached, marked slow: torch's native fp16 GEMM on a CPU without
+fp16 hardware runs at well under 1 GFLOP/s (16 s per 512x2048x2048 product), and ``doctor``
+still takes seconds.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -12,9 +21,15 @@ import torch
 
 from ..hardware import cpu_model, device_capabilities
 
-__all__ = ["matmul_gflops", "doctor_report", "register"]
+__all__ = ["matmul_gflops", "probe_matmul", "probe_shapes", "doctor_report", "register",
+           "DEFAULT_SHAPE", "SMALL_SHAPE", "DEFAULT_BUDGET_S", "SLOW_RATIO"]
 
 DEFAULT_SHAPE = (512, 2048, 2048)  # nine-linear's GEMM: batch 512 x width 2048 x width 2048
+SMALL_SHAPE = (128, 128, 128)      # the first, cheap probe (4.2 MFLOP)
+DEFAULT_BUDGET_S = 1.0             # time budget of one dtype's probe, in seconds
+SLOW_RATIO = 0.1                   # below this share of fp32's rate: "slow"
+_STEP_PRODUCTS = 3                 # products timed at an intermediate shape (1 warm-up + 2)
+_FULL_PRODUCTS = 5                 # at least this many at the full shape (2 warm-up + 3)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -24,12 +39,13 @@ def _sync(device: torch.device) -> None:
 
 
 def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_s: float = 0.4,
-                  min_reps: int = 3) -> float:
+                  min_reps: int = 3, warmup: int = 2) -> float:
     """Measured GEMM throughput: the median GFLOP/s of ``(m, k) @ (k, n)`` in ``dtype``.
 
-    Runs two warm-up products, then repeats for about ``budget_s`` seconds (at least
+    Runs ``warmup`` products, then repeats for about ``budget_s`` seconds (at least
     ``min_reps`` times) and returns ``2*m*k*n / median_time``. The median, not the best, so a
-    busy machine gives the throughput it actually delivers.
+    busy machine gives the throughput it actually delivers. Unbounded in the size of one
+    product: :func:`probe_matmul` first checks that the product is affordable.
 
     Args:
         dtype: the operand dtype.
@@ -37,16 +53,24 @@ def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_
         device: where to run.
         budget_s: rough time budget for the timed repetitions.
         min_reps: minimum number of timed repetitions.
+        warmup: untimed products first.
 
     Returns:
         GFLOP/s (1e9 floating-point operations per second, a multiply-add counting as 2).
     """
+    m, k, n = shape
+    times = _product_times(dtype, shape, device, budget_s, min_reps, warmup)
+    return 2.0 * m * k * n / statistics.median(times) / 1e9
+
+
+def _product_times(dtype, shape, device, budget_s: float, min_reps: int, warmup: int) -> list:
+    """Seconds per ``(m, k) @ (k, n)`` product, after ``warmup`` untimed ones."""
     device = torch.device(device)
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, generator=gen).to(dtype)
     b = torch.randn(k, n, device=device, generator=gen).to(dtype)
-    for _ in range(2):
+    for _ in range(warmup):
         a @ b
     _sync(device)
     times, start = [], time.perf_counter()
@@ -55,17 +79,129 @@ def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_
         a @ b
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2.0 * m * k * n / statistics.median(times) / 1e9
+    return times
 
 
-def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> dict:
-    """Everything ``mixprec doctor`` prints, as a dict (what ``--json`` emits)."""
+def probe_shapes(shape, small=SMALL_SHAPE) -> list[tuple[int, int, int]]:
+    """The shapes a probe climbs: ``shape``'s sizes capped by ``small``'s, then doubled (capped
+    by ``shape``) until ``shape`` itself, which is last. Each step is at most 8x the FLOPs."""
+    shape = tuple(int(d) for d in shape)
+    step = tuple(min(a, b) for a, b in zip(shape, small))
+    steps = [step]
+    while step != shape:
+        step = tuple(min(2 * a, b) for a, b in zip(step, shape))
+        steps.append(step)
+    return steps
+
+
+def _shape_text(shape) -> str:
+    m, k, n = shape
+    return f"{m}x{k}x{n}"
+
+
+def probe_matmul(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", *,
+                 budget_s: float = DEFAULT_BUDGET_S, reference_gflops: float | None = None,
+                 slow_ratio: float = SLOW_RATIO, small=SMALL_SHAPE) -> dict:
+    """GEMM throughput in bounded time: climb from a small shape to ``shape`` while affordable.
+
+    At each shape of :func:`probe_shapes` the rate measured so far predicts the cost of the next
+    shape (``_STEP_PRODUCTS`` products, ``_FULL_PRODUCTS`` at the full shape; the rate grows with
+    the shape, so the prediction errs long); the climb stops when the time spent plus that cost
+    would exceed ``budget_s``. The first shape always runs. Intermediate figures are the best of
+    their products (load only ever slows a product down, and a 4-MFLOP product on busy threads
+    can stall for milliseconds); the full-shape figure is :func:`matmul_gflops`'s median.
+
+    Args:
+        dtype: the operand dtype.
+        shape: the full ``(m, k, n)``.
+        device: where to run.
+        budget_s: the time budget in seconds (0: the small shape only).
+        reference_gflops: fp32's rate on this device, or None: a rate below ``slow_ratio`` x
+            ``reference_gflops`` is marked slow.
+        slow_ratio: see ``reference_gflops``.
+        small: the caps of the first shape.
+
+    Returns:
+        ``{"gflops", "shape" (where the figure was measured), "full_size" (bool), "slow" (bool),
+        "note" (why it stopped short, or ""), "spent_s" (seconds of products timed)}``.
+
+    Raises:
+        ValueError: a negative ``budget_s`` or a ``slow_ratio`` outside [0, 1].
+    """
+    if not budget_s >= 0:
+        raise ValueError(f"budget_s must be >= 0 seconds; got {budget_s!r}")
+    if not 0 <= slow_ratio <= 1:
+        raise ValueError(f"slow_ratio must be between 0 and 1; got {slow_ratio!r}")
+    shape = tuple(shape)
+    rate, reached, spent, stop_note = None, None, 0.0, ""
+    for step in probe_shapes(shape, small):
+        flops = 2.0 * math.prod(step)
+        full = step == shape
+        if rate is not None:
+            cost = (_FULL_PRODUCTS if full else _STEP_PRODUCTS) * flops / (rate * 1e9)
+            if spent + cost > budget_s:
+                stop_note = (f"the {_shape_text(step)} product would take ~{cost:.2g} s more "
+                             f"(budget {budget_s:g} s)")
+                break
+        if full:
+            times = _product_times(dtype, step, device, min(0.4, budget_s - spent), 3, 2)
+            rate, warm = flops / statistics.median(times) / 1e9, 2
+        else:
+            times = _product_times(dtype, step, device, 0.0, _STEP_PRODUCTS - 1, 1)
+            rate, warm = flops / min(times) / 1e9, 1
+        spent += sum(times) * (1 + warm / len(times))
+        reached = step
+    result = {"gflops": rate, "shape": list(reached), "full_size": reached == shape,
+              "slow": False, "note": "", "spent_s": spent}
+    notes = []
+    if reference_gflops and rate < slow_ratio * reference_gflops:
+        result["slow"] = True
+        notes.append(f"slow: {reference_gflops / rate:.0f}x below fp32")
+    if not result["full_size"]:
+        result["slow"] = True
+        notes.append(f"measured at {_shape_text(reached)} only: {stop_note}")
+    result["note"] = "; ".join(notes)
+    return result
+
+
+def _mixprec_note(name: str, info: dict, device: str) -> str:
+    """What mixprec does about a dtype that is not fast here."""
+    if name == "fp16" and not info["fast"] and torch.device(device).type == "cpu":
+        return ("mixprec emulates fp16 matmul/conv/attention here with fp32 kernels on "
+                "fp16-rounded values (fp16 numerics, fp32 speed; see mixprec.emulation)")
+    return ""
+
+
+def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True,
+                  budget_s: float = DEFAULT_BUDGET_S) -> dict:
+    """Everything ``mixprec doctor`` prints, as a dict (what ``--json`` emits).
+
+    Args:
+        device: the device to probe.
+        shape: the GEMM shape ``(m, k, n)`` of the throughput probe.
+        measure: False skips the throughput probe.
+        budget_s: per dtype, the time budget of the probe (see :func:`probe_matmul`); fp32's
+            rate is the reference that marks the others slow.
+
+    Returns:
+        A dict; per dtype (``dtypes``): ``supported``, ``fast``, ``why``, ``mixprec`` (what
+        mixprec does about a slow dtype, "" if nothing) and, when measured, ``matmul_gflops``,
+        ``matmul_shape`` (where it was measured), ``matmul_full_size``, ``matmul_slow`` and
+        ``matmul_note``.
+    """
     caps = device_capabilities(device)
-    dtypes = {}
+    dtypes, reference = {}, None
     for name, info in caps["dtypes"].items():
         row = dict(info)
+        row["mixprec"] = _mixprec_note(name, info, caps["device"])
         if measure and info["supported"]:
-            row["matmul_gflops"] = round(matmul_gflops(_DTYPES[name], shape, caps["device"]), 1)
+            probe = probe_matmul(_DTYPES[name], shape, caps["device"], budget_s=budget_s,
+                                 reference_gflops=reference)
+            if name == "fp32":
+                reference = probe["gflops"]
+            row.update(matmul_gflops=round(probe["gflops"], 2), matmul_shape=probe["shape"],
+                       matmul_full_size=probe["full_size"], matmul_slow=probe["slow"],
+                       matmul_note=probe["note"])
         dtypes[name] = row
     return {
         "device": caps["device"],
@@ -77,10 +213,19 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True) -> di
         "cpu_count": os.cpu_count(),
         "flags": caps.get("flags", []),
         "matmul_shape": list(shape),
+        "probe_budget_s": budget_s,
         "dtypes": dtypes,
         "auto_dtype": caps["auto_dtype"],
         "auto_reason": caps["auto_reason"],
     }
+
+
+def _gflops_text(row: dict) -> str:
+    if "matmul_gflops" not in row:
+        return "-"
+    gf = row["matmul_gflops"]
+    text = f"{gf:.0f}" if gf >= 10 else f"{gf:.2g}"
+    return text + ("*" if not row["matmul_full_size"] else " ")
 
 
 def _print(rep: dict) -> None:
@@ -93,10 +238,17 @@ def _print(rep: dict) -> None:
         print(f"cpu flags   {' '.join(rep['flags'])}")
     print(f"\n{'dtype':<6} {'supported':<10} {'fast':<5} {'matmul GFLOP/s':>15}  why")
     for name, row in rep["dtypes"].items():
-        gf = f"{row['matmul_gflops']:.0f}" if "matmul_gflops" in row else "-"
         print(f"{name:<6} {'yes' if row['supported'] else 'no':<10} {'yes' if row['fast'] else 'no':<5} "
-              f"{gf:>15}  {row['why']}")
-    print(f"\n(matmul: median of ({m}x{k}) @ ({k}x{n}) products after warm-up)")
+              f"{_gflops_text(row):>16} {row['why']}")
+    small = any(not row.get("matmul_full_size", True) for row in rep["dtypes"].values())
+    print(f"\n(matmul: median of ({m}x{k}) @ ({k}x{n}) products after warm-up"
+          + ("; *: a smaller shape, see below)" if small else ")"))
+    for name, row in rep["dtypes"].items():
+        if row.get("matmul_note"):
+            print(f"* {name}: {row['matmul_note']}")
+    for name, row in rep["dtypes"].items():
+        if row.get("mixprec"):
+            print(f"{name}: {row['mixprec']}")
     print(f"dtype='auto' -> {rep['auto_dtype']}: {rep['auto_reason']}")
 
 
@@ -111,7 +263,8 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def _run(args) -> int:
-    rep = doctor_report(args.device, _parse_shape(args.shape), measure=not args.no_measure)
+    rep = doctor_report(args.device, _parse_shape(args.shape), measure=not args.no_measure,
+                        budget_s=args.budget)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -122,10 +275,15 @@ def _run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="device capabilities and measured matmul throughput",
                               description="Show which dtypes this device supports and which are "
-                              "fast, measure matmul GFLOP/s per dtype, and say what dtype='auto' means.")
+                              "fast, measure matmul GFLOP/s per dtype, and say what dtype='auto' "
+                              "means. Slow kernels are measured at a smaller shape, so it takes "
+                              "seconds.")
     p.add_argument("--device", default="cpu", help="device to probe (default: cpu)")
     p.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
                    help="GEMM shape M,K,N for the throughput probe (default: %(default)s)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                   help="time budget of each dtype's probe: a kernel too slow to reach the full "
+                   "shape within it is measured at a smaller one (default: %(default)s)")
     p.add_argument("--no-measure", action="store_true", help="skip the throughput measurement")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_run)

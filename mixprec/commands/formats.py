@@ -7,18 +7,21 @@ import dataclasses
 import json
 import math
 import operator
+import re
 from fractions import Fraction
 
 from .. import formats
 
-__all__ = ["parse_value", "formats_table", "register"]
+__all__ = ["parse_value", "formats_table", "normalize_argv", "register"]
 
 _SPECIAL = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "infinity": math.inf,
             "+infinity": math.inf, "-infinity": -math.inf, "nan": math.nan, "+nan": math.nan,
-            "-nan": math.nan}
+            "-nan": -math.nan}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow}
 _MAX_BITS = 20000  # bound on the size of exact intermediate results (2**-24 needs 25 bits)
+# A token that starts like a negative VALUE (argparse would take it for an option).
+_NEGATIVE = re.compile(r"-(\d|\.\d|\(|inf|nan)", re.IGNORECASE)
 _HINT = "a number such as 65504, 1e-8, 0.00006666666, 2**-24 (or 2^-24), 1/3, 0x1p-14, inf or nan"
 
 
@@ -112,9 +115,25 @@ def _run_formats(args) -> int:
     return 0
 
 
+def normalize_argv(command: str, args: list[str]) -> list[str]:
+    """Let ``explain`` take negative values as they are: ``-1``, ``-1e6``, ``-inf``, ``-nan``,
+    ``-2**-24`` (argparse treats a leading '-' as an option). Each such token before ``--`` is
+    given a leading space, which argparse does not read as an option and :func:`parse_value`
+    strips; other commands' arguments are returned unchanged."""
+    if command != "explain":
+        return args
+    out = list(args)
+    for i, token in enumerate(out):
+        if token == "--":
+            break
+        if _NEGATIVE.match(token):
+            out[i] = " " + token
+    return out
+
+
 def _run_explain(args) -> int:
     fmts = [formats.get(name) for name in args.format.split(",")]
-    values = [parse_value(text) for text in args.value]
+    values = [parse_value(text.strip()) for text in args.value]
     blocks = [str(formats.decompose(v, f)) for v in values for f in fmts]
     print("\n\n".join(blocks))
     return 0
@@ -132,8 +151,8 @@ def register(subparsers) -> None:
         description="Round VALUE to a format (nearest-even) and show its sign, exponent and "
         "fraction bits, the stored value, the rounding error, and whether it overflows or "
         "underflows.",
-        epilog="VALUE may be 65504, 1e-8, 2**-24, 2^-24, 1/3, 0x1p-14, inf or nan. Put -- before "
-        "a negative value written with an exponent: mixprec explain -- -2**-24")
+        epilog="VALUE may be 65504, 1e-8, 2**-24, 2^-24, 1/3, 0x1p-14, inf or nan, and "
+        "negative: mixprec explain -inf -2**-24 -1e6")
     p.add_argument("value", nargs="+", metavar="VALUE", help="the value(s) to explain")
     p.add_argument("--format", "-f", default="fp16",
                    help="format name(s), comma-separated: " + ", ".join(formats.names()) +

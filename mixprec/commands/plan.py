@@ -101,6 +101,7 @@ def register(subparsers) -> None:
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks (default 8; 1 for --strategy single)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MOMENTS))
-    p.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype: fp32, bf16, fp16")
+    p.add_argument("--reduce-dtype", default="fp32",
+                   help="gradient reduction dtype: fp32 (default), bf16, fp16")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run)

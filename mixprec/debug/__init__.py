@@ -2,16 +2,17 @@
 
 * :func:`trace_nonfinite` finds the first op whose output holds inf or NaN, in the forward and
   in the backward pass, and names the module it belongs to.
-* :func:`op_stats` counts executed ops by (op, output dtype, pass): the evidence that a
-  precision level does what it says.
+* :func:`op_stats` counts executed ops by (op, output dtype, pass), with the op-list name of
+  the Python-level function each ran beneath and the dtypes it read: the evidence that a
+  precision level does what it says, and the names ``fp32_ops``/``low_precision_ops`` accept.
 * :func:`grad_report` tells which gradients a format loses, and at which loss scale.
 """
 
 from .gradreport import GradReport, ParamGradStats, grad_report
 from .nonfinite import (NonFiniteError, NonFiniteEvent, NonFiniteReport, NonFiniteTracer,
                         TensorStats, trace_nonfinite)
-from .opstats import OpStats, op_stats
+from .opstats import OpRecord, OpStats, op_stats
 
 __all__ = ["trace_nonfinite", "NonFiniteTracer", "NonFiniteReport", "NonFiniteEvent",
-           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "grad_report",
+           "TensorStats", "NonFiniteError", "op_stats", "OpStats", "OpRecord", "grad_report",
            "GradReport", "ParamGradStats"]

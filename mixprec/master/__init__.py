@@ -2,8 +2,10 @@
 
 * :mod:`.optimizer`: the optimizer wrapper that keeps fp32 masters of low-precision parameters.
 * :mod:`.kernels`: its fused update kernels.
+* :mod:`.export`: fp32 state dicts.
 """
 
-from .optimizer import MasterWeightOptimizer, fp32_state_dict, is_master_optimizer
+from .export import fp32_state_dict
+from .optimizer import MasterWeightOptimizer, is_master_optimizer
 
 __all__ = ["MasterWeightOptimizer", "fp32_state_dict", "is_master_optimizer"]

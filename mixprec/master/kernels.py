@@ -1,38 +1,50 @@
-"""The fused master-weight step behind ``MasterWeightOptimizer(optimizer, fused=True)``.
+"""The update kernels behind ``MasterWeightOptimizer``: torch's fused ones, and a compiled pass.
 
-One compiled elementwise kernel per low-precision parameter reads its gradient (the model's
-bf16/fp16 gradient, or the fp32 master gradient after ``sync_grads()``), the fp32 master and the
-optimizer state, and writes the new master, the new state and the rounded low-precision copy in
-one pass. The unfused path makes three passes instead (gradient copy into an fp32 buffer, the
-inner optimizer's step, the write-back).
+Two ways to run SGD and Adam/AdamW on fp32 masters faster than the inner optimizer's default
+(foreach) step:
 
-The arithmetic follows torch's single-tensor SGD and Adam/AdamW (same operations on the same
-fp32 values, so results agree to a few fp32 ulps: the compiled kernel may round differently, e.g.
-fuse a multiply-add). State keys and layouts are torch's own (``momentum_buffer``; ``step``,
-``exp_avg``, ``exp_avg_sq``), so state dicts move freely between the fused and unfused paths.
+* ``fused="auto"``: torch's own fused kernels (``torch._fused_sgd_``/``_fused_adam_``/
+  ``_fused_adamw_``, one pass per bucket of tensors, on CPU and CUDA), run by the inner
+  optimizer itself with its param groups' ``fused`` switched on for the call
+  (:func:`torch_fused`). They need gradients of the masters' dtype, so the master optimizer feeds
+  them transient fp32 copies, one bucket at a time.
+* ``fused="compile"``: one ``torch.compile``-d elementwise kernel per low-precision parameter
+  (:func:`compiled_step`) that reads its low-precision gradient directly, unscales it, and
+  writes the master, the optimizer state and the rounded model parameter in one pass: no fp32
+  gradient at all.
 
-Hyper-parameters travel as one small fp32 tensor per call, never as Python numbers, so a learning
-rate scheduler does not trigger recompiles. The kernels are compiled with dynamic shapes over
-flattened tensors: one compile per kernel and (parameter dtype, gradient dtype) pair, plus
-torch's usual specialisation of size-0/1 tensors.
+The compiled arithmetic follows torch's single-tensor SGD and Adam/AdamW (same operations on the
+same fp32 values, so results agree to a few fp32 ulps: the compiled kernel may fuse a
+multiply-add). State keys and layouts are torch's own (``momentum_buffer``; ``step``,
+``exp_avg``, ``exp_avg_sq``), so state dicts move freely between the three paths.
+Hyper-parameters and the gradient's inverse scale travel as tensors, never as Python numbers, so
+a learning-rate scheduler or a changing loss scale does not recompile. The kernels are compiled
+with dynamic shapes over flattened tensors: one compile per kernel and (parameter dtype,
+gradient dtype) pair.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["SUPPORTED", "check_supported", "is_supported", "fused_step"]
+__all__ = ["COMPILED_SUPPORTED", "check_compilable", "is_compilable", "torch_fused_problem",
+           "torch_fused", "compiled_step"]
 
-SUPPORTED = ("torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
-             "differentiable) or torch.optim.Adam / torch.optim.AdamW (betas, eps, weight_decay; "
-             "not amsgrad, maximize, capturable or differentiable)")
+COMPILED_SUPPORTED = (
+    "torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
+    "differentiable) or torch.optim.Adam / torch.optim.AdamW (betas, eps, weight_decay; not "
+    "amsgrad, maximize, capturable or differentiable)")
 
 _SGD_OFF = ("maximize", "differentiable")
 _ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
+_TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_TORCH_FUSED_DEVICES = ("cpu", "cuda")
 
 
+# -- which optimizers each path runs --------------------------------------------------------------
 def _off_options(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
     if type(optimizer) is torch.optim.SGD:
         return _SGD_OFF
@@ -41,7 +53,7 @@ def _off_options(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
     return None
 
 
-def _problem(optimizer: torch.optim.Optimizer) -> str | None:
+def _compile_problem(optimizer: torch.optim.Optimizer) -> str | None:
     off = _off_options(optimizer)
     if off is None:
         return f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
@@ -52,50 +64,87 @@ def _problem(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def is_supported(optimizer: torch.optim.Optimizer) -> bool:
-    """True when the fused master step can run ``optimizer`` (see :data:`SUPPORTED`)."""
-    return _problem(optimizer) is None
+def is_compilable(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the compiled master step can run ``optimizer`` (see :data:`COMPILED_SUPPORTED`)."""
+    return _compile_problem(optimizer) is None
 
 
-def check_supported(optimizer: torch.optim.Optimizer) -> None:
-    """Raise ValueError unless the fused master step supports ``optimizer``."""
-    problem = _problem(optimizer)
+def check_compilable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless the compiled master step supports ``optimizer``."""
+    problem = _compile_problem(optimizer)
     if problem is not None:
-        raise ValueError(f"fused=True supports {SUPPORTED}; {problem}. Use fused=False for "
-                         "other optimizers or options")
+        raise ValueError(f"fused='compile' supports {COMPILED_SUPPORTED}; {problem}. Use "
+                         "fused='auto' or False for other optimizers or options")
 
 
-# -- the kernels (compiled lazily, once per process) -------------------------------------------
+def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors) -> str | None:
+    """Why torch's fused kernel can't step ``tensors`` with ``optimizer`` (None when it can)."""
+    if type(optimizer) not in _TORCH_FUSED_TYPES:
+        return f"{type(optimizer).__name__} has no fused kernel in torch"
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("capturable"):
+            return "differentiable/capturable param groups"
+    for t in tensors:
+        if t.device.type not in _TORCH_FUSED_DEVICES:
+            return f"a tensor on {t.device}"
+        if t.grad is not None and t.grad.is_sparse:
+            return "a sparse gradient"
+    return None
+
+
+@contextlib.contextmanager
+def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside the block, ``optimizer.step()`` runs torch's fused kernel for every param group.
+
+    The groups' ``fused``/``foreach`` options are switched for the block and restored after, so
+    the optimizer's own ``state_dict()`` keeps what its user configured. torch's fused kernels
+    keep Adam's ``step`` on the parameter's device; a ``step`` loaded onto the CPU is moved there.
+    """
+    saved = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if torch.is_tensor(step) and step.device != p.device:
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+    try:
+        yield
+    finally:
+        for group, (fused, foreach) in zip(optimizer.param_groups, saved):
+            group["fused"], group["foreach"] = fused, foreach
+
+
+# -- the compiled kernels (compiled lazily, once per process) -----------------------------------
 def _round_into(master, param, new):
     master.copy_(new)
     param.copy_(new)  # rounds to nearest even, as the unfused write-back does
 
 
-def _sgd_plain(master, param, grad, hp):
-    # hp: -lr, weight_decay, buffer decay (momentum; 0 at the first step), gradient weight
-    #     (1 - dampening; 1 at the first step), momentum
-    g = grad.float() + hp[1] * master
+def _sgd_plain(master, param, grad, s, hp):
+    # s: the gradient's inverse scale. hp: -lr, weight_decay, buffer decay (momentum; 0 at the
+    # first step), gradient weight (1 - dampening; 1 at the first step), momentum
+    g = grad.float() * s + hp[1] * master
     _round_into(master, param, master + hp[0] * g)
 
 
-def _sgd_momentum(master, param, grad, buf, hp):
-    g = grad.float() + hp[1] * master
+def _sgd_momentum(master, param, grad, buf, s, hp):
+    g = grad.float() * s + hp[1] * master
     b = buf * hp[2] + hp[3] * g
     buf.copy_(b)
     _round_into(master, param, master + hp[0] * b)
 
 
-def _sgd_nesterov(master, param, grad, buf, hp):
-    g = grad.float() + hp[1] * master
+def _sgd_nesterov(master, param, grad, buf, s, hp):
+    g = grad.float() * s + hp[1] * master
     b = buf * hp[2] + hp[3] * g
     buf.copy_(b)
     _round_into(master, param, master + hp[0] * (g + hp[4] * b))
 
 
-def _adam(master, param, grad, exp_avg, exp_avg_sq, hp):
+def _adam(master, param, grad, exp_avg, exp_avg_sq, s, hp):
     # hp: L2 weight decay, decoupled decay factor, 1 - beta1, beta2, 1 - beta2,
     #     sqrt(bias correction 2), eps, -step size
-    g = grad.float() + hp[0] * master
+    g = grad.float() * s + hp[0] * master
     m = master * hp[1]
     ea = exp_avg + hp[2] * (g - exp_avg)
     eas = exp_avg_sq * hp[3] + hp[4] * g * g
@@ -106,13 +155,13 @@ def _adam(master, param, grad, exp_avg, exp_avg_sq, hp):
 
 _KERNELS = {"sgd_plain": _sgd_plain, "sgd_momentum": _sgd_momentum,
             "sgd_nesterov": _sgd_nesterov, "adam": _adam}
-_compiled: dict[str, object] = {}
+_compiled: dict[str, Callable] = {}
 # Dynamic shapes: inductor would pick serial or parallel loops from the size of the first tensor
 # it compiled for (a bias: serial, for every tensor after). Let OpenMP decide at run time instead.
 _OPTIONS = {"cpp.dynamic_threads": True}
 
 
-def _kernel(name: str):
+def _kernel(name: str) -> Callable:
     fn = _compiled.get(name)
     if fn is None:
         fn = _compiled[name] = torch.compile(_KERNELS[name], dynamic=True, options=_OPTIONS)
@@ -129,42 +178,43 @@ def _hp(values, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _cached(cache: dict, key, values) -> torch.Tensor:
-    """The hyper-parameter tensor for ``key`` (its first element is the device), made once."""
-    hp = cache.get(key)
-    if hp is None:
-        dev = key[0] if isinstance(key, tuple) else key
-        hp = cache[key] = _hp(values(), dev)
-    return hp
-
-
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-# -- one step ----------------------------------------------------------------------------------
-def _sgd_group(optimizer, group: dict, items: list) -> None:
+class _PerDevice:
+    """One small tensor per device (hyper-parameters, inverse scales), made once per step."""
+
+    def __init__(self, make: Callable[[torch.device], torch.Tensor]):
+        self._make, self._made = make, {}
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        t = self._made.get(device)
+        if t is None:
+            t = self._made[device] = self._make(device)
+        return t
+
+
+def _sgd_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     momentum, damp = float(group["momentum"]), float(group["dampening"])
     if group["nesterov"] and (momentum <= 0 or damp != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    hps: dict = {}
+    first_hp = _PerDevice(lambda d: _hp([-lr, wd, 0.0, 1.0, momentum], d))
+    later_hp = _PerDevice(lambda d: _hp([-lr, wd, momentum, 1.0 - damp, momentum], d))
     for master, param, grad in items:
         dev = master.device
         if momentum == 0:
-            hp = _cached(hps, dev, lambda: [-lr, wd, 0.0, 1.0, 0.0])
-            _kernel("sgd_plain")(*_flat(master, param, grad), hp)
+            _kernel("sgd_plain")(*_flat(master, param, grad), inv(dev), first_hp(dev))
             continue
         state = optimizer.state[master]
         buf = state.get("momentum_buffer")
         first = buf is None  # torch starts the buffer at the first gradient: 0 * m + 1 * g
         if first:
             buf = state["momentum_buffer"] = torch.zeros_like(master)
-        hp = _cached(hps, (dev, first),
-                     lambda: [-lr, wd, 0.0 if first else momentum, 1.0 if first else 1.0 - damp,
-                              momentum])
         name = "sgd_nesterov" if group["nesterov"] else "sgd_momentum"
-        _kernel(name)(*_flat(master, param, grad, buf), hp)
+        hp = first_hp(dev) if first else later_hp(dev)
+        _kernel(name)(*_flat(master, param, grad, buf), inv(dev), hp)
 
 
 def _adam_state(optimizer, master: torch.Tensor) -> dict:
@@ -176,7 +226,7 @@ def _adam_state(optimizer, master: torch.Tensor) -> dict:
     return state
 
 
-def _adam_group(optimizer, group: dict, items: list) -> None:
+def _adam_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
     decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
@@ -192,20 +242,29 @@ def _adam_group(optimizer, group: dict, items: list) -> None:
             bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
             hp = hps[key] = _hp([l2, decay, 1 - beta1, beta2, 1 - beta2, bc2 ** 0.5, eps,
                                  -lr / bc1], master.device)
-        _kernel("adam")(*_flat(master, param, grad, state["exp_avg"], state["exp_avg_sq"]), hp)
+        _kernel("adam")(*_flat(master, param, grad, state["exp_avg"], state["exp_avg_sq"]),
+                        inv(master.device), hp)
 
 
-def fused_step(optimizer: torch.optim.Optimizer, model_of: Mapping, master_grads: bool) -> None:
-    """Step ``optimizer``: masters (in ``model_of``) fused, every other parameter by its step.
+def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
+                  grad_of: Callable[[torch.Tensor], torch.Tensor | None],
+                  inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """Update every master of ``optimizer`` (keys of ``model_of``) in one compiled pass each.
 
     Args:
         optimizer: the inner optimizer (its ``param_groups`` hold the masters).
-        model_of: master -> low-precision model parameter.
-        master_grads: read the masters' fp32 ``.grad`` (after ``sync_grads()``) instead of the
-            model parameters' gradients.
+        model_of: master -> low-precision model parameter (written, rounded).
+        grad_of: master -> the gradient to read (any floating dtype), or None to skip it.
+        inv_scale: a 0-d tensor the gradients are multiplied by first (None: 1).
+
+    Returns:
+        Per param group, the tensors that are not masters (fp32 parameters): the caller steps
+        them with the optimizer's own step.
     """
-    check_supported(optimizer)
+    check_compilable(optimizer)
     group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
+    scale = 1.0 if inv_scale is None else inv_scale
+    inv = _PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
     rest_lists = []
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -215,29 +274,14 @@ def fused_step(optimizer: torch.optim.Optimizer, model_of: Mapping, master_grads
                 if param is None:
                     rest.append(p)
                     continue
-                grad = p.grad if master_grads else param.grad
+                grad = grad_of(p)
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    raise RuntimeError("fused=True does not support sparse gradients; use "
-                                       "fused=False")
+                    raise RuntimeError("fused='compile' does not support sparse gradients; use "
+                                       "fused='auto' or False")
                 items.append((p, param, grad))
             if items:
-                group_step(optimizer, group, items)
+                group_step(optimizer, group, items, inv)
             rest_lists.append(rest)
-    _step_rest(optimizer, rest_lists)
-
-
-def _step_rest(optimizer: torch.optim.Optimizer, rest_lists: list) -> None:
-    """The inner step over the parameters that are their own masters (fp32), groups intact.
-
-    Always runs (even over empty lists) so step hooks and schedulers see a step.
-    """
-    saved = [group["params"] for group in optimizer.param_groups]
-    try:
-        for group, rest in zip(optimizer.param_groups, rest_lists):
-            group["params"] = rest
-        optimizer.step()
-    finally:
-        for group, params in zip(optimizer.param_groups, saved):
-            group["params"] = params
+    return rest_lists

@@ -1,4 +1,4 @@
-"""fp32 master weights for low-precision parameters: ``MasterWeightOptimizer``, ``fp32_state_dict``.
+"""``MasterWeightOptimizer``: fp32 master copies of low-precision parameters.
 
 Why masters: a bf16 weight near 1.0 has an ulp of 2**-7. An update smaller than half of that
 (2**-8) rounds away completely, on every step, so a model whose weights live in bf16 (or fp16)
@@ -9,25 +9,26 @@ small updates accumulate until they move the low-precision weight.
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import kernels as _fusedstep
+from ..dtypes import is_low_precision
+from ..scaling.unscale import check_and_unscale_, unscale_
+from . import kernels
 
-__all__ = ["MasterWeightOptimizer", "fp32_state_dict", "is_master_optimizer", "needs_master"]
+__all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
-# Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
+#: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
 MASTERS_KEY = "master_weights"
 
-
-def needs_master(tensor: torch.Tensor) -> bool:
-    """True for a floating tensor narrower than fp32 (bf16, fp16, fp8): it gets an fp32 master."""
-    return tensor.is_floating_point() and tensor.element_size() < 4
+_FUSED = ("auto", "compile", False)
+_MIN_BUCKET_BYTES = 32 * 2 ** 20
+_BUCKETS_PER_MODEL = 16
 
 
 def is_master_optimizer(optimizer: Any) -> bool:
@@ -40,58 +41,77 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     Wraps a torch optimizer built over a model's parameters. Every parameter narrower than fp32
     (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master copy;
-    fp32 (and fp64) parameters stay as they are. Each ``step()`` copies the model gradients into
-    the masters' fp32 gradients, steps the inner optimizer on the masters and writes the masters
-    back into the model parameters, rounded to nearest even. Optimizer state (momentum, Adam
-    moments) therefore lives in fp32 too.
+    fp32 (and fp64) parameters stay as they are (they are their own masters). ``step()`` reads
+    the model's gradients, steps the inner optimizer on the masters and writes the masters back
+    into the model parameters, rounded to nearest even. Optimizer state (momentum, Adam moments)
+    therefore lives in fp32 too.
 
-    Contract for loss scalers and gradient clipping:
-        * ``param_groups`` IS ``inner.param_groups``: it holds the masters (and the fp32 model
-          parameters), so ``torch.optim.lr_scheduler`` schedulers and code that edits ``"lr"``
-          work unchanged.
-        * ``sync_grads()`` copies every model gradient into its master's ``.grad`` (fp32, one
-          ``torch._foreach_copy_`` per device/dtype into buffers kept between steps). A model
-          parameter whose ``.grad`` is None gives a master ``.grad`` of None. After it, every
-          tensor in ``param_groups`` with a gradient has an fp32 (or fp64) gradient that may be
-          unscaled or clipped in place. It is idempotent until the next ``step()``,
-          ``zero_grad()`` or ``load_state_dict()``: calling it again does not overwrite
-          gradients already unscaled.
-        * ``step()`` calls ``sync_grads()`` unless it already ran, so a scaler that skips a step
-          simply does not call ``step()``; masters, model parameters and state stay untouched.
+    ``param_groups`` and ``state`` are the inner optimizer's own objects: LR schedulers, code
+    that edits ``"lr"``, and hooks registered on this object work as for any torch optimizer.
+    The inner optimizer itself must no longer be stepped directly (its ``param_groups`` now hold
+    masters, which only this object gives gradients): its ``step()`` raises a ``RuntimeError``
+    that says to use this one.
 
-    Host-device synchronisation: none of ``sync_grads()``, ``step()``, ``zero_grad()``,
-    ``state_dict()``, ``load_state_dict()`` adds one (all copies are asynchronous device ops);
-    the inner optimizer's own step behaves as it would unwrapped.
+    **Gradients and memory.** No fp32 gradient lives between steps. ``step()`` makes transient
+    fp32 copies of the model's gradients one bucket at a time (``bucket_mb``), steps that bucket,
+    writes it back and frees the copies; ``fused="compile"`` reads the low-precision gradients
+    directly and makes none. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
+    (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8).
 
-    Memory: each low-precision parameter costs an fp32 master plus an fp32 gradient buffer that
-    stays allocated between steps (``zero_grad(set_to_none=True)`` still sets every ``.grad``,
-    model and master, to None). Wrap after the model is cast and moved to its device; after
-    editing model weights directly, call ``refresh_masters()``.
+    **The loss-scaler protocol** (what :class:`mixprec.DynamicLossScaler` and the other mixprec
+    scalers call; an optimizer that owns the gradients its step reads implements it):
 
-    Fused step (``fused=True``, opt-in): for ``torch.optim.SGD`` and ``Adam``/``AdamW`` (see
-    ``mixprec._fusedstep.SUPPORTED``), ``step()`` updates each low-precision parameter in one
-    ``torch.compile``-d elementwise pass that reads its gradient (the model's low-precision
-    gradient, or the fp32 master gradient when ``sync_grads()`` ran, e.g. in a scaler's
-    ``unscale_``), the master and the optimizer state, and writes master, state and the rounded
-    model parameter; no fp32 gradient buffer is written. fp32 parameters go through the inner
-    optimizer's own step. State keys are torch's, so state dicts and ``fused`` can be switched
-    freely; results agree with the unfused step to a few fp32 ulps. Hyper-parameters reach the
-    kernel as tensors: schedulers do not recompile. The first step compiles (seconds on a CPU;
-    dynamic shapes, one compile per kernel and parameter/gradient dtype pair), so it needs a
-    working ``torch.compile`` (a C++ compiler on CPU, Triton on GPU). No host sync is added,
-    except reading Adam's ``step`` when that state lives on a GPU.
+    * ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in
+      their own dtypes: what a scaler checks for inf/NaN and measures for clipping.
+    * ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master (its ``.grad`` in
+      ``param_groups``) from the model's gradient times ``inv_scale``, unscales the fp32
+      parameters' gradients in place, and returns a 0-d inf/NaN flag (> 0: overflow), in one
+      pass over each gradient. After it, every tensor in ``param_groups`` has its true gradient
+      (clip those, e.g. ``clip_grad_norm_`` over the optimizer's parameters), and the model's
+      low-precision gradients read as unscaled too (``mp.debug.grad_report``). Changing the
+      model's low-precision gradients afterwards (e.g. ``clip_grad_norm_(model.parameters())``)
+      makes the next ``step()`` raise: clip the optimizer's parameters, or use
+      ``scaler.clip_grad_norm_(optimizer, max_norm)``.
+    * ``step(grad_scale=s)``: the model's gradients still carry the factor ``s`` (a 0-d tensor):
+      they are divided by it as they are read (fp32 parameters' gradients in place).
+      ``step()`` with no ``grad_scale`` uses the gradients ``unscale_grads_`` made, if it ran
+      since the last step, else the model's gradients as they are.
+    * ``drop_master_grads()`` drops the gradients ``unscale_grads_`` made (a scaler calls it
+      when it skips the step); ``zero_grad()`` clears the model's gradients and drops them too.
+
+    A scaler that skips a step simply does not call ``step()``: masters, model parameters and
+    optimizer state stay untouched. torch's ``torch.amp.GradScaler`` cannot drive this optimizer
+    (it looks for gradients in ``param_groups`` before the step): ``step()`` raises a clear
+    error when it is driven by one.
+
+    **Update kernels** (``fused``): ``"auto"`` (default) runs torch's own fused kernel for
+    ``torch.optim.SGD``/``Adam``/``AdamW`` on CPU and CUDA (``fused=True`` for the call; the
+    inner optimizer's own options are restored after) and the inner optimizer's configured step
+    otherwise; ``False`` always runs the configured step (bitwise what the unwrapped optimizer
+    does on fp32 tensors); ``"compile"`` runs one ``torch.compile``-d pass per low-precision
+    parameter that reads its low-precision gradient, unscales it and writes master, state and
+    rounded weight (SGD/Adam/AdamW only; the first step compiles, which needs a C++ compiler on
+    CPU or Triton on GPU; results agree with the others to a few fp32 ulps). See
+    :mod:`mixprec.master.kernels`.
+
+    Host-device synchronisation: ``step()``, ``unscale_grads_()``, ``zero_grad()``,
+    ``state_dict()`` and ``load_state_dict()`` add none (all copies are asynchronous device
+    ops), except that ``fused="compile"`` reads Adam's ``step`` when that state lives on a GPU.
 
     Args:
-        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32 mixed
-            freely, several param groups, tied parameters listed once). Any state it already
-            holds is moved to the masters and cast to fp32.
-        fused: use the fused step (also settable later through the ``fused`` attribute).
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32
+            mixed freely, several param groups, tied parameters listed once). Any state it
+            already holds is moved to the masters and cast to fp32.
+        fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
+        bucket_mb: size of the transient fp32 gradient buckets in MiB; None picks
+            max(32 MiB, 1/16 of all fp32 gradients). Optimizers that need every gradient at once
+            (a ``closure``, e.g. LBFGS) get one bucket.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        ValueError: ``optimizer`` is already a ``MasterWeightOptimizer``, or holds a
-            low-precision tensor that is not a leaf, or ``fused=True`` with an optimizer or
-            option the fused step does not support.
+        ValueError: ``optimizer`` is already a ``MasterWeightOptimizer``, holds a
+            low-precision tensor that is not a leaf, a bad ``fused`` or ``bucket_mb``, or
+            ``fused="compile"`` with an optimizer or option it does not support.
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)
@@ -102,78 +122,80 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         torch.float32
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fused: bool = False) -> None:
+    _set_up = False  # False while torch's Optimizer.__init__ registers the groups
+    # torch.amp.GradScaler then hands over grad_scale/found_inf instead of stepping blindly,
+    # and step() refuses it with a message (see _refuse_torch_grad_scaler)
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fused: bool | str = "auto",
+                 bucket_mb: float | None = None) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError(
                 "optimizer is already a MasterWeightOptimizer (around "
-                f"{type(optimizer.inner).__name__}); wrap the plain torch optimizer only once"
-            )
+                f"{type(optimizer.inner).__name__}); wrap the plain torch optimizer only once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer, e.g. "
-                f"torch.optim.SGD(model.parameters(), lr=0.1); got {type(optimizer).__name__}"
-            )
+                f"torch.optim.SGD(model.parameters(), lr=0.1); got {type(optimizer).__name__}")
+        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float))
+                                          and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be None or a positive number; got {bucket_mb!r}")
         self.inner = optimizer
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                     "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
-        self._patch_step_function()  # torch's own step-hook machinery (register_step_pre_hook)
         self._master_of: dict[torch.Tensor, nn.Parameter] = {}  # model param -> master
         self._model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
-        self._grad_bufs: dict[torch.Tensor, torch.Tensor] = {}  # master -> its fp32 grad buffer
-        self._synced = False
-        self._seen_grads: list = []
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
-            group["params"][:] = self._replace_with_masters(group["params"])
-        self._rebuild_buckets()
-        self._fused = False
+            group["params"][:] = self._with_masters(group["params"])
+        # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups and
+        # state so both objects see one truth
+        super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._set_up = True
+        self.register_state_dict_post_hook(_save_masters)
+        self.register_load_state_dict_pre_hook(_take_masters)
+        self.register_load_state_dict_post_hook(_restore_masters)
+        optimizer.register_step_pre_hook(self._refuse_direct_step)
+        self._stepping_inner = False
+        self._made: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # master -> (grad, version)
+        self._incoming_masters: dict | None = None
+        self.bucket_mb = bucket_mb
+        self._rebuild()
+        self._fused: bool | str = False
         self.fused = fused
 
+    # -- configuration -------------------------------------------------------------------------
     @property
-    def fused(self) -> bool:
-        """Whether ``step()`` runs the fused master step (see the class docstring)."""
+    def fused(self) -> bool | str:
+        """The update kernel: ``"auto"``, ``"compile"`` or ``False`` (see the class docstring)."""
         return self._fused
 
     @fused.setter
-    def fused(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"fused must be True or False; got {value!r}")
-        if value:
-            _fusedstep.check_supported(self.inner)
+    def fused(self, value: bool | str) -> None:
+        if not any(value is v or (isinstance(value, str) and value == v) for v in _FUSED):
+            raise ValueError(f"fused must be 'auto', 'compile' or False; got {value!r}")
+        if value == "compile":
+            kernels.check_compilable(self.inner)
         self._fused = value
-
-    # -- forwarded attributes ------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The inner optimizer's param groups (holding masters); edit ``"lr"`` here."""
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The inner optimizer's state, keyed by master (fp32) tensors."""
-        return self.inner.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's defaults."""
-        return self.inner.defaults
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
+        if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
+            self.inner.register_step_pre_hook(self._refuse_direct_step)  # its hooks
 
     def __repr__(self) -> str:
-        return f"MasterWeightOptimizer({len(self._master_of)} fp32 masters, {self.inner!r})"
+        return (f"MasterWeightOptimizer({len(self._master_of)} fp32 masters, fused={self.fused!r},"
+                f" {self.inner!r})")
 
     # -- master bookkeeping --------------------------------------------------------------------
-    def _replace_with_masters(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    def _with_masters(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"optimizer params must be Tensors; got {type(p).__name__}")
-            if needs_master(p):
+            if is_low_precision(p):
                 master = self._master_of.get(p)
                 out.append(self._make_master(p) if master is None else master)
             else:
@@ -184,8 +206,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if not param.is_leaf:
             raise ValueError(
                 f"can't keep a master for a non-leaf {param.dtype} tensor of shape "
-                f"{tuple(param.shape)}; pass the model's parameters (leaf tensors)"
-            )
+                f"{tuple(param.shape)}; pass the model's parameters (leaf tensors)")
         master = nn.Parameter(param.detach().to(torch.float32, copy=True),
                               requires_grad=param.requires_grad)
         self._master_of[param] = master
@@ -196,20 +217,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                              for k, v in state.pop(param).items()}
         return master
 
-    def _rebuild_buckets(self) -> None:
-        buckets: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
+    def _rebuild(self) -> None:
+        """Recompute the write-back pairs and the buckets after the param groups changed."""
+        pairs: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
         for param, master in self._master_of.items():
-            params, masters = buckets.setdefault((param.device, param.dtype), ([], []))
+            params, masters = pairs.setdefault((param.device, param.dtype), ([], []))
             params.append(param)
             masters.append(master)
-        self._buckets = list(buckets.values())
-        seen: dict[int, torch.Tensor] = {}
-        for group in self.inner.param_groups:
-            for p in group["params"]:
-                model_p = self._model_of.get(p, p)
-                seen.setdefault(id(model_p), model_p)
-        self._model_params = list(seen.values())
-        self._held = {id(p) for g in self.inner.param_groups for p in g["params"]}
+        self._pairs = list(pairs.values())
+        held = [p for g in self.param_groups for p in g["params"]]
+        self._held = {id(p) for p in held}
+        self._model_params = list({id(m): m for m in (self._model_of.get(p, p)
+                                                        for p in held)}.values())
+        total = sum(p.numel() * 4 for p in held)
+        if self.bucket_mb is not None:
+            limit = self.bucket_mb * 2 ** 20
+        else:
+            limit = max(_MIN_BUCKET_BYTES, math.ceil(total / _BUCKETS_PER_MODEL))
+        self._buckets = _buckets(self.param_groups, limit)
 
     def _holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._held
@@ -233,6 +258,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return param
         raise ValueError(_not_ours(param))
 
+    def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Low-precision model parameter -> its fp32 master (a new dict)."""
+        return dict(self._master_of)
+
     def model_param(self, master: torch.Tensor) -> torch.Tensor:
         """The model parameter behind ``master`` (a tensor from ``param_groups``).
 
@@ -249,90 +278,145 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return master
         raise ValueError(_not_ours(master))
 
-    # -- the hot path --------------------------------------------------------------------------
-    def sync_grads(self) -> None:
-        """Copy model gradients into the masters' fp32 ``.grad`` (see the class docstring)."""
-        if self._synced and self._grads_unchanged():
-            return
-        for params, masters in self._buckets:
-            dst, src = [], []
-            for p, m in zip(params, masters):
-                g = p.grad
-                if g is None or g.is_sparse:
-                    m.grad = None if g is None else g.float()
-                    continue
-                buf = self._grad_bufs.get(m)
-                if buf is None:
-                    buf = self._grad_bufs[m] = torch.empty_like(m)
-                if m.grad is not buf:
-                    m.grad = buf
-                dst.append(buf)
-                src.append(g)
-            if dst:
-                with torch.no_grad():
-                    torch._foreach_copy_(dst, src)
-        self._synced = True
-        self._seen_grads = [(weakref.ref(g), g._version) if g is not None else None
-                            for g in (p.grad for p in self._master_of)]
-
-    def _grads_unchanged(self) -> bool:
-        """True while every low-precision model gradient is the tensor, at the version, synced.
-
-        Catches ``model.zero_grad()`` (new tensors or in-place zeroing) and a new backward after
-        a skipped step, which must not leave stale (e.g. inf) master gradients behind.
-        """
-        seen = self._seen_grads
-        for p, rec in zip(self._master_of, seen):
-            g = p.grad
-            if rec is None or g is None:
-                if rec is not g:
-                    return False
-            elif rec[0]() is not g or rec[1] != g._version:
-                return False
-        return len(seen) == len(self._master_of)
-
-    def _write_back(self) -> None:
+    def refresh_masters(self) -> None:
+        """Copy the model parameters into the masters (after editing model weights directly)."""
         with torch.no_grad():
-            for params, masters in self._buckets:
-                torch._foreach_copy_(params, masters)
+            for params, masters in self._pairs:
+                torch._foreach_copy_(masters, params)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Sync gradients (unless already synced), step the inner optimizer, write back.
+    # -- the loss-scaler protocol --------------------------------------------------------------
+    def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(model parameter, gradient)`` pairs the next ``step()`` reads (see the class
+        docstring); parameters without a gradient are left out."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                param = self._model_of.get(p)
+                if param is None:
+                    grad = p.grad
+                    param = p
+                else:
+                    grad = p.grad if p in self._made else param.grad
+                if grad is not None:
+                    out.append((param, grad))
+        return out
 
-        With ``fused=True``: one compiled pass per low-precision parameter instead (reading the
-        fp32 master gradient if ``sync_grads()`` ran since the last backward, else the model's
-        gradient), then the inner optimizer's step over the fp32 parameters only.
+    def unscale_grads_(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Make the fp32 master gradients (model gradient x ``inv_scale``); return inf/NaN flag.
+
+        See the class docstring. ``inv_scale`` is a 0-d tensor (None: 1). Any master gradients
+        made by an earlier call are replaced. No host sync.
+
+        Returns:
+            A 0-d float32 tensor, > 0 when some gradient held inf or NaN, on the device of the
+            first gradient (or the CPU when there is none).
+        """
+        self._made = {}
+        made, fp32 = [], []
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    param = self._model_of.get(p)
+                    if param is None:
+                        if p.grad is not None:
+                            if p.grad.is_sparse:
+                                p.grad = p.grad.coalesce()
+                            fp32.append(p.grad)
+                        continue
+                    p.grad = _fp32_copy(param.grad)
+                    if p.grad is not None:
+                        made.append((p, param))
+            found = check_and_unscale_([p.grad for p, _ in made] + fp32, inv_scale)
+            if inv_scale is not None:  # the model's gradients read as the true ones too
+                unscale_([param.grad for _, param in made], inv_scale)
+        self._made = {p: (param.grad, param.grad._version) for p, param in made}
+        return found
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             grad_scale: torch.Tensor | None = None) -> Any:
+        """Step the masters from the model's gradients and write them back (see the class doc).
 
         Args:
             closure: re-evaluates the model and returns the loss (as for any torch optimizer);
                 the model sees the current masters before each re-evaluation.
+            grad_scale: the factor the model's gradients still carry (a 0-d tensor), or None.
 
         Returns:
             What the inner optimizer's ``step`` returns (the closure's loss, or None).
+
+        Raises:
+            RuntimeError: the model's low-precision gradients changed after ``unscale_grads_``;
+                driven by ``torch.amp.GradScaler``; a ``closure`` together with ``grad_scale``.
         """
-        if self._fused:
-            return self._fused_step(closure)
-        if closure is None:
-            self.sync_grads()
-            loss = self.inner.step()
+        self._refuse_torch_grad_scaler()
+        if closure is not None:
+            if grad_scale is not None:
+                raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "
+                                   "recomputes the gradients")
+            self._made = {}
+            return self._closure_step(closure)
+        if grad_scale is not None:
+            _check_grad_scale(grad_scale)
+            self._made = {}
         else:
-            loss = self.inner.step(self._wrap_closure(closure))
-        self._write_back()
-        self._synced = False
-        return loss
+            self._check_made_grads_current()
+        if self._fused == "compile":
+            self._compiled_step(grad_scale)
+        else:
+            for bucket in self._buckets:
+                self._bucket_step(bucket, grad_scale)
+        self._made = {}
+        return None
 
-    def _fused_step(self, closure: Callable[[], Any] | None) -> Any:
-        loss = None
-        if closure is not None:  # evaluated once, before the update, as torch's SGD/Adam do
-            with torch.enable_grad():
-                loss = closure()
-            self._synced = False
-        master_grads = self._synced and self._grads_unchanged()
-        _fusedstep.fused_step(self.inner, self._model_of, master_grads)
-        self._synced = False
-        return loss
+    def _bucket_step(self, bucket: list[list[torch.Tensor]], grad_scale) -> None:
+        made, scaled, stepped = [], [], []
+        for tensors in bucket:
+            for t in tensors:
+                param = self._model_of.get(t)
+                if param is None:  # an fp32 parameter: its own gradient, unscaled in place
+                    if t.grad is not None and grad_scale is not None:
+                        scaled.append(t.grad)
+                    continue
+                if t in self._made:
+                    stepped.append(t)
+                    continue
+                t.grad = _fp32_copy(param.grad)
+                if t.grad is not None:
+                    made.append(t)
+                    stepped.append(t)
+        with torch.no_grad():
+            if grad_scale is not None:
+                unscale_(scaled + [t.grad for t in made], grad_scale.reciprocal())
+            tensors = [t for ts in bucket for t in ts]
+            fused = self._fused == "auto" and kernels.torch_fused_problem(self.inner,
+                                                                          tensors) is None
+            with self._only(bucket), (kernels.torch_fused(self.inner) if fused
+                                      else contextlib.nullcontext()):
+                self._inner_step()
+            if stepped:
+                torch._foreach_copy_([self._model_of[t] for t in stepped], stepped)
+        for t in stepped:
+            t.grad = None
 
-    def _wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def _compiled_step(self, grad_scale) -> None:
+        inv = None if grad_scale is None else grad_scale.reciprocal()
+        made = self._made
+
+        def grad_of(master):
+            return master.grad if master in made else self._model_of[master].grad
+
+        rest = kernels.compiled_step(self.inner, self._model_of, grad_of, inv)
+        scaled = [t.grad for ts in rest for t in ts if t.grad is not None]
+        if inv is not None:
+            with torch.no_grad():
+                unscale_(scaled, inv)
+        with self._only(rest):
+            self._inner_step()  # always runs, so hooks and schedulers see a step
+        for master in made:
+            master.grad = None
+
+    def _closure_step(self, closure: Callable[[], Any]) -> Any:
         calls = 0
 
         def evaluate() -> Any:
@@ -340,41 +424,105 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if calls:  # the inner optimizer moved the masters: show them to the model first
                 self._write_back()
             calls += 1
-            self._synced = False
             loss = closure()
-            self.sync_grads()
+            self.unscale_grads_(None)
             return loss
 
-        return evaluate
+        loss = self._inner_step(evaluate)
+        self._write_back()
+        for master in self._master_of.values():
+            master.grad = None
+        self._made = {}
+        return loss
+
+    def _inner_step(self, closure=None) -> Any:
+        self._stepping_inner = True
+        try:
+            return self.inner.step() if closure is None else self.inner.step(closure)
+        finally:
+            self._stepping_inner = False
+
+    @contextlib.contextmanager
+    def _only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
+        """Inside the block, each param group holds only its tensors of ``bucket``."""
+        saved = [group["params"] for group in self.param_groups]
+        try:
+            for group, tensors in zip(self.param_groups, bucket):
+                group["params"] = tensors
+            yield
+        finally:
+            for group, params in zip(self.param_groups, saved):
+                group["params"] = params
+
+    def _write_back(self) -> None:
+        with torch.no_grad():
+            for params, masters in self._pairs:
+                torch._foreach_copy_(params, masters)
+
+    def _check_made_grads_current(self) -> None:
+        for master, (grad, version) in self._made.items():
+            now = self._model_of[master].grad
+            if now is not grad or now._version != version:
+                name = tuple(master.shape)
+                raise RuntimeError(
+                    f"the model's gradient of a {self._model_of[master].dtype} parameter of "
+                    f"shape {name} changed after its fp32 master gradient was made "
+                    "(scaler.unscale_(optimizer) or unscale_grads_()), e.g. by "
+                    "clip_grad_norm_(model.parameters(), ...); step() uses the fp32 master "
+                    "gradients, so that change would be lost. Clip with "
+                    "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's "
+                    "parameters: clip_grad_norm_([p for g in optimizer.param_groups for p in "
+                    "g['params']], max_norm)")
+
+    def _refuse_torch_grad_scaler(self) -> None:
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            raise RuntimeError(
+                "a MasterWeightOptimizer can't be driven by torch.amp.GradScaler: its "
+                "param_groups hold fp32 masters whose gradients are made inside step(), so "
+                "GradScaler would find no inf/NaN and never adapt its scale. Use mixprec's "
+                "scalers, which take the same calls: scaler = mp.DynamicLossScaler() (or "
+                "mp.make_loss_scaler('auto', policy)); scaler.scale(loss).backward(); "
+                "scaler.step(optimizer); scaler.update()")
+
+    def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
+        if not self._stepping_inner:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} was wrapped in a MasterWeightOptimizer (by "
+                "mixprec.prepare at level O2, or directly): its param_groups now hold fp32 "
+                "master weights, which only the wrapper gives gradients, so stepping it would "
+                "change nothing. Call step() and zero_grad() on the optimizer prepare returned: "
+                "model, optimizer = mp.prepare(model, optimizer, level='O2')")
+
+    def drop_master_grads(self) -> None:
+        """Drop the fp32 master gradients ``unscale_grads_`` made (a scaler that skips a step
+        calls this; the model's gradients stay as they are)."""
+        for master in self._made:
+            master.grad = None
+        self._made = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the model parameters and of the masters.
+        """Clear the model parameters' gradients and drop the masters' (made by the step or by
+        ``unscale_grads_``; masters never keep a gradient buffer).
 
         Args:
-            set_to_none: set ``.grad`` to None (default; the masters' fp32 buffers stay
-                allocated for the next step) instead of filling it with zeros.
+            set_to_none: set the model's ``.grad`` to None (default) instead of zeroing it.
         """
-        self._synced = False
-        tensors = [*self._model_params, *self._master_of.values()]
-        if set_to_none:
-            for t in tensors:
-                t.grad = None
-            return
+        self._made = {}
+        for master in self._master_of.values():
+            master.grad = None
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            g = t.grad
-            if g is not None:
-                g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
-                grads.setdefault((g.device, g.dtype), []).append(g)
+        for p in self._model_params:
+            g = p.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
+            grads.setdefault((g.device, g.dtype), []).append(g)
         with torch.no_grad():
             for same in grads.values():
                 torch._foreach_zero_(same)
-
-    def refresh_masters(self) -> None:
-        """Copy the model parameters into the masters (after editing model weights directly)."""
-        with torch.no_grad():
-            for params, masters in self._buckets:
-                torch._foreach_copy_(masters, params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its low-precision parameters get fp32 masters.
@@ -383,6 +531,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
             ValueError: no ``"params"`` entry, or a parameter already in this optimizer.
         """
+        if not self._set_up:  # torch's Optimizer.__init__ registering the wrapped groups
+            return super().add_param_group(param_group)
         if not isinstance(param_group, Mapping):
             raise TypeError("param_group must be a dict with a 'params' entry; got "
                             f"{type(param_group).__name__}")
@@ -396,18 +546,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         known = {id(self._model_of.get(p, p)) for g in self.param_groups for p in g["params"]}
         if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
-        new = [p for p in params if isinstance(p, torch.Tensor) and needs_master(p)]
+        new = [p for p in params if isinstance(p, torch.Tensor) and is_low_precision(p)]
         try:
-            group["params"] = self._replace_with_masters(params)
+            group["params"] = self._with_masters(params)
             self.inner.add_param_group(group)
         except Exception:
             for p in new:
                 self._model_of.pop(self._master_of.pop(p, None), None)
             raise
-        self._rebuild_buckets()
+        self._rebuild()
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _indexed_masters(self) -> dict[int, torch.Tensor]:
+    def indexed_masters(self) -> dict[int, torch.Tensor]:
         """Masters by their flat index over ``param_groups`` (torch's state_dict numbering)."""
         out: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
@@ -420,48 +570,71 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             start += len(group["params"])
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state_dict plus the fp32 masters under ``"master_weights"``.
 
-        Returns:
-            ``{"state", "param_groups", "master_weights": {flat param index: fp32 tensor}}``;
-            tensors are references, as with torch optimizers (``torch.save`` or deep-copy it).
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state = self.inner.state_dict()
-        state[MASTERS_KEY] = {i: m.detach() for i, m in self._indexed_masters().items()}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            state = post_hook(self, state) or state
-        return state
+def _save_masters(optimizer: MasterWeightOptimizer, state: dict) -> dict:
+    """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
+    state[MASTERS_KEY] = {i: m.detach() for i, m in optimizer.indexed_masters().items()}
+    return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a ``state_dict()``: masters, inner state, then re-sync the model parameters.
 
-        A plain torch optimizer state_dict (no ``"master_weights"``) is accepted too: the
-        masters then keep their current values.
+def _take_masters(optimizer: MasterWeightOptimizer, state_dict: Mapping) -> dict:
+    """load_state_dict pre-hook: check and set aside the saved masters (a plain torch
+    optimizer's state_dict has none: the masters then keep their values)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
+    state_dict = dict(state_dict)
+    saved = state_dict.pop(MASTERS_KEY, None)
+    if saved is not None:
+        _check_saved_masters(saved, optimizer.indexed_masters())
+    optimizer._incoming_masters = saved
+    return state_dict
 
-        Raises:
-            TypeError: ``state_dict`` is not a mapping.
-            ValueError: the saved masters do not match this optimizer's low-precision params.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
-        state_dict = dict(state_dict)
-        saved = state_dict.pop(MASTERS_KEY, None)
-        masters = self._indexed_masters()
-        if saved is not None:
-            _check_saved_masters(saved, masters)
-        self.inner.load_state_dict(state_dict)
-        if saved:
-            with torch.no_grad():
-                torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
-        self._write_back()
-        self._synced = False
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+
+def _restore_masters(optimizer: MasterWeightOptimizer) -> None:
+    """load_state_dict post-hook: share the new groups and state with the inner optimizer,
+    copy the saved masters in, and write them back into the model parameters."""
+    optimizer.inner.param_groups = optimizer.param_groups
+    optimizer.inner.state = optimizer.state
+    saved, optimizer._incoming_masters = optimizer._incoming_masters, None
+    masters = optimizer.indexed_masters()
+    if saved:
+        with torch.no_grad():
+            torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
+    optimizer._write_back()
+    optimizer._made = {}
+
+
+def _buckets(param_groups: list[dict], limit: float) -> list[list[list[torch.Tensor]]]:
+    """Split the groups' tensors into buckets of at most ``limit`` fp32 bytes (a larger tensor
+    gets a bucket of its own); a bucket lists, per group, its tensors."""
+    buckets: list[list[list[torch.Tensor]]] = []
+    current, size = [[] for _ in param_groups], 0.0
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            nbytes = p.numel() * 4
+            if size and size + nbytes > limit:
+                buckets.append(current)
+                current, size = [[] for _ in param_groups], 0.0
+            current[gi].append(p)
+            size += nbytes
+    if any(current) or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+def _fp32_copy(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A new fp32 tensor holding ``grad`` (coalesced when sparse), or None."""
+    if grad is None:
+        return None
+    grad = grad.to(torch.float32, copy=True)
+    return grad.coalesce() if grad.is_sparse else grad
+
+
+def _check_grad_scale(grad_scale) -> None:
+    if not (isinstance(grad_scale, torch.Tensor) and grad_scale.dim() == 0
+            and grad_scale.is_floating_point()):
+        raise TypeError(f"grad_scale must be a 0-d floating tensor (the factor the gradients "
+                        f"carry) or None; got {grad_scale!r}")
 
 
 def _not_ours(tensor: torch.Tensor) -> str:
@@ -475,57 +648,9 @@ def _check_saved_masters(saved: Mapping[int, torch.Tensor],
         raise ValueError(
             f"state_dict holds fp32 masters for parameter indices {sorted(saved)}, but this "
             f"optimizer's low-precision parameters are at {sorted(masters)}; load it into an "
-            "optimizer built the same way over the same model (same groups, same dtypes)"
-        )
+            "optimizer built the same way over the same model (same groups, same dtypes)")
     for i, master in masters.items():
         if tuple(saved[i].shape) != tuple(master.shape):
             raise ValueError(
                 f"saved master {i} has shape {tuple(saved[i].shape)}, but the parameter has "
-                f"shape {tuple(master.shape)}"
-            )
-
-
-def fp32_state_dict(model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> OrderedDict[str, Any]:
-    """An fp32 copy of ``model.state_dict()``, taking weights from fp32 masters where they exist.
-
-    Floating parameters and buffers are returned as fp32 copies (low-precision weights whose
-    master lives in ``optimizer`` are taken from the master, so no precision is lost); integer
-    buffers are copied unchanged. The result loads into an fp32 copy of the model.
-
-    Args:
-        model: the (possibly low-precision) model.
-        optimizer: its ``MasterWeightOptimizer``; None, or another torch optimizer, means no
-            masters (weights are upcast from the model).
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or ``optimizer`` not an optimizer.
-        ValueError: ``optimizer`` is a ``MasterWeightOptimizer`` over another model's params.
-
-    Example:
-        >>> model = nn.Linear(2, 2).to(torch.bfloat16)
-        >>> fp32_state_dict(model)["weight"].dtype
-        torch.float32
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be None or a torch.optim.Optimizer; got {type(optimizer).__name__}"
-        )
-    masters = optimizer._master_of if is_master_optimizer(optimizer) else {}
-    source = model.state_dict(keep_vars=True)
-    if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
-        raise ValueError("optimizer holds none of this model's parameters; pass the optimizer "
-                         "that was built over this model")
-    out: OrderedDict[str, Any] = OrderedDict()
-    with torch.no_grad():
-        for name, value in source.items():
-            if not torch.is_tensor(value):
-                out[name] = value  # extra state
-                continue
-            value = masters.get(value, value).detach()
-            out[name] = (value.to(torch.float32, copy=True) if value.is_floating_point()
-                         else value.clone())
-    out._metadata = getattr(source, "_metadata", None)  # type: ignore[attr-defined]
-    return out
+                f"shape {tuple(master.shape)}")

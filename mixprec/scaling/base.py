@@ -1,23 +1,43 @@
-"""The loss-scaler shell shared by every scaler: per-optimizer stages, unscale/step/update,
-counters, parameter names and serialization. The public scalers live in :mod:`mixprec.scaling`.
+"""The loss-scaler shell every scaler shares: per-optimizer stages, unscale/clip/step/update,
+counters, parameter names, serialization and torch.amp's drop-in calls. The public scalers live
+in :mod:`mixprec.scaling.scalers`.
+
+Two kinds of optimizer are driven:
+
+* a plain torch optimizer: its gradients are in ``param_groups``; the scaler unscales them in
+  place (one fused pass that also checks for inf/NaN) and calls ``step()``;
+* an optimizer that owns the gradients its step reads (:class:`mixprec.MasterWeightOptimizer`,
+  or any object with ``grads_for_step``, ``unscale_grads_`` and ``drop_master_grads``): the
+  scaler checks the gradients it reads, and passes the factor they still carry as
+  ``step(grad_scale=...)``, so the optimizer unscales them while it reads them; an explicit
+  ``unscale_`` asks it for unscaled fp32 gradients (``unscale_grads_``). See the protocol in
+  :class:`mixprec.MasterWeightOptimizer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import weakref
 
 import torch
 from torch import nn
 
-from . import unscale as _grads
+from . import unscale as passes
 from .state import ScaleState, check_keys, positive_scale
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "owns_gradients"]
 
-_SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt)] -> step(opt) "
-             "-> update()")
+_SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt) or "
+             "clip_grad_norm_(opt, ...)] -> step(opt) -> update()")
+_OWNER_METHODS = ("grads_for_step", "unscale_grads_", "drop_master_grads")
+
+
+def owns_gradients(optimizer) -> bool:
+    """True for an optimizer whose step reads gradients that are not in its ``param_groups``
+    (it implements ``grads_for_step``, ``unscale_grads_`` and ``drop_master_grads``)."""
+    return all(callable(getattr(optimizer, name, None)) for name in _OWNER_METHODS)
 
 
 class _Stage(enum.Enum):
@@ -30,6 +50,7 @@ class _Stage(enum.Enum):
 class _OptimizerRecord:
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None  # the factor the gradients the step reads carry
     bad_params: list[str] | None = None  # set when this step reached the min-scale limit
 
 
@@ -40,7 +61,7 @@ class _Counters:
 
 
 class LossScaler:
-    """Shared shell: per-optimizer stages, unscale/step/update, counters, names, serialization."""
+    """Shared shell: per-optimizer stages, unscale/clip/step/update, counters, serialization."""
 
     _kind = "none"
     _scales = False   # multiply the loss and unscale gradients
@@ -73,12 +94,15 @@ class LossScaler:
         """The current loss scale as a float (a host sync; 1.0 when not scaling)."""
         return float(self._state.scale.item()) if self._scales else 1.0
 
-    def attach(self, *modules: nn.Module) -> "LossScaler":
+    def is_enabled(self) -> bool:
+        """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
+        return self._scales
+
+    def attach(self, *modules: nn.Module) -> LossScaler:
         """Name parameters after these modules' ``named_parameters()`` in error messages.
 
-        Parameters of a :class:`mixprec.MasterWeightOptimizer` are found through its
-        ``model_param()`` mapping. Without an attached module, a parameter is named by its
-        position, e.g. ``"param_groups[0][2] shape (16, 8)"``. Returns the scaler.
+        Without an attached module, a parameter is named by its position, e.g.
+        ``"param_groups[0][2] shape (16, 8)"``. Returns the scaler.
         """
         for m in modules:
             if not isinstance(m, nn.Module):
@@ -103,48 +127,86 @@ class LossScaler:
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, optimizer) -> None:
-        """Divide this optimizer's gradients by the scale in place and record inf/NaN; no host sync.
+        """Divide this optimizer's gradients by the scale and record inf/NaN; no host sync.
 
-        Call it before clipping or inspecting gradients (at most once per optimizer per
-        iteration); step() calls it when you did not. For a :class:`mixprec.MasterWeightOptimizer`
-        it first calls ``optimizer.sync_grads()`` and then unscales the fp32 master gradients.
-        Sparse gradients are coalesced first. ``None`` gradients are skipped. Gradients are
-        unscaled in their own dtype: fp16 gradients of a plain optimizer may underflow again,
-        which is why fp16 training wants a MasterWeightOptimizer (level O2).
+        Call it before clipping or inspecting gradients by hand (at most once per optimizer
+        per iteration); ``step()`` does the work itself when you did not. For a plain optimizer
+        the gradients in ``param_groups`` are unscaled in place, in their own dtype (fp16
+        gradients of a plain optimizer may underflow again, which is why fp16 training wants
+        master weights, level O2). For a :class:`mixprec.MasterWeightOptimizer` it makes
+        unscaled fp32 gradients for the masters (``unscale_grads_``): clip the optimizer's
+        parameters then, not ``model.parameters()`` -- or use :meth:`clip_grad_norm_`, which
+        needs no fp32 gradients at all. ``None`` gradients are skipped; sparse gradients are
+        coalesced first.
 
         Raises:
-            RuntimeError: unscale_() was already called on this optimizer, or step() was,
-                since the last update().
+            RuntimeError: unscale_() or clip_grad_norm_() was already called on this
+                optimizer, or step() was, since the last update().
         """
-        _check_optimizer(optimizer)
-        record = self._records.setdefault(id(optimizer), _OptimizerRecord())
-        if record.stage is not _Stage.READY:
-            what = "unscale_()" if record.stage is _Stage.UNSCALED else "step()"
-            raise RuntimeError(f"unscale_() called on an optimizer after {what} since the last "
-                               f"update(); {_SEQUENCE}")
-        if _grads.is_master_optimizer(optimizer):
-            optimizer.sync_grads()
-        if self._scales:
-            inv_scale = self._state.scale.double().reciprocal().float()
-            record.found_inf = _grads.unscale_and_check_(optimizer.param_groups, inv_scale,
+        record = self._ready_record(optimizer, "unscale_()")
+        inv_scale = self._inv_scale() if self._scales else None
+        if owns_gradients(optimizer):
+            found = optimizer.unscale_grads_(inv_scale)
+            record.found_inf = found.to(self._state.device) if self._checks else None
+        elif self._scales:
+            record.found_inf = passes.unscale_and_check_(optimizer.param_groups, inv_scale,
                                                          self._state.device)
         record.stage = _Stage.UNSCALED
 
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the true (unscaled) gradients the step will use to ``max_norm``; return their norm.
+
+        Unscales first if ``unscale_`` was not called. For a
+        :class:`mixprec.MasterWeightOptimizer` that has no fp32 gradients yet, the norm is
+        measured on the model's low-precision gradients (accumulated in float32) and the clip
+        factor is folded into the step's unscaling, so clipping costs one read of the gradients
+        and no fp32 copy. Otherwise the gradients in ``param_groups`` are clipped in place with
+        ``torch.nn.utils.clip_grad_norm_``. An inf/NaN gradient makes the norm non-finite (and
+        the step is skipped when this scaler checks for overflow). No host sync.
+
+        Args:
+            optimizer: the optimizer whose gradients to clip.
+            max_norm: the largest total norm allowed (positive, finite).
+            norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+
+        Returns:
+            The total norm of the unscaled gradients before clipping (a 0-d float32 tensor).
+
+        Raises:
+            ValueError: a bad ``max_norm`` or ``norm_type``.
+            RuntimeError: called twice, or after step(), in one iteration.
+        """
+        _check_clip_args(max_norm, norm_type)
+        if owns_gradients(optimizer):
+            record = self._records.get(id(optimizer))
+            if record is None or record.stage is _Stage.READY:
+                return self._fold_clip(optimizer, max_norm, norm_type)
+            self._check_not_stepped(record, "clip_grad_norm_()")
+        else:
+            record = self._records.get(id(optimizer))
+            if record is None or record.stage is _Stage.READY:
+                self.unscale_(optimizer)
+            else:
+                self._check_not_stepped(record, "clip_grad_norm_()")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return torch.zeros((), dtype=torch.float32, device=self._state.device)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def step(self, optimizer, *args, **kwargs) -> bool:
-        """Unscale (if not done yet) and step the optimizer unless its gradients hold inf/NaN.
+        """Step the optimizer with the unscaled gradients, unless they hold inf/NaN.
 
         Under ``torch.distributed`` the overflow flag is first all-reduced (max) over
-        ``process_group``, so every rank skips together. A skipped step leaves the parameters and
-        all optimizer state untouched. A scaler that neither scales nor checks (``NoLossScaler``)
-        does not unscale implicitly: a :class:`mixprec.MasterWeightOptimizer` then syncs (or,
-        fused, reads) the model gradients in its own step. One host sync (reading the flag);
-        one more on a step that overflowed. Extra arguments go to ``optimizer.step``.
+        ``process_group``, so every rank skips together. A skipped step leaves the parameters
+        and all optimizer state untouched. One host sync (reading the flag), none when this
+        scaler does not check; one more on a step that overflowed. Extra arguments go to
+        ``optimizer.step``.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
 
         Raises:
-            TypeError: a closure was passed (it would recompute gradients after the check).
+            TypeError: a closure was passed (it would recompute scaled gradients after the check).
             RuntimeError: step() was already called on this optimizer since the last update().
         """
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
@@ -157,30 +219,39 @@ class LossScaler:
         if record is not None and record.stage is _Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
                                f"update(); {_SEQUENCE}")
+        owner = owns_gradients(optimizer)
         if record is None or record.stage is _Stage.READY:
-            if self._scales or self._checks:
-                self.unscale_(optimizer)
-            else:  # nothing to unscale or check: the optimizer's step reads the gradients itself
-                self._records[id(optimizer)] = _OptimizerRecord()
-            record = self._records[id(optimizer)]
+            record = self._prepare_step(optimizer, owner)
         record.stage = _Stage.STEPPED
         if self._checks and self._overflowed(record):
             self._counters.skipped_steps += 1
             if self._next_overflow_raises():
-                record.bad_params = _grads.nonfinite_param_names(optimizer, self._param_names())
+                record.bad_params = passes.nonfinite_param_names(
+                    _grad_pairs(optimizer, owner), self._param_names(optimizer))
+            if owner:
+                optimizer.drop_master_grads()
             return False
-        optimizer.step(*args, **kwargs)
+        if owner:
+            optimizer.step(*args, grad_scale=record.grad_scale, **kwargs)
+        else:
+            optimizer.step(*args, **kwargs)
         self._counters.applied_steps += 1
         return True
 
-    def update(self) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the scale from the steps since the last update() and start a new iteration.
 
         No host sync. Call it once per iteration, after step() on every optimizer; when any of
         them overflowed the scale backs off once.
 
+        Args:
+            new_scale: set the scale to this value instead (torch.amp's ``update(new_scale)``;
+                a positive number or a 1-element tensor; within ``[min_scale, max_scale]`` for
+                a dynamic scaler).
+
         Raises:
             RuntimeError: no step() since the last update().
+            ValueError: a bad ``new_scale``.
             NonFiniteGradientsError: gradients stayed non-finite at ``min_scale`` for
                 ``max_skips_at_min`` steps in a row (dynamic scaling).
         """
@@ -188,6 +259,10 @@ class LossScaler:
         if not stepped:
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{_SEQUENCE}")
+        if new_scale is not None:
+            self._set_scale(_as_number(new_scale, "new_scale"))
+            self._records = {}
+            return
         self._records = {}
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
@@ -197,10 +272,46 @@ class LossScaler:
             names = list(dict.fromkeys(n for names in bad for n in names))
             raise self._persistent_overflow_error(names)
 
+    # -- torch.amp.GradScaler's getters and setters ------------------------------------------
+    def get_growth_factor(self) -> float:
+        """Multiplier of the scale after ``growth_interval`` clean steps (1.0: it never grows)."""
+        return 1.0
+
+    def get_backoff_factor(self) -> float:
+        """Multiplier of the scale after an overflow (1.0: it never backs off)."""
+        return 1.0
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return 2000
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (dynamic scalers only)."""
+        self._fixed("set_growth_factor")
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (dynamic scalers only)."""
+        self._fixed("set_backoff_factor")
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (dynamic scalers only)."""
+        self._fixed("set_growth_interval")
+
+    # -- serialization -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to resume: kind, hyper-parameters, scale state and counters (syncs)."""
-        return {"kind": self._kind, "config": self._config_dict(),
-                "state": self._state.to_numbers(), "counters": dataclasses.asdict(self._counters)}
+        """Everything needed to resume (syncs): kind, hyper-parameters, scale state, counters.
+
+        It also carries torch.amp.GradScaler's keys (``scale``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), so
+        ``torch.amp.GradScaler().load_state_dict(scaler.state_dict())`` works too.
+        """
+        numbers = self._state.to_numbers()
+        return {"scale": self.get_scale(), "growth_factor": self.get_growth_factor(),
+                "backoff_factor": self.get_backoff_factor(),
+                "growth_interval": self.get_growth_interval(),
+                "_growth_tracker": int(numbers["growth_tracker"]),
+                "kind": self._kind, "config": self._config_dict(), "state": numbers,
+                "counters": dataclasses.asdict(self._counters)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict` (or, for a dynamic scaler, a ``torch.amp.GradScaler``'s).
@@ -210,9 +321,10 @@ class LossScaler:
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict() takes a dict; got {type(state_dict).__name__}")
-        if "_growth_tracker" in state_dict or not state_dict:
+        if "kind" not in state_dict:
             return self._load_grad_scaler(state_dict)
-        check_keys("state_dict", state_dict, ("kind", "config", "state", "counters"))
+        check_keys("state_dict", {k: v for k, v in state_dict.items() if k not in _TORCH_KEYS},
+                   ("kind", "config", "state", "counters"))
         if state_dict["kind"] != self._kind:
             raise ValueError(f"this state_dict is from a {state_dict['kind']!r} loss scaler; "
                              f"{type(self).__name__} loads only {self._kind!r} ones")
@@ -225,6 +337,10 @@ class LossScaler:
         self._state = ScaleState.from_numbers(state_dict["state"], self._state.device)
         self._counters = _Counters(**state_dict["counters"])
         self._records = {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._repr_fields().items())
+        return f"{type(self).__name__}({args})"
 
     # -- hooks for subclasses ----------------------------------------------------------------
     def _adjust(self, found_inf: torch.Tensor) -> ScaleState:
@@ -239,6 +355,9 @@ class LossScaler:
     def _config_dict(self) -> dict:
         return {}
 
+    def _repr_fields(self) -> dict:
+        return self._config_dict()
+
     def _load_config(self, config: dict) -> None:
         check_keys("state_dict['config']", config, ())
 
@@ -246,25 +365,117 @@ class LossScaler:
         raise ValueError(f"{type(self).__name__} cannot load a torch.amp.GradScaler state_dict "
                          f"(keys {sorted(state_dict)}); use DynamicLossScaler")
 
+    def _set_scale(self, new_scale: float) -> None:
+        if new_scale != 1.0:
+            raise ValueError(f"{type(self).__name__} does not scale the loss; update(new_scale) "
+                             f"takes only 1.0 here, got {new_scale!r}")
+
+    def _fixed(self, what: str) -> None:
+        raise ValueError(f"{type(self).__name__} has a fixed scale; {what}() needs a "
+                         f"DynamicLossScaler")
+
     # -- internals ---------------------------------------------------------------------------
+    def _inv_scale(self) -> torch.Tensor:
+        return self._state.scale.double().reciprocal().float()
+
+    def _ready_record(self, optimizer, what: str) -> _OptimizerRecord:
+        _check_optimizer(optimizer)
+        record = self._records.setdefault(id(optimizer), _OptimizerRecord())
+        if record.stage is not _Stage.READY:
+            done = "unscale_() or clip_grad_norm_()" if record.stage is _Stage.UNSCALED \
+                else "step()"
+            raise RuntimeError(f"{what} called on an optimizer after {done} since the last "
+                               f"update(); {_SEQUENCE}")
+        return record
+
+    def _check_not_stepped(self, record: _OptimizerRecord, what: str) -> None:
+        if record.stage is _Stage.STEPPED:
+            raise RuntimeError(f"{what} called on an optimizer after step() since the last "
+                               f"update(); {_SEQUENCE}")
+
+    def _prepare_step(self, optimizer, owner: bool) -> _OptimizerRecord:
+        """A READY optimizer about to step: unscale (plain) or check (owner) its gradients."""
+        if not owner:
+            if self._scales or self._checks:
+                self.unscale_(optimizer)
+            return self._records.setdefault(id(optimizer), _OptimizerRecord())
+        record = self._ready_record(optimizer, "step()")
+        if self._checks:
+            grads = [g for _, g in optimizer.grads_for_step()]
+            record.found_inf = passes.found_nonfinite(grads, self._state.device)
+        if self._scales:
+            record.grad_scale = self._state.scale
+        return record
+
+    def _fold_clip(self, optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip an owner's gradients by folding the clip factor into the step's grad_scale."""
+        record = self._ready_record(optimizer, "clip_grad_norm_()")
+        grads = [g for _, g in optimizer.grads_for_step()]
+        total = passes.total_norm(grads, norm_type, self._state.device)
+        carried = self._state.scale if self._scales else torch.ones_like(total)
+        total = total / carried
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        record.grad_scale = carried / coef
+        if self._checks:
+            record.found_inf = (~torch.isfinite(total)).float()
+        record.stage = _Stage.UNSCALED
+        return total
+
     def _overflowed(self, record: _OptimizerRecord) -> bool:
         found = record.found_inf
+        if found is None:
+            return False
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
         return bool(found.item())
 
-    def _param_names(self) -> dict[int, str]:
-        names = {}
+    def _param_names(self, optimizer) -> dict[int, str]:
+        """id(model parameter) -> a name: attached modules' names, else the position."""
+        model_param = getattr(optimizer, "model_param", None)
+        if not (owns_gradients(optimizer) and callable(model_param)):
+            model_param = _same
+        names = {id(model_param(p)): f"param_groups[{g}][{i}]"
+                 for g, group in enumerate(optimizer.param_groups)
+                 for i, p in enumerate(group["params"])}
         for ref in self._modules:
             module = ref()
             if module is not None:
                 names.update({id(p): n for n, p in module.named_parameters()})
         return names
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self._config_dict().items())
-        return f"{type(self).__name__}({args})"
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if owner:
+        return optimizer.grads_for_step()
+    return [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
+            if p.grad is not None]
+
+
+def _check_clip_args(max_norm, norm_type) -> None:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
+            or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a positive finite number; got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
+            or not norm_type > 0:
+        raise ValueError(f"norm_type must be a positive number or float('inf'); "
+                         f"got {norm_type!r}")
+
+
+def _as_number(value, what: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{what} must be a number or a 1-element tensor; got a tensor of "
+                             f"shape {tuple(value.shape)}")
+        value = value.item()
+    return positive_scale(what, value)
 
 
 def _check_optimizer(optimizer) -> None:

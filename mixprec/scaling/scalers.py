@@ -54,8 +54,9 @@ class NonFiniteGradientsError(RuntimeError):
 class NoLossScaler(LossScaler):
     """A loss scaler that does nothing, with the methods of the others (one loop shape).
 
-    ``scale()`` returns the loss, ``unscale_()`` only syncs a MasterWeightOptimizer's gradients,
-    ``step()`` always steps and returns True. The call order is checked as for the others.
+    ``scale()`` returns the loss, ``unscale_()`` only makes a MasterWeightOptimizer's fp32
+    gradients, ``step()`` always steps and returns True. The call order is checked as for the
+    others.
 
     Example:
         >>> scaler = NoLossScaler()
@@ -142,8 +143,37 @@ class DynamicLossScaler(LossScaler):
             f"mixprec.debug.trace_nonfinite()). Parameters with non-finite gradients: {listed}",
             names)
 
+    def get_growth_factor(self) -> float:
+        return self.config.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self.config.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self.config.growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self.config = dataclasses.replace(self.config, growth_factor=new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self.config = dataclasses.replace(self.config, backoff_factor=new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self.config = dataclasses.replace(self.config, growth_interval=new_interval)
+
+    def _set_scale(self, new_scale: float) -> None:
+        lo, hi = self.config.min_scale, self.config.max_scale
+        if not lo <= new_scale <= hi:
+            raise ValueError(f"new_scale must lie in [min_scale, max_scale] = [{lo}, {hi}]; "
+                             f"got {new_scale}")
+        self._state = dataclasses.replace(self._state, scale=torch.full_like(
+            self._state.scale, new_scale))
+
     def _config_dict(self):
         return dataclasses.asdict(self.config)
+
+    def _repr_fields(self):
+        return {"scale": float(self._state.scale.item()), **self._config_dict()}
 
     def _load_config(self, config):
         names = tuple(f.name for f in dataclasses.fields(DynamicConfig))
@@ -205,6 +235,13 @@ class StaticLossScaler(LossScaler):
 
     def _config_dict(self):
         return {"skip_on_overflow": self.skip_on_overflow}
+
+    def _repr_fields(self):
+        return {"scale": self.get_scale(), "skip_on_overflow": self.skip_on_overflow}
+
+    def _set_scale(self, new_scale: float) -> None:
+        self._state = dataclasses.replace(self._state, scale=torch.full_like(
+            self._state.scale, new_scale))
 
     def _load_config(self, config):
         check_keys("state_dict['config']", config, ("skip_on_overflow",))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..parallel import is_main_process
 
@@ -144,8 +145,6 @@ class ProgressBar(Callback):
         self._bar = None
 
     def on_epoch_begin(self, trainer, epoch: int) -> None:
-        from tqdm.auto import tqdm
-
         self._bar = tqdm(total=self.total, desc=f"epoch {epoch}", file=self.file or sys.stdout,
                          leave=True, dynamic_ncols=True)
 

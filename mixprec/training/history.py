@@ -17,7 +17,8 @@ class History:
         skipped: per step, True when the update was skipped (non-finite gradients).
         lr: per step, the learning rate the step used (first parameter group).
         epochs: per epoch, a dict of metrics (``epoch``, ``loss``, train metrics, ``val_*``).
-        overflows: what ``diagnose_overflow=True`` found, one dict per diagnosed step.
+        overflows: what ``diagnose_overflow=True`` found: one dict per distinct first cause
+            (``step``, ``scale``, ``cause``, ``report``, ``repeats``: later steps with it).
     """
 
     loss: list = dataclasses.field(default_factory=list)

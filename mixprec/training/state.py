@@ -123,7 +123,7 @@ def read_checkpoint(path) -> dict:
 
 # ----------------------------------------------------------------- Trainer checkpoints
 def module_of(trainer) -> nn.Module:
-    """The trainer's model without a ``DistributedDataParallel`` wrapper (plain state-dict names)."""
+    """The trainer's model without its ``DistributedDataParallel`` wrapper (plain names)."""
     strategy = getattr(trainer, "strategy", None)
     return trainer.model if strategy is None else strategy.unwrap(trainer.model)
 

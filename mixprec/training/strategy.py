@@ -22,7 +22,7 @@ from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, R
                               SequentialSampler)
 
 from ..parallel import ddp, env, reduce_dtype_of
-from ..prepare import prepare
+from ..prepare import module_device, prepare
 from . import state as ts
 
 __all__ = ["Strategy", "DDPStrategy", "make_strategy", "resolve_strategy", "STRATEGIES",
@@ -125,10 +125,9 @@ class Strategy:
         return True
 
     # -- set-up -----------------------------------------------------------------------------
-    def device(self, requested, model: nn.Module) -> torch.device:
-        if requested is not None:
-            return torch.device(requested)
-        return next((t.device for t in model.parameters()), torch.device("cpu"))
+    def device(self, model: nn.Module) -> torch.device:
+        """Where to train when the Trainer is given no ``device``."""
+        return module_device(model)
 
     def setup(self, model: nn.Module, optimizer, *, level: str, dtype):
         """Prepare (and wrap) the model; returns ``(model, optimizer)``."""
@@ -188,8 +187,8 @@ class _Distributed(Strategy):
     def is_main(self) -> bool:
         return env.is_main_process()
 
-    def device(self, requested, model: nn.Module) -> torch.device:
-        return torch.device(requested) if requested is not None else env.device()
+    def device(self, model: nn.Module) -> torch.device:
+        return env.device()
 
     def loader(self, data):
         return distributed_loader(data, rank=env.rank(), world=env.world_size())

@@ -14,19 +14,21 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from .. import debug
-from ..master import kernels as _fusedstep
+from ..master import kernels
 from ..master import is_master_optimizer
 from ..prepare import policy_of
 from ..scaling import make_loss_scaler
 from . import state as ts
 from .callbacks import Callback, ProgressBar
 from .history import History
+from .batches import compute_loss, logits_of, split_batch, to_device
 from .metrics import make_metrics
 from .strategy import make_strategy
 
@@ -41,25 +43,28 @@ def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                           and 0 < max_grad_norm < math.inf):
         raise ValueError(f"max_grad_norm must be None or a positive finite number; got {max_grad_norm!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output, target) -> scalar; got {loss_fn!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
+                        f"model output's .loss; got {loss_fn!r}")
 
 
-def _to_device(x, device: torch.device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    return x
+def _check_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:0'; got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available here "
+                           f"(torch {torch.__version__}); train on 'cpu' or install a CUDA build")
+    return dev
 
 
-def _split(batch) -> tuple[tuple, Any]:
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        raise TypeError(f"each batch must be a tuple (inputs..., target); got {type(batch).__name__}"
-                        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
-    return tuple(batch[:-1]), batch[-1]
+def _check_reiterable(name: str, data, epochs_left: int) -> None:
+    if epochs_left > 1 and isinstance(data, Iterator):  # iter() would draw a loader's RNG
+        raise TypeError(f"{name} is a one-shot iterator ({type(data).__name__}): it would be "
+                        f"exhausted after the first of {epochs_left} epochs. Pass something "
+                        f"that can be iterated again, e.g. a list of batches or a DataLoader")
 
 
 def _length(data) -> int | None:
@@ -75,7 +80,10 @@ class Trainer:
     Args:
         model: the fp32 model (prepared in place; see :func:`mixprec.prepare`).
         loss_fn: ``(output, target) -> scalar tensor``; use a mean-reduced loss so that
-            gradient accumulation averages like a large batch. Outputs reach it as fp32.
+            gradient accumulation averages like a large batch. Outputs reach it in the policy's
+            ``output_dtype`` (fp32 at O1/O2); a Hugging Face ``ModelOutput`` (or a dict with
+            ``logits``) reaches it as its ``logits``. None: the loss is the output's ``.loss``
+            (Hugging Face models compute it when the batch holds ``labels``).
         optimizer: an optimizer over ``model``'s parameters (wrapped in a
             :class:`mixprec.MasterWeightOptimizer` at O2).
         level: "O0", "O1", "O2" or "O3".
@@ -90,12 +98,14 @@ class Trainer:
         device: where to train (default: the device of the model's parameters).
         callbacks: :class:`mixprec.Callback` objects.
         compile: run each step's forward and loss under ``torch.compile``; at O2 with a
-            ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the fused step supports),
-            also turn on the fused master step (``MasterWeightOptimizer(fused=True)``: one
-            compiled pass per parameter instead of grad copy, step and write-back).
+            ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the compiled step
+            supports), also turn on the compiled master step
+            (``MasterWeightOptimizer(fused="compile")``: one pass per parameter that reads its
+            low-precision gradient).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
-            :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
-            (recorded in ``History.overflows``; the re-run changes no state).
+            :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first (the
+            re-run changes no state). Each distinct first cause is logged once and recorded in
+            ``History.overflows``; later overflows with the same cause only count ``repeats``.
         progress: show a tqdm bar (only when stdout is a terminal).
         strategy: "auto" (default: "ddp" when launched by torchrun with ``WORLD_SIZE`` > 1 or
             when a default process group of more than one rank exists, else "single"),
@@ -108,11 +118,16 @@ class Trainer:
         reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
             "bf16" or "fp16" (half the traffic).
 
+    Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
+    arguments (``model(**batch)``, the target in ``batch["labels"]``): see
+    :mod:`mixprec.training.batches`.
+
     Raises:
         ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
             strategy or reduce dtype; ``strategy="ddp"``/``"fsdp"`` with neither a process group
             nor torchrun's environment.
         TypeError: a non-callable ``loss_fn`` or a bad callback.
+        RuntimeError: ``device`` is a CUDA device but CUDA is not available.
 
     Example:
         >>> import torch, mixprec as mp
@@ -126,7 +141,8 @@ class Trainer:
         8
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: nn.Module, loss_fn: Callable | None,
+                 optimizer: torch.optim.Optimizer, *,
                  level: str = "O1", dtype: Any = "auto", loss_scaler: Any = "auto", metrics=None,
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
@@ -138,7 +154,7 @@ class Trainer:
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
             raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
         self.metrics = make_metrics(metrics)
-        self.device = self.strategy.device(device, model)
+        self.device = _check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, level=level, dtype=dtype)
         self.policy = policy_of(self.strategy.unwrap(self.model))
@@ -161,8 +177,8 @@ class Trainer:
 
     def _enable_fused_master_step(self) -> None:
         opt = self.optimizer
-        if is_master_optimizer(opt) and _fusedstep.is_supported(opt.inner):
-            opt.fused = True
+        if is_master_optimizer(opt) and kernels.is_compilable(opt.inner):
+            opt.fused = "compile"
 
     def _reset_epoch_position(self) -> None:
         self._batch_in_epoch = 0      # micro-batches consumed in the current epoch
@@ -170,11 +186,23 @@ class Trainer:
         self._epoch_loss = [0.0, 0]   # sum and count of finite step losses this epoch
 
     # ----------------------------------------------------------------- the step
-    def _forward_loss(self, inputs: tuple, target):
-        output = self.model(*inputs)
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
-            output = output.float()
-        return self.loss_fn(output, target), output
+    def _forward_loss(self, batch):
+        """The model's output and the loss on one batch (outputs as the policy returns them)."""
+        output = batch.run(self.model)
+        return compute_loss(output, batch, self.loss_fn), output
+
+    def _batch(self, batch):
+        return split_batch(to_device(batch, self.device), needs_target=self.loss_fn is not None)
+
+    def _update_metrics(self, metrics, output, batch) -> None:
+        if not metrics:
+            return
+        if batch.target is None:
+            raise ValueError("metrics need the batch's labels: a tuple (inputs..., target) or a "
+                             "dict with 'labels'")
+        logits = logits_of(output)
+        for m in metrics:
+            m.update(logits.detach(), batch.target)
 
     def _tick(self, phase: str, start: float) -> float:
         now = time.perf_counter()
@@ -192,18 +220,13 @@ class Trainer:
 
     def _forward_backward(self, batch, divisor: int) -> torch.Tensor:
         t = time.perf_counter()
-        inputs, target = _split(_to_device(batch, self.device))
-        loss, output = self._forward_loss_fn(inputs, target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a floating scalar (0-d) tensor; got {shape}: reduce "
-                             f"it, e.g. with reduction='mean'")
-        for m in self.metrics:
-            m.update(output.detach(), target)
+        batch = self._batch(batch)
+        loss, output = self._forward_loss_fn(batch)
+        self._update_metrics(self.metrics, output, batch)
         t = self._tick("forward", t)
         self.scaler.scale(loss / divisor if divisor > 1 else loss).backward()
         self._tick("backward", t)
-        self._last_batch = (inputs, target)
+        self._last_batch = batch
         return loss.detach()
 
     def _apply_update(self) -> tuple[bool, float]:
@@ -211,9 +234,7 @@ class Trainer:
         t = time.perf_counter()
         scale = self.scaler.get_scale()
         if self.max_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.scaler.clip_grad_norm_(self.optimizer, self.max_grad_norm)
         applied = bool(self.scaler.step(self.optimizer))
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -251,25 +272,35 @@ class Trainer:
 
     def _diagnose(self) -> None:
         """Re-run the last micro-batch under the non-finite tracer; restore every state after."""
-        inputs, target = self._last_batch
         rng = ts.capture_rng()
         buffers = {k: v.clone() for k, v in self.model.named_buffers()}
+        scale = self.history.loss_scale[-1]
         try:
             with debug.trace_nonfinite(self.model) as tracer:
-                loss, _ = self._forward_loss(inputs, target)
-                (loss * self.history.loss_scale[-1]).backward()
+                loss, _ = self._forward_loss(self._last_batch)
+                (loss * scale).backward()
             found = tracer.report
-            report = {"step": self.global_step, "scale": self.history.loss_scale[-1],
-                      "report": str(found) if found is not None else "no non-finite value on re-run"}
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             ts.restore_rng(rng)
             with torch.no_grad():
                 for k, v in self.model.named_buffers():
                     v.copy_(buffers[k])
+        cause = "none" if found is None else (
+            f"{found.first.phase} {found.first.module} {found.first.op}")
+        seen = next((e for e in self.history.overflows if e["cause"] == cause), None)
+        if seen is not None:  # the same first cause again: count it, say it in one line
+            seen["repeats"] += 1
+            log.info("mixprec: step %d overflowed at loss scale %g; same first cause as step %d "
+                     "(%s), %d repeat(s)", self.global_step, scale, seen["step"], cause,
+                     seen["repeats"])
+            return
+        report = {"step": self.global_step, "scale": scale, "cause": cause, "repeats": 0,
+                  "report": str(found) if found is not None else "no non-finite value on re-run"}
         self.history.overflows.append(report)
-        log.warning("mixprec: step %d overflowed at loss scale %g; first non-finite values:\n%s",
-                    self.global_step, report["scale"], report["report"])
+        log.warning("mixprec: step %d overflowed at loss scale %g; first non-finite values:\n%s"
+                    "\n(later overflows with this first cause are counted, not repeated)",
+                    self.global_step, scale, report["report"])
 
     # ----------------------------------------------------------------- epochs
     def fit(self, train_data: Iterable, epochs: int = 1, eval_data: Iterable | None = None,
@@ -283,8 +314,8 @@ class Trainer:
         batches already trained on are fetched and dropped.
 
         Args:
-            train_data: re-iterable batches ``(inputs..., target)``, e.g. a DataLoader. For exact
-                resume, shuffle with a seeded ``generator``.
+            train_data: re-iterable batches (tuples or dicts, see the class docstring), e.g. a
+                DataLoader. For exact resume, shuffle with a seeded ``generator``.
             epochs: the total number of epochs to reach.
             eval_data: batches to :meth:`evaluate` after every epoch (metrics get a ``val_`` prefix).
             progress: override the constructor's ``progress``.
@@ -294,12 +325,15 @@ class Trainer:
 
         Raises:
             ValueError: empty data, ``epochs < 1``, a non-scalar loss.
+            TypeError: a one-shot iterator (e.g. a generator) for more than one epoch.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an integer >= 1; got {epochs!r}")
         for name, data in (("train_data", train_data), ("eval_data", eval_data)):
             if data is not None and _length(data) == 0:
                 raise ValueError(f"{name} is empty (0 batches); nothing to train or evaluate on")
+            if data is not None:
+                _check_reiterable(name, data, epochs - self.epoch)
         callbacks = list(self.callbacks)
         train_data = self.strategy.loader(train_data)
         show = self.progress if progress is None else progress
@@ -414,12 +448,11 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch in data:
-                    inputs, target = _split(_to_device(batch, self.device))
-                    loss, output = self._forward_loss(inputs, target)
-                    size = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 1
+                    batch = self._batch(batch)
+                    loss, output = self._forward_loss(batch)
+                    size = batch.size()
                     total, count = total + float(loss) * size, count + size
-                    for m in metrics:
-                        m.update(output, target)
+                    self._update_metrics(metrics, output, batch)
         finally:
             self.model.train(was_training)
         total, count = self.strategy.sum([total, count], self.device)

@@ -1,0 +1,106 @@
+"""How the Trainer reads a batch and a model output: tuples, dicts, Hugging Face ``ModelOutput``.
+
+* A tuple or list ``(inputs..., target)`` calls ``model(*inputs)``; ``loss_fn(output, target)``.
+* A dict (a Hugging Face batch: ``input_ids``, ``attention_mask``, ``labels``, ...) calls
+  ``model(**batch)``; the target is ``batch["labels"]`` (None without one).
+* With ``loss_fn=None`` the loss is the output's ``.loss`` (``output["loss"]`` for a dict): what
+  a Hugging Face model computes when the batch holds ``labels``.
+* Metrics and a given ``loss_fn`` see the output's ``logits`` when the output is a
+  ``ModelOutput`` or a dict with one, else the output itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss"]
+
+LABEL_KEYS = ("labels", "label")
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch, split into what the model takes and the target."""
+
+    args: tuple
+    kwargs: dict
+    target: Any
+
+    def run(self, model: Callable) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def size(self) -> int:
+        """The batch size: the first dimension of the target, else of the first input tensor."""
+        for t in (self.target, *self.args, *self.kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim():
+                return t.shape[0]
+        return 1
+
+
+def to_device(x, device: torch.device):
+    """``x`` with every tensor in it (nested in lists, tuples and dicts) moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, Mapping):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def split_batch(batch, needs_target: bool) -> Batch:
+    """Split a batch (see the module docstring).
+
+    Raises:
+        TypeError: a batch that is neither a tuple/list nor a dict, or a tuple without a target
+            when ``loss_fn`` needs one.
+    """
+    if isinstance(batch, Mapping):
+        target = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+        return Batch((), dict(batch), target)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        return Batch(tuple(batch[:-1]), {}, batch[-1])
+    if not needs_target:
+        args = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+        return Batch(args, {}, None)
+    what = type(batch).__name__
+    if isinstance(batch, (list, tuple)):
+        what += f" of length {len(batch)}"
+    raise TypeError(f"each batch must be a tuple (inputs..., target) or a dict of model keyword "
+                    f"arguments (with 'labels' for the target); got {what}")
+
+
+def logits_of(output):
+    """The ``logits`` of a ``ModelOutput`` or a dict holding one, else ``output`` itself."""
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    logits = getattr(output, "logits", None)
+    return output if logits is None else logits
+
+
+def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor:
+    """``loss_fn(logits or output, target)``, or the output's own ``loss`` when it is None.
+
+    Raises:
+        ValueError: ``loss_fn`` is None and the output carries no loss; the loss is not a
+            floating scalar.
+    """
+    if loss_fn is None:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss",
+                                                                               None)
+        if loss is None:
+            raise ValueError(
+                f"loss_fn=None takes the loss from the model's output (.loss, as Hugging Face "
+                f"models return when the batch holds 'labels'), but this "
+                f"{type(output).__name__} has none: give the batch labels, or pass a loss_fn")
+    else:
+        loss = loss_fn(logits_of(output), batch.target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got {shape}: reduce "
+                         f"it, e.g. with reduction='mean'")
+    return loss
