@@ -8,10 +8,6 @@ plus, under DDP, the gradient buckets DDP keeps allocated (``gradient_as_bucket_
 glibc's mmap threshold fixed (set below) so freed tensors go back to the system.
 
     python bench/plan_check.py [--width 2048] [--depth 9] [--optimizer adamw]
-
-One more buffer is reported in its own column: the fp32 gradient buffers a
-MasterWeightOptimizer keeps between steps at O2 (4 bytes per 16-bit parameter); the planner
-leaves them out (it counts transient fp32 gradient copies as not held).
 """
 
 from __future__ import annotations
@@ -61,12 +57,9 @@ def _measure(strategy, level, width, depth, optimizer, batch=32):
     trainer.train_step([(x, y)])
     gc.collect()
     after = rss()
-    opt = trainer.optimizer
-    buffers = getattr(opt, "_grad_bufs", {}).values()  # fp32 master gradients kept between steps
-    master_grads = sum(b.numel() * b.element_size() for b in buffers)
-    del trainer, opt
+    del trainer
     gc.collect()
-    return after - before, master_grads
+    return after - before
 
 
 def _worker(rank, world, strategy, width, depth, optimizer, out):
@@ -100,23 +93,19 @@ def main(argv=None) -> int:
         raise SystemExit("plan_check reads /proc/self/statm: Linux only")
     n = mp.benchmodels.params_count(NineLinear(args.width, args.depth))
     print(f"nine-linear width {args.width} depth {args.depth}: {n / 1e6:.2f}M parameters, "
-          f"{args.optimizer}; MiB per rank held between steps (measured: the increase in "
-          f"resident memory, less the MasterWeightOptimizer buffers of the last column)")
-    print("| strategy | ranks | level | planned | measured (rank 0 / 1) | measured / planned "
-          "| + MasterWeightOptimizer grad buffers |")
-    print("|---|---|---|---|---|---|---|")
+          f"{args.optimizer}; MiB per rank held between steps")
+    print("| strategy | ranks | level | planned | measured (rank 0 / 1) | measured / planned |")
+    print("|---|---|---|---|---|---|")
     for strategy, world in (("single", 1), ("ddp", 2), ("fsdp", 2)):
         results = _run(strategy, world, args.width, args.depth, args.optimizer)
         for level in LEVELS:
             plan = mp.parallel.plan(n, level=level, dtype="bf16", strategy=strategy, world=world,
                                     optimizer=args.optimizer)
             planned = plan.parameters_and_optimizer + (plan.gradients if strategy == "ddp" else 0)
-            measured = [r[level][0] - r[level][1] for r in results]
-            buffers = results[0][level][1]
+            measured = [r[level] for r in results]
             print(f"| {strategy} | {world} | {level} | {planned / 2**20:.1f} | "
                   f"{' / '.join(f'{m / 2**20:.1f}' for m in measured)} | "
-                  f"{max(measured, key=lambda m: abs(m - planned)) / planned:.3f} | "
-                  f"{buffers / 2**20:.1f} |")
+                  f"{max(measured, key=lambda m: abs(m - planned)) / planned:.3f} |")
     return 0
 
 

@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.slow,
 
 LEVELS = ("O0", "O1", "O2", "O3")
 # Max abs weight difference from one process after 8 SGD steps; see test_parallel_ddp.py for
-# what the figures are (measured here: O0 1.2e-7, O1 2.0e-3, O2 1.4e-3, O3 4.7e-2).
-TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 1e-1}
-LOSS_TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 3e-2}
+# what the figures are (measured here: O0 1.2e-7, O1 2.0e-3, O2 1.4e-3, O3 7.8e-3).
+TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
+LOSS_TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
 
 
 def _fsdp_o0(reduce_dtype="fp32"):
