@@ -52,8 +52,8 @@ def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, o
         f"mixprec plan: {_count(chosen.params)} parameters, {chosen.optimizer} "
         f"({OPTIMIZER_MOMENTS[chosen.optimizer]} moments), 16-bit dtype {chosen.dtype}, "
         f"gradients reduced in {chosen.reduce_dtype}",
-        "GiB per rank; B/param = bytes per parameter (/N: sharded over N ranks); traffic = "
-        "bytes one rank sends per step",
+        "GiB per rank; B/param: bytes per parameter (/N: over N ranks); traffic: sent per rank "
+        "per step",
         "",
         _line(" ", _COLUMNS),
     ]
