@@ -15,6 +15,7 @@ import mixprec as mp
 from mixprec.cli import main as cli_main
 from mixprec.parallel import env
 from mixprec.parallel.plan import parse_count, plan
+from mixprec.training import state as ts
 from mixprec.training.strategy import distributed_loader, make_strategy, resolve_strategy
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -241,3 +242,22 @@ def test_plan_command_marks_the_chosen_row_and_prints_json(capsys):
     assert data["chosen"]["strategy"] == "ddp" and len(data["rows"]) == 12
     assert cli_main(["plan", "--params", "huge"]) == 2
     assert "parameter count" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_another_world_size_loads_only_at_an_epoch_end(tmp_path):
+    trainer = _trainer()
+    batches = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(3)]
+    trainer.fit(batches, epochs=1)
+    state = ts.trainer_state(trainer)
+    rng = ts.capture_rng()
+    state.update(world_size=2, ranks=[{"rng": rng, "epoch_start_rng": None}] * 2)
+    state["counters"]["batch_in_epoch"] = 1
+    torch.save(state, tmp_path / "mid.pt")
+    with pytest.raises(ValueError, match="saved by 2 process.* middle of an epoch.* has 1"):
+        _trainer().load(tmp_path / "mid.pt")
+    state["counters"]["batch_in_epoch"] = 0
+    torch.save(state, tmp_path / "end.pt")
+    fresh = _trainer()
+    torch.manual_seed(123)
+    fresh.load(tmp_path / "end.pt")
+    assert fresh.global_step == 3 and torch.equal(torch.get_rng_state(), rng["torch"])
