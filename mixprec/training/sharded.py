@@ -21,14 +21,14 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from ..parallel import env
 from ..parallel.sharding import fsdp
 from . import state as ts
-from .strategy import _Distributed, _for_this_rank
+from .strategy import DistributedStrategy, rank_checkpoint
 
 __all__ = ["FSDPStrategy"]
 
 _META = "trainer.pt"
 
 
-class FSDPStrategy(_Distributed):
+class FSDPStrategy(DistributedStrategy):
     """FSDP2 (``fully_shard``): see :func:`mixprec.parallel.fsdp` for what each level does."""
 
     name = "fsdp"
@@ -69,7 +69,7 @@ class FSDPStrategy(_Distributed):
             ts.check_compatible(trainer, meta, path)
             rank_file = path / f"rank{env.rank() % meta['world_size']}.pt"
             meta["ranks"] = [torch.load(rank_file, map_location="cpu", weights_only=True)]
-            meta = _for_this_rank(meta, path, env.rank(), env.world_size())
+            meta = rank_checkpoint(meta, path, env.rank(), env.world_size())
         except Exception as exc:
             error = exc
         self.agree(error, f"loading checkpoint {str(path)!r}")

@@ -25,8 +25,8 @@ from ..parallel import ddp, env, reduce_dtype_of
 from ..prepare import module_device, prepare
 from . import state as ts
 
-__all__ = ["Strategy", "DDPStrategy", "make_strategy", "resolve_strategy", "STRATEGIES",
-           "distributed_loader"]
+__all__ = ["Strategy", "DistributedStrategy", "DDPStrategy", "make_strategy", "resolve_strategy",
+           "STRATEGIES", "distributed_loader", "rank_checkpoint"]
 
 log = logging.getLogger("mixprec")
 
@@ -175,10 +175,10 @@ class Strategy:
 
     def load(self, trainer, path) -> None:
         ckpt = ts.read_checkpoint(path)
-        ts.load_trainer_state(trainer, _for_this_rank(ckpt, path, 0, 1), path)
+        ts.load_trainer_state(trainer, rank_checkpoint(ckpt, path, 0, 1), path)
 
 
-class _Distributed(Strategy):
+class DistributedStrategy(Strategy):
     """What DDP and FSDP share: samplers, agreement across ranks, per-rank RNG in checkpoints."""
 
     distributed = True
@@ -262,7 +262,7 @@ def _collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text)
 
 
-def _for_this_rank(ckpt: dict, path, rank: int, world: int) -> dict:
+def rank_checkpoint(ckpt: dict, path, rank: int, world: int) -> dict:
     """``ckpt`` with this rank's RNG states (a checkpoint saved at another world size only at an
     epoch boundary: mid-epoch, the position refers to another split of the data)."""
     saved_world = ckpt.get("world_size", 1)
@@ -278,7 +278,7 @@ def _for_this_rank(ckpt: dict, path, rank: int, world: int) -> dict:
     return {**ckpt, "rng": mine["rng"], "epoch_start_rng": mine["epoch_start_rng"]}
 
 
-class DDPStrategy(_Distributed):
+class DDPStrategy(DistributedStrategy):
     """``DistributedDataParallel``: a full model per rank, gradients averaged in ``reduce_dtype``.
 
     Before :func:`mixprec.prepare`, rank 0's fp32 weights are broadcast, so the fp32 masters made
@@ -317,7 +317,7 @@ class DDPStrategy(_Distributed):
     def load(self, trainer, path) -> None:
         error = None
         try:
-            ckpt = _for_this_rank(ts.read_checkpoint(path), path, env.rank(), env.world_size())
+            ckpt = rank_checkpoint(ts.read_checkpoint(path), path, env.rank(), env.world_size())
             ts.load_trainer_state(trainer, ckpt, path)
         except Exception as exc:
             error = exc
