@@ -20,6 +20,7 @@ Two kinds of wrapper:
 from __future__ import annotations
 
 import difflib
+import warnings
 import weakref
 from typing import Any
 
@@ -40,6 +41,7 @@ _FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module compute
 _PREPARED_ATTR = "_mixprec_in_prepared"   # set on every submodule of a prepared model
 _MASTERS_ATTR = "_mixprec_masters"        # a _MasterLink on the prepared root
 _FP32 = torch.float32
+_FP16_MIN_SUBNORMAL = 2.0 ** -24
 
 
 # -- the forward wrappers --------------------------------------------------------------------------
@@ -268,6 +270,21 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
                          f"build it from model.parameters() of the model you prepare")
 
 
+def _check_eps(optimizer, policy: Policy) -> None:
+    """Without masters, an fp16 model's Adam state is fp16 too, where a tiny eps is 0."""
+    if optimizer is None or policy.master_weights or policy.param_dtype != torch.float16:
+        return
+    for i, group in enumerate(optimizer.param_groups):
+        eps = group.get("eps")
+        if isinstance(eps, float) and 0 < eps < _FP16_MIN_SUBNORMAL / 2:
+            warnings.warn(
+                f"param_groups[{i}] has eps={eps:g}, which rounds to 0 in fp16 (smallest "
+                f"subnormal 2^-24 = 5.96e-08): without master weights ({policy}) the optimizer "
+                f"state is fp16 too, so where a gradient is 0 an Adam-style update divides 0 by "
+                f"0. Use eps >= 1e-7, or level O2 (fp32 masters and state)", UserWarning,
+                stacklevel=3)
+
+
 def _resolve_policy(model, level, dtype, keep_fp32, policy) -> Policy:
     if policy is not None:
         if not isinstance(policy, Policy):
@@ -345,6 +362,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     _check_keep_names(model, policy.keep_fp32)
     _check_marks(model, policy)
     _check_optimizer(model, optimizer)
+    _check_eps(optimizer, policy)
     device_type = module_device(model).type
     context = _policy_context(policy, device_type, low_precision_ops, fp32_ops, emulate_fp16)
     warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=3)  # names op lists miss

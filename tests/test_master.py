@@ -557,16 +557,19 @@ def test_fp32_state_dict_rejects_bad_arguments():
 
 
 @pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_hot_path_forces_no_host_sync_on_cuda():
     model = Mixed([torch.bfloat16, torch.bfloat16]).cuda()
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     loss_of(model, torch.randn(4, 8, device="cuda")).backward()
-    torch.cuda.set_sync_debug_mode("error")
+    half, two = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
+    x = torch.randn(4, 8, device="cuda")
     try:
-        opt.unscale_grads_(torch.tensor(0.5, device="cuda"))
+        torch.cuda.set_sync_debug_mode("error")
+        opt.unscale_grads_(half)
         opt.step()
-        loss_of(model, torch.randn(4, 8, device="cuda")).backward()
-        opt.step(grad_scale=torch.tensor(2.0, device="cuda"))
+        loss_of(model, x).backward()
+        opt.step(grad_scale=two)
         opt.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -211,3 +211,11 @@ def test_hugging_face_save_pretrained_round_trips_to_an_fp32_model(tmp_path):
     assert loaded.transformer.h[0].attn.c_attn.weight.dtype == FP32
     master = opt.master_param(model.transformer.h[0].attn.c_attn.weight)
     assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, master)
+
+
+def test_o3_fp16_with_a_tiny_adam_eps_warns():
+    model = five_linear()
+    with pytest.warns(UserWarning, match=r"eps=1e-08, which rounds to 0 in fp16"):
+        mp.prepare(model, torch.optim.Adam(model.parameters()), level="O3", dtype="fp16")
+    model = five_linear()  # O2 keeps the state in fp32: no warning
+    mp.prepare(model, torch.optim.Adam(model.parameters()), level="O2", dtype="fp16")

@@ -6,7 +6,9 @@
 * With ``loss_fn=None`` the loss is the output's ``.loss`` (``output["loss"]`` for a dict): what
   a Hugging Face model computes when the batch holds ``labels``.
 * Metrics and a given ``loss_fn`` see the output's ``logits`` when the output is a
-  ``ModelOutput`` or a dict with one, else the output itself.
+  ``ModelOutput`` or a dict with one, else the output itself. A floating output and a floating
+  target of different dtypes (a bf16 output at O3, an fp32 target) reach ``loss_fn`` in the
+  wider dtype.
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ def logits_of(output):
     return output if logits is None else logits
 
 
+def _promoted(output, target):
+    """A floating output and target of different dtypes meet in the wider one (torch's type
+    promotion, made explicit: some losses' CUDA backward kernels refuse mixed dtypes)."""
+    if (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
+            and output.is_floating_point() and target.is_floating_point()
+            and output.dtype != target.dtype):
+        wide = torch.promote_types(output.dtype, target.dtype)
+        return output.to(wide), target.to(wide)
+    return output, target
+
+
 def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor:
     """``loss_fn(logits or output, target)``, or the output's own ``loss`` when it is None.
 
@@ -98,7 +111,7 @@ def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor
                 f"models return when the batch holds 'labels'), but this "
                 f"{type(output).__name__} has none: give the batch labels, or pass a loss_fn")
     else:
-        loss = loss_fn(logits_of(output), batch.target)
+        loss = loss_fn(*_promoted(logits_of(output), batch.target))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got {shape}: reduce "

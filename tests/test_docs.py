@@ -1,0 +1,48 @@
+"""Every Python block of README.md and docs/*.md runs as written, in order, one namespace per
+document (so a document may define a model in one block and train it in the next).
+
+A block whose fence carries ``no-run`` after the language (```` ```python no-run ````) is shown
+code for another library (apex, PaddlePaddle, MindSpore): it is not run.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\S*)(.*)$")
+
+
+def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(first line number, code) of each runnable Python block."""
+    blocks, current, start, runnable = [], None, 0, False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        match = FENCE.match(line.strip()) if line.startswith("```") else None
+        if current is None and match:
+            current, start = [], number + 1
+            runnable = match.group(1) == "python" and "no-run" not in match.group(2).split()
+        elif current is not None and line.startswith("```"):
+            if runnable:
+                blocks.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_every_document_has_python_blocks_found():
+    assert len(python_blocks(ROOT / "README.md")) >= 8
+
+
+@pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_python_blocks_run_as_written(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # files the examples write (checkpoints, plots) land here
+    namespace = {"__name__": f"docs_{path.stem}"}
+    for line, code in python_blocks(path):
+        try:
+            exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
+        except Exception as exc:  # name the block: the traceback alone points into exec
+            pytest.fail(f"the Python block of {path.name} at line {line} raised {exc!r}")
