@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from . import oplists
 from .emulation import Fp16EmulationMode, should_emulate
@@ -28,6 +28,7 @@ __all__ = ["autocast", "cast_floating", "PrecisionContext"]
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW = "low"  # marker: "the autocast dtype in force at call time"
+_PROMOTE = "promote"  # marker: "the widest floating dtype among the inputs"
 
 
 def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
@@ -56,14 +57,26 @@ class _OpListMode(TorchFunctionMode):
             target = None
         if target is None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
-        dtype = torch.get_autocast_dtype(self.device_type) if target is _LOW else target
-        args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
+        if target is _PROMOTE:
+            dtype = _widest((args, kwargs), self.device_type)
+        else:
+            dtype = torch.get_autocast_dtype(self.device_type) if target is _LOW else target
+        if dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
         with torch.autocast(self.device_type, enabled=False):
             return func(*args, **kwargs)
 
 
-def _targets(device_type: str, low_ops, fp32_ops, extend_defaults: bool) -> dict:
-    """Map each Python callable that must change list to its target (``_LOW`` or fp32)."""
+def _widest(tree, device_type: str) -> torch.dtype | None:
+    """fp32 when the fp32/fp16/bf16 tensors of ``device_type`` in ``tree`` mix dtypes, else None."""
+    dtypes = {t.dtype for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
+              and t.dtype in _CASTABLE and t.device.type == device_type}
+    return torch.float32 if len(dtypes) > 1 else None
+
+
+def _targets(device_type: str, low_ops, fp32_ops, promote_ops, extend_defaults: bool) -> dict:
+    """Map each Python callable that must change list to its target: ``_LOW``, fp32 or
+    ``_PROMOTE``."""
     defaults = oplists.TORCH_DEFAULTS[device_type]
     wanted: dict[str, object] = {}
     if extend_defaults:
@@ -73,6 +86,8 @@ def _targets(device_type: str, low_ops, fp32_ops, extend_defaults: bool) -> dict
         wanted[name] = None if name in defaults["low_precision"] else _LOW
     for name in fp32_ops:
         wanted[name] = None if name in defaults["fp32"] else torch.float32
+    for name in promote_ops:
+        wanted[name] = None if name in defaults["promote"] else _PROMOTE
     targets = {}
     for name, target in wanted.items():
         if target is not None:
@@ -154,6 +169,9 @@ class autocast(contextlib.ContextDecorator):
         device_type: "cpu" or "cuda"; default "cuda" when available, else "cpu".
         low_precision_ops: op names ("add", "gelu", "softmax", ...) to run in ``dtype``.
         fp32_ops: op names to run in fp32 (e.g. "linear" to keep a matmul exact).
+        promote_ops: op names to run in the widest dtype of their floating inputs (fp32 when
+            fp32, fp16 and bf16 tensors mix; unchanged otherwise), never cast down (apex's
+            "promote" list: ``cat``, ``stack``, ``mul``, ``atan2``, ...).
         cache_enabled: torch.autocast's weight-cast cache.
         extend_defaults: also keep softmax, log_softmax, logsumexp and the norms in fp32 where
             torch's own list for the device does not (CPU). False gives torch.autocast's lists
@@ -163,7 +181,7 @@ class autocast(contextlib.ContextDecorator):
             True forces it, False runs torch's native fp16 kernels.
 
     Raises:
-        ValueError: an unknown dtype or op name, an op named in both lists.
+        ValueError: an unknown dtype or op name, an op named in two lists.
 
     Example:
         >>> import torch, mixprec as mp
@@ -175,19 +193,21 @@ class autocast(contextlib.ContextDecorator):
 
     def __init__(self, dtype="auto", *, enabled: bool = True, device_type: str | None = None,
                  low_precision_ops=(), fp32_ops=(), cache_enabled: bool = True,
-                 extend_defaults: bool = True, emulate_fp16="auto"):
+                 extend_defaults: bool = True, emulate_fp16="auto", promote_ops=()):
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         oplists.check_device_type(device_type)
-        low, fp32 = oplists.validate_custom_lists(low_precision_ops, fp32_ops)
+        low, fp32, promote = oplists.validate_custom_lists(low_precision_ops, fp32_ops,
+                                                           promote_ops)
         self.device_type = device_type
         self.dtype = resolve_dtype(dtype, device_type, warn=bool(enabled))
         self.enabled = bool(enabled) and self.dtype != torch.float32
         self.cache_enabled = cache_enabled
-        self.low_precision_ops, self.fp32_ops = low, fp32
+        self.low_precision_ops, self.fp32_ops, self.promote_ops = low, fp32, promote
         self.extend_defaults = bool(extend_defaults)
         self.emulate_fp16 = emulate_fp16
-        targets = _targets(device_type, low, fp32, self.extend_defaults) if self.enabled else {}
+        targets = (_targets(device_type, low, fp32, promote, self.extend_defaults)
+                   if self.enabled else {})
         self.context = PrecisionContext(
             device_type, self.dtype, self.enabled, cache_enabled, targets,
             self.enabled and should_emulate(device_type, self.dtype, emulate_fp16))
@@ -210,9 +230,10 @@ class autocast(contextlib.ContextDecorator):
     def op_lists(self) -> dict[str, list[str]]:
         """The effective lists in force inside this block."""
         return oplists.op_lists(self.device_type, self.dtype, extend_defaults=self.extend_defaults,
-                                low_precision_ops=self.low_precision_ops, fp32_ops=self.fp32_ops)
+                                low_precision_ops=self.low_precision_ops, fp32_ops=self.fp32_ops,
+                                promote_ops=self.promote_ops)
 
     def __repr__(self) -> str:
         return (f"mixprec.autocast(dtype={self.dtype}, device_type={self.device_type!r}, "
                 f"enabled={self.enabled}, low_precision_ops={self.low_precision_ops}, "
-                f"fp32_ops={self.fp32_ops})")
+                f"fp32_ops={self.fp32_ops}, promote_ops={self.promote_ops})")

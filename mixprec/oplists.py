@@ -199,7 +199,7 @@ def check_device_type(device_type: str) -> str:
 
 
 def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = True,
-             low_precision_ops=(), fp32_ops=()) -> dict[str, list[str]]:
+             low_precision_ops=(), fp32_ops=(), promote_ops=()) -> dict[str, list[str]]:
     """The effective cast policy lists of :func:`mixprec.autocast`.
 
     Args:
@@ -208,6 +208,7 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
         extend_defaults: include mixprec's fp32 additions (softmax, norms) on top of torch's list.
         low_precision_ops: op names moved to the low-precision list.
         fp32_ops: op names moved to the fp32 list.
+        promote_ops: op names moved to the promote list (inputs cast to the widest input dtype).
 
     Returns:
         ``{"low_precision": [...], "fp32": [...], "promote": [...]}``, each sorted.
@@ -218,11 +219,11 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
     """
     check_device_type(device_type)
     to_dtype(dtype)
-    low, fp32 = validate_custom_lists(low_precision_ops, fp32_ops)
+    low, fp32, promote = validate_custom_lists(low_precision_ops, fp32_ops, promote_ops)
     table = {k: set(v) for k, v in TORCH_DEFAULTS[device_type].items()}
     if extend_defaults:
         table["fp32"] |= MIXPREC_FP32_ADDITIONS
-    for moved, target in ((low, "low_precision"), (fp32, "fp32")):
+    for moved, target in ((low, "low_precision"), (fp32, "fp32"), (promote, "promote")):
         for name in moved:
             for key in table:
                 table[key].discard(name)
@@ -230,37 +231,43 @@ def op_lists(device_type: str = "cpu", dtype="bf16", *, extend_defaults: bool = 
     return {k: sorted(v) for k, v in table.items()}
 
 
-def validate_custom_lists(low_precision_ops, fp32_ops) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Check two custom op lists: known names, no name in both.
+def validate_custom_lists(low_precision_ops, fp32_ops,
+                          promote_ops=()) -> tuple[tuple[str, ...], ...]:
+    """Check the custom op lists: known names, no name in two lists.
 
     Returns:
-        The two lists as tuples of flat names (``"torch.add"`` becomes ``"add"``), duplicates
-        dropped.
+        The three lists (low precision, fp32, promote) as tuples of flat names (``"torch.add"``
+        becomes ``"add"``), duplicates dropped.
 
     Raises:
         TypeError: a list that is not an iterable of names.
-        ValueError: an unknown name, or a name in both lists (in any spelling).
+        ValueError: an unknown name, or a name in two lists (in any spelling).
     """
-    lists = []
-    for what, ops in (("low_precision_ops", low_precision_ops), ("fp32_ops", fp32_ops)):
+    lists: dict[str, tuple[str, ...]] = {}
+    for what, ops in (("low_precision_ops", low_precision_ops), ("fp32_ops", fp32_ops),
+                      ("promote_ops", promote_ops)):
         if isinstance(ops, str):
             ops = (ops,)
         try:
             ops = tuple(ops)
         except TypeError:
-            raise TypeError(f"{what} must be an iterable of op names; got {type(ops).__name__}") from None
+            raise TypeError(f"{what} must be an iterable of op names; "
+                            f"got {type(ops).__name__}") from None
         flat = []
         for name in ops:
             resolve_op(name)
             name = normalize_op_name(name)
             if name not in flat:
                 flat.append(name)
-        lists.append(tuple(flat))
-    both = sorted(set(lists[0]) & set(lists[1]))
-    if both:
-        raise ValueError(f"op(s) {', '.join(map(repr, both))} named in both low_precision_ops and "
-                         f"fp32_ops; an op can be moved to one list only")
-    return lists[0], lists[1]
+        lists[what] = tuple(flat)
+    names = list(lists)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            both = sorted(set(lists[first]) & set(lists[second]))
+            if both:
+                raise ValueError(f"op(s) {', '.join(map(repr, both))} named in both {first} and "
+                                 f"{second}; an op can be moved to one list only")
+    return tuple(lists.values())
 
 
 # ----------------------------------------------------------------- what op lists can reach

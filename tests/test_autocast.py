@@ -219,3 +219,69 @@ def test_cuda_custom_lists():
     with mp.autocast("fp16", device_type="cuda", low_precision_ops=["softmax"], fp32_ops=["mm"]):
         assert x.softmax(-1).dtype == torch.float16
         assert torch.mm(x, x).dtype == FP32
+
+
+# -- promote_ops: the widest input dtype, never cast down ------------------------------------
+def _promote_dtypes(x, y, **kw):
+    with mp.autocast("bf16", device_type="cpu", **kw):
+        return {"mul": torch.mul(x, y).dtype, "x * y": (x * y).dtype,
+                "atan2": torch.atan2(x, y).dtype, "dot": torch.dot(x.flatten(), y.flatten()).dtype}
+
+
+@pytest.mark.parametrize("xdt,ydt,expected", [
+    (BF16, FP32, FP32), (FP32, BF16, FP32), (BF16, BF16, BF16), (FP32, FP32, FP32),
+    (torch.float16, BF16, FP32),
+])
+def test_promote_ops_cast_to_the_widest_input(xdt, ydt, expected):
+    x, y = _x(4).to(xdt), _x(4).to(ydt)
+    got = _promote_dtypes(x, y, promote_ops=["mul", "atan2", "dot"])
+    assert got == {"mul": expected, "x * y": expected, "atan2": expected, "dot": expected}
+
+
+def test_promote_ops_differ_from_torch_type_promotion():
+    """A 0-d fp32 tensor does not promote a bf16 tensor in torch; a promote op widens it."""
+    x, s = _x(4).to(BF16), torch.tensor(3.0)
+    with mp.autocast("bf16", device_type="cpu"):
+        assert torch.mul(x, s).dtype == BF16
+    with mp.autocast("bf16", device_type="cpu", promote_ops=["mul"]):
+        assert torch.mul(x, s).dtype == FP32
+        # dot refuses mixed dtypes natively; promoted, it runs in fp32
+    with mp.autocast("bf16", device_type="cpu", promote_ops=["dot"]):
+        assert torch.dot(_x(4).to(BF16), _x(4)).dtype == FP32
+    with pytest.raises(RuntimeError):
+        torch.dot(_x(4).to(BF16), _x(4))
+
+
+def test_promote_op_is_not_cast_down_by_autocast():
+    """matmul is low precision by default; promoted, it keeps fp32 inputs in fp32."""
+    a = _x(4, 4)
+    with mp.autocast("bf16", device_type="cpu", promote_ops=["matmul"]):
+        assert torch.matmul(a, a).dtype == FP32
+        assert torch.matmul(a.to(BF16), a.to(BF16)).dtype == BF16
+        assert torch.matmul(a.to(BF16), a).dtype == FP32
+        y = _x(4, 4).requires_grad_()
+        torch.matmul(y.to(BF16), a).sum().backward()
+    assert y.grad.dtype == FP32
+
+
+def test_promote_sequence_op():
+    ys = [_x(3).to(BF16) for _ in range(3)]
+    with mp.autocast("bf16", device_type="cpu", promote_ops=["cat"]):  # cat: torch promotes it too
+        assert torch.cat(ys + [_x(3)]).dtype == FP32
+        assert torch.cat(ys).dtype == BF16
+    lists = mp.op_lists("cpu", "bf16", promote_ops=["mul", "atan2"])
+    assert {"mul", "atan2", "cat"} <= set(lists["promote"])
+    assert "mul" not in lists["low_precision"] and "mul" not in lists["fp32"]
+
+
+@pytest.mark.parametrize("kw", [
+    {"promote_ops": ["mul"], "fp32_ops": ["mul"]},
+    {"promote_ops": ["cat"], "low_precision_ops": ["cat"]},
+])
+def test_promote_ops_validated_like_the_others(kw):
+    with pytest.raises(ValueError, match="named in both"):
+        mp.autocast("bf16", device_type="cpu", **kw)
+    with pytest.raises(ValueError, match="unknown op name 'mull'"):
+        mp.autocast("bf16", device_type="cpu", promote_ops=["mull"])
+    with pytest.raises(TypeError, match="promote_ops"):
+        mp.op_lists("cpu", "bf16", promote_ops=5)

@@ -1,0 +1,211 @@
+"""The optimizer ``amp.initialize`` returns: a ``torch.optim.Optimizer`` wrapping the user's.
+
+apex patched the user's optimizer in place (``optimizer._amp_stash``, a replaced ``step``). Here
+the returned object wraps it instead: ``param_groups``, ``state`` and ``defaults`` are the inner
+optimizer's (LR schedulers work), ``state_dict()``/``load_state_dict()`` are the inner one's
+(with the fp32 masters at O2), and ``step()`` is skipped, exactly once, after a ``scale_loss``
+block over this optimizer found inf/NaN gradients, leaving parameters and optimizer state
+bitwise untouched.
+
+Gradient bookkeeping follows apex, so several ``scale_loss`` blocks (several losses, each with
+its own scale) can feed one optimizer before its ``step()``: on entering a block the gradients
+already unscaled by earlier blocks are set aside, the block's backward writes fresh (scaled)
+gradients, and on exit those are unscaled (into the fp32 masters at O2) and the set-aside ones
+added back. Only the fresh gradients are checked for inf/NaN.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from ..master import MasterWeightOptimizer, is_master_optimizer
+from ..scaling.unscale import unscale_and_check_
+
+__all__ = ["AmpOptimizer"]
+
+
+def _unscale_grads(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
+    """Make the gradients ``optimizer.step()`` will use equal the model's times ``inv_scale``.
+
+    For a MasterWeightOptimizer those are the fp32 master gradients it makes in
+    ``unscale_grads_`` plus its fp32 parameters' gradients, unscaled in place; for a plain
+    optimizer the parameters' own gradients, unscaled in place. Returns a 0-d flag, > 0 when a
+    gradient holds inf/NaN. No host sync.
+    """
+    if is_master_optimizer(optimizer):
+        return optimizer.unscale_grads_(inv_scale)
+    return unscale_and_check_(optimizer.param_groups, inv_scale, device)
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """What ``amp.initialize`` returns for each optimizer (see the module docstring).
+
+    Args:
+        optimizer: the user's ``torch.optim.Optimizer``.
+        master_weights: wrap it in a :class:`mixprec.MasterWeightOptimizer` (fp32 masters of the
+            low-precision parameters; apex's O2).
+        originals: ``id(param) -> fp32 tensor`` taken before the model was cast; masters start
+            from these exact values.
+        verbosity: > 0 prints a line when a step is skipped, as apex did.
+
+    Attributes:
+        inner: the optimizer stepped: the user's, or the MasterWeightOptimizer around it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool,
+                 originals: dict[int, torch.Tensor] | None = None, verbosity: int = 1):
+        inner = MasterWeightOptimizer(optimizer) if master_weights else optimizer
+        if master_weights and originals:
+            _start_masters_from(inner, originals)
+        self.inner = inner
+        self.verbosity = verbosity
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                     "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+        self._patch_step_function()  # torch's step-hook machinery (register_step_pre_hook)
+        self._live = False            # param_groups' gradients are unscaled ones since step()
+        self.scaled_pending = False   # a delay_unscale block left scaled model gradients
+        self._set_aside: dict[torch.Tensor, torch.Tensor] = {}
+        self._overflows: list[tuple[int, torch.Tensor, Any]] = []  # since step(): id, flag, scaler
+
+    # -- forwarded attributes ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's param groups (fp32 masters at O2); edit ``"lr"`` here."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"apex_amp.AmpOptimizer({self.inner!r})"
+
+    # -- the scale_loss protocol ---------------------------------------------------------------
+    def prepare_backward(self) -> None:
+        """On entering a ``scale_loss`` block: set aside gradients the backward must not mix with."""
+        masters = is_master_optimizer(self.inner)
+        self._set_aside = {}
+        for group in self.param_groups:
+            for t in group["params"]:
+                param = self.inner.model_param(t) if masters else t
+                if param is not t:            # an fp32 master: its model gradient is consumed
+                    param.grad = None
+                    if self._live and t.grad is not None:
+                        self._set_aside[t] = t.grad   # unscale_grads_ makes a new tensor
+                elif t.grad is not None:      # an fp32 parameter: keep what it holds
+                    self._set_aside[t] = t.grad
+                    t.grad = None
+
+    def post_backward(self, inv_scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """On leaving a block: unscale the fresh gradients, add back the set-aside ones.
+
+        Returns the inf/NaN flag of the fresh gradients (0-d tensor, no host sync).
+        """
+        if is_master_optimizer(self.inner):
+            # a master with a set-aside gradient and none fresh: give its model parameter a
+            # zero gradient, so that the optimizer makes (and later steps) the master gradient
+            for t in self._set_aside:
+                param = self.inner.model_param(t)
+                if param is not t and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        found = _unscale_grads(self.inner, inv_scale, device)
+        grads, extra = [], []
+        for t, g in self._set_aside.items():
+            if t.grad is None:
+                t.grad = g
+            else:
+                grads.append(t.grad)
+                extra.append(g)
+        if grads:
+            with torch.no_grad():
+                torch._foreach_add_(grads, extra)
+        self._set_aside = {}
+        self._live = True
+        self.scaled_pending = False
+        return found
+
+    def record_overflow(self, loss_id: int, found: torch.Tensor, scaler) -> None:
+        """Remember a dynamic block's flag: the next ``step()`` is skipped if any is set."""
+        self._overflows.append((loss_id, found, scaler))
+
+    # -- the torch.optim.Optimizer surface -----------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the inner optimizer, unless a ``scale_loss`` block since the last step overflowed.
+
+        One host sync (reading the overflow flags) when a dynamic ``scale_loss`` block ran.
+
+        Raises:
+            RuntimeError: a closure with fp32 master weights or with a pending skip (as apex).
+        """
+        overflowed = self._read_overflow()
+        if closure is not None and (overflowed is not None or is_master_optimizer(self.inner)):
+            raise RuntimeError("amp optimizers with master weights, or after a gradient overflow, "
+                               "do not take a closure (as apex): compute the loss, backward it "
+                               "inside amp.scale_loss, then call optimizer.step()")
+        self._live = False
+        if overflowed is not None:
+            if is_master_optimizer(self.inner):
+                self.inner.drop_master_grads()
+            if self.verbosity > 0:
+                loss_id, scale = overflowed
+                print(f"apex_amp: gradient overflow, skipping this step; loss scaler {loss_id} "
+                      f"reduced the loss scale to {scale}")
+            return None
+        return self.inner.step() if closure is None else self.inner.step(closure)
+
+    def _read_overflow(self) -> tuple[int, float] | None:
+        """(loss_id, its scale now) of the first overflowing block since step(), or None."""
+        records, self._overflows = self._overflows, []
+        if not records:
+            return None
+        flags = torch.stack([f.to(records[0][1].device) for _, f, _ in records]).tolist()
+        for (loss_id, _, scaler), flag in zip(records, flags):
+            if flag > 0:
+                return loss_id, scaler.loss_scale()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model gradients (and the masters' at O2)."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._live = False
+        self.scaled_pending = False
+        self._set_aside = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the inner optimizer (fp16 parameters get fp32 masters at O2)."""
+        self.inner.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state_dict (at O2 with the fp32 masters, so a resume is exact)."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state_dict from :meth:`state_dict` (or from a plain torch optimizer)."""
+        self.inner.load_state_dict(state_dict)
+        self._live = False
+        self.scaled_pending = False
+        self._overflows = []
+
+
+def _start_masters_from(optimizer: MasterWeightOptimizer, originals: dict[int, torch.Tensor]):
+    """Copy the exact fp32 values a parameter had before the model was cast into its master."""
+    with torch.no_grad():
+        for param, master in optimizer.masters_by_param().items():
+            original = originals.get(id(param))
+            if original is not None:
+                master.copy_(original)
