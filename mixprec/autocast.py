@@ -57,10 +57,10 @@ class _OpListMode(TorchFunctionMode):
             target = None
         if target is None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
-        if target is _PROMOTE:
+        if target == _PROMOTE:
             dtype = _widest((args, kwargs), self.device_type)
         else:
-            dtype = torch.get_autocast_dtype(self.device_type) if target is _LOW else target
+            dtype = torch.get_autocast_dtype(self.device_type) if target == _LOW else target
         if dtype is not None:
             args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
         with torch.autocast(self.device_type, enabled=False):
@@ -74,13 +74,14 @@ def _widest(tree, device_type: str) -> torch.dtype | None:
     return torch.float32 if len(dtypes) > 1 else None
 
 
-def _targets(device_type: str, low_ops, fp32_ops, promote_ops, extend_defaults: bool) -> dict:
-    """Map each Python callable that must change list to its target: ``_LOW``, fp32 or
+def _target_names(device_type: str, low_ops, fp32_ops, promote_ops,
+                  extend_defaults: bool) -> tuple[tuple[str, object], ...]:
+    """The op names that must change list, each with its target: ``_LOW``, fp32 or
     ``_PROMOTE``."""
     defaults = oplists.TORCH_DEFAULTS[device_type]
     wanted: dict[str, object] = {}
     if extend_defaults:
-        for name in oplists.MIXPREC_FP32_ADDITIONS - defaults["fp32"]:
+        for name in sorted(oplists.MIXPREC_FP32_ADDITIONS - defaults["fp32"]):
             wanted[name] = torch.float32
     for name in low_ops:
         wanted[name] = None if name in defaults["low_precision"] else _LOW
@@ -88,12 +89,12 @@ def _targets(device_type: str, low_ops, fp32_ops, promote_ops, extend_defaults: 
         wanted[name] = None if name in defaults["fp32"] else torch.float32
     for name in promote_ops:
         wanted[name] = None if name in defaults["promote"] else _PROMOTE
-    targets = {}
-    for name, target in wanted.items():
-        if target is not None:
-            for fn in oplists.resolve_op(name):
-                targets[fn] = target
-    return targets
+    return tuple((name, target) for name, target in wanted.items() if target is not None)
+
+
+def _resolve(ops: tuple[tuple[str, object], ...]) -> dict:
+    """Map each Python callable the op names stand for to its target."""
+    return {fn: target for name, target in ops for fn in oplists.resolve_op(name)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -106,17 +107,27 @@ class PrecisionContext:
         autocast: True runs ``torch.autocast(device_type, dtype)`` with the op-list
             interceptions; False runs with autocast off, every op in the dtype of its inputs.
         cache_enabled: torch.autocast's weight-cast cache.
-        targets: Python callable -> the dtype its inputs are cast to (or ``"low"``: the autocast
-            dtype), for the ops that change list.
+        ops: ``(op name, target)`` for the ops that change list: the dtype their inputs are cast
+            to, ``"low"`` (the autocast dtype) or ``"promote"`` (the widest input dtype).
         emulate: run fp16 GEMM/conv through the fp16 emulation (see :mod:`mixprec.emulation`).
+        targets: the Python callables the op names stand for, resolved once (not pickled: a
+            context pickles by op names and resolves them again when loaded).
     """
 
     device_type: str
     dtype: torch.dtype
     autocast: bool
     cache_enabled: bool = True
-    targets: dict = dataclasses.field(default_factory=dict)
+    ops: tuple = ()
     emulate: bool = False
+    targets: dict = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", _resolve(self.ops))
+
+    def __reduce__(self):
+        return (PrecisionContext, (self.device_type, self.dtype, self.autocast,
+                                   self.cache_enabled, self.ops, self.emulate))
 
     @classmethod
     def fixed(cls, dtype: torch.dtype, device_type: str, emulate_fp16="auto") -> PrecisionContext:
@@ -206,10 +217,10 @@ class autocast(contextlib.ContextDecorator):
         self.low_precision_ops, self.fp32_ops, self.promote_ops = low, fp32, promote
         self.extend_defaults = bool(extend_defaults)
         self.emulate_fp16 = emulate_fp16
-        targets = (_targets(device_type, low, fp32, promote, self.extend_defaults)
-                   if self.enabled else {})
+        ops = (_target_names(device_type, low, fp32, promote, self.extend_defaults)
+               if self.enabled else ())
         self.context = PrecisionContext(
-            device_type, self.dtype, self.enabled, cache_enabled, targets,
+            device_type, self.dtype, self.enabled, cache_enabled, ops,
             self.enabled and should_emulate(device_type, self.dtype, emulate_fp16))
         self._stacks: list[contextlib.ExitStack] = []
 

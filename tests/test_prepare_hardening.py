@@ -219,3 +219,13 @@ def test_o3_fp16_with_a_tiny_adam_eps_warns():
         mp.prepare(model, torch.optim.Adam(model.parameters()), level="O3", dtype="fp16")
     model = five_linear()  # O2 keeps the state in fp32: no warning
     mp.prepare(model, torch.optim.Adam(model.parameters()), level="O2", dtype="fp16")
+
+
+def test_custom_op_lists_pickle_by_name():
+    """Tensor.__pow__ is a Python wrapper pickle can't look up: contexts pickle op names."""
+    model = five_linear()
+    mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["pow"], low_precision_ops=["gelu"])
+    loaded = roundtrip(model)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert loaded.forward.context.targets.keys() == model.forward.context.targets.keys()
