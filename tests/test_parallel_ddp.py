@@ -10,10 +10,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parallel_cases import (
+    GLOBAL_BATCH,
+    WORLD,
+    Net,
+    dataset,
+    fit,
+    launch,
+    loader,
+    make_trainer,
+    max_diff,
+    resume_case,
+    skip_case,
+)
 
 import mixprec as mp
-from parallel_cases import (GLOBAL_BATCH, WORLD, Net, dataset, fit, launch, loader, make_trainer,
-                            max_diff, resume_case, skip_case)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parallel_cases import GLOBAL_BATCH, WORLD, Net, launch, loader
 
 import mixprec as mp
-from parallel_cases import GLOBAL_BATCH, WORLD, Net, launch, loader
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

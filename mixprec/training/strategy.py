@@ -18,8 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              SequentialSampler)
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from ..parallel import ddp, env, reduce_dtype_of
 from ..prepare import module_device, prepare
