@@ -4,12 +4,13 @@ Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, 
 and numerics diagnostics. ``import mixprec as mp``.
 """
 
-from . import debug, formats
+from . import debug, formats, parallel
 from .autocast import autocast
 from .emulation import emulate_fp16
 from .hardware import SlowDtypeWarning, device_capabilities
-from .master import MasterWeightOptimizer, fp32_state_dict
+from .master import MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
+from .parallel import fp32_state_dict
 from .policy import Policy
 from .prepare import policy_of, prepare, to_float
 from .scaling import (
@@ -56,4 +57,6 @@ __all__ = [
     "formats",
     "debug",
     "emulate_fp16",
+    # beyond one process
+    "parallel",
 ]

@@ -21,6 +21,7 @@ COMMANDS = (
     "doctor",
     "bench",
     "demo",
+    "plan",
 )
 
 

@@ -2,6 +2,7 @@
 
 * :mod:`.trainer`: the Trainer (prepare, scale, accumulate, clip, step, resume).
 * :mod:`.state`: checkpoint state, RNG snapshots and atomic files for exact resume.
+* :mod:`.strategy`, :mod:`.sharded`: one process, DDP or FSDP2 (``Trainer(strategy=...)``).
 * :mod:`.history`, :mod:`.callbacks`, :mod:`.metrics`.
 """
 

@@ -4,18 +4,26 @@ A callback overrides any of the hooks of :class:`Callback`. ``logs`` of ``on_ste
 with ``epoch`` (1-based), ``step`` (optimizer steps so far, skipped ones included),
 ``epoch_step`` (1-based step within the epoch), ``loss``, ``loss_scale`` (the scale the step
 used), ``skipped`` and ``lr``. ``logs`` of ``on_epoch_end`` holds the epoch's metrics. A callback
-may set ``trainer.stop_training = True`` to stop after the current step.
+may set ``trainer.stop_training = True`` to stop after the current step (under ddp/fsdp every
+rank stops when a callback on any rank asks to).
+
+Under ddp/fsdp callbacks run on every rank; :class:`LossMonitor` and the progress bar print on
+rank 0 only, and :class:`ModelCheckpoint` has every rank take part in the save (a collective)
+while rank 0 alone writes the file and deletes old ones.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from ..parallel import is_main_process
 
 __all__ = ["Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar"]
 
@@ -43,7 +51,8 @@ class LossMonitor(Callback):
     """Print the loss every ``per_print_times`` steps, as MindSpore's ``LossMonitor`` does.
 
     Output looks like ``epoch: 1 step: 32, loss is 2.3018966`` (the step counted within the
-    epoch, the loss printed as a float32).
+    epoch, the loss printed as a float32). Under ddp/fsdp only rank 0 prints, the loss averaged
+    over the ranks.
 
     Args:
         per_print_times: print every this many optimizer steps (and never when 0).
@@ -57,6 +66,8 @@ class LossMonitor(Callback):
         self.print_fn = print_fn
 
     def on_step_end(self, trainer, logs: dict) -> None:
+        if not is_main_process():
+            return
         if self.per_print_times and logs["epoch_step"] % self.per_print_times == 0:
             self.print_fn(f"epoch: {logs['epoch']} step: {logs['epoch_step']}, "
                           f"loss is {str(np.float32(logs['loss']))}")
@@ -65,8 +76,10 @@ class LossMonitor(Callback):
 class ModelCheckpoint(Callback):
     """Save the trainer (``Trainer.save``) every ``every_n_steps`` steps and/or every epoch.
 
-    Files are ``{directory}/{prefix}-step{N}.pt``; with ``keep_last`` only the newest that many
-    are kept. ``last_path`` is the newest file written.
+    Files are ``{directory}/{prefix}-step{N}.pt`` (under fsdp, directories
+    ``{prefix}-step{N}``); with ``keep_last`` only the newest that many are kept. ``last_path``
+    is the newest checkpoint written. Under ddp/fsdp it runs on every rank (saving is
+    collective); rank 0 alone deletes old checkpoints.
 
     Args:
         directory: where to write (created if missing).
@@ -94,14 +107,19 @@ class ModelCheckpoint(Callback):
 
     def _save(self, trainer) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{self.prefix}-step{trainer.global_step}.pt"
+        suffix = getattr(getattr(trainer, "strategy", None), "checkpoint_suffix", ".pt")
+        path = self.directory / f"{self.prefix}-step{trainer.global_step}{suffix}"
         if self.saved and self.saved[-1] == path:
             return
         trainer.save(path)
         self.saved.append(path)
         while self.keep_last is not None and len(self.saved) > self.keep_last:
             old = self.saved.pop(0)
-            if old.exists():
+            if not is_main_process():
+                continue
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
                 os.remove(old)
 
     def on_step_end(self, trainer, logs: dict) -> None:

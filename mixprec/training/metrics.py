@@ -13,9 +13,14 @@ class Metric:
     Subclasses set ``name`` and implement ``reset()``, ``update(output, target)`` and
     ``compute() -> float``. ``update`` receives the model's output (detached) and the batch
     target; it must not keep references to them.
+
+    Under ddp/fsdp, ``sum_state`` names the attributes that add up across ranks (numbers or
+    0-d tensors): they are summed over the ranks before ``compute()``, so the result is that of
+    one process seeing every batch. A metric without ``sum_state`` is averaged over the ranks.
     """
 
     name = "metric"
+    sum_state: tuple[str, ...] = ()
 
     def reset(self) -> None:
         raise NotImplementedError
@@ -38,6 +43,7 @@ class Accuracy(Metric):
     """
 
     name = "accuracy"
+    sum_state = ("correct", "total")
 
     def __init__(self):
         self.reset()
@@ -64,6 +70,7 @@ class MeanAbsoluteError(Metric):
     """Mean absolute difference between output and target (computed in fp32)."""
 
     name = "mae"
+    sum_state = ("sum", "count")
 
     def __init__(self):
         self.reset()

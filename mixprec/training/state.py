@@ -122,14 +122,18 @@ def read_checkpoint(path) -> dict:
 
 
 # ----------------------------------------------------------------- Trainer checkpoints
-def trainer_state(trainer) -> dict:
-    """Everything :meth:`mixprec.Trainer.save` writes."""
+def module_of(trainer) -> nn.Module:
+    """The trainer's model without its ``DistributedDataParallel`` wrapper (plain names)."""
+    strategy = getattr(trainer, "strategy", None)
+    return trainer.model if strategy is None else strategy.unwrap(trainer.model)
+
+
+def trainer_meta(trainer) -> dict:
+    """What :meth:`mixprec.Trainer.save` writes besides the model and optimizer tensors."""
     return {
         "format": CHECKPOINT_FORMAT,
         "policy": str(trainer.policy),
-        "signature": model_signature(trainer.model),
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "signature": model_signature(module_of(trainer)),
         "scaler": trainer.scaler.state_dict(),
         "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
         "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
@@ -140,8 +144,14 @@ def trainer_state(trainer) -> dict:
     }
 
 
+def trainer_state(trainer) -> dict:
+    """Everything :meth:`mixprec.Trainer.save` writes."""
+    return {**trainer_meta(trainer), "model": module_of(trainer).state_dict(),
+            "optimizer": trainer.optimizer.state_dict()}
+
+
 def _states(trainer) -> dict:
-    states = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+    states = {"model": module_of(trainer).state_dict(), "optimizer": trainer.optimizer.state_dict(),
               "scaler": trainer.scaler.state_dict()}
     if trainer.scheduler is not None:
         states["scheduler"] = trainer.scheduler.state_dict()
@@ -149,19 +159,20 @@ def _states(trainer) -> dict:
 
 
 def _load_states(trainer, states: dict) -> None:
-    trainer.model.load_state_dict(states["model"])
+    module_of(trainer).load_state_dict(states["model"])
     trainer.optimizer.load_state_dict(states["optimizer"])
     trainer.scaler.load_state_dict(states["scaler"])
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(states["scheduler"])
 
 
-def _check_compatible(trainer, ckpt: dict, path) -> None:
+def check_compatible(trainer, ckpt: dict, path) -> None:
+    """Refuse a checkpoint from another policy, model or set-up (scheduler or not)."""
     where = f"checkpoint {str(path)!r}"
     if ckpt["policy"] != str(trainer.policy):
         raise ValueError(f"{where} was saved with policy {ckpt['policy']} but this trainer uses "
                          f"{trainer.policy}")
-    diff = signature_mismatch(ckpt["signature"], model_signature(trainer.model))
+    diff = signature_mismatch(ckpt["signature"], model_signature(module_of(trainer)))
     if diff:
         raise ValueError(f"{where} was saved from a different model: {diff}")
     if (ckpt["scheduler"] is None) != (trainer.scheduler is None):
@@ -170,16 +181,8 @@ def _check_compatible(trainer, ckpt: dict, path) -> None:
         raise ValueError(f"{where} has {saved} scheduler state but this trainer has {have}")
 
 
-def load_trainer_state(trainer, ckpt: dict, path) -> None:
-    """Restore ``ckpt`` into ``trainer``, all or nothing."""
-    _check_compatible(trainer, ckpt, path)
-    backup = copy.deepcopy(_states(trainer))
-    try:
-        _load_states(trainer, ckpt)
-    except Exception as exc:
-        _load_states(trainer, backup)
-        raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
-                         f"unchanged") from exc
+def restore_progress(trainer, ckpt: dict) -> None:
+    """Counters, history and RNG states of a checkpoint (after its tensors were loaded)."""
     c = ckpt["counters"]
     trainer.global_step, trainer.epoch = c["global_step"], c["epoch"]
     trainer._batch_in_epoch, trainer._epoch_loss = c["batch_in_epoch"], list(c["epoch_loss"])
@@ -187,3 +190,16 @@ def load_trainer_state(trainer, ckpt: dict, path) -> None:
     trainer._epoch_start_rng = ckpt["epoch_start_rng"]
     restore_rng(ckpt["rng"])
     trainer._pending_loader_rng = ckpt["rng"] if ckpt["rng"]["loader"] is not None else None
+
+
+def load_trainer_state(trainer, ckpt: dict, path) -> None:
+    """Restore ``ckpt`` into ``trainer``, all or nothing."""
+    check_compatible(trainer, ckpt, path)
+    backup = copy.deepcopy(_states(trainer))
+    try:
+        _load_states(trainer, ckpt)
+    except Exception as exc:
+        _load_states(trainer, backup)
+        raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
+                         f"unchanged") from exc
+    restore_progress(trainer, ckpt)

@@ -21,13 +21,14 @@ from torch import nn
 
 from .. import debug
 from ..master import is_master_optimizer, kernels
-from ..prepare import module_device, policy_of, prepare
+from ..prepare import policy_of
 from ..scaling import make_loss_scaler
 from . import state as ts
 from .batches import compute_loss, logits_of, split_batch, to_device
 from .callbacks import Callback, ProgressBar
 from .history import History
 from .metrics import make_metrics
+from .strategy import make_strategy
 
 __all__ = ["Trainer", "History"]
 
@@ -104,13 +105,25 @@ class Trainer:
             re-run changes no state). Each distinct first cause is logged once and recorded in
             ``History.overflows``; later overflows with the same cause only count ``repeats``.
         progress: show a tqdm bar (only when stdout is a terminal).
+        strategy: "auto" (default: "ddp" when launched by torchrun with ``WORLD_SIZE`` > 1 or
+            when a default process group of more than one rank exists, else "single"),
+            "single", "ddp" (``DistributedDataParallel``) or "fsdp" (FSDP2 ``fully_shard``; the
+            fp32 shards are the master weights). Under ddp/fsdp the process group is created
+            from torchrun's environment when none exists, a ``DataLoader`` is rebuilt over a
+            ``DistributedSampler`` (its ``batch_size`` is per rank), the logged loss, metrics
+            and :meth:`evaluate` are averaged over the ranks, and the progress bar and
+            :class:`LossMonitor` print on rank 0 only. See :mod:`mixprec.training.strategy`.
+        reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
+            "bf16" or "fp16" (half the traffic).
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
     :mod:`mixprec.training.batches`.
 
     Raises:
-        ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level or dtype.
+        ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
+            strategy or reduce dtype; ``strategy="ddp"``/``"fsdp"`` with neither a process group
+            nor torchrun's environment.
         TypeError: a non-callable ``loss_fn`` or a bad callback.
         RuntimeError: ``device`` is a CUDA device but CUDA is not available.
 
@@ -131,19 +144,21 @@ class Trainer:
                  level: str = "O1", dtype: Any = "auto", loss_scaler: Any = "auto", metrics=None,
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
-                 diagnose_overflow: bool = False, progress: bool = True):
+                 diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
+                 reduce_dtype: Any = "fp32"):
         _check_options(grad_accum_steps, max_grad_norm, loss_fn)
+        self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
             raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
         self.metrics = make_metrics(metrics)
-        self.device = _check_device(device) if device is not None else module_device(model)
+        self.device = _check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
-        self.model, self.optimizer = prepare(model, optimizer, level=level, dtype=dtype)
-        self.policy = policy_of(self.model)
+        self.model, self.optimizer = self.strategy.setup(model, optimizer, level=level, dtype=dtype)
+        self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = make_loss_scaler(loss_scaler, dtype=self.policy)
         if hasattr(self.scaler, "attach"):
-            self.scaler.attach(self.model)
+            self.scaler.attach(self.strategy.unwrap(self.model))
         self.loss_fn, self.scheduler = loss_fn, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
@@ -193,8 +208,15 @@ class Trainer:
             self.timings[phase] = self.timings.get(phase, 0.0) + now - start
         return now
 
-    def _micro_step(self, batch, divisor: int) -> torch.Tensor:
-        """Forward, loss and scaled backward of one micro-batch; returns the detached loss."""
+    def _micro_step(self, batch, divisor: int, last: bool = True) -> torch.Tensor:
+        """Forward, loss and scaled backward of one micro-batch; returns the detached loss.
+
+        ``last``: the last micro-batch of its step (the gradients are reduced across ranks then).
+        """
+        with self.strategy.micro_batch(self.model, last):
+            return self._forward_backward(batch, divisor)
+
+    def _forward_backward(self, batch, divisor: int) -> torch.Tensor:
         t = time.perf_counter()
         batch = self._batch(batch)
         loss, output = self._forward_loss_fn(batch)
@@ -227,14 +249,15 @@ class Trainer:
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch; got an empty list")
         self.model.train()
-        loss = sum(self._micro_step(b, len(micro_batches)) for b in micro_batches) / len(micro_batches)
+        n = len(micro_batches)
+        loss = sum(self._micro_step(b, n, i == n - 1) for i, b in enumerate(micro_batches)) / n
         return self._finish_step(loss, epoch_step=None)
 
     def _finish_step(self, window_loss: torch.Tensor, epoch_step: int | None) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         applied, scale = self._apply_update()
         self.global_step += 1
-        loss = float(window_loss)
+        loss = self.strategy.mean(window_loss)  # averaged over the ranks
         for name, value in (("loss", loss), ("loss_scale", scale), ("skipped", not applied), ("lr", lr)):
             getattr(self.history, name).append(value)
         if math.isfinite(loss):
@@ -310,8 +333,9 @@ class Trainer:
             if data is not None:
                 _check_reiterable(name, data, epochs - self.epoch)
         callbacks = list(self.callbacks)
+        train_data = self.strategy.loader(train_data)
         show = self.progress if progress is None else progress
-        if show and sys.stdout.isatty():
+        if show and sys.stdout.isatty() and self.strategy.is_main:
             n = _length(train_data)
             callbacks.append(ProgressBar(None if n is None else math.ceil(n / self.grad_accum_steps)))
         self._data, self.stop_training = train_data, False
@@ -327,6 +351,10 @@ class Trainer:
                 self._reset_epoch_position()
                 for cb in callbacks:
                     cb.on_epoch_end(self, self.epoch, logs)
+                self.stop_training = self.strategy.any(self.stop_training, self.device)
+        except Exception as exc:
+            self.strategy.failed(exc)
+            raise
         finally:
             for cb in callbacks:
                 cb.on_fit_end(self)
@@ -334,6 +362,7 @@ class Trainer:
 
     def _epoch_iterator(self, data):
         """``iter(data)``, positioned where the epoch left off (replaying its shuffle)."""
+        self.strategy.begin_epoch(data, self.epoch)
         if self._batch_in_epoch == 0:
             if self._pending_loader_rng is not None:
                 ts.restore_rng(self._pending_loader_rng, data, globals_=False)
@@ -364,7 +393,8 @@ class Trainer:
             if window == 0:
                 start = self._batch_in_epoch
                 divisor = accum if n is None else min(accum, n - start)
-            loss = self._micro_step(batch, divisor)
+            last = n is None or window + 1 == divisor  # without len(): reduce every micro-batch
+            loss = self._micro_step(batch, divisor, last)
             window_loss = loss if window_loss is None else window_loss + loss
             self._batch_in_epoch += 1
             window += 1
@@ -383,11 +413,12 @@ class Trainer:
         logs = self._finish_step(loss, math.ceil(self._batch_in_epoch / self.grad_accum_steps))
         for cb in callbacks:
             cb.on_step_end(self, logs)
+        self.stop_training = self.strategy.any(self.stop_training, self.device)
 
     def _epoch_logs(self, eval_data) -> dict:
         total, count = self._epoch_loss
         logs = {"epoch": self.epoch + 1, "loss": total / count if count else float("nan")}
-        logs.update({m.name: m.compute() for m in self.metrics})
+        logs.update(self.strategy.metric_values(self.metrics, self.device))
         if eval_data is not None:
             logs.update({f"val_{k}": v for k, v in self.evaluate(eval_data).items()})
         return logs
@@ -395,12 +426,17 @@ class Trainer:
     def evaluate(self, data: Iterable) -> dict:
         """Mean loss (weighted by batch size) and metrics over ``data``, without gradients.
 
+        Under ddp/fsdp a ``DataLoader`` is split over the ranks (a ``DistributedSampler``, which
+        repeats a few samples when the dataset does not divide evenly) and the sums are reduced,
+        so every rank returns the same numbers.
+
         Returns:
             ``{"loss": float, <metric name>: float, ...}``.
 
         Raises:
             ValueError: empty data.
         """
+        data = self.strategy.loader(data)
         metrics = [copy.deepcopy(m) for m in self.metrics]
         for m in metrics:
             m.reset()
@@ -417,9 +453,10 @@ class Trainer:
                     self._update_metrics(metrics, output, batch)
         finally:
             self.model.train(was_training)
+        total, count = self.strategy.sum([total, count], self.device)
         if count == 0:
             raise ValueError("evaluation data is empty (0 batches)")
-        return {"loss": total / count, **{m.name: m.compute() for m in metrics}}
+        return {"loss": total / count, **self.strategy.metric_values(metrics, self.device)}
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, path) -> None:
@@ -430,17 +467,25 @@ class Trainer:
         data loader's generators, and those from the start of the current epoch). The file is
         written to a temporary name and renamed, so a failure leaves any old file intact.
 
+        Under ddp/fsdp call it on every rank: under ddp, rank 0 writes the one file (holding
+        every rank's RNG states); under fsdp, ``path`` is a directory written by all ranks
+        through ``torch.distributed.checkpoint``.
+
         Raises:
-            ValueError: ``path`` is a directory.
+            ValueError: ``path`` is a directory (a file under fsdp).
         """
-        ts.atomic_save(ts.trainer_state(self), path)
+        self.strategy.save(self, path)
 
     def load(self, path) -> None:
         """Restore a :meth:`save` file; the next :meth:`fit` continues where it was saved.
+
+        Under ddp/fsdp call it on every rank; a resumed run is bitwise equal to the
+        uninterrupted one at the same world size (at another world size, only checkpoints saved
+        at the end of an epoch load).
 
         Raises:
             FileNotFoundError: no such file.
             ValueError: not a Trainer checkpoint, or one from another model, policy or set-up
                 (scheduler or not); the trainer is left unchanged.
         """
-        ts.load_trainer_state(self, ts.read_checkpoint(path), path)
+        self.strategy.load(self, path)

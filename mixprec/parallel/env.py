@@ -1,0 +1,166 @@
+"""Where this process stands in a ``torch.distributed`` run: rank, world size, the process group.
+
+Reads an initialised default process group when there is one, else the environment ``torchrun``
+sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), else a single process. :func:`init_from_env`
+creates the default group from that environment when none exists (gloo on CPU; ``cpu:gloo,
+cuda:nccl`` with CUDA, the device taken from ``LOCAL_RANK``) and destroys it at interpreter exit;
+a group someone else created is never destroyed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["world_size", "rank", "is_fsdp", "local_rank", "is_main_process", "is_initialized",
+           "launched_by_torchrun", "init_from_env", "device", "timeout", "require_group",
+           "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+
+#: Seconds a collective may wait for the other ranks before it raises (unless overridden).
+DEFAULT_TIMEOUT_S = 600.0
+#: Environment variable that overrides :data:`DEFAULT_TIMEOUT_S` (seconds).
+TIMEOUT_ENV = "MIXPREC_DIST_TIMEOUT"
+
+TORCHRUN_HINT = ("launch the script with torchrun, e.g. `torchrun --nproc-per-node 2 train.py`, "
+                 "or call torch.distributed.init_process_group() before building the Trainer")
+
+_created_here = False
+
+
+def is_initialized() -> bool:
+    """True when torch.distributed is available and its default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer; got {value!r}") from None
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment carries a launcher's ``WORLD_SIZE`` and ``RANK``."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def world_size() -> int:
+    """Number of processes: the default group's size, else ``WORLD_SIZE``, else 1."""
+    if is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def rank() -> int:
+    """This process's global rank: from the default group, else ``RANK``, else 0."""
+    if is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (``LOCAL_RANK``, else the global rank)."""
+    return _env_int("LOCAL_RANK", rank())
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a single process): the rank that prints and writes files."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank trains on: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def timeout() -> datetime.timedelta:
+    """The collective timeout for groups mixprec creates (:data:`TIMEOUT_ENV` or 10 minutes)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    seconds = DEFAULT_TIMEOUT_S
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds; got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_from_env(timeout_s: float | None = None) -> bool:
+    """Create the default process group from torchrun's environment, unless one exists.
+
+    Backend: gloo on a CPU-only machine; ``"cpu:gloo,cuda:nccl"`` with CUDA (after
+    ``torch.cuda.set_device(LOCAL_RANK)``). The collective timeout is ``timeout_s``, else
+    ``$MIXPREC_DIST_TIMEOUT`` seconds, else 10 minutes: a rank whose peers stopped answering
+    raises after that long instead of waiting forever. A group created here is destroyed at
+    interpreter exit (gloo can abort the process at exit otherwise); an existing group is left
+    alone.
+
+    Args:
+        timeout_s: the collective timeout in seconds (None: see above).
+
+    Returns:
+        True when this call created the group; False when one already existed or the
+        environment names no launcher (``WORLD_SIZE``/``RANK`` unset).
+
+    Raises:
+        RuntimeError: torch.distributed is not available in this torch build.
+        ValueError: malformed launcher environment variables or timeout.
+    """
+    global _created_here
+    if is_initialized() or not launched_by_torchrun():
+        return False
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    limit = timeout() if timeout_s is None else datetime.timedelta(seconds=float(timeout_s))
+    if limit.total_seconds() <= 0:
+        raise ValueError(f"timeout_s must be positive; got {timeout_s!r}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=limit, rank=rank(), world_size=world_size())
+    _created_here = True
+    atexit.register(_destroy_if_ours)
+    return True
+
+
+def _destroy_if_ours() -> None:
+    global _created_here
+    if _created_here and is_initialized():
+        dist.destroy_process_group()
+    _created_here = False
+
+
+def require_group(what: str) -> None:
+    """Make sure a default process group exists (creating it from torchrun's environment).
+
+    Raises:
+        ValueError: no group and no launcher environment; the message shows the torchrun command.
+    """
+    init_from_env()
+    if not is_initialized():
+        raise ValueError(f"{what} needs torch.distributed: no process group exists and this "
+                         f"process was not started by a launcher (WORLD_SIZE/RANK unset); "
+                         f"{TORCHRUN_HINT}")
+
+
+def is_fsdp(model) -> bool:
+    """True when ``model`` was sharded with FSDP2's ``fully_shard``.
+
+    Does not import FSDP (about 0.8 s): a model can only be sharded once it was imported.
+    """
+    fsdp_module = sys.modules.get("torch.distributed.fsdp")
+    return fsdp_module is not None and isinstance(model, fsdp_module.FSDPModule)

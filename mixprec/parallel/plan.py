@@ -1,0 +1,173 @@
+"""On paper: bytes per rank and gradient traffic per step for a level, a strategy and a world size.
+
+The model counts what stays allocated through a training step, per rank:
+
+* parameters: the model's weights as stored (FSDP: this rank's shard);
+* masters: fp32 master copies of 16-bit weights (:class:`mixprec.MasterWeightOptimizer`, O2 in
+  one process or under DDP); none under FSDP, whose fp32 shards are the masters;
+* gradients: one per parameter in the parameter's dtype (FSDP: the reduce-scattered fp32 or
+  16-bit shard);
+* optimizer state: the optimizer's moments, in the dtype it steps in (fp32 at O0-O2, the 16-bit
+  dtype at O3, where torch's optimizers keep state in the parameters' dtype).
+
+Not counted: activations, the transient fp32 copies of 16-bit gradients a master step makes, and,
+under FSDP, the all-gathered parameters of the unit being computed.
+
+Traffic is what one rank sends per optimizer step with ring collectives: DDP all-reduces every
+gradient (``2 (W-1)/W`` of the gradient bytes in the reduce dtype); FSDP all-gathers the
+parameters in the forward and again in the backward (``(W-1)/W`` each, in the gather dtype) and
+reduce-scatters the gradients (``(W-1)/W`` in the reduce dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from ..dtypes import dtype_name, to_dtype
+from ..policy import LEVELS
+from .ddp import reduce_dtype_of
+
+__all__ = ["MemoryPlan", "plan", "plan_table", "parse_count", "OPTIMIZER_MOMENTS", "STRATEGIES"]
+
+#: Moments (state tensors the size of the parameters) each optimizer keeps.
+OPTIMIZER_MOMENTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1, "lion": 1,
+                     "adam": 2, "adamw": 2}
+STRATEGIES = ("single", "ddp", "fsdp")
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text) -> int:
+    """A parameter count from ``7e9``, ``7B``, ``350M``, ``1.3b`` or an int.
+
+    Raises:
+        ValueError: not a positive count.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
+        if not m:
+            raise ValueError(f"a parameter count must be a number like 7e9, 7B or 350M; "
+                             f"got {text!r}")
+        value = float(m.group(1)) * _SUFFIX[m.group(2)]
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"a parameter count must be at least 1; got {text!r}")
+    return int(round(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank and bytes sent per rank per step for one set-up (see the module docstring).
+
+    Attributes:
+        params: number of parameters of the model.
+        level, dtype, strategy, world, optimizer, reduce_dtype: the set-up.
+        parameters, masters, gradients, optimizer_state: bytes per rank.
+        traffic: bytes one rank sends per optimizer step.
+    """
+
+    params: int
+    level: str
+    dtype: str
+    strategy: str
+    world: int
+    optimizer: str
+    reduce_dtype: str
+    parameters: float
+    masters: float
+    gradients: float
+    optimizer_state: float
+    traffic: float
+
+    @property
+    def total(self) -> float:
+        """Parameters + masters + gradients + optimizer state, bytes per rank."""
+        return self.parameters + self.masters + self.gradients + self.optimizer_state
+
+    @property
+    def parameters_and_optimizer(self) -> float:
+        """Parameters + masters + optimizer state (what stays when gradients are freed)."""
+        return self.parameters + self.masters + self.optimizer_state
+
+    def bytes_per_param(self) -> float:
+        """``total`` divided by the parameter count (per rank)."""
+        return self.total / self.params
+
+
+def _check(level: str, strategy: str, world: int, optimizer: str) -> tuple[str, str, str]:
+    if not isinstance(level, str) or level.upper() not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}; got {level!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; "
+                         f"got {strategy!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an integer >= 1; got {world!r}")
+    if strategy == "single" and world != 1:
+        raise ValueError(f"strategy 'single' runs one process; got world={world} (use 'ddp' or "
+                         f"'fsdp' for more)")
+    opt = str(optimizer).lower()
+    if opt not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_MOMENTS)}; "
+                         f"got {optimizer!r}")
+    return level.upper(), strategy, opt
+
+
+def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", world: int = 1,
+         optimizer: str = "adamw", reduce_dtype="fp32") -> MemoryPlan:
+    """Bytes per rank and gradient traffic per step of one set-up, on paper.
+
+    Args:
+        params: the parameter count (an int or ``"7B"``-style text).
+        level: "O0".."O3".
+        dtype: the 16-bit dtype of O1-O3 ("bf16" or "fp16"; "fp32" makes every level fp32).
+        strategy: "single", "ddp" or "fsdp".
+        world: number of ranks (1 for "single").
+        optimizer: one of :data:`OPTIMIZER_MOMENTS`.
+        reduce_dtype: dtype of the gradient reduction ("fp32", "bf16", "fp16").
+
+    Returns:
+        A :class:`MemoryPlan`.
+
+    Raises:
+        ValueError: any unknown or out-of-range argument.
+
+    Example:
+        >>> p = plan("7B", level="O2", strategy="fsdp", world=64)
+        >>> round(p.total / 2**30, 2)  # GiB per rank
+        1.63
+    """
+    n = parse_count(params)
+    level, strategy, opt = _check(level, strategy, world, optimizer)
+    low_dt = to_dtype(dtype)
+    if low_dt not in (to_dtype("fp32"), to_dtype("bf16"), to_dtype("fp16")):
+        raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {dtype!r}")
+    low = low_dt.itemsize
+    reduce = reduce_dtype_of(reduce_dtype)
+    shard = world if strategy == "fsdp" else 1
+    stored = {"O0": 4, "O1": 4, "O2": low, "O3": low}[level]
+    if strategy == "fsdp" and level == "O2":
+        stored = 4                                   # fp32 shards, gathered in the 16-bit dtype
+    masters = 4 if level == "O2" and strategy != "fsdp" and low < 4 else 0
+    step_bytes = low if level == "O3" else 4
+    per_param = {"parameters": stored, "masters": masters, "gradients": stored,
+                 "optimizer_state": OPTIMIZER_MOMENTS[opt] * step_bytes}
+    gather = {"O0": 4, "O1": 4, "O2": low, "O3": low}[level]
+    ring = (world - 1) / world
+    traffic = {"single": 0.0, "ddp": 2 * ring * n * reduce.itemsize,
+               "fsdp": ring * n * (2 * gather + reduce.itemsize)}[strategy]
+    return MemoryPlan(n, level, dtype_name(low_dt), strategy, world, opt, dtype_name(reduce),
+                      **{k: v * n / shard for k, v in per_param.items()}, traffic=traffic)
+
+
+def plan_table(params, *, dtype="bf16", world: int = 8, optimizer: str = "adamw",
+               reduce_dtype="fp32") -> list[MemoryPlan]:
+    """Plans for every strategy and level: "single" at one rank, "ddp"/"fsdp" at ``world``."""
+    rows = []
+    for strategy in STRATEGIES:
+        for level in LEVELS:
+            rows.append(plan(params, level=level, dtype=dtype, strategy=strategy,
+                             world=1 if strategy == "single" else world, optimizer=optimizer,
+                             reduce_dtype=reduce_dtype))
+    return rows

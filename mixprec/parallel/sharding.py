@@ -1,0 +1,191 @@
+"""``mp.parallel.fsdp``: prepare a model for a level and shard it with FSDP2 (``fully_shard``).
+
+How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
+
+* O0: no policy; fp32 shards, fp32 compute.
+* O1: fp32 shards gathered in fp32; the forward runs under mixprec's autocast (as with
+  :func:`mixprec.prepare` at O1).
+* O2: fp32 shards gathered in the compute dtype (``param_dtype``): the fp32 shards *are* the
+  master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
+  Modules that :func:`mixprec.prepare` keeps in fp32 at O2 (norm layers, ``keep_fp32``) become
+  sharding units of their own, gathered in fp32, so they still compute in fp32.
+* O3: 16-bit shards, 16-bit compute.
+
+Gradients are reduce-scattered in ``reduce_dtype`` (fp32 by default at every level) and averaged
+over the ranks. Sharding units: every module held in an ``nn.ModuleList`` (transformer blocks)
+plus the root, or the ``units`` you name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ..master import is_master_optimizer
+from ..prepare import policy_of, prepare
+from . import env
+from .ddp import reduce_dtype_of
+from .env import is_fsdp
+
+__all__ = ["fsdp", "default_units"]
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """Qualified names of the modules held in an ``nn.ModuleList`` (the default sharding units)."""
+    return [f"{name}.{child}" if name else child
+            for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList)
+            for child, _ in mod.named_children()]
+
+
+def _unit_names(model: nn.Module, units) -> list[str]:
+    """Validate ``units`` (module classes and/or qualified names) and list the matching modules."""
+    if units is None:
+        return default_units(model)
+    items = [units] if isinstance(units, (str, type)) else list(units)
+    modules = dict(model.named_modules())
+    types = []
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            types.append(item)
+        elif isinstance(item, str):
+            if item not in modules or item == "":
+                known = [n for n in modules if n][:8]
+                raise ValueError(f"units names {item!r}, which is not a sub-module of the model; "
+                                 f"sub-modules include {known}")
+            names.append(item)
+        else:
+            raise TypeError(f"units entries must be nn.Module subclasses or qualified module "
+                            f"names; got {item!r}")
+    names += [n for n, m in modules.items() if n and types and isinstance(m, tuple(types))]
+    return list(dict.fromkeys(names))
+
+
+def _check_optimizer(model: nn.Module, optimizer) -> dict[int, str]:
+    """Names (by id) of the optimizer's parameters; refuse what cannot be rebuilt after sharding."""
+    if optimizer is None:
+        return {}
+    if is_master_optimizer(optimizer):
+        raise ValueError("fsdp takes the plain torch optimizer, not a MasterWeightOptimizer: "
+                         "FSDP's fp32 shards are the master weights (a second fp32 copy would "
+                         "waste memory); pass the optimizer built over model.parameters()")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; "
+                        f"got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise ValueError("the optimizer already holds state (it has stepped); build it fresh "
+                         "over model.parameters() and pass it to fsdp before training")
+    names = {id(p): n for n, p in model.named_parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters "
+                         f"of the model (shapes {[tuple(p.shape) for p in foreign[:3]]}); build "
+                         f"it from model.parameters()")
+    return names
+
+
+def _rebind_optimizer(optimizer, names: dict[int, str], model: nn.Module) -> None:
+    """Point every param group at the sharded parameters (same object, groups and options)."""
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"][:] = [sharded[names[id(p)]] for p in group["params"]]
+
+
+def _fp32_modules(model: nn.Module, low: torch.dtype) -> list[str]:
+    """Modules whose own parameters the prepared model keeps wider than ``low`` (norms at O2)."""
+    return [name for name, mod in model.named_modules()
+            if any(p.dtype != low for p in mod.parameters(recurse=False))]
+
+
+def _policies(policy, reduce_dtype: torch.dtype):
+    """(main policy, policy of fp32-kept units) for a prepared model's level."""
+    level = policy.level
+    reduce = None if reduce_dtype == torch.float32 and level in ("O0", "O1") else reduce_dtype
+    if level == "O2" and policy.param_dtype != torch.float32:
+        main = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=reduce,
+                                    cast_forward_inputs=False)
+        kept = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
+        return main, kept
+    main = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
+    return main, main
+
+
+def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
+         dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
+         mesh=None, keep_fp32=None):
+    """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
+
+    The fp32 shards are the master weights at O2 (see the module docstring for each level), so
+    the optimizer is never wrapped in a :class:`mixprec.MasterWeightOptimizer`. An optimizer
+    built over the unsharded model is rebound in place to the sharded parameters (same object,
+    class, defaults and per-group options, so LR schedulers built on it keep working); it must
+    not have stepped yet. The process group is created from torchrun's environment when none
+    exists. Move the model to this rank's device first.
+
+    Loss scaling (fp16) agrees across the mesh: the scalers all-reduce their overflow flag.
+    ``torch.nn.utils.clip_grad_norm_`` over the sharded parameters clips by the global norm.
+    For gradient accumulation, gradients are reduce-scattered after every micro-batch (they stay
+    sharded); ``model.set_requires_gradient_sync(False)`` defers that, at the cost of unsharded
+    gradients.
+
+    Args:
+        model: the fp32 model (not yet prepared), on its device.
+        optimizer: a torch optimizer over ``model.parameters()``, or None.
+        level: "O0", "O1", "O2" or "O3".
+        dtype: the low-precision dtype or "auto".
+        reduce_dtype: precision of the gradient reduce-scatter: "fp32" (default), "bf16", "fp16".
+        units: module classes and/or qualified module names to shard as units (default: every
+            module held in an ``nn.ModuleList``); the root is always a unit.
+        mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
+        keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
+
+    Returns:
+        ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer.
+        ValueError: an unknown level, dtype or reduce dtype; a unit name that is not a
+            sub-module; an optimizer that stepped, is a MasterWeightOptimizer or holds foreign
+            tensors; no process group and no torchrun environment.
+        RuntimeError: the model was already prepared or sharded.
+
+    Example:
+        >>> # torchrun --nproc-per-node 2 train.py
+        >>> model, opt = mp.parallel.fsdp(net, opt, level="O2", dtype="bf16")  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fsdp expects an nn.Module; got {type(model).__name__}")
+    if is_fsdp(model) or policy_of(model) is not None:
+        raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
+                           "(not one already passed to mp.prepare or fully_shard)")
+    reduce = reduce_dtype_of(reduce_dtype)
+    names = _check_optimizer(model, optimizer)
+    unit_names = _unit_names(model, units)
+    env.require_group("mp.parallel.fsdp")
+    originals = {p: p.data for p in model.parameters()}
+    prepare(model, level=level, dtype=dtype, keep_fp32=keep_fp32)
+    policy = policy_of(model)
+    kept_units: list[str] = []
+    if policy.level == "O2":
+        kept_units = _fp32_modules(model, policy.param_dtype)
+        for p, data in originals.items():  # FSDP casts at gather time; the shards stay fp32
+            p.data = data
+    del originals
+    if mesh is None:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        mesh = init_device_mesh(dev.type, (env.world_size(),))
+    main, kept = _policies(policy, reduce)
+    modules = dict(model.named_modules())
+    chosen = set(unit_names) | set(kept_units)
+    for name in reversed(list(modules)):  # children before parents
+        if name in chosen and name and any(True for _ in modules[name].parameters()):
+            fully_shard(modules[name], mesh=mesh, mp_policy=kept if name in kept_units else main)
+    fully_shard(model, mesh=mesh, mp_policy=kept if "" in kept_units else main)
+    if optimizer is None:
+        return model
+    _rebind_optimizer(optimizer, names, model)
+    return model, optimizer

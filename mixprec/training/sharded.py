@@ -1,0 +1,144 @@
+"""The FSDP2 strategy of :class:`mixprec.Trainer`: sharded training, sharded checkpoints.
+
+A checkpoint is a directory written by every rank through ``torch.distributed.checkpoint``
+(model and optimizer shards, loadable at another world size), plus ``trainer.pt`` (scaler,
+scheduler, counters, history; written by rank 0) and ``rank{N}.pt`` (each rank's RNG states). It
+is written under a temporary name and renamed into place when every rank is done, so a failure
+leaves an older checkpoint at ``path`` intact.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from ..parallel import env
+from ..parallel.sharding import fsdp
+from . import state as ts
+from .strategy import DistributedStrategy, rank_checkpoint
+
+__all__ = ["FSDPStrategy"]
+
+_META = "trainer.pt"
+
+
+class FSDPStrategy(DistributedStrategy):
+    """FSDP2 (``fully_shard``): see :func:`mixprec.parallel.fsdp` for what each level does."""
+
+    name = "fsdp"
+    checkpoint_suffix = ""
+
+    def setup(self, model: nn.Module, optimizer, *, level: str, dtype):
+        env.require_group("Trainer(strategy='fsdp')")
+        return fsdp(model, optimizer, level=level, dtype=dtype, reduce_dtype=self.reduce_dtype)
+
+    def save(self, trainer, path) -> None:
+        path = Path(path)
+        if path.is_file():
+            raise ValueError(f"{str(path)!r} is a file; an FSDP checkpoint is a directory: give "
+                             f"a new path")
+        tmp = path.with_name(f".{path.name}.saving")
+        error = None
+        if self.is_main:
+            error = _try(lambda: shutil.rmtree(tmp) if tmp.exists() else None)
+        self.agree(error, f"preparing {str(tmp)!r}")
+        tensors, groups = _sharded_state(trainer)
+        dcp.save(tensors, checkpoint_id=str(tmp))
+        ranks = self.rank_states(trainer)
+        if self.is_main:
+            meta = {**ts.trainer_meta(trainer), "world_size": env.world_size(),
+                    "param_groups": groups}
+            error = _try(lambda: torch.save(meta, tmp / _META))
+        error = error or _try(lambda: torch.save(ranks[env.rank()], tmp / f"rank{env.rank()}.pt"))
+        self.agree(error, f"saving checkpoint {str(path)!r}")
+        if self.is_main:
+            error = _try(lambda: _replace_dir(tmp, path))
+        self.agree(error, f"moving checkpoint {str(tmp)!r} to {str(path)!r}")
+
+    def load(self, trainer, path) -> None:
+        path = Path(path)
+        error, meta = None, None
+        try:
+            meta = _read_meta(path)
+            ts.check_compatible(trainer, meta, path)
+            rank_file = path / f"rank{env.rank() % meta['world_size']}.pt"
+            meta["ranks"] = [torch.load(rank_file, map_location="cpu", weights_only=True)]
+            meta = rank_checkpoint(meta, path, env.rank(), env.world_size())
+        except Exception as exc:
+            error = exc
+        self.agree(error, f"loading checkpoint {str(path)!r}")
+        if meta["param_groups"] is None:
+            state = dict(zip(("model", "optimizer"), get_state_dict(trainer.model,
+                                                                    trainer.optimizer)))
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:  # saved before the optimizer had state: weights and hyper-parameters only
+            state = {"model": get_model_state_dict(trainer.model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(trainer.model, state["model"])
+            trainer.optimizer.state.clear()
+            for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
+                group.update(saved)
+        trainer.scaler.load_state_dict(meta["scaler"])
+        if trainer.scheduler is not None:
+            trainer.scheduler.load_state_dict(meta["scheduler"])
+        ts.restore_progress(trainer, meta)
+
+
+def _sharded_state(trainer) -> tuple[dict, list | None]:
+    """What DCP saves, and the param groups' options when the optimizer has no state yet.
+
+    ``get_state_dict`` gives a stateless optimizer zero state by stepping it at lr 0 (Adam's
+    step count becomes 1): that state is dropped again, so saving never changes training.
+    """
+    optimizer = trainer.optimizer
+    fresh = not any(optimizer.state.values())
+    model_sd, optim_sd = get_state_dict(trainer.model, optimizer)
+    if not fresh:
+        return {"model": model_sd, "optimizer": optim_sd}, None
+    optimizer.state.clear()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"model": model_sd}, groups
+
+
+def _try(action) -> BaseException | None:
+    try:
+        action()
+    except Exception as exc:  # reported on every rank by agree()
+        return exc
+    return None
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    old = path.with_name(f".{path.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _read_meta(path: Path) -> dict:
+    if path.is_file():
+        raise ValueError(f"{str(path)!r} is a file; an FSDP Trainer checkpoint is the directory "
+                         f"Trainer.save writes under strategy='fsdp'")
+    if not (path / _META).is_file():
+        raise FileNotFoundError(f"no FSDP Trainer checkpoint at {str(path)!r} (no {_META} there)")
+    meta = ts.read_checkpoint(path / _META)
+    if "world_size" not in meta:
+        raise ValueError(f"{str(path / _META)!r} is not an FSDP Trainer checkpoint")
+    return meta
+

@@ -1,0 +1,263 @@
+"""mp.parallel and Trainer(strategy=...) in one process: choosing a strategy, bad input, the
+environment, rebuilding data loaders for ranks, and the memory planner (``mixprec plan``)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+
+import mixprec as mp
+from mixprec.cli import main as cli_main
+from mixprec.parallel import env
+from mixprec.parallel.plan import parse_count, plan
+from mixprec.training import state as ts
+from mixprec.training.strategy import distributed_loader, make_strategy, resolve_strategy
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    for name in LAUNCHER_VARS + (env.TIMEOUT_ENV,):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _trainer(**kwargs):
+    model = nn.Linear(4, 2)
+    return mp.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                      level="O0", progress=False, **kwargs)
+
+
+# ----------------------------------------------------------------- choosing a strategy
+def test_auto_is_ddp_under_a_multi_rank_launcher_else_single(monkeypatch):
+    assert resolve_strategy("auto") == "single"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_strategy("auto") == "single"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_strategy("auto") == "ddp"
+    assert resolve_strategy("fsdp") == "fsdp" and resolve_strategy("single") == "single"
+
+
+def test_single_process_trainer_is_unchanged():
+    trainer = _trainer()
+    assert trainer.strategy.name == "single" and isinstance(trainer.model, nn.Linear)
+    assert mp.parallel.world_size() == 1 and mp.parallel.rank() == 0
+    assert mp.parallel.is_main_process()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"strategy": "deepspeed"}, "strategy must be one of 'auto', 'single', 'ddp', 'fsdp'"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype must be"),
+    ({"reduce_dtype": torch.float64}, "reduce_dtype must be 'fp32', 'bf16' or 'fp16'"),
+    ({"reduce_dtype": 16}, "reduce_dtype must be"),
+])
+def test_unknown_strategy_or_reduce_dtype_is_a_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(**kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_distributed_strategy_without_launcher_or_group_shows_the_torchrun_command(strategy):
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2 train\.py"):
+        _trainer(strategy=strategy)
+
+
+def test_manual_loop_entry_points_refuse_without_a_group():
+    with pytest.raises(ValueError, match="torchrun"):
+        mp.parallel.ddp(mp.prepare(nn.Linear(4, 2), level="O0"))
+    with pytest.raises(ValueError, match="torchrun"):
+        mp.parallel.fsdp(nn.Linear(4, 2), level="O0")
+
+
+def test_fsdp_refuses_bad_units_optimizers_and_prepared_models():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="'nope', which is not a sub-module"):
+        mp.parallel.fsdp(net, units=["nope"])
+    with pytest.raises(TypeError, match="units entries"):
+        mp.parallel.fsdp(net, units=[3])
+    master = mp.MasterWeightOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="fp32 shards are the master weights"):
+        mp.parallel.fsdp(net, master)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        mp.parallel.fsdp(net, other)
+    with pytest.raises(RuntimeError, match="fresh fp32 model"):
+        mp.parallel.fsdp(mp.prepare(nn.Linear(4, 2), level="O0"))
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        mp.parallel.fsdp(nn.Linear(4, 2), reduce_dtype="fp8_e4m3")
+
+
+def test_ddp_refuses_a_wrapped_model_and_non_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        mp.parallel.ddp("model")
+
+
+# ----------------------------------------------------------------- environment
+def test_rank_and_world_come_from_the_launcher_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (mp.parallel.rank(), mp.parallel.world_size(), mp.parallel.local_rank()) == (3, 4, 1)
+    assert not mp.parallel.is_main_process()
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer; got 'four'"):
+        mp.parallel.world_size()
+
+
+def test_process_group_timeout_defaults_to_ten_minutes_and_reads_the_environment(monkeypatch):
+    assert env.timeout().total_seconds() == 600.0
+    monkeypatch.setenv(env.TIMEOUT_ENV, "42.5")
+    assert env.timeout().total_seconds() == 42.5
+    for bad in ("soon", "0", "-3", "inf"):
+        monkeypatch.setenv(env.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match="MIXPREC_DIST_TIMEOUT must be a positive number"):
+            env.timeout()
+
+
+def test_init_from_env_does_nothing_without_a_launcher():
+    assert mp.parallel.init_from_env() is False and not env.is_initialized()
+
+
+# ----------------------------------------------------------------- data loaders
+def _dataset(n=20):
+    return TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
+
+
+def _collate(batch):
+    return torch.utils.data.default_collate(batch)
+
+
+def test_loader_is_rebuilt_per_rank_keeping_its_options():
+    data = DataLoader(_dataset(), batch_size=3, shuffle=True, drop_last=True, collate_fn=_collate,
+                      generator=torch.Generator().manual_seed(5))
+    rebuilt = distributed_loader(data, rank=1, world=2)
+    sampler = rebuilt.sampler
+    assert isinstance(sampler, DistributedSampler)
+    assert (sampler.shuffle, sampler.seed, sampler.rank, sampler.num_replicas) == (True, 5, 1, 2)
+    assert (rebuilt.batch_size, rebuilt.drop_last, rebuilt.collate_fn) == (3, True, _collate)
+    assert rebuilt.generator is data.generator and rebuilt.num_workers == 0
+
+
+def test_unshuffled_ranks_together_see_the_global_batches_of_one_process():
+    one = [x.flatten().tolist() for x, _ in DataLoader(_dataset(), batch_size=4)]
+    ranks = [[x.flatten().tolist() for x, _ in
+              distributed_loader(DataLoader(_dataset(), batch_size=2), rank=r, world=2)]
+             for r in range(2)]
+    assert [sorted(a + b) for a, b in zip(*ranks)] == one
+
+
+def test_loaders_that_need_no_rebuilding_or_cannot_be_rebuilt():
+    given = DataLoader(_dataset(), batch_size=2,
+                       sampler=DistributedSampler(_dataset(), num_replicas=2, rank=0))
+    assert distributed_loader(given, rank=0, world=2) is given
+    batches = [(torch.zeros(2, 1), torch.zeros(2))]
+    assert distributed_loader(batches, rank=0, world=2) is batches
+    weighted = DataLoader(_dataset(), batch_size=2, sampler=WeightedRandomSampler([1.0] * 20, 20))
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        distributed_loader(weighted, rank=0, world=2)
+
+
+def test_builtin_metrics_declare_their_additive_state():
+    assert mp.Accuracy.sum_state == ("correct", "total")
+    assert mp.training.MeanAbsoluteError.sum_state == ("sum", "count")
+    acc = mp.Accuracy()
+    acc.update(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), torch.tensor([0, 1, 1]))
+    assert make_strategy("single").metric_values([acc], "cpu") == {"accuracy": 2 / 3}
+
+
+# ----------------------------------------------------------------- weights
+def test_fp32_state_dict_of_a_plain_prepared_model_takes_the_masters():
+    net = nn.Linear(4, 2)
+    net, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype="bf16")
+    sd = mp.fp32_state_dict(net, opt)
+    assert sd["weight"].dtype == torch.float32
+    assert torch.equal(sd["weight"], opt.master_param(net.weight))
+    assert not mp.parallel.is_fsdp(net) and mp.parallel.unwrap(net) is net
+
+
+def test_import_does_not_load_fsdp():
+    code = ("import sys, mixprec; "
+            "print('torch.distributed.fsdp' in sys.modules, callable(mixprec.parallel.fsdp), "
+            "'torch.distributed.fsdp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"]
+
+
+# ----------------------------------------------------------------- planner
+def test_plan_counts_bytes_per_rank_for_each_strategy_and_level():
+    n = 7_000_000_000
+    fsdp = plan("7B", level="O2", strategy="fsdp", world=64, optimizer="adamw")
+    assert (fsdp.parameters, fsdp.masters, fsdp.gradients, fsdp.optimizer_state) == \
+        (4 * n / 64, 0, 4 * n / 64, 8 * n / 64)
+    assert fsdp.traffic == 63 / 64 * n * (2 + 2 + 4)  # gather bf16 twice, reduce-scatter fp32
+    ddp = plan(n, level="O2", strategy="ddp", world=8, optimizer="adamw")
+    assert (ddp.parameters, ddp.masters, ddp.gradients, ddp.optimizer_state) == \
+        (2 * n, 4 * n, 2 * n, 8 * n)
+    assert ddp.traffic == 2 * 7 / 8 * n * 4
+    assert plan(n, level="O2", strategy="ddp", world=8, reduce_dtype="bf16").traffic == \
+        2 * 7 / 8 * n * 2
+    o3 = plan(n, level="O3", strategy="single", optimizer="adamw")
+    assert o3.bytes_per_param() == 2 + 2 + 4 and o3.traffic == 0
+    assert plan(n, level="O1", strategy="single", optimizer="sgd").bytes_per_param() == 8
+    assert plan(n, level="O2", dtype="fp32", strategy="single").masters == 0
+
+
+@pytest.mark.parametrize("text,count", [("7e9", 7 * 10 ** 9), ("7B", 7 * 10 ** 9),
+                                        ("350M", 350 * 10 ** 6), ("1.3b", 1_300_000_000),
+                                        (1000, 1000)])
+def test_parameter_counts_parse(text, count):
+    assert parse_count(text) == count
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"params": "lots"}, "parameter count"), ({"params": 0}, "at least 1"),
+    ({"level": "O4"}, "level must be one of"), ({"strategy": "zero3"}, "strategy must be one of"),
+    ({"world": 0}, "world must be an integer >= 1"), ({"strategy": "single", "world": 8},
+                                                       "runs one process"),
+    ({"optimizer": "shampoo"}, "optimizer must be one of"), ({"dtype": "fp64"}, "dtype must be"),
+])
+def test_plan_rejects_bad_input(kwargs, match):
+    args = {"params": "7B", "level": "O2", "strategy": "fsdp", "world": 8, **kwargs}
+    params = args.pop("params")
+    with pytest.raises(ValueError, match=match):
+        plan(params, **args)
+
+
+def test_plan_command_marks_the_chosen_row_and_prints_json(capsys):
+    assert cli_main(["plan", "--params", "7e9", "--level", "O2", "--dtype", "bf16", "--strategy",
+                     "fsdp", "--world", "64", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.startswith("*")]
+    assert chosen[0].split()[1:4] == ["fsdp", "64", "O2"] and "1.63" in chosen[0]
+    assert len([line for line in out.splitlines() if line[:2] in ("  ", "* ")
+                and line.split()[-1] == "GiB"]) == 12  # 3 strategies x 4 levels
+    assert cli_main(["plan", "--params", "1B", "--strategy", "ddp", "--world", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["strategy"] == "ddp" and len(data["rows"]) == 12
+    assert cli_main(["plan", "--params", "huge"]) == 2
+    assert "parameter count" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_another_world_size_loads_only_at_an_epoch_end(tmp_path):
+    trainer = _trainer()
+    batches = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(3)]
+    trainer.fit(batches, epochs=1)
+    state = ts.trainer_state(trainer)
+    rng = ts.capture_rng()
+    state.update(world_size=2, ranks=[{"rng": rng, "epoch_start_rng": None}] * 2)
+    state["counters"]["batch_in_epoch"] = 1
+    torch.save(state, tmp_path / "mid.pt")
+    with pytest.raises(ValueError, match="saved by 2 process.* middle of an epoch.* has 1"):
+        _trainer().load(tmp_path / "mid.pt")
+    state["counters"]["batch_in_epoch"] = 0
+    torch.save(state, tmp_path / "end.pt")
+    fresh = _trainer()
+    torch.manual_seed(123)
+    fresh.load(tmp_path / "end.pt")
+    assert fresh.global_step == 3 and torch.equal(torch.get_rng_state(), rng["torch"])
