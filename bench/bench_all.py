@@ -23,13 +23,14 @@ OUT = Path(__file__).parent / "results"
 def markdown(rep: dict) -> str:
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
     lines = [f"**{rep['model']}** ({sizes}; {rep['flops_per_step'] / 1e9:.1f} GFLOP/step)", "",
-             "| row | dtype | ms/step | speed-up | peak MB | final loss | GFLOP/s | % matmul peak | update % |",
+             ("| row | dtype | ms/step | speed-up | peak MB | final loss | GFLOP/s "
+              "| % matmul peak | update % |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rep["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
-        lines.append(f"| {r['row']} | {r['dtype']} | {r['ms_per_step']:.1f} | {sp} | {r['peak_mb']:.0f} | "
-                     f"{r['final_loss']:.6g} | {r['gflops']:.0f} | {100 * r['peak_share']:.0f}% | "
-                     f"{100 * r['update_share']:.1f}% |")
+        lines.append(f"| {r['row']} | {r['dtype']} | {r['ms_per_step']:.1f} | {sp} | "
+                     f"{r['peak_mb']:.0f} | {r['final_loss']:.6g} | {r['gflops']:.0f} | "
+                     f"{100 * r['peak_share']:.0f}% | {100 * r['update_share']:.1f}% |")
     peaks = ", ".join(f"{d} {v:.0f}" for d, v in rep["matmul_peak_gflops"].items())
     lines += ["", f"matmul peak at {'x'.join(map(str, rep['gemm_shape']))} (GFLOP/s): {peaks}"]
     return "\n".join(lines)
@@ -43,8 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     doc = doctor_report()
-    parts = [f"Machine: {doc['cpu_model']} ({doc['name']}), {doc['cpu_count']} CPUs, {doc['threads']} threads, torch "
-             f"{doc['torch']}, python {platform.python_version()}; doctor matmul GFLOP/s: "
+    parts = [f"Machine: {doc['cpu_model']} ({doc['name']}), {doc['cpu_count']} CPUs, "
+             f"{doc['threads']} threads, torch {doc['torch']}, "
+             f"python {platform.python_version()}; doctor matmul GFLOP/s: "
              + ", ".join(f"{k} {v.get('matmul_gflops', 0):.0f}" for k, v in doc["dtypes"].items())]
     for model in args.models.split(","):
         rep = run_bench(model, steps=args.steps, repeat=args.repeat)

@@ -46,7 +46,8 @@ def main() -> None:
         wgrad = _time(lambda: gy.t() @ x)
         bound = d * fwd + (d - 1) * dgrad + d * wgrad
         total = flops * (3 * d - 1)
-        print(f"{str(dt).replace('torch.', ''):<9} forward {fwd * 1e3:6.2f} ms ({flops / fwd / 1e9:5.0f} GFLOP/s)  "
+        print(f"{str(dt).replace('torch.', ''):<9} "
+              f"forward {fwd * 1e3:6.2f} ms ({flops / fwd / 1e9:5.0f} GFLOP/s)  "
               f"input-grad {dgrad * 1e3:6.2f} ms ({flops / dgrad / 1e9:5.0f})  "
               f"weight-grad {wgrad * 1e3:6.2f} ms ({flops / wgrad / 1e9:5.0f})  "
               f"-> GEMM-only step {bound * 1e3:6.1f} ms = {total / bound / 1e9:5.0f} GFLOP/s")

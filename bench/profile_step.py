@@ -1,7 +1,7 @@
 """Where the time of one training step goes, per level: phases and op categories.
 
-    .venv/bin/python bench/profile_step.py [--model nine-linear] [--levels O0,O1,O2,O3,torch] [--steps 5]
-        [--compile]
+    .venv/bin/python bench/profile_step.py [--model nine-linear] [--levels O0,O1,O2,O3,torch]
+        [--steps 5] [--compile]
 
 Phases come from ``Trainer.timings`` (forward incl. loss, backward, update = scaler + optimizer +
 master copies + zero_grad). Op categories come from ``torch.profiler`` self-CPU times of the
@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 from mixprec import benchmodels
 from mixprec.training import Trainer
 
-CATS = (("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::convolution", "aten::mkldnn_convolution",
-                  "aten::_scaled_dot_product", "aten::linear")),
+CATS = (("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::convolution",
+                  "aten::mkldnn_convolution", "aten::_scaled_dot_product", "aten::linear")),
         ("master copies", ("aten::_foreach_copy_",)),
         ("casts", ("aten::copy_", "aten::_to_copy", "aten::to")),
         ("optimizer math", ("aten::_foreach_",)),
@@ -83,7 +83,8 @@ def profile_level(bm, level: str, steps: int, compile: bool = False) -> None:
     phases = "" if trainer is None else "  phases: " + ", ".join(
         f"{k} {v / steps * 1e3:.1f}" for k, v in trainer.timings.items())
     print(f"{level:<6} {wall:7.1f} ms/step (under the profiler){phases}")
-    print("       " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
+    print("       " + ", ".join(f"{k} {v:.1f}"
+                                for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
 
 
 def main() -> None:

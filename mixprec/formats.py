@@ -29,8 +29,8 @@ import torch
 
 from .dtypes import ALIASES, CANONICAL, dtype_name
 
-__all__ = ["FloatFormat", "Decomposition", "RangeReport", "get", "names", "decompose", "range_report",
-           "check_scale"]
+__all__ = ["FloatFormat", "Decomposition", "RangeReport", "get", "names", "decompose",
+           "range_report", "check_scale"]
 
 _CHUNK = 1 << 20  # elements converted to float64 at a time by range_report
 _INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -83,7 +83,8 @@ class FloatFormat:
                 f"min subnormal {self.min_subnormal:.4g}, eps {self.eps:.4g})")
 
 
-def _layout(name: str, exponent_bits: int, mantissa_bits: int, *, has_inf: bool = True) -> FloatFormat:
+def _layout(name: str, exponent_bits: int, mantissa_bits: int, *,
+            has_inf: bool = True) -> FloatFormat:
     """Build a FloatFormat whose constants all follow from the bit layout."""
     bias = 2 ** (exponent_bits - 1) - 1
     if has_inf:  # IEEE 754: the all-ones exponent is reserved for inf and NaN
@@ -146,7 +147,8 @@ def get(name_or_dtype: Any) -> FloatFormat:
     if isinstance(name_or_dtype, torch.dtype):
         fmt = _FORMATS.get(dtype_name(name_or_dtype))
         if fmt is None:
-            raise ValueError(f"no floating-point format for {name_or_dtype}; known formats: {known}")
+            raise ValueError(f"no floating-point format for {name_or_dtype}; "
+                             f"known formats: {known}")
         return fmt
     if isinstance(name_or_dtype, str):
         canonical = ALIASES.get(name_or_dtype.strip().lower())
@@ -178,7 +180,8 @@ def _encode(stored: float, fmt: FloatFormat) -> tuple[int, int, int]:
     sign = 1 if math.copysign(1.0, stored) < 0 else 0
     top = 2 ** fmt.exponent_bits - 1
     if math.isnan(stored):
-        return sign, top, (2 ** fmt.mantissa_bits - 1) if not fmt.has_inf else 2 ** (fmt.mantissa_bits - 1)
+        return sign, top, ((2 ** fmt.mantissa_bits - 1) if not fmt.has_inf
+                           else 2 ** (fmt.mantissa_bits - 1))
     if math.isinf(stored):
         return sign, top, 0
     mag = abs(stored)
@@ -389,7 +392,8 @@ def decompose(value: Any, fmt: Any = "fp16") -> Decomposition:
         sign, biased, fraction = _encode(stored, fmt)
     decoded = _decode(sign, biased, fraction, fmt)
     if not (decoded == stored or (math.isnan(decoded) and math.isnan(stored))):
-        raise RuntimeError(f"internal error: {stored!r} encoded in {fmt.name} decodes to {decoded!r}")
+        raise RuntimeError(f"internal error: {stored!r} encoded in {fmt.name} "
+                           f"decodes to {decoded!r}")
     kind = _kind(stored, fmt)
     exponent = None if kind in ("inf", "nan") else max(biased, 1) - fmt.bias
     abs_error, rel_error = _errors(x, stored)
@@ -472,18 +476,21 @@ class RangeReport:
         weighted = sum(r.mean_rel_error * r.representable for r in reports)
         return cls(fmt=first.fmt, scale=first.scale, **counts,
                    max_rel_error=max(r.max_rel_error for r in reports),
-                   mean_rel_error=weighted / counts["representable"] if counts["representable"] else 0.0)
+                   mean_rel_error=(weighted / counts["representable"]
+                                   if counts["representable"] else 0.0))
 
     def __str__(self) -> str:
         f = self.fmt
         scaled = f" x {self.scale:g}" if self.scale != 1 else ""
         lines = [f"{self.numel:,} values{scaled} -> {f.name} (max {f.max:.6g}, "
                  f"min normal {f.min_normal:.4g}, min subnormal {f.min_subnormal:.4g})"]
-        for field in ("overflow", "underflow", "subnormal", "exact_zero", "representable", "nonfinite"):
+        for field in ("overflow", "underflow", "subnormal", "exact_zero", "representable",
+                      "nonfinite"):
             count = getattr(self, field)
             share = count / self.numel if self.numel else 0.0
             lines.append(f"  {field.replace('_', ' '):<14}{count:>12,}  {share:8.2%}")
-        lines.append(f"  rel. error    max {self.max_rel_error:.3g}, mean {self.mean_rel_error:.3g}")
+        lines.append(f"  rel. error    max {self.max_rel_error:.3g}, "
+                     f"mean {self.mean_rel_error:.3g}")
         return "\n".join(lines)
 
 
@@ -548,7 +555,8 @@ def range_report(tensor: torch.Tensor, fmt: Any = "fp16", *, scale: float = 1.0)
             totals[key] = max(totals[key], val) if key == "rel_max" else totals[key] + val
     rel_max, rel_sum = totals.pop("rel_max"), totals.pop("rel_sum")
     return RangeReport(fmt=fmt, scale=scale, **totals, max_rel_error=rel_max,
-                       mean_rel_error=rel_sum / totals["representable"] if totals["representable"] else 0.0)
+                       mean_rel_error=(rel_sum / totals["representable"]
+                                       if totals["representable"] else 0.0))
 
 
 def check_scale(scale: Any) -> float:

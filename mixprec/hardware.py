@@ -46,9 +46,11 @@ def _normalize_device(device) -> torch.device:
         try:
             device = torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"device must be a torch.device or a device string; got {device!r}") from exc
+            raise ValueError("device must be a torch.device or a device string; "
+                             f"got {device!r}") from exc
     if not isinstance(device, torch.device):
-        raise TypeError(f"device must be a torch.device, a string or None; got {type(device).__name__}")
+        raise TypeError("device must be a torch.device, a string or None; "
+                        f"got {type(device).__name__}")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device

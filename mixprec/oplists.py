@@ -33,11 +33,11 @@ __all__ = ["op_lists", "TORCH_DEFAULTS", "MIXPREC_FP32_ADDITIONS", "resolve_op",
 
 POLICIES = ("low_precision", "fp32", "promote")
 
-_CPU_LOW = """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm _addmm_activation addbmm linear
-_convolution matmul conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d
-prelu scaled_dot_product_attention _native_multi_head_attention"""
-_CPU_FP32 = """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist
-grid_sampler_2d _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky
+_CPU_LOW = """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm _addmm_activation addbmm
+linear _convolution matmul conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d
+conv_transpose3d prelu scaled_dot_product_attention _native_multi_head_attention"""
+_CPU_FP32 = """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft
+cdist grid_sampler_2d _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky
 cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d max_unpool2d
 max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d
 replication_pad2d replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d
@@ -65,7 +65,8 @@ triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdis
 logsumexp upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_linear1d
 upsample_bilinear2d upsample_trilinear3d upsample_bicubic2d prod softmax log_softmax cumprod cumsum
 linalg_vector_norm linalg_matrix_norm sum norm"""
-_CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
+_CUDA_PROMOTE = """addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot
+scatter_add"""
 
 
 def _table(low: str, fp32: str, promote: str) -> dict[str, frozenset[str]]:
@@ -194,7 +195,8 @@ def _known_names() -> tuple[str, ...]:
 def check_device_type(device_type: str) -> str:
     """Return ``device_type`` if the op lists know it, else raise ValueError."""
     if not isinstance(device_type, str) or device_type not in TORCH_DEFAULTS:
-        raise ValueError(f"device_type must be one of {sorted(TORCH_DEFAULTS)}; got {device_type!r}")
+        raise ValueError(f"device_type must be one of {sorted(TORCH_DEFAULTS)}; "
+                         f"got {device_type!r}")
     return device_type
 
 

@@ -16,8 +16,8 @@ __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "resolve_dtype"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
-# Layers whose statistics and affine parameters stay fp32 at O1/O2 (the MindSpore and PaddlePaddle guides: BatchNorm and the
-# loss are precision sensitive).
+# Layers whose statistics and affine parameters stay fp32 at O1/O2 (the MindSpore and PaddlePaddle
+# guides: BatchNorm and the loss are precision sensitive).
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     t for t in (
         nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
@@ -37,7 +37,8 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
         caps = hardware.device_capabilities(device)
         resolved = to_dtype(caps["auto_dtype"])
         if resolved == torch.float32 and warn:
-            warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: {caps['auto_reason']}",
+            warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: "
+                          f"{caps['auto_reason']}",
                           hardware.SlowDtypeWarning, stacklevel=3)
         return resolved
     resolved = to_dtype(dtype)

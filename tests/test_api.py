@@ -66,7 +66,8 @@ def test_contract_signatures(cls, params):
 
 
 @pytest.mark.parametrize("fn,params", [
-    (mp.autocast, ["dtype", "enabled", "device_type", "low_precision_ops", "fp32_ops", "cache_enabled"]),
+    (mp.autocast, ["dtype", "enabled", "device_type", "low_precision_ops", "fp32_ops",
+                   "cache_enabled"]),
     (mp.prepare, ["model", "optimizer", "level", "dtype", "keep_fp32"]),
 ])
 def test_contract_keywords(fn, params):

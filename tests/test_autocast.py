@@ -30,14 +30,16 @@ SAMPLES = {
     "conv_transpose1d": lambda: F.conv_transpose1d(_x(1, 2, 8), _x(2, 3, 3)),
     "conv_transpose2d": lambda: F.conv_transpose2d(_x(1, 2, 6, 6), _x(2, 3, 3, 3)),
     "prelu": lambda: F.prelu(_x(2, 3), torch.full((1,), 0.25)),
-    "scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(_x(1, 2, 4, 8), _x(1, 2, 4, 8), _x(1, 2, 4, 8)),
+    "scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(
+        _x(1, 2, 4, 8), _x(1, 2, 4, 8), _x(1, 2, 4, 8)),
     "mse_loss": lambda: F.mse_loss(_x(4).to(BF16), _x(4).to(BF16)),
     "l1_loss": lambda: F.l1_loss(_x(4).to(BF16), _x(4).to(BF16)),
     "smooth_l1_loss": lambda: F.smooth_l1_loss(_x(4).to(BF16), _x(4).to(BF16)),
     "huber_loss": lambda: F.huber_loss(_x(4).to(BF16), _x(4).to(BF16)),
     "nll_loss": lambda: F.nll_loss(_x(4, 3).to(BF16), torch.tensor([0, 1, 2, 0])),
     "kl_div": lambda: F.kl_div(_x(4).to(BF16), _x(4).to(BF16), reduction="sum"),
-    "binary_cross_entropy_with_logits": lambda: F.binary_cross_entropy_with_logits(_x(4).to(BF16), torch.rand(4).to(BF16)),
+    "binary_cross_entropy_with_logits": lambda: F.binary_cross_entropy_with_logits(
+        _x(4).to(BF16), torch.rand(4).to(BF16)),
     "cdist": lambda: torch.cdist(_x(3, 4).to(BF16), _x(2, 4).to(BF16)),
     "prod": lambda: torch.prod(_x(4).to(BF16)),
     "trace": lambda: torch.trace(_x(3, 3).to(BF16)),
@@ -56,7 +58,8 @@ EXPECTED = {"low_precision": BF16, "fp32": FP32, "promote": FP32}
 
 
 def _cases(lists):
-    return [(name, policy) for policy, names in lists.items() for name in sorted(names) if name in SAMPLES]
+    return [(name, policy) for policy, names in lists.items()
+            for name in sorted(names) if name in SAMPLES]
 
 
 @pytest.mark.parametrize("name,policy", _cases(oplists.TORCH_DEFAULTS["cpu"]))
@@ -85,10 +88,12 @@ def test_additions_are_fp32_only_with_extend_defaults(name):
 def test_op_lists_shape_and_moves():
     lists = mp.op_lists("cpu", "bf16")
     assert set(lists) == {"low_precision", "fp32", "promote"}
-    assert "mm" in lists["low_precision"] and "softmax" in lists["fp32"] and "cat" in lists["promote"]
+    assert ("mm" in lists["low_precision"] and "softmax" in lists["fp32"]
+            and "cat" in lists["promote"])
     moved = mp.op_lists("cpu", "bf16", low_precision_ops=["softmax", "add"], fp32_ops=["mm"])
     assert "softmax" in moved["low_precision"] and "softmax" not in moved["fp32"]
-    assert "add" in moved["low_precision"] and "mm" in moved["fp32"] and "mm" not in moved["low_precision"]
+    assert ("add" in moved["low_precision"] and "mm" in moved["fp32"]
+            and "mm" not in moved["low_precision"])
     assert "softmax" in mp.op_lists("cuda", "fp16")["fp32"]
 
 
@@ -96,7 +101,8 @@ def _dtypes_of_ops(**kw):
     x, w = _x(4, 4), _x(4, 4)
     with mp.autocast("bf16", device_type="cpu", **kw):
         return {
-            "torch.add": torch.add(x, w).dtype, "Tensor.add": x.add(w).dtype, "x + y": (x + w).dtype,
+            "torch.add": torch.add(x, w).dtype, "Tensor.add": x.add(w).dtype,
+            "x + y": (x + w).dtype,
             "mul": (x * w).dtype, "gelu": F.gelu(x).dtype, "softmax": x.softmax(-1).dtype,
             "mm": torch.mm(x, w).dtype, "x @ y": (x @ w).dtype, "linear": F.linear(x, w).dtype,
         }

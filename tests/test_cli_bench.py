@@ -69,7 +69,8 @@ def test_bench_text_table(capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (("--model", "resnet50"), "unknown model 'resnet50'; choose one of nine-linear, convnet, transformer"),
+    (("--model", "resnet50"),
+     "unknown model 'resnet50'; choose one of nine-linear, convnet, transformer"),
     (("--levels", "O1,O5"), "unknown level(s) ['O5']; choose from O0, O1, O2, O3"),
     (("--steps", "0"), "steps must be a positive integer"),
     (("--width", "-3"), "width must be a positive integer"),

@@ -48,7 +48,8 @@ def test_formats_table(capsys):
 def test_formats_json(capsys):
     code, out, _ = run(capsys, "formats", "--json")
     table = {row["name"]: row for row in json.loads(out)}
-    assert code == 0 and table["fp16"]["max"] == 65504 and table["fp16"]["min_subnormal"] == 2.0 ** -24
+    assert (code == 0 and table["fp16"]["max"] == 65504
+            and table["fp16"]["min_subnormal"] == 2.0 ** -24)
     assert table["fp8_e4m3"]["has_inf"] is False
 
 
@@ -121,7 +122,8 @@ def test_explain_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 @pytest.mark.parametrize("text, value", [
     ("65504", 65504.0), ("1e-8", 1e-8), ("2**-24", 2.0 ** -24), ("2^-24", 2.0 ** -24),
-    ("-2**-24", -(2.0 ** -24)), ("1/3", 1 / 3), ("0x1p-14", 2.0 ** -14), ("3*2**-25", 3 * 2.0 ** -25),
+    ("-2**-24", -(2.0 ** -24)), ("1/3", 1 / 3), ("0x1p-14", 2.0 ** -14),
+    ("3*2**-25", 3 * 2.0 ** -25),
     ("inf", math.inf), ("-Infinity", -math.inf), (" 0.00006666666 ", 0.00006666666),
     ("(1+2**-10)*2**15", 32800.0), ("1e-320", 1e-320),
 ])

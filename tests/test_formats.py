@@ -19,7 +19,8 @@ INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 def from_pattern(pattern: int, fmt) -> float:
     """The value of an integer bit pattern, read by torch through the real dtype."""
-    signed = pattern - (1 << fmt.bits) if fmt.bits > 8 and pattern >= 1 << (fmt.bits - 1) else pattern
+    signed = (pattern - (1 << fmt.bits) if fmt.bits > 8 and pattern >= 1 << (fmt.bits - 1)
+              else pattern)
     return torch.tensor([signed], dtype=INT_VIEW[fmt.bits]).view(fmt.torch_dtype).item()
 
 
@@ -58,7 +59,8 @@ def test_constants_match_torch_finfo(name):
     assert fmt.min_normal == fi.smallest_normal
     assert fmt.eps == fi.eps
     assert fmt.min_subnormal == from_pattern(1, fmt)  # the pattern 0...01
-    assert from_pattern(fmt.bias << fmt.mantissa_bits, fmt) == 1.0  # 1.0 has biased exponent == bias
+    # 1.0 has biased exponent == bias
+    assert from_pattern(fmt.bias << fmt.mantissa_bits, fmt) == 1.0
     assert fmt.bits == 1 + fmt.exponent_bits + fmt.mantissa_bits  # sign + exponent + fraction
 
 
@@ -264,7 +266,8 @@ def test_rounding_matches_torch_cast(name):
 
 
 def test_rounding_matches_torch_cast_fp32():
-    x = torch.randn(20000, dtype=torch.float64) * torch.exp2(torch.randint(-160, 130, (20000,))).double()
+    x = (torch.randn(20000, dtype=torch.float64)
+         * torch.exp2(torch.randint(-160, 130, (20000,))).double())
     assert torch.equal(formats._round(x, F.get("fp32")), x.float().double())
 
 
@@ -367,7 +370,8 @@ def test_range_report_combine_and_str():
     a = F.range_report(torch.tensor([1e-9, 1.0]), "fp16")
     b = F.range_report(torch.tensor([1e5, 0.0, 1 / 3]), "fp16")
     both = F.RangeReport.combine([a, b])
-    assert (both.numel, both.underflow, both.overflow, both.exact_zero, both.representable) == (5, 1, 1, 1, 2)
+    assert ((both.numel, both.underflow, both.overflow, both.exact_zero, both.representable)
+            == (5, 1, 1, 1, 2))
     assert both.mean_rel_error == pytest.approx((a.mean_rel_error + b.mean_rel_error) / 2)
     with pytest.raises(ValueError, match="one format"):
         F.RangeReport.combine([a, F.range_report(torch.ones(1), "bf16")])

@@ -139,12 +139,14 @@ def test_str_is_a_table():
     assert lines[0] == "gradients x 1 -> fp16 (20 values in 1 parameters)"
     assert lines[1].split()[:4] == ["parameter", "numel", "dtype", "max|g|"]
     row = lines[3].split()
-    assert row[0] == "weight" and row[4:8] == ["15.00%", "20.00%", "25.00%", "10.00%"] and row[8] == "2^-1"
+    assert (row[0] == "weight" and row[4:8] == ["15.00%", "20.00%", "25.00%", "10.00%"]
+            and row[8] == "2^-1")
     assert "parameters without .grad: bias" in text
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match=r"none of the 2 parameters of Linear has a gradient.*backward"):
+    with pytest.raises(ValueError,
+                       match=r"none of the 2 parameters of Linear has a gradient.*backward"):
         grad_report(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="none of the 0 parameters"):
         grad_report(nn.ReLU())

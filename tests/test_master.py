@@ -286,7 +286,8 @@ def test_param_without_grad_is_skipped_and_its_state_untouched(name):
 # -- numerics ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", LOW)
 def test_update_below_half_ulp_is_lost_without_masters_and_kept_with_them(dtype):
-    """The PyTorch mixed-precision blog's rounding-error argument: lr * grad = ulp(1.0) / 8 < ulp / 2."""
+    """The PyTorch mixed-precision blog's rounding-error argument: lr * grad = ulp(1.0) / 8 <
+    ulp / 2."""
     lr, steps = ULP_AT_ONE[dtype] / 8, 64
     pure = nn.Parameter(torch.ones(4, dtype=dtype))
     kept = nn.Parameter(torch.ones(4, dtype=dtype))

@@ -18,8 +18,8 @@ def test_to_dtype_accepts_every_spelling(spec, expected):
     assert to_dtype(spec) == expected
 
 
-@pytest.mark.parametrize("bad,exc", [("fp12", ValueError), (torch.int32, ValueError), (16, TypeError),
-                                     (None, TypeError)])
+@pytest.mark.parametrize("bad,exc", [("fp12", ValueError), (torch.int32, ValueError),
+                                     (16, TypeError), (None, TypeError)])
 def test_to_dtype_rejects_bad_input_naming_it(bad, exc):
     with pytest.raises(exc, match="fp32"):
         to_dtype(bad)
@@ -33,20 +33,23 @@ def test_to_dtype_rejects_bad_input_naming_it(bad, exc):
 ])
 def test_level_table_bf16(level, params, compute, output, master):
     p = Policy.from_level(level, "bf16")
-    assert (p.param_dtype, p.compute_dtype, p.output_dtype, p.master_weights) == (params, compute, output, master)
+    assert ((p.param_dtype, p.compute_dtype, p.output_dtype, p.master_weights)
+            == (params, compute, output, master))
     assert p.loss_scale is None  # bf16 needs no loss scaling at any level
     assert p.autocast == (level in ("O1", "O2"))
     assert (set(p.keep_fp32) == set(NORM_LAYERS)) == (level == "O2")
 
 
 @pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
-@pytest.mark.parametrize("level,scale", [("O0", None), ("O1", "dynamic"), ("O2", "dynamic"), ("O3", None)])
+@pytest.mark.parametrize("level,scale", [("O0", None), ("O1", "dynamic"), ("O2", "dynamic"),
+                                         ("O3", None)])
 def test_level_table_fp16_loss_scale(level, scale):
     assert Policy.from_level(level, "fp16").loss_scale == scale
 
 
 def test_str_is_canonical():
-    assert str(Policy.from_level("O2", "bf16")) == "O2(params=bf16,compute=bf16,output=fp32,master=fp32)"
+    assert (str(Policy.from_level("O2", "bf16"))
+            == "O2(params=bf16,compute=bf16,output=fp32,master=fp32)")
     assert str(Policy.from_level("O0")) == "O0(params=fp32,compute=fp32,output=fp32,master=none)"
     assert str(Policy.from_level("o3", "bf16")).startswith("O3(params=bf16")
     assert str(Policy.from_level("O1", "bf16").replace(output_dtype="bf16")).startswith("custom(")

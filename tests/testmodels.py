@@ -44,7 +44,8 @@ def make(name):
     if name == "mlp":
         return mlp(), torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
     if name == "cnn":
-        return SmallCNN(), torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        return (SmallCNN(), torch.randn(4, 3, 8, 8, generator=g),
+                torch.randint(0, 4, (4,), generator=g))
     if name == "transformer":
         return (TinyTransformer(), torch.randint(0, 32, (4, 6), generator=g),
                 torch.randint(0, 4, (4,), generator=g))

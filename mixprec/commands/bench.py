@@ -41,7 +41,8 @@ PEAK_BUDGET_S = 3.0  # time budget of one dtype's matmul peak probe (see doctor.
 def _preload(bm, dtype: torch.dtype, device: torch.device) -> None:
     """Run a miniature of the row once, so that lazily loaded kernels and thread pools are in
     the baseline and not in the row's peak."""
-    tiny = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).to(device)
+    tiny = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 16)).to(device)
     bm.make_optimizer(tiny.parameters())  # the first optimizer imports torch._dynamo (~70 MB)
     for dt in {torch.float32, dtype}:
         with torch.autocast(device.type, dtype=dt, enabled=dt != torch.float32):
@@ -62,7 +63,8 @@ def _reference_step(model, opt, loss_fn, inputs, target, dtype, device):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        return loss.item(), scaler.get_scale() if scaler.is_enabled() else 1.0, time.perf_counter() - t
+        return (loss.item(), scaler.get_scale() if scaler.is_enabled() else 1.0,
+                time.perf_counter() - t)
     return step
 
 
@@ -119,7 +121,8 @@ def _run_isolated(spec: dict) -> dict:
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
-        raise RuntimeError(f"bench row {spec['level']} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"bench row {spec['level']} failed: "
+                           f"{proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -231,9 +234,10 @@ def matmul_peaks(keys, shape, device="cpu", budget_s: float = PEAK_BUDGET_S) -> 
 def format_table(rep: dict) -> str:
     """The human-readable report."""
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
-    lines = [f"mixprec bench: {rep['model']} ({sizes}); {rep['flops_per_step'] / 1e9:.1f} GFLOP per "
-             f"step; median of {rep['steps']} steps after {rep['warmup']} warm-up; {rep['device']}, "
-             f"{rep['threads']} threads, torch {rep['torch']}", "",
+    lines = [f"mixprec bench: {rep['model']} ({sizes}); "
+             f"{rep['flops_per_step'] / 1e9:.1f} GFLOP per step; "
+             f"median of {rep['steps']} steps after {rep['warmup']} warm-up; "
+             f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
     exceeded = False
@@ -256,12 +260,13 @@ def format_table(rep: dict) -> str:
                      "re-probed once, the larger figure kept), so '% peak' is not reliable in "
                      "this run; run again on a quieter machine")
     lines += [
-              "peak MB: peak resident memory of the row's process above its level before the model "
-              "was built" + ("" if rep["isolated"] else " (rows share one process: indicative only)"),
+              "peak MB: peak resident memory of the row's process above its level before the "
+              "model was built"
+              + ("" if rep["isolated"] else " (rows share one process: indicative only)"),
               "update: optimizer step incl. master-weight copy, loss-scaler step/update, zero_grad"]
     if rep.get("compile"):
-        lines.append("compiled: level rows ran Trainer(compile=True) (forward+loss compiled; O2 fused "
-                     "master step); compile time is in the warm-up, not in the medians")
+        lines.append("compiled: level rows ran Trainer(compile=True) (forward+loss compiled; "
+                     "O2 fused master step); compile time is in the warm-up, not in the medians")
     return "\n".join(lines)
 
 
@@ -276,7 +281,8 @@ def _run(args) -> int:
     sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
              if getattr(args, k) is not None}
     if args.model not in benchmodels.MODELS:
-        raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(benchmodels.MODELS)}")
+        raise ValueError(f"unknown model {args.model!r}; "
+                         f"choose one of {', '.join(benchmodels.MODELS)}")
     rep = run_bench(args.model, _parse_levels(args.levels), args.dtype, args.steps, args.warmup,
                     args.repeat, not args.no_reference, not args.in_process, args.device,
                     compile=args.compile, **sizes)
@@ -288,20 +294,24 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time a model at each level vs fp32 and torch.autocast",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="nine-linear", help=f"one of {', '.join(benchmodels.MODELS)}")
-    p.add_argument("--levels", default="O0,O1,O2,O3", help="comma-separated levels (default %(default)s)")
+    p.add_argument("--levels", default="O0,O1,O2,O3",
+                   help="comma-separated levels (default %(default)s)")
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per row (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed steps per row (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all rows; medians pool the steps of all rounds")
     for name in ("width", "batch", "depth", "seq-len", "image-size"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"model {name} (default: per model)")
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"model {name} (default: per model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
                    help="run rows in this process (faster; memory peaks less meaningful)")
     p.add_argument("--compile", action="store_true",
-                   help="level rows use Trainer(compile=True): compiled forward+loss and, at O2, the "
-                        "fused master step (compile time falls in the warm-up)")
+                   help="level rows use Trainer(compile=True): compiled forward+loss and, at O2, "
+                        "the fused master step (compile time falls in the warm-up)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_run)

@@ -54,7 +54,8 @@ class DigitsCNN(nn.Module):
             return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
         self.features = nn.Sequential(*block(1, width), *block(width, 2 * width), nn.MaxPool2d(2),
-                                      *block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+                                      *block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten())
         self.head = nn.Linear(4 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +85,13 @@ def _train_one(level: str, dtype: str, data, args) -> dict:
     model = DigitsCNN(args.width)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
     steps_per_epoch = -(-len(train) // args.batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr,
+                                                total_steps=args.epochs * steps_per_epoch)
     timer = _StepTimer()
     base = reset_peak(torch.device("cpu"))
     # fp16: a dynamic scaler that starts too high and grows often, so the plot shows it at work
-    scaler = DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16" else "auto"
+    scaler = (DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16"
+              else "auto")
     trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scaler=scaler,
                       metrics="accuracy", scheduler=sched, callbacks=[timer], progress=False)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True,
@@ -120,7 +123,8 @@ def run_demo(args) -> list[dict]:
             warnings.simplefilter("ignore", SlowDtypeWarning)  # fp16 on a CPU: noted in the table
             row = _train_one(level, dtype, data, args)
         if not args.json:
-            print(f"  trained {row['level']} {row['dtype']:<4} in {row['seconds']:5.1f} s", flush=True)
+            print(f"  trained {row['level']} {row['dtype']:<4} in {row['seconds']:5.1f} s",
+                  flush=True)
         rows.append(row)
     for row in rows:
         row["speedup"] = rows[0]["ms_per_step"] / row["ms_per_step"]
@@ -129,8 +133,8 @@ def run_demo(args) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The comparison table."""
-    lines = [f"{'level':<6}{'dtype':<6}{'ms/step':>9}{'speed-up':>10}{'peak MB':>9}{'final loss':>12}"
-             f"{'test acc':>10}{'skipped':>9}"]
+    lines = [f"{'level':<6}{'dtype':<6}{'ms/step':>9}{'speed-up':>10}{'peak MB':>9}"
+             f"{'final loss':>12}{'test acc':>10}{'skipped':>9}"]
     for r in rows:
         mem = f"{r['peak_mb']:.1f}" if r["peak_mb"] is not None else "n/a"
         lines.append(f"{r['level']:<6}{r['dtype']:<6}{r['ms_per_step']:>9.2f}{r['speedup']:>9.2f}x"
@@ -152,7 +156,8 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax1.plot(r["loss"], label=label, linewidth=1)
         ax2.step(range(len(r["loss_scale"])), r["loss_scale"], where="post", label=label)
     ax1.set(title="training loss per step", xlabel="optimizer step", ylabel="loss", yscale="log")
-    ax2.set(title="loss scale (1 = no loss scaling)", xlabel="optimizer step", ylabel="scale", yscale="log")
+    ax2.set(title="loss scale (1 = no loss scaling)", xlabel="optimizer step", ylabel="scale",
+            yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -189,14 +194,17 @@ def _run(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="train a CNN on digits in fp32 and mixed precision side by side",
+    p = subparsers.add_parser("demo",
+                              help="train a CNN on digits in fp32 and mixed precision side by side",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=64, help="channels of the first conv layer")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="mixprec-out", help="directory for the PNG (default %(default)s)")
+    p.add_argument("--out", default="mixprec-out",
+                   help="directory for the PNG (default %(default)s)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--json", action="store_true", help="machine-readable output (includes the curves)")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output (includes the curves)")
     p.set_defaults(func=_run)

@@ -238,8 +238,8 @@ def _print(rep: dict) -> None:
         print(f"cpu flags   {' '.join(rep['flags'])}")
     print(f"\n{'dtype':<6} {'supported':<10} {'fast':<5} {'matmul GFLOP/s':>15}  why")
     for name, row in rep["dtypes"].items():
-        print(f"{name:<6} {'yes' if row['supported'] else 'no':<10} {'yes' if row['fast'] else 'no':<5} "
-              f"{_gflops_text(row):>16} {row['why']}")
+        print(f"{name:<6} {'yes' if row['supported'] else 'no':<10} "
+              f"{'yes' if row['fast'] else 'no':<5} {_gflops_text(row):>16} {row['why']}")
     small = any(not row.get("matmul_full_size", True) for row in rep["dtypes"].values())
     print(f"\n(matmul: median of ({m}x{k}) @ ({k}x{n}) products after warm-up"
           + ("; *: a smaller shape, see below)" if small else ")"))

@@ -1,4 +1,5 @@
-"""``mixprec formats`` (the table of formats) and ``mixprec explain VALUE`` (one value, bit by bit)."""
+"""``mixprec formats`` (the table of formats) and ``mixprec explain VALUE`` (one value, bit by
+bit)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _num(x: float) -> str:
 
 def formats_table() -> str:
     """The known formats as a text table."""
-    header = ("format", "bits", "s/exp/mant", "bias", "inf", "max", "min normal", "min subnormal", "eps")
+    header = ("format", "bits", "s/exp/mant", "bias", "inf", "max", "min normal", "min subnormal",
+              "eps")
     rows = [header]
     for name in formats.names():
         f = formats.get(name)
@@ -142,7 +144,8 @@ def _run_explain(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("formats", help="table of floating-point formats and their ranges",
                               description="Bits, exponent/mantissa widths, bias, max, smallest "
-                              "normal and subnormal values and eps of fp64, fp32, fp16, bf16 and fp8.")
+                              "normal and subnormal values and eps of fp64, fp32, fp16, bf16 "
+                              "and fp8.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_run_formats)
 

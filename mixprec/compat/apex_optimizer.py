@@ -97,7 +97,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     # -- the scale_loss protocol ---------------------------------------------------------------
     def prepare_backward(self) -> None:
-        """On entering a ``scale_loss`` block: set aside gradients the backward must not mix with."""
+        """On entering a ``scale_loss`` block: set aside gradients the backward must not mix
+        with."""
         masters = is_master_optimizer(self.inner)
         self._set_aside = {}
         for group in self.param_groups:

@@ -1,4 +1,5 @@
-"""Numerics diagnostics: ``mp.debug.trace_nonfinite``, ``mp.debug.op_stats``, ``mp.debug.grad_report``.
+"""Numerics diagnostics: ``mp.debug.trace_nonfinite``, ``mp.debug.op_stats``,
+``mp.debug.grad_report``.
 
 * :func:`trace_nonfinite` finds the first op whose output holds inf or NaN, in the forward and
   in the backward pass, and names the module it belongs to.

@@ -102,7 +102,8 @@ class GradReport:
         for stats in self.params:
             if stats.name == name:
                 return stats
-        raise KeyError(f"no parameter {name!r} with a gradient; have: {[s.name for s in self.params]}")
+        raise KeyError(f"no parameter {name!r} with a gradient; "
+                       f"have: {[s.name for s in self.params]}")
 
     def __str__(self) -> str:
         return _table(self)
@@ -158,13 +159,15 @@ def _grad_values(param: nn.Parameter) -> torch.Tensor:
     return grad.coalesce().values() if grad.is_sparse else grad
 
 
-def _stats(name: str, grad: torch.Tensor, fmt: FloatFormat, scale: float) -> tuple[ParamGradStats, torch.Tensor]:
+def _stats(name: str, grad: torch.Tensor, fmt: FloatFormat,
+           scale: float) -> tuple[ParamGradStats, torch.Tensor]:
     g64 = grad.reshape(-1).to(torch.float64)
     finite = g64[torch.isfinite(g64)]
     max_abs = float(finite.abs().max()) if finite.numel() else 0.0
     report = formats.range_report(g64, fmt, scale=scale)
     stats = ParamGradStats(name=name, numel=g64.numel(), dtype=formats.get(grad.dtype).name,
-                           max_abs=max_abs, range=report, safe_scale_log2=_safe_scale_log2(max_abs, fmt))
+                           max_abs=max_abs, range=report,
+                           safe_scale_log2=_safe_scale_log2(max_abs, fmt))
     return stats, _log2_counts(g64 * scale)
 
 
@@ -261,7 +264,8 @@ def _table(report: GradReport) -> str:
                      f"{s.underflow:.2%}", f"{s.subnormal:.2%}", f"{s.overflow:.2%}",
                      _pow2(s.safe_scale_log2)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     rule = "-" * len(lines[0])
     lines[1:1] = [rule]
@@ -271,7 +275,8 @@ def _table(report: GradReport) -> str:
     notes = []
     if report.without_grad:
         notes.append(f"{len(report.without_grad)} parameters without .grad: "
-                     + ", ".join(report.without_grad[:5]) + (" ..." if len(report.without_grad) > 5 else ""))
+                     + ", ".join(report.without_grad[:5])
+                     + (" ..." if len(report.without_grad) > 5 else ""))
     if report.total.range.nonfinite:
         notes.append(f"{report.total.range.nonfinite:,} gradient values are already inf/NaN")
     if report.underflow_at_safe_scale is not None:
