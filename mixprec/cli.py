@@ -30,7 +30,8 @@ def _modules() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training tools for PyTorch.")
+    parser = argparse.ArgumentParser(prog="mixprec",
+                                     description="Mixed-precision training tools for PyTorch.")
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -32,7 +32,8 @@ def mlp(dropout=0.0):
 
 
 def loader(ds, batch=64, seed=0, shuffle=True):
-    return DataLoader(ds, batch_size=batch, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(ds, batch_size=batch, shuffle=shuffle,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def make_trainer(level="O0", dtype="bf16", seed=0, dropout=0.0, lr=0.2, sched=False, **kw):
@@ -59,7 +60,8 @@ def fp32_accuracy(digits):
 
 
 @slow_fp16
-@pytest.mark.parametrize("level,dtype", [("O1", "bf16"), ("O2", "bf16"), ("O3", "bf16"), ("O2", "fp16")])
+@pytest.mark.parametrize("level,dtype",
+                         [("O1", "bf16"), ("O2", "bf16"), ("O3", "bf16"), ("O2", "fp16")])
 def test_each_level_reaches_fp32_accuracy_on_digits(digits, fp32_accuracy, level, dtype):
     train, test = digits
     trainer = make_trainer(level, dtype)
@@ -132,7 +134,8 @@ def test_resume_from_an_epoch_end_checkpoint(digits, tmp_path):
     ref = make_trainer("O2", "fp16", dropout=0.2, sched=True)
     ref.fit(loader(train, 32), epochs=3)
     ck = ModelCheckpoint(tmp_path, every_epoch=True)
-    make_trainer("O2", "fp16", dropout=0.2, sched=True, callbacks=[ck]).fit(loader(train, 32), epochs=1)
+    first = make_trainer("O2", "fp16", dropout=0.2, sched=True, callbacks=[ck])
+    first.fit(loader(train, 32), epochs=1)
     assert ck.last_path.name == "ckpt-step10.pt"
     resumed = make_trainer("O2", "fp16", seed=5, dropout=0.2, sched=True)
     resumed.load(ck.last_path)
@@ -243,8 +246,8 @@ def test_accumulation_equals_the_large_batch_step(n, batch, accum):
 def test_clipping_acts_on_unscaled_gradients(digits):
     torch.manual_seed(0)
     model = mlp()
-    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=1.0), level="O0",
-                      loss_scaler=1024.0, max_grad_norm=0.01, progress=False)
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=1.0),
+                      level="O0", loss_scaler=1024.0, max_grad_norm=0.01, progress=False)
     before = params(trainer)
     trainer.train_step([digits[0][:64]])
     delta = torch.cat([(a - b).flatten() for a, b in zip(params(trainer), before)])
@@ -269,12 +272,13 @@ def test_bad_arguments_raise_clear_errors(digits):
 def test_empty_data_and_non_scalar_loss(digits):
     t = make_trainer("O0")
     with pytest.raises(ValueError, match="train_data is empty"):
-        t.fit(DataLoader(TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long)), batch_size=4))
+        empty = TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
+        t.fit(DataLoader(empty, batch_size=4))
     with pytest.raises(ValueError, match="epochs must be"):
         t.fit(loader(digits[0]), epochs=0)
     model = mlp()
-    bad = Trainer(model, nn.CrossEntropyLoss(reduction="none"), torch.optim.SGD(model.parameters(), lr=0.1),
-                  level="O0", progress=False)
+    bad = Trainer(model, nn.CrossEntropyLoss(reduction="none"),
+                  torch.optim.SGD(model.parameters(), lr=0.1), level="O0", progress=False)
     before = params(bad)
     with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor; got \(64,\)"):
         bad.fit(loader(digits[0]))
@@ -295,8 +299,8 @@ def test_loss_monitor_prints_like_mindspore(digits, capsys):
 
 def test_checkpoint_callback_keeps_the_last_files(digits, tmp_path):
     ck = ModelCheckpoint(tmp_path, every_n_steps=2, every_epoch=True, keep_last=2)
-    make_trainer("O0", callbacks=[ck]).fit(loader(torch.utils.data.Subset(digits[0], range(160)), 32),
-                                           epochs=1)
+    subset = torch.utils.data.Subset(digits[0], range(160))
+    make_trainer("O0", callbacks=[ck]).fit(loader(subset, 32), epochs=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-step4.pt", "ckpt-step5.pt"]
     assert ck.last_path.name == "ckpt-step5.pt"
 
@@ -308,7 +312,8 @@ def test_progress_bar_only_on_a_terminal(digits, capsys):
 
     buf = io.StringIO()
     bar = ProgressBar(total=2, file=buf)
-    make_trainer("O0", callbacks=[bar]).fit(loader(torch.utils.data.Subset(digits[0], range(64)), 32))
+    subset = torch.utils.data.Subset(digits[0], range(64))
+    make_trainer("O0", callbacks=[bar]).fit(loader(subset, 32))
     assert "2/2" in buf.getvalue() and "scale=1" in buf.getvalue()
 
 
@@ -424,7 +429,8 @@ def test_batches_without_what_the_trainer_needs_get_clear_errors(digits):
     model = DictModel()
     trainer = Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
                       metrics="accuracy", progress=False)
-    with pytest.raises(ValueError, match=r"model's output \(\.loss.*has none: give the batch labels"):
+    with pytest.raises(ValueError,
+                       match=r"model's output \(\.loss.*has none: give the batch labels"):
         trainer.train_step([{"pixels": x}])
     plain = mlp()
     with pytest.raises(TypeError, match=r"tuple \(inputs..., target\) or a dict"):

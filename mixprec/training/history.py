@@ -1,4 +1,5 @@
-"""What :meth:`mixprec.Trainer.fit` records: per-step loss, scale, skips and rate; per-epoch metrics."""
+"""What :meth:`mixprec.Trainer.fit` records: per-step loss, scale, skips and rate; per-epoch
+metrics."""
 
 from __future__ import annotations
 

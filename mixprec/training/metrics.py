@@ -1,4 +1,5 @@
-"""Metrics the :class:`mixprec.Trainer` accumulates over batches: a small reset/update/compute protocol."""
+"""Metrics the :class:`mixprec.Trainer` accumulates over batches: a small reset/update/compute
+protocol."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ class Accuracy(Metric):
         if target.shape == output.shape and target.is_floating_point():
             target = target.argmax(dim=1)
         if output.dim() != target.dim() + 1:
-            raise ValueError(f"Accuracy needs class scores of shape (N, C, ...) and targets (N, ...); "
-                             f"got output {tuple(output.shape)} and target {tuple(target.shape)}")
+            raise ValueError(f"Accuracy needs class scores of shape (N, C, ...) and targets "
+                             f"(N, ...); got output {tuple(output.shape)} and target "
+                             f"{tuple(target.shape)}")
         pred = output.argmax(dim=1)
         self.correct = (pred == target).sum() + self.correct
         self.total += target.numel()
@@ -101,7 +103,8 @@ def make_metrics(spec) -> list[Metric]:
         return []
     items = [spec] if isinstance(spec, (str, Metric)) else spec
     if not isinstance(items, (list, tuple)):
-        raise TypeError(f"metrics must be None, a name, a Metric or a list of them; got {type(spec).__name__}")
+        raise TypeError(f"metrics must be None, a name, a Metric or a list of them; "
+                        f"got {type(spec).__name__}")
     metrics = []
     for item in items:
         if isinstance(item, str):

@@ -1,4 +1,5 @@
-"""Helpers of the Trainer's exact resume: RNG snapshots, data-loader generators, model signatures."""
+"""Helpers of the Trainer's exact resume: RNG snapshots, data-loader generators, model
+signatures."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def loader_generators(data) -> list[torch.Generator]:
     """The distinct ``torch.Generator`` objects a DataLoader draws its order and seeds from."""
     found: list[torch.Generator] = []
     candidates = [getattr(data, "generator", None)]
-    for holder in (getattr(data, "sampler", None), getattr(getattr(data, "batch_sampler", None), "sampler", None)):
+    batch_sampler = getattr(data, "batch_sampler", None)
+    for holder in (getattr(data, "sampler", None), getattr(batch_sampler, "sampler", None)):
         candidates.append(getattr(holder, "generator", None))
     for gen in candidates:
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
@@ -60,9 +62,10 @@ def restore_rng(state: dict, data=None, *, loader: bool = True, globals_: bool =
     if loader and data is not None and state.get("loader") is not None:
         gens = loader_generators(data)
         if len(gens) != len(state["loader"]):
-            raise ValueError(f"the data loader has {len(gens)} torch.Generator(s) but the checkpoint "
-                             f"recorded {len(state['loader'])}: resume with a DataLoader built the "
-                             f"same way (e.g. DataLoader(..., shuffle=True, generator=g))")
+            raise ValueError(f"the data loader has {len(gens)} torch.Generator(s) but the "
+                             f"checkpoint recorded {len(state['loader'])}: resume with a "
+                             f"DataLoader built the same way (e.g. DataLoader(..., "
+                             f"shuffle=True, generator=g))")
         for gen, gstate in zip(gens, state["loader"]):
             gen.set_state(gstate)
 
@@ -84,8 +87,8 @@ def signature_mismatch(saved, current) -> str | None:
         return f"keys differ (missing from checkpoint: {missing[:3]}, unexpected: {extra[:3]})"
     for name, (shape, dt) in cur_map.items():
         if saved_map[name] != (shape, dt):
-            return (f"{name!r} is {saved_map[name][1]} {list(saved_map[name][0])} in the checkpoint "
-                    f"but {dt} {list(shape)} in this model")
+            return (f"{name!r} is {saved_map[name][1]} {list(saved_map[name][0])} in the "
+                    f"checkpoint but {dt} {list(shape)} in this model")
     return None
 
 
@@ -114,7 +117,8 @@ def read_checkpoint(path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types
-        raise ValueError(f"{str(path)!r} is not a readable mixprec Trainer checkpoint: {exc}") from exc
+        raise ValueError(f"{str(path)!r} is not a readable mixprec Trainer checkpoint: "
+                         f"{exc}") from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{str(path)!r} is not a mixprec Trainer checkpoint (expected format "
                          f"{CHECKPOINT_FORMAT!r})")
@@ -137,7 +141,8 @@ def trainer_meta(trainer) -> dict:
         "scaler": trainer.scaler.state_dict(),
         "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
         "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
-                     "batch_in_epoch": trainer._batch_in_epoch, "epoch_loss": list(trainer._epoch_loss)},
+                     "batch_in_epoch": trainer._batch_in_epoch,
+                     "epoch_loss": list(trainer._epoch_loss)},
         "history": trainer.history.state_dict(),
         "rng": capture_rng(getattr(trainer, "_data", None)),
         "epoch_start_rng": trainer._epoch_start_rng,

@@ -1,4 +1,5 @@
-"""A training loop with mixed precision as one argument: ``Trainer(model, loss_fn, opt, level="O2")``.
+"""A training loop with mixed precision as one argument:
+``Trainer(model, loss_fn, opt, level="O2")``.
 
 The Trainer prepares the model and optimizer for the level (:func:`mixprec.prepare`), builds the
 loss scaler (:func:`mixprec.make_loss_scaler`), and runs the canonical step: scale the loss,
@@ -36,11 +37,13 @@ log = logging.getLogger("mixprec")
 
 
 def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
-    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+    if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
+            or grad_accum_steps < 1):
         raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                           and 0 < max_grad_norm < math.inf):
-        raise ValueError(f"max_grad_norm must be None or a positive finite number; got {max_grad_norm!r}")
+        raise ValueError(f"max_grad_norm must be None or a positive finite number; "
+                         f"got {max_grad_norm!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
                         f"model output's .loss; got {loss_fn!r}")
@@ -258,7 +261,8 @@ class Trainer:
         applied, scale = self._apply_update()
         self.global_step += 1
         loss = self.strategy.mean(window_loss)  # averaged over the ranks
-        for name, value in (("loss", loss), ("loss_scale", scale), ("skipped", not applied), ("lr", lr)):
+        for name, value in (("loss", loss), ("loss_scale", scale), ("skipped", not applied),
+                            ("lr", lr)):
             getattr(self.history, name).append(value)
         if math.isfinite(loss):
             self._epoch_loss[0] += loss
@@ -315,7 +319,8 @@ class Trainer:
             train_data: re-iterable batches (tuples or dicts, see the class docstring), e.g. a
                 DataLoader. For exact resume, shuffle with a seeded ``generator``.
             epochs: the total number of epochs to reach.
-            eval_data: batches to :meth:`evaluate` after every epoch (metrics get a ``val_`` prefix).
+            eval_data: batches to :meth:`evaluate` after every epoch (metrics get a ``val_``
+                prefix).
             progress: override the constructor's ``progress``.
 
         Returns:
@@ -337,7 +342,8 @@ class Trainer:
         show = self.progress if progress is None else progress
         if show and sys.stdout.isatty() and self.strategy.is_main:
             n = _length(train_data)
-            callbacks.append(ProgressBar(None if n is None else math.ceil(n / self.grad_accum_steps)))
+            steps = None if n is None else math.ceil(n / self.grad_accum_steps)
+            callbacks.append(ProgressBar(steps))
         self._data, self.stop_training = train_data, False
         for cb in callbacks:
             cb.on_fit_begin(self)
