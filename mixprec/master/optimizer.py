@@ -158,6 +158,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._stepping_inner = False
         self._made: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # master -> (grad, version)
         self._incoming_masters: dict | None = None
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # one bucket of fp32 gradients
         self.bucket_mb = bucket_mb
         self._rebuild()
         self._fused: bool | str = False
@@ -370,7 +371,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return None
 
     def _bucket_step(self, bucket: list[list[torch.Tensor]], grad_scale) -> None:
-        made, scaled, stepped = [], [], []
+        dense, sparse, scaled, stepped = [], [], [], []
         for tensors in bucket:
             for t in tensors:
                 param = self._model_of.get(t)
@@ -380,14 +381,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     continue
                 if t in self._made:
                     stepped.append(t)
-                    continue
-                t.grad = _fp32_copy(param.grad)
-                if t.grad is not None:
-                    made.append(t)
+                elif param.grad is not None:
+                    (sparse if param.grad.is_sparse else dense).append(t)
                     stepped.append(t)
         with torch.no_grad():
+            self._fill_grads(dense)
+            for t in sparse:
+                t.grad = _fp32_copy(self._model_of[t].grad)
             if grad_scale is not None:
-                unscale_(scaled + [t.grad for t in made], grad_scale.reciprocal())
+                made = [t.grad for t in dense + sparse]
+                unscale_(scaled + made, grad_scale.reciprocal())
             tensors = [t for ts in bucket for t in ts]
             fused = self._fused == "auto" and kernels.torch_fused_problem(self.inner,
                                                                           tensors) is None
@@ -398,6 +401,27 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_([self._model_of[t] for t in stepped], stepped)
         for t in stepped:
             t.grad = None
+
+    def _fill_grads(self, masters: list[torch.Tensor]) -> None:
+        """Give ``masters`` fp32 gradients: views into a scratch buffer, one per device, that
+        is reused from bucket to bucket and step to step (on a CPU, fresh memory for every
+        bucket costs more in page faults than the copy itself)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in masters:
+            by_device.setdefault(t.device, []).append(t)
+        for device, group in by_device.items():
+            need = sum(t.numel() for t in group)
+            scratch = self._scratch.get(device)
+            if scratch is None or scratch.numel() < need:
+                scratch = self._scratch[device] = torch.empty(need, dtype=torch.float32,
+                                                              device=device)
+            views, start = [], 0
+            for t in group:
+                views.append(scratch[start:start + t.numel()].view(t.shape))
+                start += t.numel()
+            torch._foreach_copy_(views, [self._model_of[t].grad for t in group])
+            for t, view in zip(group, views):
+                t.grad = view
 
     def _compiled_step(self, grad_scale) -> None:
         inv = None if grad_scale is None else grad_scale.reciprocal()
