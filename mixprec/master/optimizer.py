@@ -27,7 +27,7 @@ __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 MASTERS_KEY = "master_weights"
 
 _FUSED = ("auto", "compile", False)
-_MIN_BUCKET_BYTES = 32 * 2 ** 20
+_MIN_BUCKET_BYTES = 4 * 2 ** 20
 _BUCKETS_PER_MODEL = 16
 
 
@@ -52,11 +52,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     masters, which only this object gives gradients): its ``step()`` raises a ``RuntimeError``
     that says to use this one.
 
-    **Gradients and memory.** No fp32 gradient lives between steps. ``step()`` makes transient
-    fp32 copies of the model's gradients one bucket at a time (``bucket_mb``), steps that bucket,
-    writes it back and frees the copies; ``fused="compile"`` reads the low-precision gradients
-    directly and makes none. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
-    (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8).
+    **Gradients and memory.** No fp32 gradient of the whole model ever exists. ``step()`` copies
+    the model's gradients to fp32 one bucket at a time (``bucket_mb``), into one bucket-sized
+    scratch buffer per device that is reused from bucket to bucket and step to step, steps that
+    bucket and writes it back; ``fused="compile"`` reads the low-precision gradients directly
+    and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
+    (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8), plus the one
+    bucket.
 
     **The loss-scaler protocol** (what :class:`mixprec.DynamicLossScaler` and the other mixprec
     scalers call; an optimizer that owns the gradients its step reads implements it):
@@ -104,7 +106,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             already holds is moved to the masters and cast to fp32.
         fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
         bucket_mb: size of the transient fp32 gradient buckets in MiB; None picks
-            max(32 MiB, 1/16 of all fp32 gradients). Optimizers that need every gradient at once
+            max(4 MiB, 1/16 of all fp32 gradients). Optimizers that need every gradient at once
             (a ``closure``, e.g. LBFGS) get one bucket.
 
     Raises:
