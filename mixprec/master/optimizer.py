@@ -52,13 +52,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     masters, which only this object gives gradients): its ``step()`` raises a ``RuntimeError``
     that says to use this one.
 
-    **Gradients and memory.** No fp32 gradient of the whole model ever exists. ``step()`` copies
-    the model's gradients to fp32 one bucket at a time (``bucket_mb``), into one bucket-sized
-    scratch buffer per device that is reused from bucket to bucket and step to step, steps that
-    bucket and writes it back; ``fused="compile"`` reads the low-precision gradients directly
-    and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
-    (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8), plus the one
-    bucket.
+    **Gradients and memory.** No fp32 gradient lives between steps, and no fp32 gradient of the
+    whole model ever exists. ``step()`` copies the model's gradients to fp32 one bucket at a
+    time (``bucket_mb``), into one bucket-sized scratch buffer per device that is reused from
+    bucket to bucket and freed when the step ends, steps that bucket and writes it back;
+    ``fused="compile"`` reads the low-precision gradients directly and needs no scratch. Bytes
+    per low-precision parameter: 2 (weight) + 4 (master) + 2 (gradient) + the optimizer state
+    in fp32 (SGD with momentum 4, Adam 8); the one bucket exists only during ``step()``, when
+    the activations are gone.
 
     **The loss-scaler protocol** (what :class:`mixprec.DynamicLossScaler` and the other mixprec
     scalers call; an optimizer that owns the gradients its step reads implements it):
@@ -160,7 +161,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._stepping_inner = False
         self._made: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # master -> (grad, version)
         self._incoming_masters: dict | None = None
-        self._scratch: dict[torch.device, torch.Tensor] = {}  # one bucket of fp32 gradients
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # one bucket, during a step
         self.bucket_mb = bucket_mb
         self._rebuild()
         self._fused: bool | str = False
@@ -367,8 +368,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if self._fused == "compile":
             self._compiled_step(grad_scale)
         else:
-            for bucket in self._buckets:
-                self._bucket_step(bucket, grad_scale)
+            try:
+                for bucket in self._buckets:
+                    self._bucket_step(bucket, grad_scale)
+            finally:
+                self._scratch = {}  # transient: the fp32 bucket does not outlive the step
         self._made = {}
         return None
 
@@ -405,9 +409,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             t.grad = None
 
     def _fill_grads(self, masters: list[torch.Tensor]) -> None:
-        """Give ``masters`` fp32 gradients: views into a scratch buffer, one per device, that
-        is reused from bucket to bucket and step to step (on a CPU, fresh memory for every
-        bucket costs more in page faults than the copy itself)."""
+        """Give ``masters`` fp32 gradients: views into one scratch buffer per device, reused
+        from bucket to bucket within a step (fresh memory for every bucket costs page faults
+        on a CPU) and dropped when the step ends."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in masters:
             by_device.setdefault(t.device, []).append(t)
@@ -631,14 +635,21 @@ def _restore_masters(optimizer: MasterWeightOptimizer) -> None:
 
 
 def _buckets(param_groups: list[dict], limit: float) -> list[list[list[torch.Tensor]]]:
-    """Split the groups' tensors into buckets of at most ``limit`` fp32 bytes (a larger tensor
-    gets a bucket of its own); a bucket lists, per group, its tensors."""
+    """Split the groups' tensors into buckets of at most ``limit`` fp32 bytes; a bucket lists,
+    per group, its tensors. A tensor of ``limit`` bytes or more gets a bucket of its own; the
+    smaller ones are packed in order (a per-parameter optimizer does not care which tensors it
+    steps together)."""
     buckets: list[list[list[torch.Tensor]]] = []
     current, size = [[] for _ in param_groups], 0.0
     for gi, group in enumerate(param_groups):
         for p in group["params"]:
             nbytes = p.numel() * 4
-            if size and size + nbytes > limit:
+            if nbytes >= limit:
+                alone = [[] for _ in param_groups]
+                alone[gi].append(p)
+                buckets.append(alone)
+                continue
+            if size + nbytes > limit:
                 buckets.append(current)
                 current, size = [[] for _ in param_groups], 0.0
             current[gi].append(p)
