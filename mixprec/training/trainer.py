@@ -98,11 +98,12 @@ class Trainer:
         max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
         device: where to train (default: the device of the model's parameters).
         callbacks: :class:`mixprec.Callback` objects.
-        compile: run each step's forward and loss under ``torch.compile``; at O2 with a
-            ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the compiled step
+        compile: run each step's forward and loss under ``torch.compile``; at O2 on a CPU
+            with a ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the compiled step
             supports), also turn on the compiled master step
             (``MasterWeightOptimizer(fused="compile")``: one pass per parameter that reads its
-            low-precision gradient).
+            low-precision gradient; on CUDA torch's fused multi-tensor kernels stay, being
+            faster there).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
             :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first (the
             re-run changes no state). Each distinct first cause is logged once and recorded in
@@ -177,8 +178,12 @@ class Trainer:
         self._pending_loader_rng = None
 
     def _enable_fused_master_step(self) -> None:
+        """The compiled master step, on a CPU only: on CUDA torch's fused multi-tensor kernels
+        (the default) measured faster, since the compiled step launches one kernel per
+        parameter (nine-linear on an H100: 1.8 vs 2.9 ms per update)."""
         opt = self.optimizer
-        if is_master_optimizer(opt) and kernels.is_compilable(opt.inner):
+        if (is_master_optimizer(opt) and kernels.is_compilable(opt.inner)
+                and self.device.type == "cpu"):
             opt.fused = "compile"
 
     def _reset_epoch_position(self) -> None:
