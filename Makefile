@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	# pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0

@@ -22,7 +22,7 @@ from .scaling import (
 )
 from .training import Accuracy, Callback, History, LossMonitor, ModelCheckpoint, Trainer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "__version__",
