@@ -14,6 +14,8 @@ from parallel_cases import (
     GLOBAL_BATCH,
     WORLD,
     Net,
+    assert_matches_one_process,
+    assert_ranks_agree,
     dataset,
     fit,
     launch,
@@ -36,8 +38,6 @@ LEVELS = ("O0", "O1", "O2", "O3")
 # activations (measured 2.0e-3 / 2.4e-3, against 5.6e-2 between one process's O2 and O0). O3
 # rounds every update to bf16 (measured 7.8e-3, one bf16 ulp at 1.0, against 4.8e-2 between one
 # process's O3 and O0).
-TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
-LOSS_TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}  # per-step and eval loss
 
 
 def _reduced_grads(rank, reduce_dtype):
@@ -149,19 +149,12 @@ def single():
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_ddp_matches_one_process_at_the_same_global_batch(ranks, single, level):
-    for r in ranks:
-        got, want = r[f"fit_{level}"], single[level]
-        assert max_diff(got["weights"], want["weights"]) <= TOLERANCE[level]
-        tol = LOSS_TOLERANCE[level]
-        assert got["loss"] == pytest.approx(want["loss"], abs=tol)
-        assert got["eval"]["loss"] == pytest.approx(want["eval"]["loss"], abs=tol)
+    assert_matches_one_process(ranks, single, level)
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_every_rank_holds_the_same_weights_history_and_evaluation(ranks, level):
-    a, b = (r[f"fit_{level}"] for r in ranks)
-    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-    assert a["loss"] == b["loss"] and a["epochs"] == b["epochs"] and a["eval"] == b["eval"]
+    assert_ranks_agree(ranks, level)
 
 
 def test_fp32_reduction_averages_and_bf16_reduction_rounds(ranks):

@@ -15,6 +15,8 @@ from parallel_cases import (
     GLOBAL_BATCH,
     WORLD,
     Net,
+    assert_matches_one_process,
+    assert_ranks_agree,
     dataset,
     fit,
     launch,
@@ -34,8 +36,6 @@ pytestmark = [pytest.mark.slow,
 LEVELS = ("O0", "O1", "O2", "O3")
 # Max abs weight difference from one process after 8 SGD steps; see test_parallel_ddp.py for
 # what the figures are (measured here: O0 1.2e-7, O1 2.0e-3, O2 1.4e-3, O3 7.8e-3).
-TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
-LOSS_TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
 
 
 def _fsdp_o0(reduce_dtype="fp32"):
@@ -158,19 +158,12 @@ def single():
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_fsdp_matches_one_process_at_the_same_global_batch(ranks, single, level):
-    for r in ranks:
-        got, want = r[f"fit_{level}"], single[level]
-        assert max_diff(got["weights"], want["weights"]) <= TOLERANCE[level]
-        tol = LOSS_TOLERANCE[level]
-        assert got["loss"] == pytest.approx(want["loss"], abs=tol)
-        assert got["eval"]["loss"] == pytest.approx(want["eval"]["loss"], abs=tol)
+    assert_matches_one_process(ranks, single, level)
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_every_rank_holds_the_same_weights_history_and_evaluation(ranks, level):
-    a, b = (r[f"fit_{level}"] for r in ranks)
-    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-    assert a["loss"] == b["loss"] and a["epochs"] == b["epochs"] and a["eval"] == b["eval"]
+    assert_ranks_agree(ranks, level)
 
 
 def test_gradients_are_averaged_not_summed_and_bf16_reduction_rounds(ranks):
