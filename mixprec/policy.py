@@ -120,7 +120,8 @@ class Policy:
                              f"got {self.level!r}")
 
     @classmethod
-    def from_level(cls, level: str, dtype: Any = "auto", device=None) -> "Policy":
+    def from_level(cls, level: str, dtype: Any = "auto", device=None, *,
+                   warn: bool = True) -> "Policy":
         """The policy of an optimisation level (apex/MindSpore/Paddle ``O0``..``O3``).
 
         Args:
@@ -128,6 +129,7 @@ class Policy:
                 master weights, norms fp32), "O3" (pure low precision).
             dtype: the low-precision dtype or "auto".
             device: the device used to resolve "auto" and to warn about slow dtypes.
+            warn: warn when the dtype is slow on the device (False for plans on paper).
 
         Raises:
             ValueError: an unknown level or dtype.
@@ -139,7 +141,7 @@ class Policy:
             if not (isinstance(dtype, str) and dtype.lower() == "auto"):
                 to_dtype(dtype)  # still validate
             return cls(level="O0")
-        low = resolve_dtype(dtype, device)
+        low = resolve_dtype(dtype, device, warn=warn)
         fp32 = torch.float32
         scale = "dynamic" if low == torch.float16 else None
         if level == "O1":  # params are fp32 already; the op lists decide each norm's compute

@@ -26,7 +26,7 @@ import math
 import re
 
 from ..dtypes import dtype_name, to_dtype
-from ..policy import LEVELS
+from ..policy import LEVELS, Policy
 from .ddp import reduce_dtype_of
 
 __all__ = ["MemoryPlan", "plan", "plan_table", "parse_count", "OPTIMIZER_MOMENTS", "STRATEGIES"]
@@ -143,17 +143,17 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
     low_dt = to_dtype(dtype)
     if low_dt not in (to_dtype("fp32"), to_dtype("bf16"), to_dtype("fp16")):
         raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {dtype!r}")
-    low = low_dt.itemsize
     reduce = reduce_dtype_of(reduce_dtype)
     shard = world if strategy == "fsdp" else 1
-    stored = {"O0": 4, "O1": 4, "O2": low, "O3": low}[level]
-    if strategy == "fsdp" and level == "O2":
-        stored = 4                                   # fp32 shards, gathered in the 16-bit dtype
-    masters = 4 if level == "O2" and strategy != "fsdp" and low < 4 else 0
-    step_bytes = low if level == "O3" else 4
+    policy = Policy.from_level(level, low_dt, warn=False)
+    gather = policy.param_dtype.itemsize            # what the forward reads
+    masters = 4 if policy.master_weights else 0
+    stored = gather
+    if strategy == "fsdp" and masters:
+        stored, masters = 4, 0                       # fp32 shards, gathered in the 16-bit dtype
+    step_bytes = 4 if policy.master_weights else gather  # the optimizer state's dtype
     per_param = {"parameters": stored, "masters": masters, "gradients": stored,
                  "optimizer_state": OPTIMIZER_MOMENTS[opt] * step_bytes}
-    gather = {"O0": 4, "O1": 4, "O2": low, "O3": low}[level]
     ring = (world - 1) / world
     traffic = {"single": 0.0, "ddp": 2 * ring * n * reduce.itemsize,
                "fsdp": ring * n * (2 * gather + reduce.itemsize)}[strategy]

@@ -102,10 +102,10 @@ def _fp32_modules(model: nn.Module, low: torch.dtype) -> list[str]:
 
 
 def _policies(policy, reduce_dtype: torch.dtype):
-    """(main policy, policy of fp32-kept units) for a prepared model's level."""
-    level = policy.level
-    reduce = None if reduce_dtype == torch.float32 and level in ("O0", "O1") else reduce_dtype
-    if level == "O2" and policy.param_dtype != torch.float32:
+    """(main policy, policy of fp32-kept units) for a prepared model's policy."""
+    fp32 = policy.param_dtype == torch.float32
+    reduce = None if reduce_dtype == torch.float32 and fp32 else reduce_dtype
+    if policy.master_weights and not fp32:  # the fp32 shards are the masters
         main = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=reduce,
                                     cast_forward_inputs=False)
         kept = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
@@ -170,7 +170,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     prepare(model, level=level, dtype=dtype, keep_fp32=keep_fp32)
     policy = policy_of(model)
     kept_units: list[str] = []
-    if policy.level == "O2":
+    if policy.master_weights:
         kept_units = _fp32_modules(model, policy.param_dtype)
         for p, data in originals.items():  # FSDP casts at gather time; the shards stay fp32
             p.data = data
