@@ -34,7 +34,7 @@ from .master import MasterWeightOptimizer, is_master_optimizer
 from .oplists import warn_unreachable
 from .policy import Policy
 
-__all__ = ["prepare", "to_float", "policy_of", "module_device"]
+__all__ = ["prepare", "to_float", "policy_of", "module_device", "ForwardWrapper"]
 
 _POLICY_ATTR = "_mixprec_policy"
 _FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module computes in that dtype
@@ -45,8 +45,9 @@ _FP16_MIN_SUBNORMAL = 2.0 ** -24
 
 
 # -- the forward wrappers --------------------------------------------------------------------------
-class _Forward:
-    """Replaces ``module.forward`` (as an instance attribute); calls the forward it replaced."""
+class ForwardWrapper:
+    """Replaces ``module.forward`` (as an instance attribute, picklable); ``call_inner`` runs the
+    forward it replaced: an earlier wrapper, else the class's own ``forward``."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -59,7 +60,7 @@ class _Forward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
-class _Entry(_Forward):
+class _Entry(ForwardWrapper):
     """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs."""
 
     def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None):
@@ -76,7 +77,7 @@ class _Entry(_Forward):
         return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
 
 
-class _Island(_Forward):
+class _Island(ForwardWrapper):
     """A module computing in one dtype: inputs cast in, outputs back to the incoming dtype."""
 
     def __init__(self, module, dtype: torch.dtype, cast_inputs: bool, context: PrecisionContext):

@@ -48,7 +48,7 @@ from .. import oplists
 from ..autocast import autocast, cast_floating
 from ..master import is_master_optimizer
 from ..policy import Policy
-from ..prepare import module_device, policy_of, prepare
+from ..prepare import ForwardWrapper, module_device, policy_of, prepare
 from .apex_lists import APEX_O1_LISTS
 from .apex_optimizer import AmpOptimizer
 from .apex_options import AmpProperties, check_dtype, resolve_properties
@@ -253,26 +253,20 @@ def _cast_with_mixprec(model: nn.Module, cast_type: torch.dtype, keep_batchnorm:
                                  cast_inputs=True))
 
 
-class _AmpForward:
-    """Replaces ``model.forward`` (an instance attribute; picklable): run the forward it replaced
-    under apex's O1 lists (if asked), cast the floating outputs to ``out_dtype`` (if given)."""
+class _AmpForward(ForwardWrapper):
+    """Replaces ``model.forward``: run the forward it replaced under apex's O1 lists (if
+    asked), cast the floating outputs to ``out_dtype`` (if given)."""
 
     def __init__(self, module: nn.Module, out_dtype, o1: _O1Casts | None):
-        self.module = module
-        self.inner = module.__dict__.get("forward")  # prepare's entry, else the class's forward
+        super().__init__(module)
         self.out_dtype = out_dtype
         self.o1 = o1
 
-    def _forward(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
     def __call__(self, *args, **kwargs):
         if self.o1 is None:
-            out = self._forward(*args, **kwargs)
+            out = self.call_inner(*args, **kwargs)
         else:
-            out = self.o1.run(self._forward, args, kwargs)
+            out = self.o1.run(self.call_inner, args, kwargs)
         return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
 
 
@@ -291,22 +285,10 @@ class _O1Casts:
     def __init__(self, model: nn.Module, low_dtype: torch.dtype):
         self.low_dtype = low_dtype
         self.device_type = module_device(model).type
-        self.lists = _o1_lists()
-        self.context = self._context()
-
-    def _context(self):
-        lists = self.lists
-        return autocast(self.low_dtype, device_type=self.device_type, extend_defaults=False,
-                        low_precision_ops=lists["low_precision"], fp32_ops=lists["fp32"],
-                        promote_ops=lists["promote"]).context
-
-    def __getstate__(self) -> dict:
-        # the context maps torch callables (some operators are not picklable): rebuilt on load
-        return {k: v for k, v in self.__dict__.items() if k != "context"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.context = self._context()
+        lists = _o1_lists()
+        self.context = autocast(low_dtype, device_type=self.device_type, extend_defaults=False,
+                                low_precision_ops=lists["low_precision"], fp32_ops=lists["fp32"],
+                                promote_ops=lists["promote"]).context
 
     def run(self, fn, args: tuple, kwargs: dict):
         token = _cast_dtype.set(self.low_dtype)
