@@ -15,6 +15,8 @@ CONTRACT = [
     "policy_of", "to_float", "MasterWeightOptimizer", "fp32_state_dict", "DynamicLossScaler",
     "StaticLossScaler", "NoLossScaler", "make_loss_scaler", "NonFiniteGradientsError", "Trainer",
     "History", "debug.trace_nonfinite", "debug.op_stats", "debug.grad_report",
+    "parallel.ddp", "parallel.fsdp", "parallel.world_size", "parallel.rank",
+    "parallel.is_main_process",
 ]
 APEX = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
         "register_half_function", "register_float_function", "register_promote_function",
@@ -39,6 +41,17 @@ def test_apex_compat_names_exist(name):
     from mixprec.compat import apex_amp
 
     assert callable(getattr(apex_amp, name))
+
+
+def test_distributed_names_keep_the_contract_signatures():
+    trainer = list(inspect.signature(mp.Trainer).parameters)
+    assert "strategy" in trainer and "reduce_dtype" in trainer
+    assert inspect.signature(mp.Trainer).parameters["strategy"].default == "auto"
+    assert inspect.signature(mp.Trainer).parameters["reduce_dtype"].default == "fp32"
+    ddp = inspect.signature(mp.parallel.ddp).parameters
+    assert list(ddp)[:2] == ["model", "reduce_dtype"] and ddp["reduce_dtype"].default == "fp32"
+    assert list(inspect.signature(mp.parallel.fsdp).parameters)[:8] == [
+        "model", "optimizer", "level", "dtype", "reduce_dtype", "units", "mesh", "keep_fp32"]
 
 
 def test_apex_initialize_and_scale_loss_keep_apex_signatures():
