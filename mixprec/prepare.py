@@ -125,10 +125,13 @@ def _module_dtypes(root: nn.Module, root_dtype, override) -> dict[nn.Module, tor
     return result
 
 
-def _cast_tensors(dtypes: dict[nn.Module, torch.dtype]) -> None:
+def _cast_tensors(dtypes: dict[nn.Module, torch.dtype],
+                  originals: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Cast each module's own floating params and buffers in place; a tied tensor once.
 
-    A tensor shared by modules that want different dtypes takes the widest of them.
+    A tensor shared by modules that want different dtypes takes the widest of them. With
+    ``originals``, each fp32 parameter cast narrower leaves its fp32 data there (the storage
+    itself, no copy: the masters start from it).
     """
     wanted: dict[int, torch.dtype] = {}
     for mod, dt in dtypes.items():
@@ -143,6 +146,8 @@ def _cast_tensors(dtypes: dict[nn.Module, torch.dtype]) -> None:
                 if dt is None or t.dtype == dt:
                     continue
                 if isinstance(t, nn.Parameter):
+                    if originals is not None and t.dtype == _FP32:
+                        originals[t] = t.data
                     t.data = t.data.to(dt)
                 else:
                     tensors[key] = t.to(dt)
@@ -394,17 +399,17 @@ def _policy_context(policy: Policy, device_type: str, low_ops, fp32_ops,
     return PrecisionContext.fixed(policy.compute_dtype, device_type, emulate_fp16)
 
 
-def _cast_model(model: nn.Module, policy: Policy, device_type: str) -> dict[int, torch.Tensor]:
-    """Cast tensors per the policy and wrap kept modules; return fp32 originals of cast params."""
+def _cast_model(model: nn.Module, policy: Policy,
+                device_type: str) -> dict[torch.Tensor, torch.Tensor]:
+    """Cast tensors per the policy and wrap kept modules; return the fp32 data of cast params."""
     keep = _keep_matcher(policy.keep_fp32)
 
     def override(mod, name):
         return _float_mark(mod) or (_FP32 if keep(mod, name) else None)
 
     dtypes = _module_dtypes(model, policy.param_dtype, override)
-    originals = {id(p): p.detach().clone() for mod, dt in dtypes.items() if dt != _FP32
-                 for p in mod._parameters.values() if p is not None and p.dtype == _FP32}
-    _cast_tensors(dtypes)
+    originals: dict[torch.Tensor, torch.Tensor] = {}
+    _cast_tensors(dtypes, originals)
     if not policy.is_mixed:
         return originals
     context = PrecisionContext.fixed(_FP32, device_type)
@@ -425,17 +430,12 @@ def _takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
     return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) and device_type == "cpu"
 
 
-def _wrap_optimizer(optimizer, originals: dict[int, torch.Tensor]):
-    """Wrap in a MasterWeightOptimizer whose masters hold the exact fp32 originals."""
+def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor]):
+    """Wrap in a MasterWeightOptimizer whose masters are the exact fp32 originals (their
+    storage: the cast kept no second fp32 copy of the weights)."""
     if is_master_optimizer(optimizer):
         return optimizer
-    wrapped = MasterWeightOptimizer(optimizer)
-    with torch.no_grad():
-        for param, master in wrapped.masters_by_param().items():
-            original = originals.get(id(param))
-            if original is not None:
-                master.copy_(original)
-    return wrapped
+    return MasterWeightOptimizer(optimizer, initial_masters=originals)
 
 
 # -- fp32 state dicts ------------------------------------------------------------------------------

@@ -221,9 +221,9 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                                "weights itself (master_weights=True, the O2 default)")
 
 
-def _fp32_originals(models: list[nn.Module]) -> dict[int, torch.Tensor]:
+def _fp32_originals(models: list[nn.Module]) -> dict[torch.Tensor, torch.Tensor]:
     """Exact fp32 copies of the parameters, taken before casting (the masters start from them)."""
-    return {id(p): p.detach().clone() for m in models for p in m.parameters()
+    return {p: p.detach().clone() for m in models for p in m.parameters()
             if p.dtype == torch.float32}
 
 

@@ -16,7 +16,6 @@ added back. Only the fresh gradients are checked for inf/NaN.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -56,41 +55,33 @@ class AmpOptimizer(torch.optim.Optimizer):
         inner: the optimizer stepped: the user's, or the MasterWeightOptimizer around it.
     """
 
+    _set_up = False  # False while torch's Optimizer.__init__ registers the groups
+
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool,
-                 originals: dict[int, torch.Tensor] | None = None, verbosity: int = 1):
-        inner = MasterWeightOptimizer(optimizer) if master_weights else optimizer
-        if master_weights and originals:
-            _start_masters_from(inner, originals)
+                 originals: dict[torch.Tensor, torch.Tensor] | None = None,
+                 verbosity: int = 1):
+        inner = (MasterWeightOptimizer(optimizer, initial_masters=originals) if master_weights
+                 else optimizer)
         self.inner = inner
         self.verbosity = verbosity
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                     "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
-        self._patch_step_function()  # torch's step-hook machinery (register_step_pre_hook)
+        # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups,
+        # state and defaults
+        super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
+        self._share()
+        self._set_up = True
         self._live = False            # param_groups' gradients are unscaled ones since step()
         self.scaled_pending = False   # a delay_unscale block left scaled model gradients
         self._set_aside: dict[torch.Tensor, torch.Tensor] = {}
         self._overflows: list[tuple[int, torch.Tensor, Any]] = []  # since step(): id, flag, scaler
 
-    # -- forwarded attributes ------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The inner optimizer's param groups (fp32 masters at O2); edit ``"lr"`` here."""
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
+    def _share(self) -> None:
+        """One truth: this object's groups, state and defaults are the inner optimizer's."""
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"apex_amp.AmpOptimizer({self.inner!r})"
@@ -189,6 +180,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the inner optimizer (fp16 parameters get fp32 masters at O2)."""
+        if not self._set_up:  # torch's Optimizer.__init__ registering the shared groups
+            return super().add_param_group(param_group)
         self.inner.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,15 +191,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load a state_dict from :meth:`state_dict` (or from a plain torch optimizer)."""
         self.inner.load_state_dict(state_dict)
+        self._share()  # torch's load_state_dict gave the inner optimizer new groups and state
         self._live = False
         self.scaled_pending = False
         self._overflows = []
-
-
-def _start_masters_from(optimizer: MasterWeightOptimizer, originals: dict[int, torch.Tensor]):
-    """Copy the exact fp32 values a parameter had before the model was cast into its master."""
-    with torch.no_grad():
-        for param, master in optimizer.masters_by_param().items():
-            original = originals.get(id(param))
-            if original is not None:
-                master.copy_(original)

@@ -106,6 +106,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             mixed freely, several param groups, tied parameters listed once). Any state it
             already holds is moved to the masters and cast to fp32.
         fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
+        initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
+            exact fp32 weight before the model was cast); it becomes the master's storage, not
+            a copy. Parameters not in it start from their upcast.
         bucket_mb: size of the transient fp32 gradient buckets in MiB; None picks
             max(4 MiB, 1/16 of all fp32 gradients). Optimizers that need every gradient at once
             (a ``closure``, e.g. LBFGS) get one bucket.
@@ -131,7 +134,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, fused: bool | str = "auto",
-                 bucket_mb: float | None = None) -> None:
+                 bucket_mb: float | None = None,
+                 initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError(
                 "optimizer is already a MasterWeightOptimizer (around "
@@ -146,6 +150,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self._master_of: dict[torch.Tensor, nn.Parameter] = {}  # model param -> master
         self._model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
+        self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._with_masters(group["params"])
         # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups and
@@ -163,6 +168,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._incoming_masters: dict | None = None
         self._scratch: dict[torch.device, torch.Tensor] = {}  # one bucket, during a step
         self.bucket_mb = bucket_mb
+        self._initial = {}
         self._rebuild()
         self._fused: bool | str = False
         self.fused = fused
@@ -211,8 +217,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"can't keep a master for a non-leaf {param.dtype} tensor of shape "
                 f"{tuple(param.shape)}; pass the model's parameters (leaf tensors)")
-        master = nn.Parameter(param.detach().to(torch.float32, copy=True),
-                              requires_grad=param.requires_grad)
+        initial = self._initial.pop(param, None)
+        if initial is not None and (initial.shape != param.shape
+                                    or initial.dtype != torch.float32
+                                    or initial.device != param.device):
+            raise ValueError(
+                f"initial_masters holds a {initial.dtype} tensor of shape "
+                f"{tuple(initial.shape)} on {initial.device} for a parameter of shape "
+                f"{tuple(param.shape)} on {param.device}; it must be fp32, of the same shape "
+                f"and device")
+        value = (initial.detach() if initial is not None
+                 else param.detach().to(torch.float32, copy=True))
+        master = nn.Parameter(value, requires_grad=param.requires_grad)
         self._master_of[param] = master
         self._model_of[master] = param
         state = self.inner.state
