@@ -40,15 +40,6 @@ def o1(fn, *modules, **kw):
     return amp.initialize(Fn(fn, *modules), opt_level="O1", verbosity=0, **kw)
 
 
-@pytest.fixture
-def user_lists():
-    """Registrations on torch's namespaces are process-wide: undo them after the test."""
-    saved = dict(amp._user_lists)
-    yield
-    amp._user_lists.clear()
-    amp._user_lists.update(saved)
-
-
 # -- the level table and the overrides --------------------------------------------------------
 @pytest.mark.parametrize("level,expected", [
     ("O0", (FLOAT, False, None, False, 1.0)),
@@ -487,7 +478,7 @@ def test_cast_cache_across_train_eval_train(kind):
 
 
 # -- user functions: registration, decorators, disable_casts ----------------------------------
-def test_register_float_function_on_torch(user_lists):
+def test_register_float_function_on_torch(restore_apex_registrations):
     amp.register_float_function(torch, "sigmoid")  # the apex write-up's tip
     lin = nn.Linear(4, 4)
     model = o1(lambda x: torch.sigmoid(lin(x)), lin)
@@ -496,7 +487,7 @@ def test_register_float_function_on_torch(user_lists):
     assert before(torch.randn(2, 4)).dtype == FLOAT  # the method form is covered too
 
 
-def test_register_half_function_moves_a_listed_op(user_lists):
+def test_register_half_function_moves_a_listed_op(restore_apex_registrations):
     amp.register_half_function(torch.nn.functional, "softmax")
     model = o1(lambda x: F.softmax(x, -1))
     assert model(torch.randn(2, 4)).dtype == HALF
@@ -505,7 +496,7 @@ def test_register_half_function_moves_a_listed_op(user_lists):
     assert model(torch.randn(2, 2, dtype=HALF), torch.randn(2, 2)).dtype == FLOAT
 
 
-def test_register_on_a_user_module(user_lists):
+def test_register_on_a_user_module(restore_apex_registrations):
     backend = types.ModuleType("fru_backend")
 
     def fru(x, h):
