@@ -11,7 +11,7 @@ from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
 from .parallel import fp32_state_dict
-from .policy import Policy
+from .policy import NormLayer, Policy, is_norm_layer
 from .prepare import policy_of, prepare, to_float
 from .scaling import (
                       DynamicLossScaler,
@@ -30,6 +30,8 @@ __all__ = [
     "device_capabilities",
     "SlowDtypeWarning",
     "Policy",
+    "NormLayer",
+    "is_norm_layer",
     "prepare",
     "policy_of",
     "to_float",

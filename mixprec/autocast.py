@@ -24,7 +24,7 @@ from . import oplists
 from .emulation import Fp16EmulationMode, should_emulate
 from .policy import resolve_dtype
 
-__all__ = ["autocast", "cast_floating", "PrecisionContext"]
+__all__ = ["autocast", "cast_floating", "PrecisionContext", "is_mixprec_mode"]
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW = "low"  # marker: "the autocast dtype in force at call time"
@@ -65,6 +65,11 @@ class _OpListMode(TorchFunctionMode):
             args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
         with torch.autocast(self.device_type, enabled=False):
             return func(*args, **kwargs)
+
+
+def is_mixprec_mode(mode) -> bool:
+    """True for a torch function mode mixprec enters (op lists, fp16 emulation)."""
+    return isinstance(mode, (_OpListMode, Fp16EmulationMode))
 
 
 def _widest(tree, device_type: str) -> torch.dtype | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from . import hardware
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 
-__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "resolve_dtype"]
+__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -25,6 +26,51 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
         nn.LocalResponseNorm, getattr(nn, "RMSNorm", None),
     ) if t is not None
 )
+
+_ZOO_NORM_NAME = re.compile(r"Norm([123]d)?$")
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    """True for a normalisation layer (the rule :class:`NormLayer` matches).
+
+    A norm layer is an instance of one of torch's norm classes (:data:`NORM_LAYERS`), or a
+    module without sub-modules whose class name ends in ``Norm``, ``Norm1d``, ``Norm2d`` or
+    ``Norm3d``: the norm layers of model zoos (Hugging Face's ``LlamaRMSNorm``,
+    ``T5LayerNorm``, ``MistralRMSNorm``; ``FrozenBatchNorm2d``; timm's ``LayerNorm2d``; apex's
+    ``FusedLayerNorm``). A module that holds other layers (``AdaLayerNorm`` with its
+    ``Linear``) is not one; its own norm layers are.
+    """
+    if isinstance(module, NORM_LAYERS):
+        return True
+    return (isinstance(module, nn.Module) and bool(_ZOO_NORM_NAME.search(type(module).__name__))
+            and next(module.children(), None) is None)
+
+
+class _NormLayerMeta(type):
+    def __instancecheck__(cls, instance) -> bool:
+        return is_norm_layer(instance)
+
+    def __repr__(cls) -> str:
+        return "mixprec.NormLayer"
+
+
+class NormLayer(nn.Module, metaclass=_NormLayerMeta):
+    """Stands for every normalisation layer in ``keep_fp32`` (O2 keeps these in fp32).
+
+    ``isinstance(module, NormLayer)`` follows :func:`is_norm_layer`: torch's norm classes, and
+    any module without sub-modules whose class name ends in ``Norm`` or ``Norm1d/2d/3d``
+    (``LlamaRMSNorm``, ``T5LayerNorm``, ``FrozenBatchNorm2d``, ...). It is a marker, not a
+    layer: it cannot be built.
+
+    Example:
+        >>> isinstance(nn.LayerNorm(4), NormLayer), isinstance(nn.Linear(4, 4), NormLayer)
+        (True, False)
+    """
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("mixprec.NormLayer is a marker for keep_fp32 (it matches norm layers), "
+                        "not a layer to build")
+
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
     """Resolve a low-precision dtype spec; ``"auto"`` picks the fast 16-bit type of ``device``.
@@ -147,8 +193,9 @@ class Policy:
         if level == "O1":  # params are fp32 already; the op lists decide each norm's compute
             return cls(fp32, low, fp32, (), False, scale, True, False, "O1")
         if level == "O2":
-            return cls(low, low, fp32, NORM_LAYERS, low != fp32, scale, True, True, "O2")
-        return cls(low, low, low, (), False, None, False, True, "O3")
+            return cls(low, low, fp32, (NormLayer,), low != fp32, scale, True, True, "O2")
+        # outputs as computed: low precision, except what an fp32 module returns
+        return cls(low, low, None, (), False, None, False, True, "O3")
 
     def replace(self, **changes) -> "Policy":
         """A copy with some fields changed (the level becomes None unless given)."""

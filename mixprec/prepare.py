@@ -2,103 +2,52 @@
 
 A prepared model stays the same ``nn.Module`` object: parameters are cast in place (their
 identity is kept, so optimizers holding them keep working) and the forward of the root, of the
-modules kept in fp32 and of ``to_float`` modules is wrapped by a small picklable object that
-casts inputs, runs the forward under a :class:`mixprec.autocast.PrecisionContext` and casts
-outputs. Nothing in torch is patched; the wrappers compile into one ``torch.compile`` graph.
+modules kept in fp32 and of ``to_float`` modules is wrapped by a small picklable object (see
+:mod:`mixprec.regions`). Nothing in torch is patched; the wrappers compile into one
+``torch.compile`` graph.
 
-Two kinds of wrapper:
-
-* the entry of the prepared model (``_Entry``): casts the model's floating inputs to the compute
-  dtype (``Policy.cast_inputs``), runs the forward under the policy's context (autocast with the
-  op lists, or one fixed dtype), casts the outputs to ``Policy.output_dtype``;
-* a precision island (``_Island``): a ``to_float`` module or a ``keep_fp32`` module. It casts its
-  floating inputs to its dtype, runs with autocast off, and returns its floating outputs in the
-  dtype its (first floating) input came in, so every module computes in its own dtype whatever
-  its neighbours output, nested islands included.
+What is stored in which dtype: a parameter is stored in the policy's ``param_dtype``, except in
+fp32 modules (``keep_fp32``, ``to_float("fp32")``) where it is fp32, and except a parameter that
+no optimizer trains under a master-weight policy (``requires_grad=False``, or not in the
+optimizer given to ``prepare``): it keeps the dtype it has, since no master would keep its fp32
+value. ``to_float`` alone never changes a parameter's storage (MindSpore keeps the Parameter in
+fp32 and casts at compute): its region casts parameters for the call. Floating buffers take the
+dtype their module computes in.
 """
 
 from __future__ import annotations
 
 import difflib
-import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from .autocast import PrecisionContext, autocast, cast_floating
-from .dtypes import TRAINING_DTYPES, dtype_name, is_low_precision, to_dtype
+from .autocast import PrecisionContext, autocast
+from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 from .master import MasterWeightOptimizer, is_master_optimizer
 from .oplists import warn_unreachable
 from .policy import Policy
+from .regions import (
+    Entry,
+    ForwardWrapper,
+    Island,
+    Region,
+    assign_regions,
+    island_of,
+    island_region,
+    refresh_island,
+    region_modules,
+)
+from .statedict import link_masters, register_fp32_state_dict
 
 __all__ = ["prepare", "to_float", "policy_of", "module_device", "ForwardWrapper"]
 
 _POLICY_ATTR = "_mixprec_policy"
 _FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module computes in that dtype
 _PREPARED_ATTR = "_mixprec_in_prepared"   # set on every submodule of a prepared model
-_MASTERS_ATTR = "_mixprec_masters"        # a _MasterLink on the prepared root
 _FP32 = torch.float32
 _FP16_MIN_SUBNORMAL = 2.0 ** -24
-
-
-# -- the forward wrappers --------------------------------------------------------------------------
-class ForwardWrapper:
-    """Replaces ``module.forward`` (as an instance attribute, picklable); ``call_inner`` runs the
-    forward it replaced: an earlier wrapper, else the class's own ``forward``."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        # a wrapper installed before this one, else None: the class's own forward
-        self.inner = module.__dict__.get("forward")
-
-    def call_inner(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-
-class _Entry(ForwardWrapper):
-    """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs."""
-
-    def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None):
-        super().__init__(module)
-        self.in_dtype, self.out_dtype, self.context = in_dtype, out_dtype, context
-
-    def __call__(self, *args, **kwargs):
-        if self.in_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.in_dtype)
-        if self.context is None:
-            out = self.call_inner(*args, **kwargs)
-        else:
-            out = self.context.run(self.call_inner, args, kwargs)
-        return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
-
-
-class _Island(ForwardWrapper):
-    """A module computing in one dtype: inputs cast in, outputs back to the incoming dtype."""
-
-    def __init__(self, module, dtype: torch.dtype, cast_inputs: bool, context: PrecisionContext):
-        super().__init__(module)
-        self.dtype, self.cast_inputs, self.context = dtype, cast_inputs, context
-
-    def __call__(self, *args, **kwargs):
-        incoming = _first_floating_dtype((args, kwargs))
-        if self.cast_inputs:
-            args, kwargs = cast_floating((args, kwargs), self.dtype)
-        out = self.context.run(self.call_inner, args, kwargs)
-        if incoming is not None and incoming != self.dtype:
-            out = cast_floating(out, incoming)
-        return out
-
-
-def _first_floating_dtype(tree) -> torch.dtype | None:
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor) and t.dtype in TRAINING_DTYPES:
-            return t.dtype
-    return None
 
 
 # -- module dtypes -------------------------------------------------------------------------------
@@ -125,36 +74,42 @@ def _module_dtypes(root: nn.Module, root_dtype, override) -> dict[nn.Module, tor
     return result
 
 
-def _cast_tensors(dtypes: dict[nn.Module, torch.dtype],
-                  originals: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Cast each module's own floating params and buffers in place; a tied tensor once.
-
-    A tensor shared by modules that want different dtypes takes the widest of them. With
-    ``originals``, each fp32 parameter cast narrower leaves its fp32 data there (the storage
-    itself, no copy: the masters start from it).
-    """
+def _wanted(dtypes: dict[nn.Module, torch.dtype], kind: str) -> dict[int, torch.dtype]:
+    """id(tensor) -> dtype for each floating ``_parameters``/``_buffers`` tensor; a tensor
+    shared by modules that want different dtypes takes the widest of them."""
     wanted: dict[int, torch.dtype] = {}
     for mod, dt in dtypes.items():
-        for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+        for t in getattr(mod, kind).values():
             if t is not None and t.is_floating_point() and t.dtype != torch.float64:
                 prev = wanted.get(id(t))
                 wanted[id(t)] = dt if prev is None or _width(dt) > _width(prev) else prev
+    return wanted
+
+
+def _cast_tensors(dtypes: dict[nn.Module, torch.dtype], kind: str,
+                  originals: dict[torch.Tensor, torch.Tensor] | None = None,
+                  keep=lambda t: False) -> None:
+    """Cast each module's own floating ``kind`` ("_parameters" or "_buffers") in place to its
+    dtype; a tied tensor once; ``keep(t)`` tensors are left as they are. With ``originals``,
+    each fp32 parameter cast narrower leaves its fp32 data there (the storage itself, no copy:
+    the masters start from it)."""
+    wanted = _wanted(dtypes, kind)
     for mod in dtypes:
-        for tensors in (mod._parameters, mod._buffers):
-            for key, t in tensors.items():
-                dt = None if t is None else wanted.get(id(t))
-                if dt is None or t.dtype == dt:
-                    continue
-                if isinstance(t, nn.Parameter):
-                    if originals is not None and t.dtype == _FP32:
-                        originals[t] = t.data
-                    t.data = t.data.to(dt)
-                else:
-                    tensors[key] = t.to(dt)
+        tensors = getattr(mod, kind)
+        for key, t in tensors.items():
+            dt = None if t is None else wanted.get(id(t))
+            if dt is None or t.dtype == dt or keep(t):
+                continue
+            if isinstance(t, nn.Parameter):
+                if originals is not None and t.dtype == _FP32:
+                    originals[t] = t.data
+                t.data = t.data.to(dt)
+            else:
+                tensors[key] = t.to(dt)
 
 
 def _width(dtype: torch.dtype) -> int:
-    return 32 if dtype == _FP32 else 16
+    return torch.finfo(dtype).bits
 
 
 def _float_mark(mod: nn.Module, _name: str = ""):
@@ -174,12 +129,15 @@ def _check_materialised(model: nn.Module) -> None:
 def to_float(module: nn.Module, dtype) -> nn.Module:
     """Make ``module`` compute in ``dtype`` (MindSpore's ``Cell.to_float``).
 
-    Its floating parameters and buffers are cast, its floating inputs are cast at entry, and its
-    forward runs with autocast off, so every op inside computes in ``dtype``. Its floating
-    outputs are returned in the dtype its input came in, so the modules around it keep their
-    own dtype. A sub-module with its own ``to_float`` keeps its setting:
-    ``to_float(net, "fp16"); to_float(net.dense, "fp32")`` leaves ``net.dense`` in fp32
-    whichever call comes first.
+    Its floating inputs are cast at entry, its parameters are cast for the call (their storage
+    stays as it is, so an optimizer keeps updating them in their own precision: MindSpore keeps
+    the Parameter in fp32 and casts at compute), its floating buffers are cast, and its forward
+    runs with autocast off, so every op inside computes in ``dtype``. Its outputs are returned as
+    computed: an fp32 module's output is fp32. Modules around it keep computing in their own
+    dtype (a module of a ``to_float`` region casts its floating inputs to the region's dtype). A
+    sub-module with its own ``to_float`` keeps its setting: ``to_float(net, "fp16");
+    to_float(net.dense, "fp32")`` leaves ``net.dense`` in fp32 whichever call comes first.
+    ``mp.prepare`` later stores parameters per its policy (16-bit with fp32 masters at O2).
 
     Args:
         module: the sub-module.
@@ -196,8 +154,8 @@ def to_float(module: nn.Module, dtype) -> nn.Module:
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> _ = to_float(net, "bf16"); _ = to_float(net[2], "fp32")
-        >>> net[0].weight.dtype, net[2].weight.dtype
-        (torch.bfloat16, torch.float32)
+        >>> net[0].weight.dtype, net(torch.ones(1, 4)).dtype
+        (torch.float32, torch.float32)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"to_float expects an nn.Module; got {type(module).__name__}")
@@ -209,13 +167,14 @@ def to_float(module: nn.Module, dtype) -> nn.Module:
                            "this module (prepare already fixed its parameter dtypes and optimizer)")
     _check_materialised(module)
     setattr(module, _FLOAT_ATTR, dt)
-    _cast_tensors(_module_dtypes(module, dt, lambda m, n: None if m is module else _float_mark(m)))
+    _cast_tensors({m: dt for m in region_modules(module)}, "_buffers")
     context = PrecisionContext.fixed(dt, module_device(module).type)
-    wrapper = module.__dict__.get("forward")
-    if isinstance(wrapper, _Island):  # re-marked: update the existing wrapper in place
-        wrapper.dtype, wrapper.context = dt, context
+    island = island_of(module)
+    if island is not None:  # re-marked: update the existing wrapper in place
+        island.dtype, island.context = dt, context
     else:
-        module.forward = _Island(module, dt, True, context)
+        module.forward = Island(module, dt, True, context)
+    refresh_island(module)
     return module
 
 
@@ -276,19 +235,23 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
                          f"build it from model.parameters() of the model you prepare")
 
 
-def _check_eps(optimizer, policy: Policy) -> None:
-    """Without masters, an fp16 model's Adam state is fp16 too, where a tiny eps is 0."""
+def _check_fp16_state(optimizer, policy: Policy) -> None:
+    """Without masters, an fp16 model's Adam-style state is fp16 too: refused (it cannot match
+    an fp32 step; it diverges)."""
     if optimizer is None or policy.master_weights or policy.param_dtype != torch.float16:
         return
     for i, group in enumerate(optimizer.param_groups):
-        eps = group.get("eps")
-        if isinstance(eps, float) and 0 < eps < _FP16_MIN_SUBNORMAL / 2:
-            warnings.warn(
-                f"param_groups[{i}] has eps={eps:g}, which rounds to 0 in fp16 (smallest "
-                f"subnormal 2^-24 = 5.96e-08): without master weights ({policy}) the optimizer "
-                f"state is fp16 too, so where a gradient is 0 an Adam-style update divides 0 by "
-                f"0. Use eps >= 1e-7, or level O2 (fp32 masters and state)", UserWarning,
-                stacklevel=3)
+        if "betas" in group and "eps" in group:
+            beta2 = float(group["betas"][1])
+            smallest = (_FP16_MIN_SUBNORMAL / max(1.0 - beta2, 1e-12)) ** 0.5
+            raise ValueError(
+                f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
+                f"eps={group['eps']:g}) would keep its moment estimates in fp16 under {policy} "
+                f"(no master weights): (1 - beta2) * grad^2 underflows to 0 in fp16 for every "
+                f"|grad| < {smallest:.1e}, and the update then divides by eps (which rounds to "
+                f"0 in fp16 below 6e-8), giving inf/NaN weights. Use level='O2' (fp32 masters "
+                f"and optimizer state), dtype='bf16' (fp32's exponent range), or an "
+                f"SGD-style optimizer")
 
 
 def _resolve_policy(model, level, dtype, keep_fp32, policy) -> Policy:
@@ -368,18 +331,21 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     _check_keep_names(model, policy.keep_fp32)
     _check_marks(model, policy)
     _check_optimizer(model, optimizer)
-    _check_eps(optimizer, policy)
+    _check_fp16_state(optimizer, policy)
     device_type = module_device(model).type
     context = _policy_context(policy, device_type, low_precision_ops, fp32_ops, emulate_fp16)
     warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=3)  # names op lists miss
-    originals = _cast_model(model, policy, device_type)
+    originals = _cast_model(model, policy, device_type, _trained(model, optimizer, policy))
     if policy.master_weights and optimizer is not None:
         optimizer = _wrap_optimizer(optimizer, originals)
-        setattr(model, _MASTERS_ATTR, _MasterLink(optimizer))
+        link_masters(model, optimizer)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
-        model.forward = _Entry(model, in_dtype, policy.output_dtype, context)
-    _register_fp32_state_dict(model)
+        model.forward = Entry(model, in_dtype, policy.output_dtype, context)
+        root_island = island_of(model)  # to_float(model, ...): the root computes in that
+        assign_regions(model, island_region(model, root_island) if root_island is not None
+                       else _root_region(model, policy, context))
+    register_fp32_state_dict(model, policy.master_weights)
     setattr(model, _POLICY_ATTR, policy)
     for mod in model.modules():
         setattr(mod, _PREPARED_ATTR, True)
@@ -399,24 +365,54 @@ def _policy_context(policy: Policy, device_type: str, low_ops, fp32_ops,
     return PrecisionContext.fixed(policy.compute_dtype, device_type, emulate_fp16)
 
 
-def _cast_model(model: nn.Module, policy: Policy,
-                device_type: str) -> dict[torch.Tensor, torch.Tensor]:
+def _root_region(model: nn.Module, policy: Policy, context) -> Region:
+    """The entry's region: a fixed-dtype policy with islands of another dtype casts each
+    module's inputs to its compute dtype (an fp32 island's output is fp32)."""
+    if policy.autocast or context is None:
+        return Region(context)
+    other = any(island_of(m) is not None and island_of(m).dtype != policy.compute_dtype
+                for m in model.modules() if m is not model)
+    return Region(context, policy.compute_dtype if other else None)
+
+
+def _trained(model: nn.Module, optimizer, policy: Policy):
+    """A predicate: is this parameter trained through fp32 masters? (Under a master-weight
+    policy, a parameter that requires no gradient or that the given optimizer does not hold has
+    no master, so it keeps its dtype: its fp32 value would otherwise be lost.)"""
+    if not policy.master_weights:
+        return lambda p: True
+    if optimizer is None:
+        return lambda p: p.requires_grad
+    held = {id(optimizer.model_param(p) if is_master_optimizer(optimizer) else p)
+            for g in optimizer.param_groups for p in g["params"]}
+    return lambda p: p.requires_grad and id(p) in held
+
+
+def _cast_model(model: nn.Module, policy: Policy, device_type: str,
+                trained) -> dict[torch.Tensor, torch.Tensor]:
     """Cast tensors per the policy and wrap kept modules; return the fp32 data of cast params."""
     keep = _keep_matcher(policy.keep_fp32)
 
-    def override(mod, name):
-        return _float_mark(mod) or (_FP32 if keep(mod, name) else None)
+    def fp32_module(mod, name):
+        mark = _float_mark(mod)
+        return mark == _FP32 or (mark is None and keep(mod, name))
 
-    dtypes = _module_dtypes(model, policy.param_dtype, override)
+    params = _module_dtypes(model, policy.param_dtype,
+                            lambda m, n: _FP32 if fp32_module(m, n) else
+                            (policy.param_dtype if _float_mark(m) is not None else None))
+    buffers = _module_dtypes(model, policy.param_dtype,
+                             lambda m, n: _float_mark(m) or (_FP32 if keep(m, n) else None))
     originals: dict[torch.Tensor, torch.Tensor] = {}
-    _cast_tensors(dtypes, originals)
+    _cast_tensors(params, "_parameters", originals, keep=lambda t: not trained(t))
+    _cast_tensors(buffers, "_buffers")
     if not policy.is_mixed:
         return originals
     context = PrecisionContext.fixed(_FP32, device_type)
     for name, mod in model.named_modules():
         if _float_mark(mod) is None and keep(mod, name):
             cast_inputs = not _takes_low_precision_input(mod, device_type)
-            mod.forward = _Island(mod, _FP32, cast_inputs, context)
+            mod.forward = Island(mod, _FP32, cast_inputs, context)
+            refresh_island(mod)
     return originals
 
 
@@ -424,7 +420,8 @@ def _takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
     """Norm kernels that read bf16/fp16 activations with fp32 parameters (and statistics) and
     accumulate in fp32: the numbers of casting the input up, to the rounding of the output and
     fp32 reassociation, without two casts around the layer (BatchNorm on CPU and CUDA;
-    LayerNorm and GroupNorm on CPU, 4x faster than the cast path there)."""
+    LayerNorm and GroupNorm on CPU, 4x faster than the cast path there). Their output is in the
+    activations' dtype, as torch.autocast's batch_norm."""
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
         return device_type in ("cpu", "cuda")
     return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) and device_type == "cpu"
@@ -436,70 +433,3 @@ def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor]):
     if is_master_optimizer(optimizer):
         return optimizer
     return MasterWeightOptimizer(optimizer, initial_masters=originals)
-
-
-# -- fp32 state dicts ------------------------------------------------------------------------------
-class _MasterLink:
-    """The prepared model's link to its masters: a weak reference, dropped when pickled."""
-
-    def __init__(self, optimizer: MasterWeightOptimizer):
-        self._ref = weakref.ref(optimizer)
-
-    def masters(self) -> dict[torch.Tensor, torch.Tensor]:
-        opt = self._ref() if self._ref is not None else None
-        return {} if opt is None else opt.masters_by_param()
-
-    def __getstate__(self) -> dict:
-        return {"_ref": None}
-
-
-def _register_fp32_state_dict(model: nn.Module) -> None:
-    if not any(t.is_floating_point() and is_low_precision(t)
-               for t in [*model.parameters(), *model.buffers()]):
-        return
-    post = getattr(model, "register_state_dict_post_hook", None)
-    if post is not None:
-        post(_fp32_state_dict_hook)
-    else:  # torch < 2.5
-        model._register_state_dict_hook(_fp32_state_dict_hook)
-    pre = getattr(model, "register_load_state_dict_pre_hook", None)
-    if pre is not None:
-        pre(_load_masters_hook)
-    else:  # torch < 2.5
-        model._register_load_state_dict_pre_hook(_load_masters_hook, with_module=True)
-
-
-def _named_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    head = prefix[:-1] if prefix.endswith(".") else prefix
-    return {**dict(module.named_parameters(prefix=head, remove_duplicate=False)),
-            **dict(module.named_buffers(prefix=head, remove_duplicate=False))}
-
-
-def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: low-precision floating values become fp32 (masters where known)."""
-    link = getattr(module, _MASTERS_ATTR, None)
-    masters = link.masters() if link is not None else {}
-    tensors = _named_tensors(module, prefix)
-    for key, value in list(state_dict.items()):
-        own = tensors.get(key)
-        if own is None or value is own or not torch.is_tensor(value) \
-                or not is_low_precision(value):
-            continue  # not ours, keep_vars=True (the tensor itself), or already fp32
-        master = masters.get(own)
-        state_dict[key] = master.detach() if master is not None else value.to(_FP32)
-
-
-def _load_masters_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                       unexpected_keys, error_msgs) -> None:
-    """load_state_dict pre-hook: the masters take the loaded values exactly (torch then rounds
-    them into the low-precision parameters)."""
-    link = getattr(module, _MASTERS_ATTR, None)
-    masters = link.masters() if link is not None else {}
-    if not masters:
-        return
-    tensors = _named_tensors(module, prefix)
-    with torch.no_grad():
-        for key, value in state_dict.items():
-            master = masters.get(tensors.get(key))
-            if master is not None and torch.is_tensor(value) and value.shape == master.shape:
-                master.copy_(value)

@@ -57,7 +57,9 @@ def test_nested_to_float_computes_each_module_in_its_own_dtype(level):
     with mp.debug.op_stats() as stats:
         net(x)
     assert stats.count(op="addmm", dtype="bf16") == 2 and stats.count(op="addmm", dtype="fp32") == 1
-    assert net[0].weight.dtype == BF16 and net[2].weight.dtype == FP32
+    # to_float keeps a parameter's storage (cast at compute); O2/O3 store 16-bit weights
+    stored = BF16 if level in ("O2", "O3") else FP32
+    assert net[0].weight.dtype == stored and net[2].weight.dtype == FP32
 
 
 @pytest.mark.parametrize("level", [None, *LEVELS])
@@ -72,7 +74,8 @@ def test_fp32_batchnorm_inside_a_bf16_cnn(level):
     out = model(x)
     assert torch.isfinite(out).all()
     assert computed_in(model, x, "convolution") == {BF16}
-    assert model.bn.running_mean.dtype == FP32 and model.conv2.weight.dtype == BF16
+    stored = BF16 if level in ("O2", "O3") else FP32
+    assert model.bn.running_mean.dtype == FP32 and model.conv2.weight.dtype == stored
 
 
 def test_a_to_float_island_inside_an_o3_model_hands_back_the_surrounding_dtype():
@@ -213,12 +216,20 @@ def test_hugging_face_save_pretrained_round_trips_to_an_fp32_model(tmp_path):
     assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, master)
 
 
-def test_o3_fp16_with_a_tiny_adam_eps_warns():
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps), lambda ps: torch.optim.AdamW(ps, eps=1e-6)])
+def test_o3_fp16_with_adam_state_in_fp16_is_refused(make):
+    """Pure fp16 Adam: (1 - beta2) * g^2 underflows for |g| < 7.7e-3, the update divides by eps
+    (0 in fp16 at 1e-8): the weights turn inf/NaN. Refused, with the ways out."""
     model = five_linear()
-    with pytest.warns(UserWarning, match=r"eps=1e-08, which rounds to 0 in fp16"):
-        mp.prepare(model, torch.optim.Adam(model.parameters()), level="O3", dtype="fp16")
-    model = five_linear()  # O2 keeps the state in fp32: no warning
-    mp.prepare(model, torch.optim.Adam(model.parameters()), level="O2", dtype="fp16")
+    with pytest.raises(ValueError, match=r"underflows to 0 in fp16 for every \|grad\| < 7\.7e-03"
+                                         r".*level='O2'.*dtype='bf16'"):
+        mp.prepare(model, make(model.parameters()), level="O3", dtype="fp16")
+    assert all(p.dtype == FP32 for p in model.parameters())  # refused before anything changed
+    mp.prepare(model, make(model.parameters()), level="O2", dtype="fp16")  # fp32 state: fine
+    sgd_model = five_linear()  # SGD's momentum in fp16 is sound
+    mp.prepare(sgd_model, torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9),
+               level="O3", dtype="fp16")
 
 
 def test_custom_op_lists_pickle_by_name():

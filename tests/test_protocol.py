@@ -110,15 +110,32 @@ def test_idiom_matches_the_fp32_master_reference_step(idiom, dtype, fused):
             assert torch.equal(p, opt.master_param(p).to(p.dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_clipping_model_parameters_after_unscale_raises_and_changes_nothing(dtype):
-    """torch.amp's usual line: a clip that should do nothing must not give a 65536x update."""
-    model, opt, _ = build(dtype, "auto")
-    scaler = mp.StaticLossScaler(SCALE[dtype])
+@pytest.mark.parametrize("fused", ["auto", False])
+def test_clipping_model_parameters_after_unscale_clips_what_the_step_uses_in_bf16(fused):
+    """torch.amp's usual line: unscale_, clip the model's parameters, step. The model's
+    gradients read as unscaled after unscale_, and their clipped values are what the step uses
+    (reference: the same clipped bf16 gradients applied in fp32)."""
+    model, opt, make = build(torch.bfloat16, fused)
+    reference = Reference(model, opt, make)
+    scaler = mp.StaticLossScaler(SCALE[torch.bfloat16])
     scaler.scale(loss_of(model, 0)).backward()
     scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     assert 0.1 < norm < 10  # the model's gradients read as unscaled after unscale_
+    reference.step(1.0, None)  # the model's gradients are the clipped, unscaled ones now
+    assert scaler.step(opt) is True
+    for p, m in zip(model.parameters(), reference.masters):
+        torch.testing.assert_close(opt.master_param(p), m, **TOL)
+
+
+def test_clipping_fp16_model_parameters_after_unscale_raises_and_changes_nothing():
+    """Unscaled in fp16, gradients below 6.1e-05 lose precision: that clip can't be taken
+    exactly, so the step refuses it and points to the clips that work."""
+    model, opt, _ = build(torch.float16, "auto")
+    scaler = mp.StaticLossScaler(SCALE[torch.float16])
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=r"scaler\.clip_grad_norm_\(optimizer, max_norm\)"):
         scaler.step(opt)

@@ -813,6 +813,24 @@ def test_dynamic_scaler_getters_setters_and_update_new_scale_like_torch():
         scaler.update(new_scale=2.0 ** 30)
 
 
+def test_update_with_new_scale_needs_no_step_as_in_torch_amp():
+    """scale(), then update(new_scale) without a step (a loop that decided to skip the batch)."""
+    scaler = mp.DynamicLossScaler(init_scale=64.0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(compute_loss(model, 0)).backward()
+    scaler.update(new_scale=8.0)
+    assert scaler.get_scale() == 8.0 and scaler.skipped_steps == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.zero_grad()
+    scaler.scale(compute_loss(model, 1)).backward()  # the next iteration starts clean
+    assert scaler.step(opt) is True
+    scaler.update()
+    with pytest.raises(RuntimeError, match=r"update\(\) called before any step\(\)"):
+        scaler.update()  # without new_scale, update() still needs a step
+
+
 def test_static_and_none_scalers_answer_torch_calls_and_refuse_what_they_cannot_do():
     static = mp.StaticLossScaler(128.0)
     assert repr(static) == "StaticLossScaler(scale=128.0, skip_on_overflow=True)"

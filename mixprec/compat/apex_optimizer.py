@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..master import MasterWeightOptimizer, is_master_optimizer
+from ..master.params import valid_grad
 from ..scaling.unscale import unscale_and_check_
 
 __all__ = ["AmpOptimizer"]
@@ -96,9 +97,10 @@ class AmpOptimizer(torch.optim.Optimizer):
             for t in group["params"]:
                 param = self.inner.model_param(t) if masters else t
                 if param is not t:            # an fp32 master: its model gradient is consumed
+                    held = valid_grad(t) if self._live else None
+                    if held is not None:
+                        self._set_aside[t] = held     # unscale_grads_ makes a new tensor
                     param.grad = None
-                    if self._live and t.grad is not None:
-                        self._set_aside[t] = t.grad   # unscale_grads_ makes a new tensor
                 elif t.grad is not None:      # an fp32 parameter: keep what it holds
                     self._set_aside[t] = t.grad
                     t.grad = None

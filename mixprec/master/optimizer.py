@@ -5,30 +5,40 @@ Why masters: a bf16 weight near 1.0 has an ulp of 2**-7. An update smaller than 
 silently stops learning wherever updates are small. Keeping an fp32 copy of each low-precision
 weight (the master), applying the optimizer to it and writing the rounded result back lets those
 small updates accumulate until they move the low-precision weight.
+
+The pieces: :mod:`.params` (the master parameter and its gradient), :mod:`.buckets` (which
+optimizers step in buckets; the fp32 gradient scratch), :mod:`.steps` (the step paths),
+:mod:`.kernels` (fused update kernels), :mod:`.checkpoint` (masters in ``state_dict``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
-from . import kernels
+from . import checkpoint, kernels, steps
+from .buckets import Scratch, is_per_parameter, make_buckets
+from .params import (
+    GradCarry,
+    MasterParameter,
+    derive_grad,
+    drop_grad,
+    is_master,
+    is_stale,
+    set_grad,
+    valid_grad,
+)
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
-#: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
-MASTERS_KEY = "master_weights"
+MASTERS_KEY = checkpoint.MASTERS_KEY
 
 _FUSED = ("auto", "compile", False)
-_MIN_BUCKET_BYTES = 4 * 2 ** 20
-_BUCKETS_PER_MODEL = 16
 
 
 def is_master_optimizer(optimizer: Any) -> bool:
@@ -40,52 +50,56 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """An optimizer that steps fp32 master copies of low-precision parameters.
 
     Wraps a torch optimizer built over a model's parameters. Every parameter narrower than fp32
-    (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master copy;
-    fp32 (and fp64) parameters stay as they are (they are their own masters). ``step()`` reads
-    the model's gradients, steps the inner optimizer on the masters and writes the masters back
-    into the model parameters, rounded to nearest even. Optimizer state (momentum, Adam moments)
-    therefore lives in fp32 too.
+    (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master
+    (a :class:`mixprec.master.params.MasterParameter`, laid out as its parameter: a
+    channels_last weight has a channels_last master); fp32 (and fp64) parameters stay as they
+    are (they are their own masters). ``step()`` reads the model's gradients, steps the inner
+    optimizer on the masters and writes the masters back into the model parameters, rounded to
+    nearest even. Optimizer state (momentum, Adam moments) therefore lives in fp32 too.
 
-    ``param_groups`` and ``state`` are the inner optimizer's own objects: LR schedulers, code
-    that edits ``"lr"``, and hooks registered on this object work as for any torch optimizer.
-    The inner optimizer itself must no longer be stepped directly (its ``param_groups`` now hold
-    masters, which only this object gives gradients): its ``step()`` raises a ``RuntimeError``
-    that says to use this one.
+    **torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own
+    objects: LR schedulers, code that edits ``"lr"``, and hooks registered on this object work
+    as for any torch optimizer. Reading ``.grad`` of a tensor in ``param_groups`` gives its
+    gradient as torch code expects (a master's is its model parameter's gradient in fp32, made
+    when read), so ``clip_grad_norm_`` over the optimizer's parameters, gradient-norm logging
+    and Lightning's clipping see the real gradients; an in-place change to them is what the step
+    uses. The inner optimizer's ``step()`` runs once per ``step()`` unless it is one of torch's
+    per-parameter optimizers (SGD, Adam, AdamW, ...; see
+    :data:`mixprec.master.buckets.PER_PARAMETER_OPTIMIZERS`), whose results do not depend on
+    which parameters are stepped together: those are stepped a bucket at a time. The inner
+    optimizer itself must no longer be stepped directly (its ``param_groups`` now hold
+    masters): its ``step()`` raises a ``RuntimeError`` that says to use this one.
 
-    **Gradients and memory.** No fp32 gradient lives between steps, and no fp32 gradient of the
-    whole model ever exists. ``step()`` copies the model's gradients to fp32 one bucket at a
-    time (``bucket_mb``), into one bucket-sized scratch buffer per device that is reused from
-    bucket to bucket and freed when the step ends, steps that bucket and writes it back;
-    ``fused="compile"`` reads the low-precision gradients directly and needs no scratch. Bytes
-    per low-precision parameter: 2 (weight) + 4 (master) + 2 (gradient) + the optimizer state
-    in fp32 (SGD with momentum 4, Adam 8); the one bucket exists only during ``step()``, when
-    the activations are gone.
+    **Gradients and memory.** No fp32 gradient lives between steps unless someone reads one.
+    ``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``), into
+    one scratch buffer per device that is reused from bucket to bucket and freed when the step
+    ends, steps that bucket and writes it back; ``fused="compile"`` reads the low-precision
+    gradients directly and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4
+    (master) + 2 (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8); the
+    bucket exists only during ``step()``, when the activations are gone. An optimizer that is
+    not per-parameter gets all its fp32 gradients at once, during ``step()``.
 
     **The loss-scaler protocol** (what :class:`mixprec.DynamicLossScaler` and the other mixprec
     scalers call; an optimizer that owns the gradients its step reads implements it):
 
     * ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in
       their own dtypes: what a scaler checks for inf/NaN and measures for clipping.
-    * ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master (its ``.grad`` in
-      ``param_groups``) from the model's gradient times ``inv_scale``, unscales the fp32
-      parameters' gradients in place, and returns a 0-d inf/NaN flag (> 0: overflow), in one
-      pass over each gradient. After it, every tensor in ``param_groups`` has its true gradient
-      (clip those, e.g. ``clip_grad_norm_`` over the optimizer's parameters), and the model's
-      low-precision gradients read as unscaled too (``mp.debug.grad_report``). Changing the
-      model's low-precision gradients afterwards (e.g. ``clip_grad_norm_(model.parameters())``)
-      makes the next ``step()`` raise: clip the optimizer's parameters, or use
-      ``scaler.clip_grad_norm_(optimizer, max_norm)``.
-    * ``step(grad_scale=s)``: the model's gradients still carry the factor ``s`` (a 0-d tensor):
-      they are divided by it as they are read (fp32 parameters' gradients in place).
-      ``step()`` with no ``grad_scale`` uses the gradients ``unscale_grads_`` made, if it ran
-      since the last step, else the model's gradients as they are.
-    * ``drop_master_grads()`` drops the gradients ``unscale_grads_`` made (a scaler calls it
-      when it skips the step); ``zero_grad()`` clears the model's gradients and drops them too.
+    * ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master from the model's
+      gradient times ``inv_scale``, unscales the fp32 parameters' gradients in place, and
+      returns a 0-d inf/NaN flag (> 0: overflow), in one pass over each gradient. The model's
+      low-precision gradients are unscaled in place too, so every reader (``grad_report``,
+      ``clip_grad_norm_(model.parameters())``) sees true values. After a change to a model
+      gradient, its master's gradient is made again from it.
+    * ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
+      divided by it as they are read (fp32 parameters' gradients in place). Without
+      ``grad_scale`` they are used as they are.
+    * ``drop_master_grads()`` drops the fp32 gradients (a scaler calls it when it skips the
+      step); ``zero_grad()`` clears the model's gradients and drops them too.
 
     A scaler that skips a step simply does not call ``step()``: masters, model parameters and
     optimizer state stay untouched. torch's ``torch.amp.GradScaler`` cannot drive this optimizer
-    (it looks for gradients in ``param_groups`` before the step): ``step()`` raises a clear
-    error when it is driven by one.
+    (it would unscale the fp32 gradients it reads, not the ones the step uses): ``step()``
+    raises a clear error when it is driven by one.
 
     **Update kernels** (``fused``): ``"auto"`` (default) runs torch's own fused kernel for
     ``torch.optim.SGD``/``Adam``/``AdamW`` on CPU and CUDA (``fused=True`` for the call; the
@@ -109,9 +123,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
             exact fp32 weight before the model was cast); it becomes the master's storage, not
             a copy. Parameters not in it start from their upcast.
-        bucket_mb: size of the transient fp32 gradient buckets in MiB; None picks
-            max(4 MiB, 1/16 of all fp32 gradients). Optimizers that need every gradient at once
-            (a ``closure``, e.g. LBFGS) get one bucket.
+        bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
+            optimizers; None picks max(4 MiB, 1/16 of all fp32 gradients).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -144,12 +157,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer, e.g. "
                 f"torch.optim.SGD(model.parameters(), lr=0.1); got {type(optimizer).__name__}")
-        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float))
-                                          and not isinstance(bucket_mb, bool) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be None or a positive number; got {bucket_mb!r}")
+        _check_bucket_mb(bucket_mb)
         self.inner = optimizer
-        self._master_of: dict[torch.Tensor, nn.Parameter] = {}  # model param -> master
-        self._model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
+        self._carry = GradCarry()  # the factor the model's gradients carry after a step
+        self._master_of: dict[torch.Tensor, MasterParameter] = {}  # model param -> master
         self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._with_masters(group["params"])
@@ -159,15 +170,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._set_up = True
-        self.register_state_dict_post_hook(_save_masters)
-        self.register_load_state_dict_pre_hook(_take_masters)
-        self.register_load_state_dict_post_hook(_restore_masters)
+        checkpoint.register(self)
         optimizer.register_step_pre_hook(self._refuse_direct_step)
         self._stepping_inner = False
-        self._made: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # master -> (grad, version)
         self._incoming_masters: dict | None = None
-        self._scratch: dict[torch.device, torch.Tensor] = {}  # one bucket, during a step
-        self.bucket_mb = bucket_mb
+        self.scratch = Scratch()
+        self._bucket_mb = bucket_mb
         self._initial = {}
         self._rebuild()
         self._fused: bool | str = False
@@ -186,6 +194,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if value == "compile":
             kernels.check_compilable(self.inner)
         self._fused = value
+
+    @property
+    def bucket_mb(self) -> float | None:
+        """MiB of fp32 gradients per bucket (per-parameter optimizers; None: automatic)."""
+        return self._bucket_mb
+
+    @bucket_mb.setter
+    def bucket_mb(self, value: float | None) -> None:
+        _check_bucket_mb(value)
+        self._bucket_mb = value
+        self._rebuild()
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -212,7 +231,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 out.append(p)
         return out
 
-    def _make_master(self, param: torch.Tensor) -> nn.Parameter:
+    def _make_master(self, param: torch.Tensor) -> MasterParameter:
         if not param.is_leaf:
             raise ValueError(
                 f"can't keep a master for a non-leaf {param.dtype} tensor of shape "
@@ -227,10 +246,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"{tuple(param.shape)} on {param.device}; it must be fp32, of the same shape "
                 f"and device")
         value = (initial.detach() if initial is not None
-                 else param.detach().to(torch.float32, copy=True))
-        master = nn.Parameter(value, requires_grad=param.requires_grad)
+                 else param.detach().to(torch.float32, copy=True))  # keeps the layout
+        master = MasterParameter(value, requires_grad=param.requires_grad)._link(param,
+                                                                                 self._carry)
         self._master_of[param] = master
-        self._model_of[master] = param
         state = self.inner.state
         if param in state:  # state made before wrapping: move it to the master, in fp32
             state[master] = {k: v.float() if torch.is_tensor(v) and v.dtype == param.dtype else v
@@ -247,14 +266,23 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._pairs = list(pairs.values())
         held = [p for g in self.param_groups for p in g["params"]]
         self._held = {id(p) for p in held}
-        self._model_params = list({id(m): m for m in (self._model_of.get(p, p)
+        self._model_params = list({id(m): m for m in (self._model_side(p)
                                                         for p in held)}.values())
-        total = sum(p.numel() * 4 for p in held)
-        if self.bucket_mb is not None:
-            limit = self.bucket_mb * 2 ** 20
-        else:
-            limit = max(_MIN_BUCKET_BYTES, math.ceil(total / _BUCKETS_PER_MODEL))
-        self._buckets = _buckets(self.param_groups, limit)
+        self._buckets = make_buckets(self.param_groups, self._bucket_mb,
+                                     is_per_parameter(self.inner))
+
+    @staticmethod
+    def _model_side(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.model_param if is_master(tensor) else tensor
+
+    def buckets(self) -> list[list[list[torch.Tensor]]]:
+        """The buckets ``step()`` walks: per bucket, per param group, its tensors."""
+        return self._buckets
+
+    @property
+    def per_parameter(self) -> bool:
+        """True when the inner optimizer is stepped a bucket at a time (see the class doc)."""
+        return is_per_parameter(self.inner)
 
     def _holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._held
@@ -274,7 +302,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         master = self._master_of.get(param)
         if master is not None:
             return master
-        if self._holds(param):
+        if self._holds(param) and not is_master(param):
             return param
         raise ValueError(_not_ours(param))
 
@@ -291,10 +319,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(master, torch.Tensor):
             raise TypeError(f"master must be a Tensor; got {type(master).__name__}")
-        param = self._model_of.get(master)
-        if param is not None:
-            return param
-        if master in self._master_of or self._holds(master):
+        if self._holds(master):
+            return self._model_side(master)
+        if master in self._master_of:
             return master
         raise ValueError(_not_ours(master))
 
@@ -304,6 +331,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             for params, masters in self._pairs:
                 torch._foreach_copy_(masters, params)
 
+    def write_back(self) -> None:
+        """Copy the masters into the model parameters, rounded to nearest even."""
+        with torch.no_grad():
+            for params, masters in self._pairs:
+                torch._foreach_copy_(params, masters)
+
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(model parameter, gradient)`` pairs the next ``step()`` reads (see the class
@@ -311,12 +344,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         out = []
         for group in self.param_groups:
             for p in group["params"]:
-                param = self._model_of.get(p)
-                if param is None:
-                    grad = p.grad
-                    param = p
+                if is_master(p):
+                    grad = valid_grad(p)
+                    param = p.model_param
+                    grad = param.grad if grad is None else grad
                 else:
-                    grad = p.grad if p in self._made else param.grad
+                    param, grad = p, p.grad
                 if grad is not None:
                     out.append((param, grad))
         return out
@@ -325,163 +358,87 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Make the fp32 master gradients (model gradient x ``inv_scale``); return inf/NaN flag.
 
         See the class docstring. ``inv_scale`` is a 0-d tensor (None: 1). Any master gradients
-        made by an earlier call are replaced. No host sync.
+        made earlier are replaced. No host sync.
 
         Returns:
             A 0-d float32 tensor, > 0 when some gradient held inf or NaN, on the device of the
             first gradient (or the CPU when there is none).
         """
-        self._made = {}
+        self._carry.inv = None
         made, fp32 = [], []
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
-                    param = self._model_of.get(p)
-                    if param is None:
-                        if p.grad is not None:
-                            if p.grad.is_sparse:
-                                p.grad = p.grad.coalesce()
-                            fp32.append(p.grad)
-                        continue
-                    p.grad = _fp32_copy(param.grad)
-                    if p.grad is not None:
-                        made.append((p, param))
-            found = check_and_unscale_([p.grad for p, _ in made] + fp32, inv_scale)
+                    if is_master(p):
+                        grad = derive_grad(p, None)
+                        if grad is not None:
+                            made.append((p, grad))
+                    elif p.grad is not None:
+                        if p.grad.is_sparse:
+                            p.grad = p.grad.coalesce()
+                        fp32.append(p.grad)
+            found = check_and_unscale_([g for _, g in made] + fp32, inv_scale)
             if inv_scale is not None:  # the model's gradients read as the true ones too
-                unscale_([param.grad for _, param in made], inv_scale)
-        self._made = {p: (param.grad, param.grad._version) for p, param in made}
+                unscale_([p.model_param.grad for p, _ in made], inv_scale)
+        for p, grad in made:  # the model gradients changed version: made from them still
+            set_grad(p, grad)
         return found
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None, *,
              grad_scale: torch.Tensor | None = None) -> Any:
-        """Step the masters from the model's gradients and write them back (see the class doc).
+        """Step the masters from the gradients and write them back (see the class docstring).
 
         Args:
             closure: re-evaluates the model and returns the loss (as for any torch optimizer);
                 the model sees the current masters before each re-evaluation.
-            grad_scale: the factor the model's gradients still carry (a 0-d tensor), or None.
+            grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
 
         Returns:
             What the inner optimizer's ``step`` returns (the closure's loss, or None).
 
         Raises:
-            RuntimeError: the model's low-precision gradients changed after ``unscale_grads_``;
-                driven by ``torch.amp.GradScaler``; a ``closure`` together with ``grad_scale``.
+            RuntimeError: driven by ``torch.amp.GradScaler``; a ``closure`` together with
+                ``grad_scale``.
         """
         self._refuse_torch_grad_scaler()
+        self._carry.inv = None
         if closure is not None:
             if grad_scale is not None:
                 raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "
                                    "recomputes the gradients")
-            self._made = {}
-            return self._closure_step(closure)
+            return steps.closure_step(self, closure)
         if grad_scale is not None:
             _check_grad_scale(grad_scale)
-            self._made = {}
-        else:
-            self._check_made_grads_current()
+        self._check_fp16_changes()
         if self._fused == "compile":
-            self._compiled_step(grad_scale)
+            steps.compiled_step(self, grad_scale)
         else:
-            try:
-                for bucket in self._buckets:
-                    self._bucket_step(bucket, grad_scale)
-            finally:
-                self._scratch = {}  # transient: the fp32 bucket does not outlive the step
-        self._made = {}
+            steps.bucketed_step(self, grad_scale)
+        if grad_scale is not None:  # reads after the step see the true gradients (torch.amp)
+            self._carry.inv = grad_scale.double().reciprocal().float()
         return None
 
-    def _bucket_step(self, bucket: list[list[torch.Tensor]], grad_scale) -> None:
-        dense, sparse, scaled, stepped = [], [], [], []
-        for tensors in bucket:
-            for t in tensors:
-                param = self._model_of.get(t)
-                if param is None:  # an fp32 parameter: its own gradient, unscaled in place
-                    if t.grad is not None and grad_scale is not None:
-                        scaled.append(t.grad)
-                    continue
-                if t in self._made:
-                    stepped.append(t)
-                elif param.grad is not None:
-                    (sparse if param.grad.is_sparse else dense).append(t)
-                    stepped.append(t)
-        with torch.no_grad():
-            self._fill_grads(dense)
-            for t in sparse:
-                t.grad = _fp32_copy(self._model_of[t].grad)
-            if grad_scale is not None:
-                made = [t.grad for t in dense + sparse]
-                unscale_(scaled + made, grad_scale.reciprocal())
-            tensors = [t for ts in bucket for t in ts]
-            fused = self._fused == "auto" and kernels.torch_fused_problem(self.inner,
-                                                                          tensors) is None
-            with self._only(bucket), (kernels.torch_fused(self.inner) if fused
-                                      else contextlib.nullcontext()):
-                self._inner_step()
-            if stepped:
-                torch._foreach_copy_([self._model_of[t] for t in stepped], stepped)
-        for t in stepped:
-            t.grad = None
+    def _check_fp16_changes(self) -> None:
+        """fp16 model gradients changed after their fp32 gradients were made: refused. After
+        ``unscale_grads_`` the model's fp16 gradients hold the unscaled values, where fp16 loses
+        what lies below its smallest normal (6.1e-05); the step would take a change from them
+        and lose those values (bf16 has fp32's range: its changes are taken)."""
+        stale = [m for m in self._master_of.values()
+                 if is_stale(m) and m.model_param.dtype == torch.float16]
+        if stale:
+            raise RuntimeError(
+                f"the fp16 gradients of {len(stale)} model parameter(s) (e.g. shape "
+                f"{tuple(stale[0].shape)}) changed after their fp32 master gradients were made "
+                "(scaler.unscale_(optimizer)), e.g. by clip_grad_norm_(model.parameters(), ...). "
+                "Unscaled in fp16, gradients below 6.1e-05 lose precision or vanish, so the "
+                "step can't take that change exactly. Clip with scaler.clip_grad_norm_("
+                "optimizer, max_norm), or clip the optimizer's parameters (their fp32 "
+                "gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
+                "g['params']], max_norm); in bf16 clipping the model's parameters works")
 
-    def _fill_grads(self, masters: list[torch.Tensor]) -> None:
-        """Give ``masters`` fp32 gradients: views into one scratch buffer per device, reused
-        from bucket to bucket within a step (fresh memory for every bucket costs page faults
-        on a CPU) and dropped when the step ends."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in masters:
-            by_device.setdefault(t.device, []).append(t)
-        for device, group in by_device.items():
-            need = sum(t.numel() for t in group)
-            scratch = self._scratch.get(device)
-            if scratch is None or scratch.numel() < need:
-                scratch = self._scratch[device] = torch.empty(need, dtype=torch.float32,
-                                                              device=device)
-            views, start = [], 0
-            for t in group:
-                views.append(scratch[start:start + t.numel()].view(t.shape))
-                start += t.numel()
-            torch._foreach_copy_(views, [self._model_of[t].grad for t in group])
-            for t, view in zip(group, views):
-                t.grad = view
-
-    def _compiled_step(self, grad_scale) -> None:
-        inv = None if grad_scale is None else grad_scale.reciprocal()
-        made = self._made
-
-        def grad_of(master):
-            return master.grad if master in made else self._model_of[master].grad
-
-        rest = kernels.compiled_step(self.inner, self._model_of, grad_of, inv)
-        scaled = [t.grad for ts in rest for t in ts if t.grad is not None]
-        if inv is not None:
-            with torch.no_grad():
-                unscale_(scaled, inv)
-        with self._only(rest):
-            self._inner_step()  # always runs, so hooks and schedulers see a step
-        for master in made:
-            master.grad = None
-
-    def _closure_step(self, closure: Callable[[], Any]) -> Any:
-        calls = 0
-
-        def evaluate() -> Any:
-            nonlocal calls
-            if calls:  # the inner optimizer moved the masters: show them to the model first
-                self._write_back()
-            calls += 1
-            loss = closure()
-            self.unscale_grads_(None)
-            return loss
-
-        loss = self._inner_step(evaluate)
-        self._write_back()
-        for master in self._master_of.values():
-            master.grad = None
-        self._made = {}
-        return loss
-
-    def _inner_step(self, closure=None) -> Any:
+    def inner_step(self, closure=None) -> Any:
+        """Run the inner optimizer's ``step`` (only the step paths call this)."""
         self._stepping_inner = True
         try:
             return self.inner.step() if closure is None else self.inner.step(closure)
@@ -489,7 +446,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self._stepping_inner = False
 
     @contextlib.contextmanager
-    def _only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
+    def only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
         """Inside the block, each param group holds only its tensors of ``bucket``."""
         saved = [group["params"] for group in self.param_groups]
         try:
@@ -500,32 +457,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, saved):
                 group["params"] = params
 
-    def _write_back(self) -> None:
-        with torch.no_grad():
-            for params, masters in self._pairs:
-                torch._foreach_copy_(params, masters)
-
-    def _check_made_grads_current(self) -> None:
-        for master, (grad, version) in self._made.items():
-            now = self._model_of[master].grad
-            if now is not grad or now._version != version:
-                name = tuple(master.shape)
-                raise RuntimeError(
-                    f"the model's gradient of a {self._model_of[master].dtype} parameter of "
-                    f"shape {name} changed after its fp32 master gradient was made "
-                    "(scaler.unscale_(optimizer) or unscale_grads_()), e.g. by "
-                    "clip_grad_norm_(model.parameters(), ...); step() uses the fp32 master "
-                    "gradients, so that change would be lost. Clip with "
-                    "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's "
-                    "parameters: clip_grad_norm_([p for g in optimizer.param_groups for p in "
-                    "g['params']], max_norm)")
-
     def _refuse_torch_grad_scaler(self) -> None:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             raise RuntimeError(
-                "a MasterWeightOptimizer can't be driven by torch.amp.GradScaler: its "
-                "param_groups hold fp32 masters whose gradients are made inside step(), so "
-                "GradScaler would find no inf/NaN and never adapt its scale. Use mixprec's "
+                "a MasterWeightOptimizer can't be driven by torch.amp.GradScaler: the fp32 "
+                "gradients of its masters are made from the model's gradients, so GradScaler "
+                "would unscale and check copies, not what the step reads. Use mixprec's "
                 "scalers, which take the same calls: scaler = mp.DynamicLossScaler() (or "
                 "mp.make_loss_scaler('auto', policy)); scaler.scale(loss).backward(); "
                 "scaler.step(optimizer); scaler.update()")
@@ -535,27 +472,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"this {type(optimizer).__name__} was wrapped in a MasterWeightOptimizer (by "
                 "mixprec.prepare at level O2, or directly): its param_groups now hold fp32 "
-                "master weights, which only the wrapper gives gradients, so stepping it would "
-                "change nothing. Call step() and zero_grad() on the optimizer prepare returned: "
+                "master weights, which only the wrapper steps and writes back to the model. "
+                "Call step() and zero_grad() on the optimizer prepare returned: "
                 "model, optimizer = mp.prepare(model, optimizer, level='O2')")
 
     def drop_master_grads(self) -> None:
-        """Drop the fp32 master gradients ``unscale_grads_`` made (a scaler that skips a step
-        calls this; the model's gradients stay as they are)."""
-        for master in self._made:
-            master.grad = None
-        self._made = {}
+        """Drop the masters' fp32 gradients (a scaler that skips a step calls this; the
+        model's gradients stay as they are)."""
+        self._carry.inv = None
+        for master in self._master_of.values():
+            drop_grad(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model parameters' gradients and drop the masters' (made by the step or by
-        ``unscale_grads_``; masters never keep a gradient buffer).
+        """Clear the model parameters' gradients and drop the masters'.
 
         Args:
             set_to_none: set the model's ``.grad`` to None (default) instead of zeroing it.
         """
-        self._made = {}
-        for master in self._master_of.values():
-            master.grad = None
+        self.drop_master_grads()
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in self._model_params:
             g = p.grad
@@ -589,7 +523,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if isinstance(params, set):
             raise TypeError("param_group['params'] must be an ordered sequence, not a set")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        known = {id(self._model_of.get(p, p)) for g in self.param_groups for p in g["params"]}
+        known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
         if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
         new = [p for p in params if isinstance(p, torch.Tensor) and is_low_precision(p)]
@@ -598,7 +532,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self.inner.add_param_group(group)
         except Exception:
             for p in new:
-                self._model_of.pop(self._master_of.pop(p, None), None)
+                self._master_of.pop(p, None)
             raise
         self._rebuild()
 
@@ -610,77 +544,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         start = 0
         for group in self.param_groups:
             for i, p in enumerate(group["params"], start):
-                if p in self._model_of and id(p) not in seen:
+                if is_master(p) and id(p) not in seen:
                     out[i] = p
                     seen.add(id(p))
             start += len(group["params"])
         return out
 
 
-def _save_masters(optimizer: MasterWeightOptimizer, state: dict) -> dict:
-    """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
-    state[MASTERS_KEY] = {i: m.detach() for i, m in optimizer.indexed_masters().items()}
-    return state
-
-
-def _take_masters(optimizer: MasterWeightOptimizer, state_dict: Mapping) -> dict:
-    """load_state_dict pre-hook: check and set aside the saved masters (a plain torch
-    optimizer's state_dict has none: the masters then keep their values)."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
-    state_dict = dict(state_dict)
-    saved = state_dict.pop(MASTERS_KEY, None)
-    if saved is not None:
-        _check_saved_masters(saved, optimizer.indexed_masters())
-    optimizer._incoming_masters = saved
-    return state_dict
-
-
-def _restore_masters(optimizer: MasterWeightOptimizer) -> None:
-    """load_state_dict post-hook: share the new groups and state with the inner optimizer,
-    copy the saved masters in, and write them back into the model parameters."""
-    optimizer.inner.param_groups = optimizer.param_groups
-    optimizer.inner.state = optimizer.state
-    saved, optimizer._incoming_masters = optimizer._incoming_masters, None
-    masters = optimizer.indexed_masters()
-    if saved:
-        with torch.no_grad():
-            torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
-    optimizer._write_back()
-    optimizer._made = {}
-
-
-def _buckets(param_groups: list[dict], limit: float) -> list[list[list[torch.Tensor]]]:
-    """Split the groups' tensors into buckets of at most ``limit`` fp32 bytes; a bucket lists,
-    per group, its tensors. A tensor of ``limit`` bytes or more gets a bucket of its own; the
-    smaller ones are packed in order (a per-parameter optimizer does not care which tensors it
-    steps together)."""
-    buckets: list[list[list[torch.Tensor]]] = []
-    current, size = [[] for _ in param_groups], 0.0
-    for gi, group in enumerate(param_groups):
-        for p in group["params"]:
-            nbytes = p.numel() * 4
-            if nbytes >= limit:
-                alone = [[] for _ in param_groups]
-                alone[gi].append(p)
-                buckets.append(alone)
-                continue
-            if size + nbytes > limit:
-                buckets.append(current)
-                current, size = [[] for _ in param_groups], 0.0
-            current[gi].append(p)
-            size += nbytes
-    if any(current) or not buckets:
-        buckets.append(current)
-    return buckets
-
-
-def _fp32_copy(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """A new fp32 tensor holding ``grad`` (coalesced when sparse), or None."""
-    if grad is None:
-        return None
-    grad = grad.to(torch.float32, copy=True)
-    return grad.coalesce() if grad.is_sparse else grad
+def _check_bucket_mb(bucket_mb) -> None:
+    if bucket_mb is not None and not (isinstance(bucket_mb, (int, float))
+                                      and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be None or a positive number; got {bucket_mb!r}")
 
 
 def _check_grad_scale(grad_scale) -> None:
@@ -693,17 +567,3 @@ def _check_grad_scale(grad_scale) -> None:
 def _not_ours(tensor: torch.Tensor) -> str:
     return (f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is not a parameter (or master) "
             "of this MasterWeightOptimizer")
-
-
-def _check_saved_masters(saved: Mapping[int, torch.Tensor],
-                         masters: dict[int, torch.Tensor]) -> None:
-    if set(saved) != set(masters):
-        raise ValueError(
-            f"state_dict holds fp32 masters for parameter indices {sorted(saved)}, but this "
-            f"optimizer's low-precision parameters are at {sorted(masters)}; load it into an "
-            "optimizer built the same way over the same model (same groups, same dtypes)")
-    for i, master in masters.items():
-        if tuple(saved[i].shape) != tuple(master.shape):
-            raise ValueError(
-                f"saved master {i} has shape {tuple(saved[i].shape)}, but the parameter has "
-                f"shape {tuple(master.shape)}")

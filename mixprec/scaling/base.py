@@ -250,19 +250,19 @@ class LossScaler:
                 a dynamic scaler).
 
         Raises:
-            RuntimeError: no step() since the last update().
+            RuntimeError: no step() since the last update() (unless ``new_scale`` is given).
             ValueError: a bad ``new_scale``.
             NonFiniteGradientsError: gradients stayed non-finite at ``min_scale`` for
                 ``max_skips_at_min`` steps in a row (dynamic scaling).
         """
+        if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
+            self._set_scale(_as_number(new_scale, "new_scale"))
+            self._records = {}
+            return
         stepped = [r for r in self._records.values() if r.stage is _Stage.STEPPED]
         if not stepped:
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{_SEQUENCE}")
-        if new_scale is not None:
-            self._set_scale(_as_number(new_scale, "new_scale"))
-            self._records = {}
-            return
         self._records = {}
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:

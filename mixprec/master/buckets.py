@@ -1,0 +1,111 @@
+"""Stepping the masters in buckets, and the transient fp32 gradient scratch the buckets share.
+
+A master optimizer makes fp32 gradients only during ``step()``. For an optimizer whose update of
+one parameter reads only that parameter's gradient and state (torch's own SGD, Adam, AdamW, ...),
+stepping the masters a bucket at a time gives exactly the one-call result while only one bucket's
+fp32 gradients exist at once. Any other optimizer (a global gradient norm, a per-group step
+counter, a closure: LAMB, LARS, Shampoo, LBFGS, third-party ones) is stepped once over all its
+parameters: bucketing it would change its numbers.
+
+The fp32 gradients of a bucket are views into one scratch buffer per device, laid out with the
+strides of their masters (a channels_last master gets a channels_last gradient: torch's fused
+kernels walk a parameter and its gradient as flat memory, so the two layouts must agree).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch"]
+
+#: torch optimizers whose update of each parameter reads only that parameter's gradient and state
+#: (exact types: a subclass may add a global statistic, so it is stepped in one call).
+PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
+    t for t in (getattr(torch.optim, name, None) for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+        "ASGD", "Rprop", "SparseAdam", "Adafactor"))
+    if t is not None)
+
+_MIN_BUCKET_BYTES = 4 * 2 ** 20
+_BUCKETS_PER_MODEL = 16
+
+
+def is_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer`` can be stepped a bucket of parameters at a time (see the module
+    docstring)."""
+    return type(optimizer) in PER_PARAMETER_OPTIMIZERS
+
+
+def make_buckets(param_groups: list[dict], bucket_mb: float | None,
+                 per_parameter: bool) -> list[list[list[torch.Tensor]]]:
+    """Split the groups' tensors into buckets; a bucket lists, per group, its tensors.
+
+    One bucket holding everything unless ``per_parameter``. Otherwise buckets of at most
+    ``bucket_mb`` MiB of fp32 gradients (None: max(4 MiB, 1/16 of all)); a tensor of that size
+    or more gets a bucket of its own, smaller ones are packed in order.
+    """
+    if not per_parameter:
+        return [[list(group["params"]) for group in param_groups]]
+    total = sum(p.numel() * 4 for g in param_groups for p in g["params"])
+    limit = (bucket_mb * 2 ** 20 if bucket_mb is not None
+             else max(_MIN_BUCKET_BYTES, math.ceil(total / _BUCKETS_PER_MODEL)))
+    buckets: list[list[list[torch.Tensor]]] = []
+    current, size = [[] for _ in param_groups], 0.0
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            nbytes = p.numel() * 4
+            if nbytes >= limit:
+                alone = [[] for _ in param_groups]
+                alone[gi].append(p)
+                buckets.append(alone)
+                continue
+            if size + nbytes > limit:
+                buckets.append(current)
+                current, size = [[] for _ in param_groups], 0.0
+            current[gi].append(p)
+            size += nbytes
+    if any(current) or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """True when ``t``'s strides cover exactly ``t.numel()`` elements (a view of a flat buffer
+    with these strides is a valid tensor)."""
+    return (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+            or t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+class Scratch:
+    """One fp32 buffer per device, reused from bucket to bucket within a step (fresh memory for
+    every bucket costs page faults on a CPU); :meth:`release` drops it when the step ends."""
+
+    def __init__(self):
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def views(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Uninitialised fp32 tensors shaped and strided as each of ``like``."""
+        out: list[torch.Tensor | None] = [None] * len(like)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(like):
+            if _dense_layout(t):
+                by_device.setdefault(t.device, []).append(i)
+            else:  # an unusual layout: its own tensor, strided as the master
+                out[i] = torch.empty_like(t, dtype=torch.float32)
+        for device, indices in by_device.items():
+            need = sum(like[i].numel() for i in indices)
+            buffer = self._buffers.get(device)
+            if buffer is None or buffer.numel() < need:
+                buffer = self._buffers[device] = torch.empty(need, dtype=torch.float32,
+                                                             device=device)
+            start = 0
+            for i in indices:
+                t = like[i]
+                out[i] = buffer.as_strided(t.shape, t.stride(), start)
+                start += t.numel()
+        return out  # type: ignore[return-value]
+
+    def release(self) -> None:
+        self._buffers = {}

@@ -1,0 +1,71 @@
+"""The master optimizer's checkpoint hooks: fp32 masters travel in its ``state_dict``.
+
+torch's own ``Optimizer.state_dict``/``load_state_dict`` do the work (state and groups by
+parameter index); these hooks add the masters under :data:`MASTERS_KEY`, check them on load, and
+write them back into the model's parameters, so a resumed run continues bitwise. A plain torch
+optimizer's ``state_dict`` (no masters) loads too: the masters keep their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["MASTERS_KEY", "register"]
+
+#: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
+MASTERS_KEY = "master_weights"
+
+
+def register(optimizer) -> None:
+    """Install the hooks on a ``MasterWeightOptimizer``."""
+    optimizer.register_state_dict_post_hook(_save_masters)
+    optimizer.register_load_state_dict_pre_hook(_take_masters)
+    optimizer.register_load_state_dict_post_hook(_restore_masters)
+
+
+def _save_masters(optimizer, state: dict) -> dict:
+    """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
+    state[MASTERS_KEY] = {i: m.detach() for i, m in optimizer.indexed_masters().items()}
+    return state
+
+
+def _take_masters(optimizer, state_dict: Mapping) -> dict:
+    """load_state_dict pre-hook: check and set aside the saved masters."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
+    state_dict = dict(state_dict)
+    saved = state_dict.pop(MASTERS_KEY, None)
+    if saved is not None:
+        _check_saved_masters(saved, optimizer.indexed_masters())
+    optimizer._incoming_masters = saved
+    return state_dict
+
+
+def _restore_masters(optimizer) -> None:
+    """load_state_dict post-hook: share the new groups and state with the inner optimizer,
+    copy the saved masters in, and write them back into the model parameters."""
+    optimizer.inner.param_groups = optimizer.param_groups
+    optimizer.inner.state = optimizer.state
+    saved, optimizer._incoming_masters = optimizer._incoming_masters, None
+    masters = optimizer.indexed_masters()
+    if saved:
+        with torch.no_grad():
+            torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
+    optimizer.write_back()
+    optimizer.drop_master_grads()
+
+
+def _check_saved_masters(saved: Mapping[int, torch.Tensor],
+                         masters: dict[int, torch.Tensor]) -> None:
+    if set(saved) != set(masters):
+        raise ValueError(
+            f"state_dict holds fp32 masters for parameter indices {sorted(saved)}, but this "
+            f"optimizer's low-precision parameters are at {sorted(masters)}; load it into an "
+            "optimizer built the same way over the same model (same groups, same dtypes)")
+    for i, master in masters.items():
+        if tuple(saved[i].shape) != tuple(master.shape):
+            raise ValueError(
+                f"saved master {i} has shape {tuple(saved[i].shape)}, but the parameter has "
+                f"shape {tuple(master.shape)}")

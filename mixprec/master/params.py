@@ -1,0 +1,177 @@
+"""``MasterParameter``: the fp32 master of a low-precision model parameter.
+
+A master lives in its optimizer's ``param_groups`` in place of the 16-bit model parameter, so
+code that walks ``param_groups`` (``clip_grad_norm_`` over the optimizer's parameters, Lightning's
+gradient clipping and norm tracking, the optimizer's own ``step``) reads ``master.grad``. That
+gradient is derived, not stored between steps: reading ``.grad`` returns the model parameter's
+current gradient in fp32 (made on first read, in the master's own memory layout, and kept while
+the model's gradient is unchanged). So the optimizer's parameters always carry the gradient torch
+code expects, with no fp32 gradient of the whole model held between backward and step unless
+someone reads it.
+
+The derived gradient carries the factor the model's gradient carries: before a loss scaler
+unscales, the scaled values (as with ``torch.amp``, where the gradients in ``param_groups`` are
+scaled until ``unscale_``); after ``scaler.unscale_(optimizer)`` the true ones. An in-place change
+to it (clipping) is kept and used by the step. When the model's gradient changes afterwards (a new
+backward, ``clip_grad_norm_(model.parameters())``), the next read derives it again from the model's
+gradient, which is then the source of truth.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["MasterParameter", "GradCarry", "is_master", "valid_grad", "is_stale", "set_grad",
+           "drop_grad", "derive_grad"]
+
+_GRAD = torch.Tensor.grad  # torch's own .grad slot (a C-level descriptor)
+_NO_SOURCE = (None, -1)
+
+
+class GradCarry:
+    """The factor an optimizer's model gradients still carry, shared by its masters.
+
+    ``inv`` is None (they carry nothing, or an unknown factor, e.g. an un-unscaled loss scale
+    before a scaler's step) or a 0-d tensor they must be multiplied by to read as the true
+    gradients (set after a step that unscaled them on the fly, so reads after ``step()`` see the
+    true gradients, as with ``torch.amp``).
+    """
+
+    __slots__ = ("inv",)
+
+    def __init__(self):
+        self.inv: torch.Tensor | None = None
+
+    def __reduce__(self):  # a copy starts carrying nothing (the gradients are not copied)
+        return (GradCarry, ())
+
+
+def _source_key(grad: torch.Tensor | None) -> tuple:
+    return _NO_SOURCE if grad is None else (weakref.ref(grad), grad._version)
+
+
+def _is_current(key: tuple | None, grad: torch.Tensor | None) -> bool:
+    if key is None:
+        return False
+    if grad is None:
+        return key == _NO_SOURCE
+    return key[0] is not None and key[0]() is grad and key[1] == grad._version
+
+
+class MasterParameter(nn.Parameter):
+    """An fp32 master weight whose ``.grad`` is its model parameter's gradient in fp32.
+
+    Built by :class:`mixprec.MasterWeightOptimizer`; see the module docstring. ``model_param``
+    is the low-precision parameter it masters.
+    """
+
+    def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True):
+        return super().__new__(cls, data, requires_grad)
+
+    def _link(self, param: torch.Tensor, carry: GradCarry) -> MasterParameter:
+        self._mp_param = param
+        self._mp_carry = carry
+        self._mp_source = None
+        return self
+
+    @property
+    def model_param(self) -> torch.Tensor:
+        """The low-precision model parameter this master belongs to."""
+        return self._mp_param
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        """The model parameter's gradient in fp32 (see the module docstring)."""
+        cached = _GRAD.__get__(self)
+        source = self._mp_param.grad
+        if cached is not None and _is_current(self._mp_source, source):
+            return cached
+        if source is None:
+            drop_grad(self)
+            return None
+        return derive_grad(self, self._mp_carry.inv)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+        self._mp_source = None if value is None else _source_key(self._mp_param.grad)
+
+    @grad.deleter
+    def grad(self) -> None:
+        drop_grad(self)
+
+    def __reduce_ex__(self, proto):
+        return (_rebuild_master, (self.data, self.requires_grad, self._mp_param, self._mp_carry))
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = MasterParameter(self.data.clone(memory_format=torch.preserve_format),
+                              self.requires_grad)
+        memo[id(self)] = new
+        return new._link(copy.deepcopy(self._mp_param, memo), copy.deepcopy(self._mp_carry, memo))
+
+    def __repr__(self) -> str:
+        return "MasterParameter containing:\n" + torch.Tensor.__repr__(self)
+
+
+def _rebuild_master(data, requires_grad, param, carry) -> MasterParameter:
+    return MasterParameter(data, requires_grad)._link(param, carry)
+
+
+def is_master(tensor: torch.Tensor) -> bool:
+    """True for a :class:`MasterParameter`."""
+    return isinstance(tensor, MasterParameter)
+
+
+def valid_grad(master: MasterParameter) -> torch.Tensor | None:
+    """The master's fp32 gradient if one is held and still matches the model's, else None
+    (never derives one)."""
+    cached = _GRAD.__get__(master)
+    if cached is not None and _is_current(master._mp_source, master._mp_param.grad):
+        return cached
+    return None
+
+
+def is_stale(master: MasterParameter) -> bool:
+    """True when the master holds an fp32 gradient made from a model gradient that has changed
+    since (a new backward, or an in-place change such as clipping the model's gradients)."""
+    return _GRAD.__get__(master) is not None and not _is_current(master._mp_source,
+                                                                  master._mp_param.grad)
+
+
+def set_grad(master: MasterParameter, grad: torch.Tensor | None) -> None:
+    """Give ``master`` a gradient made from its model parameter's current gradient."""
+    _GRAD.__set__(master, grad)
+    master._mp_source = None if grad is None else _source_key(master._mp_param.grad)
+
+
+def drop_grad(master: MasterParameter) -> None:
+    """Drop the master's fp32 gradient."""
+    _GRAD.__set__(master, None)
+    master._mp_source = None
+
+
+def derive_grad(master: MasterParameter, inv: torch.Tensor | None) -> torch.Tensor | None:
+    """Make the master's fp32 gradient from its model parameter's: a copy in the master's layout
+    (coalesced when sparse), times ``inv`` (a 0-d tensor) when given."""
+    source = master._mp_param.grad
+    if source is None:
+        drop_grad(master)
+        return None
+    with torch.no_grad():
+        if source.is_sparse:
+            grad = source.to(torch.float32, copy=True).coalesce()
+            if inv is not None:
+                grad._values().mul_(inv)
+        else:
+            grad = torch.empty_like(master, memory_format=torch.preserve_format)
+            grad.copy_(source)
+            if inv is not None:
+                grad.mul_(inv)
+    set_grad(master, grad)
+    return grad

@@ -1,0 +1,276 @@
+"""Precision regions: where each module of a model computes, and the wrappers and hooks that
+make it so.
+
+A model is divided into regions. The prepared model's root is one (its :class:`Entry` casts the
+model's inputs to the compute dtype, runs the forward under the policy's
+:class:`~mixprec.autocast.PrecisionContext` and casts the outputs); every ``to_float`` module and
+every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
+parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
+module belongs to the innermost region around it.
+
+Outputs are never cast on the way out of an island: an fp32 layer's output is fp32 (MindSpore's
+rule, and torch's ``autocast(enabled=False)`` idiom). Its consumers compute in their own dtype:
+under autocast (O1/O2) by autocast's casts and type promotion; in a region of one fixed dtype
+that holds islands of another (O3 with fp32 modules, ``to_float`` regions) a forward pre-hook on
+each of its modules casts that module's floating inputs to the region's dtype.
+
+Recomputation (activation checkpointing) runs a module's forward again during backward, outside
+the prepared model's forward. torch restores the autocast state there, but not the op-list and
+fp16-emulation modes a region may need; a forward pre-hook on each module of such a region enters
+the region's context when no mixprec mode is active, so the recomputed forward computes exactly
+as the first one did.
+
+Every wrapper and hook is a small picklable object owned by its module: a prepared or marked
+model pickles, deep-copies and compiles into one ``torch.compile`` graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._pytree import tree_flatten
+
+from .autocast import PrecisionContext, cast_floating, is_mixprec_mode
+from .dtypes import TRAINING_DTYPES
+
+__all__ = ["Region", "ForwardWrapper", "Entry", "Island", "assign_regions", "island_of",
+           "region_modules", "island_region", "first_floating_dtype", "structure_changed",
+           "refresh_island"]
+
+_HOOK_ATTR = "_mixprec_region_hook"
+_generation = itertools.count(1)
+_current = [next(_generation)]  # bumped whenever islands are added: islands re-derive their slots
+
+
+def structure_changed() -> None:
+    """Islands were added or re-marked somewhere: islands re-derive which parameters they cast."""
+    _current[0] = next(_generation)
+
+
+@dataclass(frozen=True)
+class Region:
+    """What the modules of one region compute under.
+
+    Attributes:
+        context: the region's precision context (None: plain fp32, nothing to enter).
+        cast: the dtype each module's floating inputs are cast to (regions of one fixed dtype
+            that hold islands of another), or None.
+    """
+
+    context: PrecisionContext | None
+    cast: torch.dtype | None = None
+
+    @property
+    def restore(self) -> bool:
+        """True when recomputation must re-enter this region's context (it uses modes that
+        torch's checkpoint does not restore)."""
+        c = self.context
+        return c is not None and bool(c.targets or c.emulate)
+
+    @property
+    def needs_hooks(self) -> bool:
+        return self.restore or self.cast is not None
+
+
+def first_floating_dtype(tree) -> torch.dtype | None:
+    """The dtype of the first fp32/fp16/bf16 tensor in a pytree, or None."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.dtype in TRAINING_DTYPES:
+            return t.dtype
+    return None
+
+
+def _needs_cast(tree, dtype: torch.dtype) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype in TRAINING_DTYPES and t.dtype != dtype
+               for t in tree_flatten(tree)[0])
+
+
+def _mode_active() -> bool:
+    return any(is_mixprec_mode(m) for m in _get_current_function_mode_stack())
+
+
+# -- forward wrappers ------------------------------------------------------------------------------
+class ForwardWrapper:
+    """Replaces ``module.forward`` (as an instance attribute, picklable); ``call_inner`` runs the
+    forward it replaced: an earlier wrapper, else the class's own ``forward``. Its signature is
+    that forward's (``inspect.signature(model.forward)`` reads it: Hugging Face's Trainer picks
+    the input columns it keeps from it)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        # a wrapper installed before this one, else None: the class's own forward
+        self.inner = module.__dict__.get("forward")
+
+    def call_inner(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        inner = self.inner if self.inner is not None else \
+            type(self.module).forward.__get__(self.module)
+        return inspect.signature(inner)
+
+
+class Entry(ForwardWrapper):
+    """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs."""
+
+    def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None):
+        super().__init__(module)
+        self.in_dtype, self.out_dtype, self.context = in_dtype, out_dtype, context
+
+    def __call__(self, *args, **kwargs):
+        if self.in_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), self.in_dtype)
+        if self.context is None:
+            out = self.call_inner(*args, **kwargs)
+        else:
+            out = self.context.run(self.call_inner, args, kwargs)
+        return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
+
+
+class Island(ForwardWrapper):
+    """A module computing in one dtype (a ``to_float`` or fp32-kept module).
+
+    Casts its floating inputs to ``dtype`` (unless ``cast_inputs`` is False: a norm kernel that
+    reads 16-bit activations with fp32 parameters itself), casts for the call the parameters of
+    its region stored in another dtype (``to_float`` keeps a parameter's storage), and runs with
+    autocast off. Outputs are returned as computed.
+    """
+
+    def __init__(self, module, dtype: torch.dtype, cast_inputs: bool, context: PrecisionContext):
+        super().__init__(module)
+        self.dtype, self.cast_inputs, self.context = dtype, cast_inputs, context
+        self._slots: list[tuple[nn.Module, str]] = []
+        self._seen = 0
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_slots": [], "_seen": 0}
+
+    def _param_slots(self) -> list[tuple[nn.Module, str]]:
+        if self._seen != _current[0]:
+            self._slots = [(m, n) for m in region_modules(self.module)
+                           for n, p in m._parameters.items()
+                           if p is not None and p.is_floating_point() and p.dtype != torch.float64]
+            self._seen = _current[0]
+        return self._slots
+
+    def __call__(self, *args, **kwargs):
+        if self.cast_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.dtype)
+        slots = [(m, n, m._parameters[n]) for m, n in self._param_slots()]
+        slots = [(m, n, p) for m, n, p in slots if p is not None and p.dtype != self.dtype]
+        if not slots:
+            return self.context.run(self.call_inner, args, kwargs)
+        cast: dict[int, torch.Tensor] = {}
+        try:
+            for m, n, p in slots:  # a tied parameter is cast once
+                m._parameters[n] = cast.setdefault(id(p), p.to(self.dtype))
+            return self.context.run(self.call_inner, args, kwargs)
+        finally:
+            for m, n, p in slots:
+                m._parameters[n] = p
+
+
+def island_of(module: nn.Module) -> Island | None:
+    """The island wrapper installed on ``module``, or None."""
+    wrapper = module.__dict__.get("forward")
+    while wrapper is not None:
+        if isinstance(wrapper, Island):
+            return wrapper
+        wrapper = getattr(wrapper, "inner", None)
+    return None
+
+
+def region_modules(root: nn.Module):
+    """``root`` and its sub-modules, except those inside a nested island."""
+    yield root
+    for child in root.children():
+        if island_of(child) is None:
+            yield from region_modules(child)
+
+
+# -- per-module hooks ------------------------------------------------------------------------------
+class _RegionHook:
+    """Forward pre-hook and hook of one module: re-enter its region's context when none is
+    active (recomputation), and cast its floating inputs in a fixed-dtype region."""
+
+    def __init__(self, region: Region):
+        self.region = region
+        self.handles: list = []
+        self._entered: list[contextlib.ExitStack | None] = []
+
+    def __getstate__(self) -> dict:
+        return {"region": self.region, "handles": [], "_entered": []}
+
+    def pre(self, module, args, kwargs):
+        region = self.region
+        if not torch.compiler.is_compiling():
+            entered = None
+            if region.restore and not _mode_active():
+                entered = contextlib.ExitStack()
+                region.context.enter(entered)
+            self._entered.append(entered)
+        if region.cast is not None and _needs_cast((args, kwargs), region.cast):
+            return cast_floating((args, kwargs), region.cast)
+        return None
+
+    def post(self, module, args, kwargs, output):
+        if not torch.compiler.is_compiling() and self._entered:
+            entered = self._entered.pop()
+            if entered is not None:
+                entered.close()
+        return None
+
+
+def _set_hook(module: nn.Module, region: Region | None) -> None:
+    hook = module.__dict__.get(_HOOK_ATTR)
+    if region is None or not region.needs_hooks:
+        if hook is not None:
+            for handle in hook.handles:
+                handle.remove()
+            del module.__dict__[_HOOK_ATTR]
+        return
+    if hook is not None and hook.handles:
+        hook.region = region
+        return
+    hook = _RegionHook(region)
+    hook.handles = [module.register_forward_pre_hook(hook.pre, with_kwargs=True),
+                    module.register_forward_hook(hook.post, with_kwargs=True, always_call=True)]
+    module.__dict__[_HOOK_ATTR] = hook
+
+
+def assign_regions(root: nn.Module, region: Region | None) -> None:
+    """Give every module under ``root`` the hooks of its region: ``region`` for the modules
+    outside nested islands, each island's own for the modules inside it."""
+    for child in root.children():
+        island = island_of(child)
+        if island is not None:
+            _set_hook(child, None)  # the island's wrapper enters its context and casts inputs
+            assign_regions(child, island_region(child, island))
+        else:
+            _set_hook(child, region)
+            assign_regions(child, region)
+
+
+def refresh_island(module: nn.Module) -> None:
+    """``module`` just became an island (or changed dtype): it drops the hooks of the region
+    around it and its sub-modules take its region."""
+    structure_changed()
+    _set_hook(module, None)
+    assign_regions(module, island_region(module, island_of(module)))
+
+
+def island_region(module: nn.Module, island: Island) -> Region:
+    """An island's region: its context, and an input cast when islands of another dtype sit
+    inside it (or may later: ``to_float`` regions are re-marked in any order)."""
+    inner = [island_of(m) for m in module.modules() if m is not module]
+    other = any(i is not None and i.dtype != island.dtype for i in inner)
+    return Region(island.context, island.dtype if other or island.cast_inputs else None)

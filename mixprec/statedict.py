@@ -1,0 +1,167 @@
+"""A prepared model's ``state_dict()`` in fp32: its low-precision parameters' fp32 companions.
+
+At O2 each trained low-precision parameter has an fp32 companion: its master in the optimizer
+``prepare`` wrapped. ``state_dict()`` returns the companions themselves (detached), so it holds
+the exact fp32 values, loads into a plain fp32 model, and an in-place write into a value (an EMA
+that updates ``ema.state_dict()`` values, as timm's does) updates the model.
+``load_state_dict`` sets the companions exactly and the parameters to their rounding. Other
+low-precision tensors (O3, buffers) come back as exact fp32 upcasts.
+
+A copy of a prepared model (``copy.deepcopy``, ``pickle``, ``torch.save``) carries the
+companions' values with it as fp32 shadows, so a best-model snapshot or an EMA copy keeps the
+fp32 weights. Companions and parameters are kept consistent: before ``state_dict()`` reads them,
+a companion whose rounding no longer equals its parameter (the parameter was changed directly)
+takes the parameter's value there; in a copy, a shadow written in place (through
+``state_dict()`` values) is rounded into its parameter before the next forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .dtypes import is_low_precision
+
+__all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict"]
+
+_LINK_ATTR = "_mixprec_masters"
+_FP32 = torch.float32
+
+
+class Companions:
+    """The fp32 values behind a prepared model's low-precision parameters.
+
+    Live: the masters of a ``MasterWeightOptimizer`` (held weakly: the model does not keep its
+    optimizer alive). A copy: fp32 shadows, one per parameter, owned by the copy.
+    """
+
+    def __init__(self, optimizer=None):
+        self._ref = None if optimizer is None else weakref.ref(optimizer)
+        self._shadows: dict[torch.Tensor, torch.Tensor] = {}
+        self._versions: dict[torch.Tensor, tuple[int, int]] = {}
+
+    def pairs(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Low-precision parameter -> its fp32 companion."""
+        opt = self._ref() if self._ref is not None else None
+        if opt is not None:
+            return opt.masters_by_param()
+        return self._shadows
+
+    @property
+    def is_copy(self) -> bool:
+        return self._ref is None
+
+    def settle(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Make every companion consistent with its parameter, then return the pairs (one host
+        sync per parameter: state_dict time only)."""
+        self.follow_writes()
+        pairs = self.pairs()
+        with torch.no_grad():
+            for param, comp in pairs.items():
+                changed = comp.to(param.dtype).ne(param)
+                if changed.any():  # the parameter was written directly: it is the truth there
+                    comp.copy_(torch.where(changed, param.to(_FP32), comp))
+        self._record()
+        return pairs
+
+    def follow_writes(self) -> None:
+        """In a copy: round a shadow written in place into its parameter; take a parameter
+        written in place into its shadow (cheap: version counters only)."""
+        if not self.is_copy:
+            return
+        with torch.no_grad():
+            for param, shadow in self._shadows.items():
+                pv, sv = self._versions.get(param, (None, None))
+                if shadow._version != sv and param._version == pv:
+                    param.copy_(shadow)
+                elif param._version != pv and shadow._version == sv:
+                    shadow.copy_(param)
+        self._record()
+
+    def _record(self) -> None:
+        if self.is_copy:
+            self._versions = {p: (p._version, s._version) for p, s in self._shadows.items()}
+
+    def __getstate__(self) -> dict:
+        return {"shadows": {p: c.detach() for p, c in self.settle().items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        self._ref = None
+        self._shadows = dict(state["shadows"])
+        self._versions = {}
+        self._record()
+
+
+def link_masters(model: nn.Module, optimizer) -> None:
+    """Make ``optimizer``'s masters the fp32 companions of ``model``'s parameters."""
+    setattr(model, _LINK_ATTR, Companions(optimizer))
+
+
+def companions_of(model: nn.Module) -> Companions | None:
+    """The companions of a prepared model, or None."""
+    return getattr(model, _LINK_ATTR, None)
+
+
+def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:
+    """Install the state-dict hooks on a prepared model (and, with ``masters``, the forward
+    pre-hook that keeps a copy's shadows and parameters consistent)."""
+    if masters:
+        model.register_forward_pre_hook(_follow_writes)
+    if not any(t.is_floating_point() and is_low_precision(t)
+               for t in [*model.parameters(), *model.buffers()]):
+        return
+    post = getattr(model, "register_state_dict_post_hook", None)
+    if post is not None:
+        post(_fp32_state_dict_hook)
+    else:  # torch < 2.5
+        model._register_state_dict_hook(_fp32_state_dict_hook)
+    pre = getattr(model, "register_load_state_dict_pre_hook", None)
+    if pre is not None:
+        pre(_load_companions_hook)
+    else:  # torch < 2.5
+        model._register_load_state_dict_pre_hook(_load_companions_hook, with_module=True)
+
+
+def _follow_writes(module, args):
+    link = companions_of(module)
+    if link is not None and link.is_copy and not torch.compiler.is_compiling():
+        link.follow_writes()
+
+
+def _named_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+    return {**dict(module.named_parameters(prefix=head, remove_duplicate=False)),
+            **dict(module.named_buffers(prefix=head, remove_duplicate=False))}
+
+
+def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: low-precision floating values become fp32 (companions where
+    known)."""
+    link = companions_of(module)
+    pairs = link.settle() if link is not None else {}
+    tensors = _named_tensors(module, prefix)
+    for key, value in list(state_dict.items()):
+        own = tensors.get(key)
+        if own is None or value is own or not torch.is_tensor(value) \
+                or not is_low_precision(value):
+            continue  # not ours, keep_vars=True (the tensor itself), or already fp32
+        comp = pairs.get(own)
+        state_dict[key] = comp.detach() if comp is not None else value.to(_FP32)
+
+
+def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs) -> None:
+    """load_state_dict pre-hook: the companions take the loaded values exactly (torch then
+    rounds them into the low-precision parameters)."""
+    link = companions_of(module)
+    pairs = link.pairs() if link is not None else {}
+    if not pairs:
+        return
+    tensors = _named_tensors(module, prefix)
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            comp = pairs.get(tensors.get(key))
+            if comp is not None and torch.is_tensor(value) and value.shape == comp.shape:
+                comp.copy_(value)

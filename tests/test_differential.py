@@ -1,0 +1,392 @@
+"""The differential matrix: every training path against a short, obviously correct fp32 step.
+
+The reference step takes the true gradients (what the backward left in the model, upcast to
+fp32 and divided by the loss scale, a power of two: exact), clips them in fp32 when the cell
+clips, and calls a fresh instance of the user's optimizer class exactly once, on fp32 copies of
+the weights (the masters at O2). mixprec runs the same iteration its own way (loss scaling,
+unscale, the master step, buckets, fused kernels) and must land on the same weights, or raise.
+
+Tolerances, per level:
+
+* O1 (fp32 parameters) and O2 (fp32 masters): rtol 1e-5, atol 1e-7 (the same fp32 arithmetic up
+  to the order of additions in a norm and the fused kernels' reassociation); the 16-bit model
+  weights equal their masters rounded, exactly. Clipping the model's own bf16 gradients in
+  place rounds the clipped values to bf16: atol lr * 4 * eps(bf16) there. In fp16 that clip is
+  refused at step (the unscaled fp16 gradients lose what lies below 6.1e-05).
+* O3 (16-bit parameters and optimizer state, no masters): each step rounds a weight to 16 bits
+  twice (weight decay, update), so within rtol 2 * steps * eps (eps: the 16-bit unit roundoff)
+  plus lr * 8 * eps absolute (the update computed in 16-bit arithmetic).
+
+An injected overflow (one gradient element set to inf) must skip the step on every path and
+leave weights and optimizer state bitwise untouched.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import mixprec as mp
+from mixprec.master.params import valid_grad
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::mixprec.hardware.SlowDtypeWarning",
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+
+LR = 1e-2
+MAX_NORM = 0.05  # the gradients' norm is ~0.5: the clip bites
+STEPS = 3
+OVERFLOW_AT = 1
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Lamb(torch.optim.Optimizer):
+    """A third-party-style optimizer with global state (timm's LAMB shape): one global gradient
+    norm clip over all parameters, a per-group step counter, a per-parameter trust ratio. Its
+    numbers change if it is stepped on a subset of its parameters, or more than once a step."""
+
+    def __init__(self, params, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 max_grad_norm=0.1):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.max_grad_norm = max_grad_norm
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        divide = torch.clamp(norm / self.max_grad_norm, min=1.0)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            b1, b2 = group["betas"]
+            bc1, bc2 = 1 - b1 ** group["step"], 1 - b2 ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad / divide
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(g, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                update = (state["m"] / bc1) / ((state["v"] / bc2).sqrt() + group["eps"])
+                update = update + group["weight_decay"] * p
+                w, u = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
+                trust = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+                p.sub_(group["lr"] * trust * update)
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=LR, momentum=0.9, weight_decay=1e-2)),
+    "adamw": (torch.optim.AdamW, dict(lr=LR, weight_decay=0.1)),
+    "adamw_fused": (torch.optim.AdamW, dict(lr=LR, weight_decay=0.1, fused=True)),
+    "lamb": (Lamb, dict(lr=LR)),
+}
+
+
+def make_optimizer(name, params, reference=False):
+    cls, kwargs = OPTIMIZERS[name]
+    if reference and cls is not Lamb:  # the plainest implementation: a for loop per parameter
+        kwargs = {**kwargs, "foreach": False, "fused": False}
+    return cls(params, **kwargs)
+
+
+class Net(nn.Module):
+    """stem conv -> [conv, GroupNorm, ReLU, conv] (optionally checkpointed) -> mean -> head."""
+
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 3, padding=1))
+        self.head = nn.Linear(8, 4)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        if self.ckpt is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.ckpt == "reentrant")
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def build(layout="contiguous", ckpt=None):
+    torch.manual_seed(0)
+    net = Net(ckpt)
+    return net.to(memory_format=torch.channels_last) if layout == "channels_last" else net
+
+
+def batch(i, layout="contiguous"):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(4, 3, 6, 6, generator=g)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    return x, torch.randint(0, 4, (4,), generator=g)
+
+
+def loss_of(model, i, layout="contiguous"):
+    x, y = batch(i, layout)
+    return F.cross_entropy(model(x).float(), y)
+
+
+# -- the four ways to clip ------------------------------------------------------------------------
+def clip_none(scaler, opt, model):
+    return scaler.step(opt)
+
+
+def clip_scaler(scaler, opt, model):
+    scaler.clip_grad_norm_(opt, MAX_NORM)
+    return scaler.step(opt)
+
+
+def clip_optimizer_params(scaler, opt, model):
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], MAX_NORM)
+    return scaler.step(opt)
+
+
+def clip_model_params(scaler, opt, model):
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    return scaler.step(opt)
+
+
+CLIPS = {"no clip": clip_none, "scaler.clip_grad_norm_": clip_scaler,
+         "unscale_ + optimizer params": clip_optimizer_params,
+         "unscale_ + model params": clip_model_params}
+
+
+# -- the reference --------------------------------------------------------------------------------
+class Reference:
+    """fp32 copies of the weights the optimizer steps (the masters at O2), a fresh optimizer."""
+
+    def __init__(self, model, opt, name):
+        self.params = list(model.parameters())
+        trained = [p for p in self.params if p.requires_grad]
+        self.weights = [self._weight(opt, p).detach().clone().requires_grad_() for p in trained]
+        self.of = {id(p): w for p, w in zip(trained, self.weights)}
+        self.opt = make_optimizer(name, self.weights, reference=True)
+
+    @staticmethod
+    def _weight(opt, p):
+        return opt.master_param(p) if isinstance(opt, mp.MasterWeightOptimizer) else p.float()
+
+    def step(self, true_grads, clip):
+        for p, g in zip(self.params, true_grads):
+            if id(p) in self.of:
+                self.of[id(p)].grad = g
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.weights, MAX_NORM)
+        self.opt.step()
+
+    def check(self, model, opt, level, dtype, tol):
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            ref = self.of[id(p)]
+            if level == "O3":
+                eps = EPS[dtype]
+                torch.testing.assert_close(p.float(), ref, rtol=2 * STEPS * eps,
+                                           atol=LR * 8 * eps)
+                continue
+            got = opt.master_param(p) if level == "O2" else p
+            torch.testing.assert_close(got, ref, **tol)
+            assert torch.equal(p, got.to(p.dtype))
+
+
+def snapshot(model, opt):
+    return (copy.deepcopy([p.detach() for p in model.parameters()]),
+            copy.deepcopy(opt.state_dict()))
+
+
+def assert_untouched(before, model, opt):
+    params, state = before
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    torch.testing.assert_close(opt.state_dict(), state, rtol=0, atol=0)
+
+
+def refused(level, dtype, opt_name):
+    """Pure fp16 with Adam-style state (O3 fp16 + AdamW/LAMB) is refused at prepare: its fp16
+    moments underflow and the weights turn inf/NaN (see mp.prepare)."""
+    return level == "O3" and dtype == "fp16" and opt_name != "sgd"
+
+
+def fp16_model_clip(level, dtype, clip):
+    """O2 fp16, clipping the model's gradients after unscale_: refused at step (unscaled fp16
+    gradients lose what lies below 6.1e-05; see MasterWeightOptimizer.step)."""
+    return level == "O2" and dtype == "fp16" and clip == "unscale_ + model params"
+
+
+def adam_unless_refused(level, dtype):
+    return "sgd" if refused(level, dtype, "adamw") else "adamw"
+
+
+def run(level, dtype, scaling, layout, opt_name, clip, ckpt=None):
+    model = build(layout, ckpt)
+    opt = make_optimizer(opt_name, model.parameters())
+    if refused(level, dtype, opt_name):
+        with pytest.raises(ValueError, match="would keep its moment estimates in fp16"):
+            mp.prepare(model, opt, level=level, dtype=dtype)
+        return None, None
+    model, opt = mp.prepare(model, opt, level=level, dtype=dtype)
+    if isinstance(opt, mp.MasterWeightOptimizer):
+        opt.bucket_mb = 1e-4  # a bucket per tensor: what a large model gets, on a tiny one
+    reference = Reference(model, opt, opt_name)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8) if scaling != "none" \
+        else mp.NoLossScaler()
+    calls = 0
+    tol = ({"rtol": 1e-5, "atol": LR * 4 * EPS[DTYPES[dtype]]} if clip == "unscale_ + model params"
+           and level == "O2" else {"rtol": 1e-5, "atol": 1e-7})
+    for i in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, i, layout)).backward()
+        inject = scaling == "overflow" and i == OVERFLOW_AT
+        if inject:
+            with torch.no_grad():
+                model.head.weight.grad[0, 0] = float("inf")
+        scale = scaler.get_scale()
+        true_grads = [None if p.grad is None else p.grad.float() / scale
+                      for p in model.parameters()]
+        before = snapshot(model, opt)
+        if fp16_model_clip(level, dtype, clip) and not inject:
+            with pytest.raises(RuntimeError, match=r"fp16 gradients of \d+ model parameter"):
+                CLIPS[clip](scaler, opt, model)
+            assert_untouched(before, model, opt)
+            return model, opt
+        applied = CLIPS[clip](scaler, opt, model)
+        scaler.update()
+        if inject:
+            assert applied is False
+            assert_untouched(before, model, opt)
+            continue
+        calls += 1
+        assert applied is True
+        reference.step(true_grads, clip != "no clip")
+        reference.check(model, opt, level, DTYPES[dtype], tol)
+    if opt_name == "lamb":  # stepped once per step over all its parameters, never per bucket
+        inner = opt.inner if isinstance(opt, mp.MasterWeightOptimizer) else opt
+        assert inner.calls == calls
+        assert all(g["step"] == calls for g in inner.param_groups)
+    return model, opt
+
+
+MATRIX = list(itertools.product(["O1", "O2", "O3"], DTYPES, ["none", "dynamic", "overflow"],
+                                ["contiguous", "channels_last"], OPTIMIZERS, CLIPS))
+
+
+@pytest.mark.parametrize("level,dtype,scaling,layout,opt_name,clip", MATRIX)
+def test_matrix_cell_matches_the_fp32_reference(level, dtype, scaling, layout, opt_name, clip):
+    run(level, dtype, scaling, layout, opt_name, clip)
+
+
+# -- gradient checkpointing, frozen layers, copies ------------------------------------------------
+@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_checkpointed_model_computes_exactly_as_the_plain_one(level, dtype, ckpt):
+    """The recomputation runs under the same op lists as the forward (0.2: ~0.5% off, or a
+    CheckpointError), so gradients and weights are bitwise those of the plain model."""
+    name = adam_unless_refused(level, dtype)
+    plain, _ = run(level, dtype, "dynamic", "contiguous", name, "scaler.clip_grad_norm_")
+    ckpted, _ = run(level, dtype, "dynamic", "contiguous", name, "scaler.clip_grad_norm_",
+                    ckpt=ckpt)
+    for p, q in zip(plain.parameters(), ckpted.parameters()):
+        assert torch.equal(p, q)
+    loss_of(plain, 9).backward()
+    loss_of(ckpted, 9).backward()
+    for p, q in zip(plain.parameters(), ckpted.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_frozen_layers_train_the_rest_and_keep_their_values(level, dtype):
+    model = build()
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in model.stem.parameters():
+        p.requires_grad_(False)
+    name = adam_unless_refused(level, dtype)
+    opt = make_optimizer(name, [p for p in model.parameters() if p.requires_grad])
+    model, opt = mp.prepare(model, opt, level=level, dtype=dtype)
+    reference = Reference(model, opt, name)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    for i in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, i)).backward()
+        true_grads = [None if p.grad is None else p.grad.float() / scaler.get_scale()
+                      for p in model.parameters()]
+        assert scaler.step(opt)
+        scaler.update()
+        reference.step(true_grads, False)
+        reference.check(model, opt, level, DTYPES[dtype], {"rtol": 1e-5, "atol": 1e-7})
+    state = model.state_dict()
+    for key in ("stem.weight", "stem.bias"):
+        if level == "O3":  # pure 16-bit: every weight is stored rounded, frozen or not
+            assert torch.equal(state[key], pretrained[key].to(DTYPES[dtype]).float())
+        else:  # no master keeps a frozen weight: it keeps its fp32 storage, exact
+            assert state[key].dtype == torch.float32 and torch.equal(state[key], pretrained[key])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_deep_copy_or_pickle_keeps_the_fp32_weights(level, dtype, tmp_path):
+    model, opt = run(level, dtype, "dynamic", "contiguous", adam_unless_refused(level, dtype),
+                     "no clip")
+    state = model.state_dict()
+    torch.save(model, tmp_path / "model.pt")
+    copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+    model.eval()
+    expected = model(batch(0)[0])
+    for clone in copies:
+        torch.testing.assert_close(clone.state_dict(), state, rtol=0, atol=0)
+        clone.eval()
+        torch.testing.assert_close(clone(batch(0)[0]), expected, rtol=0, atol=0)
+    if level == "O2":  # the masters, not their rounding
+        assert any(not torch.equal(v, v.to(DTYPES[dtype]).float()) for v in state.values())
+
+
+def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
+    """timm's ModelEmaV2 updates `ema.state_dict()` values in place: on an O2 copy they are fp32
+    shadows, and the copy's 16-bit weights follow them."""
+    model, opt = run("O2", "bf16", "none", "contiguous", "adamw", "no clip")
+    ema = copy.deepcopy(model)
+    for i in range(3):
+        opt.zero_grad()
+        loss_of(model, i).backward()
+        opt.step()
+        with torch.no_grad():
+            for e, v in zip(ema.state_dict().values(), model.state_dict().values()):
+                if e.is_floating_point():
+                    e.copy_(e * 0.9 + v * 0.1)
+    expected = {k: v.clone() for k, v in ema.state_dict().items()}
+    ema(batch(0)[0])  # the next forward sees the shadows, rounded
+    for name, p in ema.named_parameters():
+        assert torch.equal(p, expected[name].to(p.dtype)), name
+    assert not torch.equal(ema.head.weight, model.head.weight)
+
+
+def test_master_gradients_are_readable_where_torch_code_looks():
+    """Reading .grad of the optimizer's parameters (Lightning's clipping, grad-norm logging)
+    gives the model's gradients in fp32, in the master's layout; nothing is held after."""
+    model = build("channels_last")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), level="O2",
+                            dtype="bf16")
+    loss_of(model, 0, "channels_last").backward()
+    for p in model.parameters():
+        master = opt.master_param(p)
+        if master is p:
+            continue
+        assert torch.equal(master.grad, p.grad.float())
+        assert master.grad.stride() == master.stride()
+    norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
+                                          1e-3)
+    assert norm > 1e-3  # 0.2 returned 0.0 here: the masters had no gradient
+    opt.step()
+    assert all(valid_grad(m) is None for m in opt.masters_by_param().values())

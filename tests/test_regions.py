@@ -1,0 +1,239 @@
+"""Precision regions: island outputs, to_float storage, recomputation, signatures, zoo norms."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+# -- islands return their own dtype ----------------------------------------------------------------
+def test_an_fp32_head_inside_a_bf16_net_returns_fp32_logits_exactly():
+    """0.2 rounded the head's fp32 logits to bf16 (0.2% off); MindSpore's rule: fp32 out."""
+    net = mlp()
+    mp.to_float(net, "bf16")
+    mp.to_float(net[-1], "fp32")
+    x = torch.randn(4, 8)
+    out = net(x)
+    assert out.dtype == FP32
+    with torch.no_grad():
+        h = x.to(BF16)
+        for layer in list(net)[:-1]:
+            h = F.relu(h) if isinstance(layer, nn.ReLU) else F.linear(
+                h, layer.weight.to(BF16), layer.bias.to(BF16))
+        expected = F.linear(h.float(), net[-1].weight, net[-1].bias)  # fp32 head, fp32 out
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fp32_module_in_the_middle_hands_fp32_to_consumers_that_compute_in_their_dtype(level):
+    net = mlp()
+    mp.to_float(net[2], "fp32")
+    mp.prepare(net, level=level, dtype="bf16")
+    seen = {}
+    for name, mod in net.named_children():
+        mod.register_forward_hook(lambda m, a, o, name=name: seen.update({name: o.dtype}))
+    with mp.debug.op_stats() as stats:
+        out = net(torch.randn(4, 8))
+    assert seen["2"] == FP32  # the fp32 island's output
+    assert stats.count(op="addmm", dtype="bf16") == 2 and stats.count(op="addmm", dtype="fp32") == 1
+    assert out.dtype == (BF16 if level == "O3" else FP32) and torch.isfinite(out).all()
+
+
+def test_o3_with_an_fp32_head_returns_its_fp32_logits():
+    net = mlp()
+    mp.to_float(net[-1], "fp32")
+    mp.prepare(net, level="O3", dtype="bf16")
+    assert net(torch.randn(4, 8)).dtype == FP32  # O3's outputs come as computed
+
+
+# -- to_float keeps the storage --------------------------------------------------------------------
+def test_to_float_alone_keeps_fp32_weights_so_small_updates_accumulate():
+    """0.2 stored the weights in fp16, where 20 steps at lr 1e-5 moved nothing."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    ref = nn.Linear(8, 8)
+    ref.load_state_dict(layer.state_dict())
+    mp.to_float(layer, "fp16")
+    assert layer.weight.dtype == FP32
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-5) for m in (layer, ref)]
+    x = torch.randn(4, 8)
+    w0 = layer.weight.detach().clone()
+    for _ in range(20):
+        for m, opt in zip((layer, ref), opts):
+            opt.zero_grad()
+            m(x if m is ref else x).float().square().mean().backward()
+            opt.step()
+    moved, ref_moved = (layer.weight - w0).abs().max(), (ref.weight - w0).abs().max()
+    assert moved > 0.5 * ref_moved > 0
+    # computed in fp16: the gradient is the fp16 computation's, applied to fp32 weights
+    torch.testing.assert_close(layer.weight, ref.weight, rtol=0, atol=1e-3 * ref_moved.item())
+    bf16_layer = mp.to_float(nn.Linear(8, 8), "bf16")
+    with mp.debug.op_stats() as stats:
+        bf16_layer(x)
+    assert stats.count(op="addmm", dtype="bf16") == 1  # stored fp32, computed in bf16
+    assert bf16_layer.weight.dtype == FP32
+
+
+# -- recomputation ---------------------------------------------------------------------------------
+class Blocks(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 4)
+        self.mode = mode
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            if self.mode is None:
+                h = h + torch.softmax(block(h), dim=-1)
+            else:
+                h = h + torch.softmax(checkpoint(block, h, use_reentrant=self.mode == "r"), -1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("ops", [{}, {"fp32_ops": ["gelu"]}, {"low_precision_ops": ["softmax"]}])
+@pytest.mark.parametrize("mode", ["r", "nr"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_recomputed_forward_runs_under_the_same_op_lists(level, mode, ops):
+    grads = []
+    for m in (None, mode):
+        model = mp.prepare(Blocks(m), level=level, dtype="bf16", **ops)
+        model(torch.randn(4, 8)).float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, h in zip(*grads):
+        assert torch.equal(g, h)
+
+
+def test_checkpoint_sequential_and_hugging_face_gradient_checkpointing():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64,
+                                     n_positions=16, attn_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        model.train()
+        if ckpt:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp.prepare(model, level="O2", dtype="bf16")
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+    seq = mp.prepare(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8),
+                                   nn.Softmax(-1)), level="O1", dtype="bf16")
+    x = torch.randn(4, 8, requires_grad=True)
+    out = seq.forward.context.run(checkpoint_sequential, (seq, 2, x),
+                                  {"use_reentrant": False})
+    out.sum().backward()
+    assert out.dtype == FP32  # the softmax ran in fp32, as the op lists say, both times
+
+
+# -- the forward's signature -----------------------------------------------------------------------
+class HFStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        logits = self.head(self.emb(input_ids))
+        loss = None if labels is None else F.cross_entropy(logits.float().flatten(0, 1),
+                                                           labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_prepared_forward_keeps_its_signature(level):
+    model = HFStyle()
+    before = inspect.signature(model.forward)
+    mp.prepare(model, level=level, dtype="bf16")
+    assert inspect.signature(model.forward) == before
+    mp.to_float(layer := nn.Linear(2, 2), "bf16")
+    assert list(inspect.signature(layer.forward).parameters) == ["input"]
+
+
+def test_hugging_face_trainer_keeps_the_input_columns(tmp_path):
+    """transformers.Trainer drops the columns forward's signature does not name: 0.2's
+    (*args, **kwargs) made it drop all of them ('You have to specify input_ids')."""
+    transformers = pytest.importorskip("transformers")
+    model = mp.prepare(HFStyle(), level="O1", dtype="bf16")
+    ids = torch.randint(0, 16, (8, 6), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": i, "labels": i, "extra": torch.tensor(0)} for i in ids]
+    args = transformers.TrainingArguments(tmp_path, per_device_train_batch_size=4, max_steps=2,
+                                          report_to=[], use_cpu=True, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    assert trainer.train().training_loss > 0
+
+
+# -- norm layers of model zoos ---------------------------------------------------------------------
+class ZooRMSNorm(nn.Module):  # Hugging Face's LlamaRMSNorm / T5LayerNorm shape
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype)
+
+
+class AdaLayerNorm(nn.Module):  # a module that holds layers is not a norm layer itself
+    def __init__(self, n):
+        super().__init__()
+        self.proj = nn.Linear(n, n)
+        self.norm = nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.norm(x) * self.proj(x)
+
+
+def test_norm_layers_of_model_zoos_are_recognised_by_their_documented_rule():
+    for layer in (nn.LayerNorm(4), nn.BatchNorm2d(4), nn.GroupNorm(2, 4), ZooRMSNorm(4)):
+        assert mp.is_norm_layer(layer) and isinstance(layer, mp.NormLayer)
+    for layer in (nn.Linear(4, 4), AdaLayerNorm(4), nn.Identity()):
+        assert not mp.is_norm_layer(layer)
+    with pytest.raises(TypeError, match="marker"):
+        mp.NormLayer()
+    model = nn.Sequential(nn.Linear(4, 4), ZooRMSNorm(4), AdaLayerNorm(4))
+    mp.prepare(model, level="O2", dtype="bf16")
+    assert model[1].weight.dtype == FP32  # kept fp32, as torch's norms
+    assert model[2].proj.weight.dtype == BF16 and model[2].norm.weight.dtype == FP32
+
+
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "T5LayerNorm"])
+def test_hugging_face_norms_stay_fp32_at_o2(name):
+    transformers = pytest.importorskip("transformers")
+    if name == "LlamaRMSNorm":
+        norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
+    else:
+        norm = transformers.models.t5.modeling_t5.T5LayerNorm(8)
+    model = nn.Sequential(nn.Linear(8, 8), norm, nn.Linear(8, 8))
+    mp.prepare(model, level="O2", dtype="bf16")
+    assert model[1].weight.dtype == FP32 and model[0].weight.dtype == BF16
+    assert torch.isfinite(model(torch.randn(2, 8))).all()
