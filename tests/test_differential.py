@@ -117,22 +117,22 @@ class Net(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def build(layout="contiguous", ckpt=None):
+def build(layout="contiguous", ckpt=None, device="cpu"):
     torch.manual_seed(0)
-    net = Net(ckpt)
+    net = Net(ckpt).to(device)
     return net.to(memory_format=torch.channels_last) if layout == "channels_last" else net
 
 
-def batch(i, layout="contiguous"):
+def batch(i, layout="contiguous", device="cpu"):
     g = torch.Generator().manual_seed(100 + i)
     x = torch.randn(4, 3, 6, 6, generator=g)
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
-    return x, torch.randint(0, 4, (4,), generator=g)
+    return x.to(device), torch.randint(0, 4, (4,), generator=g).to(device)
 
 
-def loss_of(model, i, layout="contiguous"):
-    x, y = batch(i, layout)
+def loss_of(model, i, layout="contiguous", device="cpu"):
+    x, y = batch(i, layout, device)
     return F.cross_entropy(model(x).float(), y)
 
 
@@ -228,8 +228,8 @@ def adam_unless_refused(level, dtype):
     return "sgd" if refused(level, dtype, "adamw") else "adamw"
 
 
-def run(level, dtype, scaling, layout, opt_name, clip, ckpt=None):
-    model = build(layout, ckpt)
+def run(level, dtype, scaling, layout, opt_name, clip, ckpt=None, device="cpu"):
+    model = build(layout, ckpt, device)
     opt = make_optimizer(opt_name, model.parameters())
     if refused(level, dtype, opt_name):
         with pytest.raises(ValueError, match="would keep its moment estimates in fp16"):
@@ -246,7 +246,7 @@ def run(level, dtype, scaling, layout, opt_name, clip, ckpt=None):
            and level == "O2" else {"rtol": 1e-5, "atol": 1e-7})
     for i in range(STEPS):
         opt.zero_grad()
-        scaler.scale(loss_of(model, i, layout)).backward()
+        scaler.scale(loss_of(model, i, layout, device)).backward()
         inject = scaling == "overflow" and i == OVERFLOW_AT
         if inject:
             with torch.no_grad():
@@ -284,6 +284,28 @@ MATRIX = list(itertools.product(["O1", "O2", "O3"], DTYPES, ["none", "dynamic", 
 @pytest.mark.parametrize("level,dtype,scaling,layout,opt_name,clip", MATRIX)
 def test_matrix_cell_matches_the_fp32_reference(level, dtype, scaling, layout, opt_name, clip):
     run(level, dtype, scaling, layout, opt_name, clip)
+
+
+CUDA_MATRIX = list(itertools.product(["O1", "O2", "O3"], DTYPES, ["dynamic", "overflow"],
+                                     ["contiguous", "channels_last"],
+                                     ["sgd", "adamw_fused", "lamb"], CLIPS))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("level,dtype,scaling,layout,opt_name,clip", CUDA_MATRIX)
+def test_matrix_cell_matches_the_fp32_reference_on_cuda(level, dtype, scaling, layout, opt_name,
+                                                        clip):
+    run(level, dtype, scaling, layout, opt_name, clip, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_checkpointed_model_computes_exactly_as_the_plain_one_on_cuda(level, ckpt):
+    runs = [run(level, "bf16", "dynamic", "channels_last", "adamw_fused", "no clip", ckpt=c,
+                device="cuda")[0] for c in (None, ckpt)]
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert torch.equal(p, q)
 
 
 # -- gradient checkpointing, frozen layers, copies ------------------------------------------------
