@@ -7,6 +7,7 @@ and numerics diagnostics. ``import mixprec as mp``.
 from . import debug, formats, parallel
 from .autocast import autocast
 from .emulation import emulate_fp16
+from .engine import MixedPrecision
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
@@ -34,6 +35,7 @@ __all__ = [
     "is_norm_layer",
     "prepare",
     "policy_of",
+    "MixedPrecision",
     "to_float",
     # autocast with custom op lists
     "autocast",

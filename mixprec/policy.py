@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import warnings
 from typing import Any
@@ -13,7 +14,8 @@ from torch import nn
 from . import hardware
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 
-__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype"]
+__all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype",
+           "MASTERS", "STATE_DTYPES", "FP8_RECIPES", "type_path", "type_from_path"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -95,18 +97,83 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
     return resolved
 
 
+MASTERS = ("fp32", "kahan", "stochastic")
+STATE_DTYPES = ("fp32", "bf16")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
+_FP32 = torch.float32
+
+
+def _check_key(k, what: str):
+    if isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)):
+        return k
+    raise TypeError(f"{what} entries must be nn.Module subclasses or qualified module names "
+                    f"(strings); got {type(k).__name__} {k!r}")
+
+
+def _keys(value, what: str) -> tuple:
+    if isinstance(value, (type, str)):
+        value = (value,)
+    if not isinstance(value, (tuple, list, set, frozenset)):
+        raise TypeError(f"{what} must be a module type, a qualified module name, or a tuple/list "
+                        f"of them; got {type(value).__name__} {value!r}")
+    return tuple(_check_key(k, what) for k in value)
+
+
+def _overrides(value) -> tuple[tuple[Any, torch.dtype], ...]:
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(items, (tuple, list, type({}.items()))):
+        raise TypeError(f"overrides must be a dict (or pairs) of module type / qualified module "
+                        f"name -> dtype; got {type(value).__name__} {value!r}")
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise TypeError(f"overrides entries must be (module type or name, dtype) pairs; "
+                            f"got {item!r}")
+        key, dt = _check_key(item[0], "overrides"), to_dtype(item[1], what="an override dtype")
+        if dt not in TRAINING_DTYPES:
+            raise ValueError(f"an override dtype must be 'fp32', 'fp16' or 'bf16'; got "
+                             f"{item[1]!r} for {key!r}")
+        out.append((key, dt))
+    return tuple(out)
+
+
+def type_path(t: type) -> str:
+    """``"module:QualName"`` of a class (how a Policy serialises module types)."""
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def type_from_path(path: str) -> type:
+    """The class :func:`type_path` named (imported)."""
+    module, _, qualname = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"a policy names the module type {path!r}, which can't be imported "
+                         f"here ({exc}); define it in an importable module") from exc
+    return obj
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """How a model stores parameters, computes, and returns outputs.
+    """How a model stores parameters, computes, and returns outputs: the whole description.
 
     Every cast :func:`mixprec.prepare` makes follows from these fields (no level string is
-    consulted): parameters and floating buffers take ``param_dtype``; ``keep_fp32`` modules
-    keep fp32 parameters and compute in fp32, returning their outputs in the dtype their input
-    came in; with ``cast_inputs`` the model's floating inputs are cast to ``compute_dtype`` at
+    consulted): parameters and floating buffers take ``param_dtype``; a module named in
+    ``overrides`` (by qualified name, or by type) computes in its dtype (MindSpore's
+    ``to_float``; :func:`mixprec.to_float` marks are recorded here by ``prepare``), and
+    ``keep_fp32`` modules keep fp32 parameters and compute in fp32 (an fp32 module's output is
+    fp32); with ``cast_inputs`` the model's floating inputs are cast to ``compute_dtype`` at
     entry; the forward runs under :class:`mixprec.autocast` in ``compute_dtype`` when
     ``autocast`` is set, else with autocast off (every op in the dtype of its inputs); outputs
-    are cast to ``output_dtype``; ``master_weights`` wraps the optimizer in
-    :class:`mixprec.MasterWeightOptimizer`.
+    are cast to ``output_dtype``; ``master_weights`` wraps the optimizer so that 16-bit
+    parameters keep fp32-quality updates (``master``: fp32 masters, a Kahan compensation
+    buffer, or stochastic rounding; ``state_dtype``: the optimizer moments' dtype); ``fp8``
+    runs the GEMMs of chosen ``nn.Linear`` layers in FP8.
+
+    Policies compare by value (``==``) and print canonically; :meth:`state_dict` /
+    :meth:`from_state_dict` round-trip them through checkpoints.
 
     Args:
         param_dtype: dtype of the model's parameters and floating buffers.
@@ -114,11 +181,21 @@ class Policy:
         output_dtype: dtype the model's floating outputs are cast to (fp32 keeps the loss in
             fp32), or None to leave them as they come.
         keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute.
-        master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
+        master_weights: wrap the optimizer so that low-precision parameters train through
+            masters (see ``master``).
         loss_scale: ``"dynamic"``, a fixed float, or None.
         autocast: run the forward under :func:`mixprec.autocast` with ``compute_dtype``.
         cast_inputs: cast the model's floating inputs to ``compute_dtype`` at entry.
         level: the level this policy came from ("O0".."O3"), or None for a custom one.
+        overrides: module type or qualified name -> dtype ("fp32", "bf16", "fp16"): those
+            modules compute in that dtype (a dict, or pairs; names win over types).
+        master: "fp32" (fp32 master copies), "kahan" (a 16-bit compensation buffer) or
+            "stochastic" (stochastic rounding into the 16-bit weight).
+        state_dtype: dtype of the optimizer's moment buffers under masters: "fp32" or "bf16".
+        fp8: None, or the FP8 recipe of the chosen Linear layers: "tensorwise", "rowwise",
+            "rowwise_gw_hp".
+        fp8_modules: the qualified names of the layers that run in FP8 (None: the default
+            choice, see :func:`mixprec.prepare`).
 
     Example:
         >>> str(Policy.from_level("O2", "bf16"))
@@ -134,24 +211,20 @@ class Policy:
     autocast: bool = False
     cast_inputs: bool = False
     level: str | None = None
+    overrides: tuple = ()
+    master: str = "fp32"
+    state_dtype: torch.dtype = torch.float32
+    fp8: str | None = None
+    fp8_modules: tuple | None = None
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype"):
+        for field in ("param_dtype", "compute_dtype", "state_dtype"):
             object.__setattr__(self, field, to_dtype(getattr(self, field), what=field))
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
                                                               what="output_dtype"))
-        keep = self.keep_fp32
-        if isinstance(keep, (type, str)):
-            keep = (keep,)
-        if not isinstance(keep, (tuple, list, set, frozenset)):
-            raise TypeError(f"keep_fp32 must be a tuple of nn.Module subclasses or module names; "
-                            f"got {type(keep).__name__}")
-        for k in keep:
-            if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
-                raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified "
-                                f"module names; got {k!r}")
-        object.__setattr__(self, "keep_fp32", tuple(keep))
+        object.__setattr__(self, "keep_fp32", _keys(self.keep_fp32, "keep_fp32"))
+        object.__setattr__(self, "overrides", _overrides(self.overrides))
         for flag in ("master_weights", "autocast", "cast_inputs"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False; got {getattr(self, flag)!r}")
@@ -164,6 +237,93 @@ class Policy:
         if self.level is not None and self.level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")
+        self._check_masters()
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}; "
+                             f"got {self.fp8!r}")
+        if self.fp8_modules is not None:
+            names = _keys(self.fp8_modules, "fp8_modules")
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"fp8_modules in a Policy must be qualified module names; got "
+                                f"{self.fp8_modules!r}")
+            object.__setattr__(self, "fp8_modules", names)
+
+    def _check_masters(self) -> None:
+        if self.master not in MASTERS:
+            raise ValueError(f"master must be one of {', '.join(map(repr, MASTERS))}; "
+                             f"got {self.master!r}")
+        if dtype_name(self.state_dtype) not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}; "
+                             f"got {dtype_name(self.state_dtype)!r}")
+        compact = self.master != "fp32" or self.state_dtype != _FP32
+        if compact and not self.master_weights:
+            raise ValueError(f"master={self.master!r} and state_dtype="
+                             f"{dtype_name(self.state_dtype)!r} describe how an optimizer "
+                             f"updates 16-bit parameters: they need master_weights=True")
+
+    def module_dtype(self, module: nn.Module, name: str) -> torch.dtype | None:
+        """The dtype the policy sets for ``module`` (qualified ``name``), or None: an override
+        by name, else by type, else fp32 for a ``keep_fp32`` module."""
+        for key, dt in self.overrides:
+            if isinstance(key, str) and key == name:
+                return dt
+        for key, dt in self.overrides:
+            if isinstance(key, type) and isinstance(module, key):
+                return dt
+        for key in self.keep_fp32:
+            if (key == name) if isinstance(key, str) else isinstance(module, key):
+                return _FP32
+        return None
+
+    def named_keys(self) -> list[str]:
+        """The qualified module names the policy refers to (they must exist in the model)."""
+        return [k for k in (*self.keep_fp32, *(k for k, _ in self.overrides))
+                if isinstance(k, str)]
+
+    # -- serialisation -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The policy as plain data (names for dtypes, ``"module:QualName"`` for module types),
+        derived from the dataclass fields."""
+        def key(k):
+            return k if isinstance(k, str) else {"type": type_path(k)}
+
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = dtype_name(value)
+            elif f.name == "keep_fp32":
+                value = [key(k) for k in value]
+            elif f.name == "overrides":
+                value = [[key(k), dtype_name(dt)] for k, dt in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "Policy":
+        """Rebuild a policy from :meth:`state_dict`.
+
+        Raises:
+            ValueError: unknown or missing fields, or a module type that can't be imported.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"a policy state_dict must be a dict; got {type(state).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(state) != names:
+            raise ValueError(f"a policy state_dict has the keys {sorted(names)}; got "
+                             f"{sorted(state)}")
+
+        def key(k):
+            return type_from_path(k["type"]) if isinstance(k, dict) else k
+
+        values = dict(state)
+        values["keep_fp32"] = tuple(key(k) for k in state["keep_fp32"])
+        values["overrides"] = tuple((key(k), dt) for k, dt in state["overrides"])
+        if state["fp8_modules"] is not None:
+            values["fp8_modules"] = tuple(state["fp8_modules"])
+        return cls(**values)
 
     @classmethod
     def from_level(cls, level: str, dtype: Any = "auto", device=None, *,
@@ -208,7 +368,7 @@ class Policy:
         return self.compute_dtype != torch.float32 or self.param_dtype != torch.float32
 
     def __str__(self) -> str:
-        master = "fp32" if self.master_weights else "none"
+        master = (self.master if self.master_weights else "none")
         output = "as-is" if self.output_dtype is None else dtype_name(self.output_dtype)
         body = (f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
                 f"output={output},master={master}")
@@ -216,4 +376,20 @@ class Policy:
                                          ("cast_inputs", self.cast_inputs)) if on]
         if self.level is None and extras:
             body += "," + ",".join(extras)
+        if self.state_dtype != _FP32:
+            body += f",state={dtype_name(self.state_dtype)}"
+        default_keep = (NormLayer,) if self.level == "O2" else ()
+        if self.keep_fp32 != default_keep:
+            body += f",keep_fp32=[{','.join(_key_name(k) for k in self.keep_fp32)}]"
+        if self.overrides:
+            body += ",overrides=[" + ",".join(f"{_key_name(k)}:{dtype_name(dt)}"
+                                              for k, dt in self.overrides) + "]"
+        if self.fp8 is not None:
+            body += f",fp8={self.fp8}"
+            if self.fp8_modules is not None:
+                body += f",fp8_modules={len(self.fp8_modules)}"
         return f"{self.level or 'custom'}({body})"
+
+
+def _key_name(key) -> str:
+    return key if isinstance(key, str) else ("NormLayer" if key is NormLayer else key.__name__)

@@ -17,6 +17,7 @@ dtype their module computes in.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -41,7 +42,8 @@ from .regions import (
 )
 from .statedict import link_masters, register_fp32_state_dict
 
-__all__ = ["prepare", "to_float", "policy_of", "module_device", "ForwardWrapper"]
+__all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of", "module_device",
+           "ForwardWrapper"]
 
 _POLICY_ATTR = "_mixprec_policy"
 _FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module computes in that dtype
@@ -184,37 +186,50 @@ def policy_of(model: nn.Module) -> Policy | None:
     return getattr(model, _POLICY_ATTR, None)
 
 
-def _keep_matcher(keep: tuple):
-    types = tuple(k for k in keep if isinstance(k, type))
-    names = {k for k in keep if isinstance(k, str)}
-    return lambda mod, name: bool(types) and isinstance(mod, types) or name in names
-
-
-def _check_keep_names(model: nn.Module, keep: tuple) -> None:
+def _check_names(model: nn.Module, policy: Policy) -> None:
     names = {name for name, _ in model.named_modules() if name}
-    unknown = [k for k in keep if isinstance(k, str) and k not in names]
+    unknown = [k for k in policy.named_keys() if k not in names]
     if unknown:
         hints = []
         for k in unknown:
             close = difflib.get_close_matches(k, names, n=1)
             hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"keep_fp32 names no module of the model: {', '.join(hints)}; qualified "
-                         f"names look like {sorted(names)[:4]}")
+        raise ValueError(f"keep_fp32/overrides name no module of the model: {', '.join(hints)}; "
+                         f"qualified names look like {sorted(names)[:4]}")
+
+
+def _module_dtype(policy: Policy):
+    """(module, qualified name) -> the dtype it computes in by itself, or None: a to_float
+    mark, else the policy's override or keep_fp32."""
+    return lambda mod, name: _float_mark(mod) or policy.module_dtype(mod, name)
 
 
 def _check_marks(model: nn.Module, policy: Policy) -> None:
-    """A to_float dtype and the policy's compute dtype that are two different 16-bit formats."""
+    """A module dtype and the policy's compute dtype that are two different 16-bit formats."""
     if policy.compute_dtype == _FP32:
         return
+    dtype_of = _module_dtype(policy)
     for name, mod in model.named_modules():
-        mark = _float_mark(mod)
-        if mark is not None and mark not in (_FP32, policy.compute_dtype):
+        dt = dtype_of(mod, name)
+        if dt is not None and dt not in (_FP32, policy.compute_dtype):
             where = name or "the model itself"
+            how = ("marked to_float" if _float_mark(mod) is not None else "given by the "
+                   "policy's overrides as")
             raise ValueError(
-                f"module {where!r} was marked to_float({dtype_name(mark)}) but this policy "
+                f"module {where!r} was {how}({dtype_name(dt)}) but this policy "
                 f"computes in {dtype_name(policy.compute_dtype)}: one model can't mix two "
-                f"16-bit formats. Prepare with dtype={dtype_name(mark)!r}, or mark the module "
+                f"16-bit formats. Prepare with dtype={dtype_name(dt)!r}, or mark the module "
                 f"to_float({dtype_name(policy.compute_dtype)!r}) or to_float('fp32')")
+
+
+def _recorded(model: nn.Module, policy: Policy) -> Policy:
+    """The policy with the model's to_float marks recorded as overrides by qualified name."""
+    named = {k for k, _ in policy.overrides if isinstance(k, str)}
+    marks = tuple((name, _float_mark(mod)) for name, mod in model.named_modules()
+                  if _float_mark(mod) is not None and name not in named)
+    if not marks:
+        return policy
+    return dataclasses.replace(policy, overrides=policy.overrides + marks)
 
 
 def _check_optimizer(model: nn.Module, optimizer) -> None:
@@ -254,18 +269,26 @@ def _check_fp16_state(optimizer, policy: Policy) -> None:
                 f"SGD-style optimizer")
 
 
-def _resolve_policy(model, level, dtype, keep_fp32, policy) -> Policy:
+def _check_one_of(policy, level, dtype) -> None:
+    if policy is not None and (level != "O1" or not (isinstance(dtype, str) and dtype == "auto")):
+        raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
+                         f"{policy} with level={level!r}, dtype={dtype!r}")
+
+
+def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True) -> Policy:
+    """The policy ``prepare`` uses: ``policy``, or the level's on ``device`` (resolving
+    ``dtype="auto"`` there; ``warn``: about a dtype slow there), with ``keep_fp32`` added."""
     if policy is not None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
-        if level != "O1" or not (isinstance(dtype, str) and dtype == "auto"):
-            raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
-                             f"{policy} with level={level!r}, dtype={dtype!r}")
     else:
-        policy = Policy.from_level(level, dtype, module_device(model))
+        policy = Policy.from_level(level, dtype, device, warn=warn)
     if keep_fp32 is not None:
-        extra = (keep_fp32,) if isinstance(keep_fp32, (type, str)) else tuple(keep_fp32)
-        policy = Policy(**{**policy.__dict__, "keep_fp32": policy.keep_fp32 + extra})
+        extra = Policy(keep_fp32=keep_fp32).keep_fp32  # validated as a Policy field is
+        policy = dataclasses.replace(policy, keep_fp32=policy.keep_fp32 + extra)
+    if policy.master != "fp32" or policy.state_dtype != _FP32 or policy.fp8 is not None:
+        raise NotImplementedError(f"{policy}: compact masters, low-precision optimizer states "
+                                  f"and FP8 layers are not in this version of mixprec")
     return policy
 
 
@@ -323,22 +346,37 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
+    _check_one_of(policy, level, dtype)
+    model, optimizers = prepare_many(
+        model, [] if optimizer is None else [optimizer],
+        resolve_policy(level, dtype, keep_fp32, policy, module_device(model)),
+        low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, emulate_fp16=emulate_fp16)
+    return model if optimizer is None else (model, optimizers[0])
+
+
+def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_precision_ops=(),
+                 fp32_ops=(), emulate_fp16="auto") -> tuple[nn.Module, list]:
+    """:func:`prepare` for a resolved ``policy`` and any number of optimizers over ``model``
+    (disjoint parameter sets; each is wrapped at a master-weight policy). What
+    :class:`mixprec.MixedPrecision` and the strategies call."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
     if policy_of(model) is not None:
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")
     _check_materialised(model)
-    policy = _resolve_policy(model, level, dtype, keep_fp32, policy)
-    _check_keep_names(model, policy.keep_fp32)
+    _check_names(model, policy)
     _check_marks(model, policy)
-    _check_optimizer(model, optimizer)
-    _check_fp16_state(optimizer, policy)
+    for optimizer in optimizers:
+        _check_optimizer(model, optimizer)
+        _check_fp16_state(optimizer, policy)
     device_type = module_device(model).type
     context = _policy_context(policy, device_type, low_precision_ops, fp32_ops, emulate_fp16)
-    warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=3)  # names op lists miss
-    originals = _cast_model(model, policy, device_type, _trained(model, optimizer, policy))
-    if policy.master_weights and optimizer is not None:
-        optimizer = _wrap_optimizer(optimizer, originals)
-        link_masters(model, optimizer)
+    warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=4)  # names op lists miss
+    originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
+    if policy.master_weights and optimizers:
+        optimizers = [_wrap_optimizer(opt, originals) for opt in optimizers]
+        link_masters(model, optimizers)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)
@@ -346,10 +384,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         assign_regions(model, island_region(model, root_island) if root_island is not None
                        else _root_region(model, policy, context))
     register_fp32_state_dict(model, policy.master_weights)
-    setattr(model, _POLICY_ATTR, policy)
+    setattr(model, _POLICY_ATTR, _recorded(model, policy))
     for mod in model.modules():
         setattr(mod, _PREPARED_ATTR, True)
-    return model if optimizer is None else (model, optimizer)
+    return model, list(optimizers)
 
 
 def _policy_context(policy: Policy, device_type: str, low_ops, fp32_ops,
@@ -375,44 +413,43 @@ def _root_region(model: nn.Module, policy: Policy, context) -> Region:
     return Region(context, policy.compute_dtype if other else None)
 
 
-def _trained(model: nn.Module, optimizer, policy: Policy):
+def _trained(optimizers: list, policy: Policy):
     """A predicate: is this parameter trained through fp32 masters? (Under a master-weight
-    policy, a parameter that requires no gradient or that the given optimizer does not hold has
-    no master, so it keeps its dtype: its fp32 value would otherwise be lost.)"""
+    policy, a parameter that requires no gradient or that no given optimizer holds has no
+    master, so it keeps its dtype: its fp32 value would otherwise be lost.)"""
     if not policy.master_weights:
         return lambda p: True
-    if optimizer is None:
+    if not optimizers:
         return lambda p: p.requires_grad
-    held = {id(optimizer.model_param(p) if is_master_optimizer(optimizer) else p)
-            for g in optimizer.param_groups for p in g["params"]}
+    held = {id(opt.model_param(p) if is_master_optimizer(opt) else p)
+            for opt in optimizers for g in opt.param_groups for p in g["params"]}
     return lambda p: p.requires_grad and id(p) in held
 
 
 def _cast_model(model: nn.Module, policy: Policy, device_type: str,
                 trained) -> dict[torch.Tensor, torch.Tensor]:
-    """Cast tensors per the policy and wrap kept modules; return the fp32 data of cast params."""
-    keep = _keep_matcher(policy.keep_fp32)
+    """Cast tensors per the policy and make islands of the modules with a dtype of their own;
+    return the fp32 data of cast params."""
+    dtype_of = _module_dtype(policy)
 
-    def fp32_module(mod, name):
-        mark = _float_mark(mod)
-        return mark == _FP32 or (mark is None and keep(mod, name))
+    def param_override(mod, name):
+        dt = dtype_of(mod, name)
+        return _FP32 if dt == _FP32 else (policy.param_dtype if dt is not None else None)
 
-    params = _module_dtypes(model, policy.param_dtype,
-                            lambda m, n: _FP32 if fp32_module(m, n) else
-                            (policy.param_dtype if _float_mark(m) is not None else None))
-    buffers = _module_dtypes(model, policy.param_dtype,
-                             lambda m, n: _float_mark(m) or (_FP32 if keep(m, n) else None))
+    params = _module_dtypes(model, policy.param_dtype, param_override)
+    buffers = _module_dtypes(model, policy.param_dtype, dtype_of)
     originals: dict[torch.Tensor, torch.Tensor] = {}
     _cast_tensors(params, "_parameters", originals, keep=lambda t: not trained(t))
     _cast_tensors(buffers, "_buffers")
     if not policy.is_mixed:
         return originals
-    context = PrecisionContext.fixed(_FP32, device_type)
     for name, mod in model.named_modules():
-        if _float_mark(mod) is None and keep(mod, name):
-            cast_inputs = not _takes_low_precision_input(mod, device_type)
-            mod.forward = Island(mod, _FP32, cast_inputs, context)
-            refresh_island(mod)
+        dt = dtype_of(mod, name)
+        if dt is None or _float_mark(mod) is not None:  # none, or to_float made its island
+            continue
+        cast_inputs = dt != _FP32 or not _takes_low_precision_input(mod, device_type)
+        mod.forward = Island(mod, dt, cast_inputs, PrecisionContext.fixed(dt, device_type))
+        refresh_island(mod)
     return originals
 
 

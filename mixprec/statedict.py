@@ -37,21 +37,25 @@ class Companions:
     optimizer alive). A copy: fp32 shadows, one per parameter, owned by the copy.
     """
 
-    def __init__(self, optimizer=None):
-        self._ref = None if optimizer is None else weakref.ref(optimizer)
+    def __init__(self, optimizers=()):
+        self._refs = [weakref.ref(opt) for opt in optimizers]
         self._shadows: dict[torch.Tensor, torch.Tensor] = {}
         self._versions: dict[torch.Tensor, tuple[int, int]] = {}
 
     def pairs(self) -> dict[torch.Tensor, torch.Tensor]:
         """Low-precision parameter -> its fp32 companion."""
-        opt = self._ref() if self._ref is not None else None
-        if opt is not None:
-            return opt.masters_by_param()
+        if self._refs:
+            pairs: dict[torch.Tensor, torch.Tensor] = {}
+            for ref in self._refs:
+                opt = ref()
+                if opt is not None:
+                    pairs.update(opt.masters_by_param())
+            return pairs
         return self._shadows
 
     @property
     def is_copy(self) -> bool:
-        return self._ref is None
+        return not self._refs
 
     def settle(self) -> dict[torch.Tensor, torch.Tensor]:
         """Make every companion consistent with its parameter, then return the pairs (one host
@@ -88,15 +92,15 @@ class Companions:
         return {"shadows": {p: c.detach() for p, c in self.settle().items()}}
 
     def __setstate__(self, state: dict) -> None:
-        self._ref = None
+        self._refs = []
         self._shadows = dict(state["shadows"])
         self._versions = {}
         self._record()
 
 
-def link_masters(model: nn.Module, optimizer) -> None:
-    """Make ``optimizer``'s masters the fp32 companions of ``model``'s parameters."""
-    setattr(model, _LINK_ATTR, Companions(optimizer))
+def link_masters(model: nn.Module, optimizers: list) -> None:
+    """Make the ``optimizers``' masters the fp32 companions of ``model``'s parameters."""
+    setattr(model, _LINK_ATTR, Companions(optimizers))
 
 
 def companions_of(model: nn.Module) -> Companions | None:

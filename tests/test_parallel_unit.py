@@ -16,7 +16,8 @@ from mixprec.cli import main as cli_main
 from mixprec.parallel import env
 from mixprec.parallel.plan import parse_count, plan
 from mixprec.training import state as ts
-from mixprec.training.strategy import distributed_loader, make_strategy, resolve_strategy
+from mixprec.training.choose import make_strategy, resolve_strategy
+from mixprec.training.strategy import distributed_loader
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -121,3 +121,71 @@ def test_cuda_capabilities():
 
 def test_dtype_name():
     assert [dtype_name(d) for d in (FP32, FP16, BF16)] == ["fp32", "fp16", "bf16"]
+
+
+# -- the whole description: overrides, value equality, round trips ---------------------------
+def test_policies_compare_by_value_and_print_what_differs():
+    plain = Policy.from_level("O2", "bf16")
+    extra = plain.replace(keep_fp32=plain.keep_fp32 + ("head",), level="O2")
+    assert plain == Policy.from_level("O2", "bf16") and plain != extra
+    assert str(plain) != str(extra)  # 0.2 printed both as plain O2
+    assert str(extra) == ("O2(params=bf16,compute=bf16,output=fp32,master=fp32,"
+                          "keep_fp32=[NormLayer,head])")
+    custom = Policy(overrides={"encoder": "bf16", torch.nn.Linear: "fp32"})
+    assert str(custom) == ("custom(params=fp32,compute=fp32,output=fp32,master=none,"
+                           "overrides=[encoder:bf16,Linear:fp32])")
+
+
+@pytest.mark.parametrize("policy", [
+    Policy.from_level("O2", "bf16"),
+    Policy.from_level("O1", "fp16", warn=False).replace(
+        overrides={"head": "fp32", torch.nn.Embedding: "fp32"}),
+    Policy(param_dtype="bf16", compute_dtype="bf16", keep_fp32=(torch.nn.LayerNorm, "norm"),
+           master_weights=True, loss_scale=128.0, cast_inputs=True),
+])
+def test_policy_state_dict_round_trips_by_value(policy):
+    state = policy.state_dict()
+    assert torch.load(io_round_trip(state), weights_only=True) == state  # plain data
+    assert Policy.from_state_dict(state) == policy
+    with pytest.raises(ValueError, match="keys"):
+        Policy.from_state_dict({**state, "extra": 1})
+
+
+def io_round_trip(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_overrides_pick_by_name_before_type_and_are_validated():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    policy = Policy(overrides=[("1", "fp32"), (torch.nn.Linear, "bf16")])
+    assert policy.module_dtype(net[1], "1") == FP32
+    assert policy.module_dtype(net[0], "0") == BF16
+    assert Policy(keep_fp32="0").module_dtype(net[0], "0") == FP32
+    with pytest.raises(TypeError, match="overrides entries must be"):
+        Policy(overrides=[("1",)])
+    with pytest.raises(ValueError, match="override dtype must be 'fp32', 'fp16' or 'bf16'"):
+        Policy(overrides={"1": "fp8_e4m3"})
+    with pytest.raises(TypeError, match=r"keep_fp32 must be a module type.*got int 42"):
+        Policy(keep_fp32=42)
+    with pytest.raises(ValueError, match="need master_weights=True"):
+        Policy(master="kahan")
+
+
+def test_prepare_applies_policy_overrides_and_records_to_float_marks():
+    import mixprec as mp
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    mp.to_float(net[2], "fp32")
+    policy = Policy.from_level("O2", "bf16").replace(overrides={"0": "fp32"}, level="O2")
+    mp.prepare(net, policy=policy)
+    assert net[0].weight.dtype == FP32 and net[2].weight.dtype == FP32
+    recorded = mp.policy_of(net)
+    assert recorded.overrides == (("0", FP32), ("2", FP32))
+    assert "overrides=[0:fp32,2:fp32]" in str(recorded)
+    with pytest.raises(ValueError, match=r"name no module of the model: 'hed'"):
+        mp.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                   policy=Policy(overrides={"hed": "fp32"}))

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..master import is_master_optimizer
-from ..prepare import policy_of, prepare
+from ..policy import Policy
+from ..prepare import module_device, policy_of, prepare_many, resolve_policy
 from . import env
 from .ddp import reduce_dtype_of
 from .env import is_fsdp
@@ -116,7 +117,7 @@ def _policies(policy, reduce_dtype: torch.dtype):
 
 def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
-         mesh=None, keep_fp32=None):
+         mesh=None, keep_fp32=None, policy: Policy | None = None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -142,6 +143,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
             module held in an ``nn.ModuleList``); the root is always a unit.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
+        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
 
     Returns:
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
@@ -167,7 +169,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     unit_names = _unit_names(model, units)
     env.require_group("mp.parallel.fsdp")
     originals = {p: p.data for p in model.parameters()}
-    prepare(model, level=level, dtype=dtype, keep_fp32=keep_fp32)
+    prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model)))
     policy = policy_of(model)
     kept_units: list[str] = []
     if policy.master_weights:

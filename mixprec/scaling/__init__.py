@@ -5,9 +5,12 @@
 * :mod:`.scalers`: :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`NoLossScaler`,
   :func:`make_loss_scaler`.
 * :mod:`.unscale`: the fused unscale + inf/NaN pass over plain optimizers' gradients.
+* :mod:`.protocol`: :class:`OwnsGradients`, the protocol between a scaler and an optimizer that
+  owns the gradients its step reads (fp32 masters).
 """
 
 from .base import LossScaler
+from .protocol import OwnsGradients, owns_gradients
 from .scalers import (
                       DynamicLossScaler,
                       NoLossScaler,
@@ -18,4 +21,5 @@ from .scalers import (
 from .state import DynamicConfig, ScaleState, adjust_scale
 
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
-           "NonFiniteGradientsError", "LossScaler", "ScaleState", "DynamicConfig", "adjust_scale"]
+           "NonFiniteGradientsError", "LossScaler", "ScaleState", "DynamicConfig", "adjust_scale",
+           "OwnsGradients", "owns_gradients"]

@@ -25,19 +25,13 @@ import torch
 from torch import nn
 
 from . import unscale as passes
+from .protocol import owns_gradients
 from .state import ScaleState, check_keys, positive_scale
 
 __all__ = ["LossScaler", "owns_gradients"]
 
 _SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt) or "
              "clip_grad_norm_(opt, ...)] -> step(opt) -> update()")
-_OWNER_METHODS = ("grads_for_step", "unscale_grads_", "drop_master_grads")
-
-
-def owns_gradients(optimizer) -> bool:
-    """True for an optimizer whose step reads gradients that are not in its ``param_groups``
-    (it implements ``grads_for_step``, ``unscale_grads_`` and ``drop_master_grads``)."""
-    return all(callable(getattr(optimizer, name, None)) for name in _OWNER_METHODS)
 
 
 class _Stage(enum.Enum):

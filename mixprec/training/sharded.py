@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..parallel import env
 from ..parallel.sharding import fsdp
+from ..policy import Policy
 from . import state as ts
 from .strategy import DistributedStrategy, rank_checkpoint
 
@@ -38,9 +39,9 @@ class FSDPStrategy(DistributedStrategy):
     name = "fsdp"
     checkpoint_suffix = ""
 
-    def setup(self, model: nn.Module, optimizer, *, level: str, dtype):
+    def setup(self, model: nn.Module, optimizer, policy: Policy):
         env.require_group("Trainer(strategy='fsdp')")
-        return fsdp(model, optimizer, level=level, dtype=dtype, reduce_dtype=self.reduce_dtype)
+        return fsdp(model, optimizer, policy=policy, reduce_dtype=self.reduce_dtype)
 
     def save(self, trainer, path) -> None:
         path = Path(path)

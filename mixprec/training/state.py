@@ -1,9 +1,10 @@
-"""Helpers of the Trainer's exact resume: RNG snapshots, data-loader generators, model
-signatures."""
+"""The Trainer's exact resume: :class:`TrainState` (its counters and positions), RNG snapshots,
+data-loader generators, model signatures, atomic checkpoint files."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 import tempfile
@@ -13,7 +14,55 @@ import numpy as np
 import torch
 from torch import nn
 
-CHECKPOINT_FORMAT = "mixprec.trainer/1"
+from ..engine import check_policy
+
+CHECKPOINT_FORMAT = "mixprec.trainer/2"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where a Trainer stands: what a checkpoint needs to continue exactly.
+
+    Attributes:
+        global_step: optimizer steps taken (skipped ones included).
+        epoch: epochs completed.
+        batch_in_epoch: micro-batches consumed in the current epoch.
+        epoch_loss: sum and count of the finite step losses of the current epoch.
+        epoch_start_rng: RNG states from just before the current epoch's ``iter()``.
+        pending_loader_rng: loader RNG states a resumed run applies at its next epoch start.
+        data: the data ``fit`` iterates (not saved).
+    """
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    epoch_loss: list = dataclasses.field(default_factory=lambda: [0.0, 0])
+    epoch_start_rng: dict | None = None
+    pending_loader_rng: dict | None = None
+    data: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def new_epoch(self) -> None:
+        """Reset the position within the epoch."""
+        self.batch_in_epoch, self.epoch_start_rng, self.epoch_loss = 0, None, [0.0, 0]
+
+    def add_loss(self, loss: float) -> None:
+        """Count a finite step loss into the epoch's mean."""
+        self.epoch_loss = [self.epoch_loss[0] + loss, self.epoch_loss[1] + 1]
+
+    def state_dict(self) -> dict:
+        """The counters (plain data; the RNG states are saved per rank beside them)."""
+        return {"global_step": self.global_step, "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch, "epoch_loss": list(self.epoch_loss)}
+
+    def load_state_dict(self, counters: dict, epoch_start_rng: dict | None, rng: dict) -> None:
+        """Restore :meth:`state_dict` and the RNG states: ``rng`` (the saved global and loader
+        states) is applied now, and to the loader when the next epoch starts."""
+        self.global_step, self.epoch = counters["global_step"], counters["epoch"]
+        self.batch_in_epoch = counters["batch_in_epoch"]
+        self.epoch_loss = list(counters["epoch_loss"])
+        self.epoch_start_rng = epoch_start_rng
+        restore_rng(rng)
+        self.pending_loader_rng = rng if rng["loader"] is not None else None
 
 
 def loader_generators(data) -> list[torch.Generator]:
@@ -134,18 +183,17 @@ def module_of(trainer) -> nn.Module:
 
 def trainer_meta(trainer) -> dict:
     """What :meth:`mixprec.Trainer.save` writes besides the model and optimizer tensors."""
+    precision = trainer.engine.state_dict()
     return {
         "format": CHECKPOINT_FORMAT,
-        "policy": str(trainer.policy),
+        "policy": precision["policy"],
         "signature": model_signature(module_of(trainer)),
-        "scaler": trainer.scaler.state_dict(),
+        "scaler": precision["scaler"],
         "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
-        "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
-                     "batch_in_epoch": trainer._batch_in_epoch,
-                     "epoch_loss": list(trainer._epoch_loss)},
+        "counters": trainer.state.state_dict(),  # the RNG states: below, per rank
         "history": trainer.history.state_dict(),
-        "rng": capture_rng(getattr(trainer, "_data", None)),
-        "epoch_start_rng": trainer._epoch_start_rng,
+        "rng": capture_rng(trainer.state.data),
+        "epoch_start_rng": trainer.state.epoch_start_rng,
     }
 
 
@@ -174,9 +222,7 @@ def _load_states(trainer, states: dict) -> None:
 def check_compatible(trainer, ckpt: dict, path) -> None:
     """Refuse a checkpoint from another policy, model or set-up (scheduler or not)."""
     where = f"checkpoint {str(path)!r}"
-    if ckpt["policy"] != str(trainer.policy):
-        raise ValueError(f"{where} was saved with policy {ckpt['policy']} but this trainer uses "
-                         f"{trainer.policy}")
+    check_policy(ckpt["policy"], trainer.engine.policy, where)
     diff = signature_mismatch(ckpt["signature"], model_signature(module_of(trainer)))
     if diff:
         raise ValueError(f"{where} was saved from a different model: {diff}")
@@ -188,13 +234,8 @@ def check_compatible(trainer, ckpt: dict, path) -> None:
 
 def restore_progress(trainer, ckpt: dict) -> None:
     """Counters, history and RNG states of a checkpoint (after its tensors were loaded)."""
-    c = ckpt["counters"]
-    trainer.global_step, trainer.epoch = c["global_step"], c["epoch"]
-    trainer._batch_in_epoch, trainer._epoch_loss = c["batch_in_epoch"], list(c["epoch_loss"])
     trainer.history.load_state_dict(ckpt["history"])
-    trainer._epoch_start_rng = ckpt["epoch_start_rng"]
-    restore_rng(ckpt["rng"])
-    trainer._pending_loader_rng = ckpt["rng"] if ckpt["rng"]["loader"] is not None else None
+    trainer.state.load_state_dict(ckpt["counters"], ckpt["epoch_start_rng"], ckpt["rng"])
 
 
 def load_trainer_state(trainer, ckpt: dict, path) -> None:

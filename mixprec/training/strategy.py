@@ -1,19 +1,17 @@
-"""How a :class:`mixprec.Trainer` spreads over processes: one process, DDP or FSDP2.
+"""How a :class:`mixprec.Trainer` spreads over processes: one process and DDP.
 
 A strategy owns everything the training loop does differently across ranks, so the loop itself
 reads the same for all of them: preparing and wrapping the model, rebuilding data loaders over a
 ``DistributedSampler``, skipping the gradient reduction on all but the last micro-batch, agreeing
 on numbers (the logged loss, metrics, "stop") across ranks, and checkpoints. The FSDP strategy
-lives in :mod:`mixprec.training.sharded` (loaded on first use: FSDP2 is slow to import).
+lives in :mod:`mixprec.training.sharded`; :mod:`mixprec.training.choose` picks one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,48 +24,15 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ..parallel import ddp, env, reduce_dtype_of
-from ..prepare import module_device, prepare
+from ..parallel import ddp, env
+from ..policy import Policy
+from ..prepare import module_device, prepare_many
 from . import state as ts
 
-__all__ = ["Strategy", "DistributedStrategy", "DDPStrategy", "make_strategy", "resolve_strategy",
-           "STRATEGIES", "distributed_loader", "rank_checkpoint"]
+__all__ = ["Strategy", "DistributedStrategy", "DDPStrategy", "distributed_loader",
+           "rank_checkpoint"]
 
 log = logging.getLogger("mixprec")
-
-STRATEGIES = ("auto", "single", "ddp", "fsdp")
-
-
-def resolve_strategy(strategy: str) -> str:
-    """The concrete strategy for ``strategy`` ("auto": "ddp" under torchrun or a >1-rank group).
-
-    Raises:
-        ValueError: an unknown strategy.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; "
-                         f"got {strategy!r}")
-    if strategy != "auto":
-        return strategy
-    if env.is_initialized():
-        return "ddp" if dist.get_world_size() > 1 else "single"
-    return "ddp" if env.launched_by_torchrun() and env.world_size() > 1 else "single"
-
-
-def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32") -> "Strategy":
-    """The :class:`Strategy` for a Trainer's ``strategy`` and ``reduce_dtype`` arguments.
-
-    Raises:
-        ValueError: an unknown strategy or reduce dtype.
-    """
-    reduce = reduce_dtype_of(reduce_dtype)
-    name = resolve_strategy(strategy)
-    if name == "single":
-        return Strategy(reduce)
-    if name == "ddp":
-        return DDPStrategy(reduce)
-    # FSDP2 takes ~0.8 s to import: load the FSDP strategy only when it is asked for.
-    return importlib.import_module(".sharded", __package__).FSDPStrategy(reduce)
 
 
 def _sampler_of(data: DataLoader):
@@ -134,9 +99,10 @@ class Strategy:
         """Where to train when the Trainer is given no ``device``."""
         return module_device(model)
 
-    def setup(self, model: nn.Module, optimizer, *, level: str, dtype):
-        """Prepare (and wrap) the model; returns ``(model, optimizer)``."""
-        return prepare(model, optimizer, level=level, dtype=dtype)
+    def setup(self, model: nn.Module, optimizer, policy: Policy):
+        """Prepare (and wrap) the model for ``policy``; returns ``(model, optimizer)``."""
+        model, (optimizer,) = prepare_many(model, [optimizer], policy)
+        return model, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module (plain state-dict names)."""
@@ -241,8 +207,8 @@ class DistributedStrategy(Strategy):
 
     def rank_states(self, trainer) -> list[dict]:
         """Every rank's RNG states (gathered: they differ per rank)."""
-        mine = {"rng": ts.capture_rng(getattr(trainer, "_data", None)),
-                "epoch_start_rng": trainer._epoch_start_rng}
+        mine = {"rng": ts.capture_rng(trainer.state.data),
+                "epoch_start_rng": trainer.state.epoch_start_rng}
         gathered: list = [None] * env.world_size()
         dist.all_gather_object(gathered, mine)
         return gathered
@@ -293,12 +259,12 @@ class DDPStrategy(DistributedStrategy):
 
     name = "ddp"
 
-    def setup(self, model: nn.Module, optimizer, *, level: str, dtype):
+    def setup(self, model: nn.Module, optimizer, policy: Policy):
         env.require_group("Trainer(strategy='ddp')")
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
-        model, optimizer = prepare(model, optimizer, level=level, dtype=dtype)
+        model, (optimizer,) = prepare_many(model, [optimizer], policy)
         return ddp(model, reduce_dtype=self.reduce_dtype), optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -1,16 +1,16 @@
 """A training loop with mixed precision as one argument:
 ``Trainer(model, loss_fn, opt, level="O2")``.
 
-The Trainer prepares the model and optimizer for the level (:func:`mixprec.prepare`), builds the
-loss scaler (:func:`mixprec.make_loss_scaler`), and runs the canonical step: scale the loss,
-backward on every micro-batch, unscale once, clip the true gradients, step unless they overflowed,
-update the scale, step the LR scheduler only when the update was applied.
+The Trainer drives a :class:`mixprec.MixedPrecision` (the policy, the prepared model, the loss
+scaler and the step order): backward of the scaled loss on every micro-batch, then one
+``engine.step`` (check, clip the true gradients, step or skip, update the scale), then the LR
+scheduler only when the update was applied. It adds what a loop needs around that: epochs,
+accumulation, metrics, callbacks, strategies across processes, and exact resume.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import sys
 import time
@@ -20,30 +20,26 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .. import debug
+from ..engine import MixedPrecision, check_max_norm
 from ..master import is_master_optimizer, kernels
+from ..policy import Policy
 from ..prepare import policy_of
-from ..scaling import make_loss_scaler
 from . import state as ts
 from .batches import compute_loss, logits_of, split_batch, to_device
 from .callbacks import Callback, ProgressBar
+from .choose import make_strategy
+from .diagnose import diagnose_overflow
 from .history import History
 from .metrics import make_metrics
-from .strategy import make_strategy
 
 __all__ = ["Trainer", "History"]
-
-log = logging.getLogger("mixprec")
 
 
 def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
     if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
             or grad_accum_steps < 1):
         raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                          and 0 < max_grad_norm < math.inf):
-        raise ValueError(f"max_grad_norm must be None or a positive finite number; "
-                         f"got {max_grad_norm!r}")
+    check_max_norm(max_grad_norm)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
                         f"model output's .loss; got {loss_fn!r}")
@@ -91,6 +87,7 @@ class Trainer:
         dtype: the low-precision dtype or "auto".
         loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
             O1/O2, none otherwise) or a scaler.
+        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
         metrics: None, "accuracy", a :class:`mixprec.training.Metric`, or a list of them.
         scheduler: an LR scheduler over ``optimizer``; stepped after every applied update.
         grad_accum_steps: micro-batches per optimizer step (each loss is divided by the number of
@@ -105,9 +102,8 @@ class Trainer:
             low-precision gradient; on CUDA torch's fused multi-tensor kernels stay, being
             faster there).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
-            :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first (the
-            re-run changes no state). Each distinct first cause is logged once and recorded in
-            ``History.overflows``; later overflows with the same cause only count ``repeats``.
+            :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
+            (see :mod:`mixprec.training.diagnose`).
         progress: show a tqdm bar (only when stdout is a terminal).
         strategy: "auto" (default: "ddp" when launched by torchrun with ``WORLD_SIZE`` > 1 or
             when a default process group of more than one rank exists, else "single"),
@@ -123,6 +119,10 @@ class Trainer:
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
     :mod:`mixprec.training.batches`.
+
+    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the
+    :class:`mixprec.MixedPrecision`), ``scaler``, ``policy``, ``scheduler``, ``history``,
+    ``state`` (a :class:`mixprec.training.state.TrainState`: steps, epochs, position).
 
     Raises:
         ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
@@ -149,8 +149,9 @@ class Trainer:
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
-                 reduce_dtype: Any = "fp32"):
+                 reduce_dtype: Any = "fp32", policy: Policy | None = None):
         _check_options(grad_accum_steps, max_grad_norm, loss_fn)
+        self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
@@ -158,24 +159,32 @@ class Trainer:
         self.metrics = make_metrics(metrics)
         self.device = _check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
-        self.model, self.optimizer = self.strategy.setup(model, optimizer, level=level, dtype=dtype)
+        self.model, self.optimizer = self.strategy.setup(
+            model, optimizer, self.engine.resolve_policy(self.device))
+        self.engine.adopt(self.strategy.unwrap(self.model))
         self.policy = policy_of(self.strategy.unwrap(self.model))
-        self.scaler = make_loss_scaler(loss_scaler, dtype=self.policy)
-        if hasattr(self.scaler, "attach"):
-            self.scaler.attach(self.strategy.unwrap(self.model))
+        self.scaler = self.engine.scaler
         self.loss_fn, self.scheduler = loss_fn, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
-        self._forward_loss_fn = torch.compile(self._forward_loss) if compile else self._forward_loss
+        self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
         if compile:
             self._enable_fused_master_step()
         self.history = History()
-        self.global_step = 0       # optimizer steps taken (skipped ones included)
-        self.epoch = 0             # epochs completed
+        self.state = ts.TrainState()
         self.stop_training = False
         self.timings: dict | None = None  # set to {} to accumulate per-phase seconds
-        self._reset_epoch_position()
-        self._pending_loader_rng = None
+        self.last_batch = None
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return self.state.global_step
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self.state.epoch
 
     def _enable_fused_master_step(self) -> None:
         """The compiled master step, on a CPU only: on CUDA torch's fused multi-tensor kernels
@@ -186,13 +195,8 @@ class Trainer:
                 and self.device.type == "cpu"):
             opt.fused = "compile"
 
-    def _reset_epoch_position(self) -> None:
-        self._batch_in_epoch = 0      # micro-batches consumed in the current epoch
-        self._epoch_start_rng = None  # RNG states from just before the epoch's iter()
-        self._epoch_loss = [0.0, 0]   # sum and count of finite step losses this epoch
-
     # ----------------------------------------------------------------- the step
-    def _forward_loss(self, batch):
+    def forward_loss(self, batch):
         """The model's output and the loss on one batch (outputs as the policy returns them)."""
         output = batch.run(self.model)
         return compute_loss(output, batch, self.loss_fn), output
@@ -230,19 +234,17 @@ class Trainer:
         loss, output = self._forward_loss_fn(batch)
         self._update_metrics(self.metrics, output, batch)
         t = self._tick("forward", t)
-        self.scaler.scale(loss / divisor if divisor > 1 else loss).backward()
+        self.engine.backward(loss / divisor if divisor > 1 else loss)
         self._tick("backward", t)
-        self._last_batch = batch
+        self.last_batch = batch
         return loss.detach()
 
     def _apply_update(self) -> tuple[bool, float]:
-        """Unscale, clip, step (unless overflowed), update the scale, step the scheduler."""
+        """The engine's step (check, clip, step or skip, update the scale), then the
+        scheduler when the update was applied."""
         t = time.perf_counter()
         scale = self.scaler.get_scale()
-        if self.max_grad_norm is not None:
-            self.scaler.clip_grad_norm_(self.optimizer, self.max_grad_norm)
-        applied = bool(self.scaler.step(self.optimizer))
-        self.scaler.update()
+        applied = self.engine.step(self.optimizer, max_grad_norm=self.max_grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         if applied and self.scheduler is not None:
             self.scheduler.step()
@@ -264,50 +266,17 @@ class Trainer:
     def _finish_step(self, window_loss: torch.Tensor, epoch_step: int | None) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         applied, scale = self._apply_update()
-        self.global_step += 1
+        self.state.global_step += 1
         loss = self.strategy.mean(window_loss)  # averaged over the ranks
         for name, value in (("loss", loss), ("loss_scale", scale), ("skipped", not applied),
                             ("lr", lr)):
             getattr(self.history, name).append(value)
         if math.isfinite(loss):
-            self._epoch_loss[0] += loss
-            self._epoch_loss[1] += 1
+            self.state.add_loss(loss)
         if not applied and self.diagnose_overflow:
-            self._diagnose()
+            diagnose_overflow(self)
         return {"epoch": self.epoch + 1, "step": self.global_step, "epoch_step": epoch_step,
                 "loss": loss, "loss_scale": scale, "skipped": not applied, "lr": lr}
-
-    def _diagnose(self) -> None:
-        """Re-run the last micro-batch under the non-finite tracer; restore every state after."""
-        rng = ts.capture_rng()
-        buffers = {k: v.clone() for k, v in self.model.named_buffers()}
-        scale = self.history.loss_scale[-1]
-        try:
-            with debug.trace_nonfinite(self.model) as tracer:
-                loss, _ = self._forward_loss(self._last_batch)
-                (loss * scale).backward()
-            found = tracer.report
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-            ts.restore_rng(rng)
-            with torch.no_grad():
-                for k, v in self.model.named_buffers():
-                    v.copy_(buffers[k])
-        cause = "none" if found is None else (
-            f"{found.first.phase} {found.first.module} {found.first.op}")
-        seen = next((e for e in self.history.overflows if e["cause"] == cause), None)
-        if seen is not None:  # the same first cause again: count it, say it in one line
-            seen["repeats"] += 1
-            log.info("mixprec: step %d overflowed at loss scale %g; same first cause as step %d "
-                     "(%s), %d repeat(s)", self.global_step, scale, seen["step"], cause,
-                     seen["repeats"])
-            return
-        report = {"step": self.global_step, "scale": scale, "cause": cause, "repeats": 0,
-                  "report": str(found) if found is not None else "no non-finite value on re-run"}
-        self.history.overflows.append(report)
-        log.warning("mixprec: step %d overflowed at loss scale %g; first non-finite values:\n%s"
-                    "\n(later overflows with this first cause are counted, not repeated)",
-                    self.global_step, scale, report["report"])
 
     # ----------------------------------------------------------------- epochs
     def fit(self, train_data: Iterable, epochs: int = 1, eval_data: Iterable | None = None,
@@ -349,7 +318,7 @@ class Trainer:
             n = _length(train_data)
             steps = None if n is None else math.ceil(n / self.grad_accum_steps)
             callbacks.append(ProgressBar(steps))
-        self._data, self.stop_training = train_data, False
+        self.state.data, self.stop_training = train_data, False
         for cb in callbacks:
             cb.on_fit_begin(self)
         try:
@@ -358,8 +327,8 @@ class Trainer:
                     break
                 logs = self._epoch_logs(eval_data)
                 self.history.epochs.append(logs)
-                self.epoch += 1
-                self._reset_epoch_position()
+                self.state.epoch += 1
+                self.state.new_epoch()
                 for cb in callbacks:
                     cb.on_epoch_end(self, self.epoch, logs)
                 self.stop_training = self.strategy.any(self.stop_training, self.device)
@@ -373,20 +342,21 @@ class Trainer:
 
     def _epoch_iterator(self, data):
         """``iter(data)``, positioned where the epoch left off (replaying its shuffle)."""
-        self.strategy.begin_epoch(data, self.epoch)
-        if self._batch_in_epoch == 0:
-            if self._pending_loader_rng is not None:
-                ts.restore_rng(self._pending_loader_rng, data, globals_=False)
-            self._pending_loader_rng = None
-            self._epoch_start_rng = ts.capture_rng(data)
+        st = self.state
+        self.strategy.begin_epoch(data, st.epoch)
+        if st.batch_in_epoch == 0:
+            if st.pending_loader_rng is not None:
+                ts.restore_rng(st.pending_loader_rng, data, globals_=False)
+            st.pending_loader_rng = None
+            st.epoch_start_rng = ts.capture_rng(data)
             return iter(data)
-        now, self._pending_loader_rng = ts.capture_rng(), None
-        ts.restore_rng(self._epoch_start_rng, data)
+        now, st.pending_loader_rng = ts.capture_rng(), None
+        ts.restore_rng(st.epoch_start_rng, data)
         it = iter(data)
-        for i in range(self._batch_in_epoch):
+        for i in range(st.batch_in_epoch):
             if next(it, None) is None:
                 raise ValueError(f"train_data has only {i} batches but the run stopped after batch "
-                                 f"{self._batch_in_epoch} of this epoch: resume on the same data")
+                                 f"{st.batch_in_epoch} of this epoch: resume on the same data")
         ts.restore_rng(now, loader=False)
         return it
 
@@ -402,12 +372,12 @@ class Trainer:
         window, window_loss, divisor = 0, None, accum
         for batch in it:
             if window == 0:
-                start = self._batch_in_epoch
+                start = self.state.batch_in_epoch
                 divisor = accum if n is None else min(accum, n - start)
             last = n is None or window + 1 == divisor  # without len(): reduce every micro-batch
             loss = self._micro_step(batch, divisor, last)
             window_loss = loss if window_loss is None else window_loss + loss
-            self._batch_in_epoch += 1
+            self.state.batch_in_epoch += 1
             window += 1
             if window == divisor:
                 self._end_window(window_loss / divisor, callbacks)
@@ -416,18 +386,19 @@ class Trainer:
                     return False
         if window:  # a trailing partial window of data without len()
             self._end_window(window_loss / window, callbacks)
-        if self._batch_in_epoch == 0:
+        if self.state.batch_in_epoch == 0:
             raise ValueError("train_data yielded no batches")
         return True
 
     def _end_window(self, loss: torch.Tensor, callbacks) -> None:
-        logs = self._finish_step(loss, math.ceil(self._batch_in_epoch / self.grad_accum_steps))
+        logs = self._finish_step(loss, math.ceil(self.state.batch_in_epoch /
+                                                 self.grad_accum_steps))
         for cb in callbacks:
             cb.on_step_end(self, logs)
         self.stop_training = self.strategy.any(self.stop_training, self.device)
 
     def _epoch_logs(self, eval_data) -> dict:
-        total, count = self._epoch_loss
+        total, count = self.state.epoch_loss
         logs = {"epoch": self.epoch + 1, "loss": total / count if count else float("nan")}
         logs.update(self.strategy.metric_values(self.metrics, self.device))
         if eval_data is not None:
@@ -458,7 +429,7 @@ class Trainer:
             with torch.no_grad():
                 for batch in data:
                     batch = self._batch(batch)
-                    loss, output = self._forward_loss(batch)
+                    loss, output = self.forward_loss(batch)
                     size = batch.size()
                     total, count = total + float(loss) * size, count + size
                     self._update_metrics(metrics, output, batch)

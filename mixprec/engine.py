@@ -1,0 +1,241 @@
+"""``mp.MixedPrecision``: one object that owns a precision run, for any training loop.
+
+It holds the :class:`~mixprec.Policy`, prepares models and optimizers for it, owns the loss
+scaler, and runs the step in the one order mixprec uses everywhere (its ``Trainer``, the apex
+compatibility layer, the Lightning and Hugging Face integrations):
+
+1. ``backward(loss)``: scale the loss (fp16's dynamic scale; 1 for bf16) and backpropagate;
+2. ``step(*optimizers)``: for each optimizer, check the gradients the step will read for
+   inf/NaN (unscaling them into the fp32 masters, or folding the scale into the step), clip the
+   true gradients to ``max_grad_norm``, then step it, or skip it when its gradients overflowed
+   (weights and optimizer state untouched); then update the scale once, and return whether
+   every optimizer stepped (a scheduler steps only then).
+
+``state_dict()`` carries the policy and the scaler, so a checkpoint restores the run exactly and
+a checkpoint made under another policy is refused.
+
+Example:
+    >>> import torch, mixprec as mp
+    >>> model = torch.nn.Linear(4, 2)
+    >>> amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    >>> model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> amp.backward(model(torch.randn(8, 4)).float().pow(2).mean())
+    >>> amp.step(opt, max_grad_norm=1.0)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hardware
+from .policy import Policy
+from .prepare import module_device, policy_of, prepare_many, resolve_policy
+from .scaling import LossScaler, make_loss_scaler
+
+__all__ = ["MixedPrecision", "check_max_norm"]
+
+
+def check_max_norm(max_grad_norm) -> None:
+    """Raise ValueError unless ``max_grad_norm`` is None or a positive finite number."""
+    if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+            and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm must be None or a positive finite number; "
+                         f"got {max_grad_norm!r}")
+
+
+class MixedPrecision:
+    """A precision run: the policy, model preparation, the loss scaler and the step order.
+
+    Args:
+        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
+        dtype: the low-precision dtype or "auto" (resolved on the first model's device).
+        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": the policy's, dynamic
+            for fp16 at O1/O2, none otherwise; "dynamic"; a number; None) or a scaler.
+        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        keep_fp32: extra module types or qualified names kept in fp32.
+        low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
+        emulate_fp16: see :class:`mixprec.autocast`.
+
+    Attributes:
+        policy: the resolved :class:`mixprec.Policy` (None until ``dtype="auto"`` is resolved
+            by the first :meth:`setup`); ``mp.policy_of(model)`` adds a prepared model's
+            ``to_float`` marks as overrides.
+        scaler: the loss scaler.
+
+    Raises:
+        ValueError, TypeError: a bad level, dtype, loss-scale spec or policy.
+    """
+
+    def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
+                 policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
+                 fp32_ops=(), emulate_fp16="auto"):
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
+        if policy is not None and (level != "O1" or not (isinstance(dtype, str)
+                                                          and dtype == "auto")):
+            raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
+                             f"{policy} with level={level!r}, dtype={dtype!r}")
+        if policy is None:
+            Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
+        self._level, self._dtype, self._keep = level, dtype, keep_fp32
+        self._ops = dict(low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
+                         emulate_fp16=emulate_fp16)
+        self._loss_scale = loss_scale
+        self.policy: Policy | None = None
+        self.scaler: LossScaler | None = None
+        self._given = policy
+        if policy is not None or not (isinstance(dtype, str) and dtype.lower() == "auto"):
+            self._resolve(None)
+        self.models: list[nn.Module] = []
+
+    def __repr__(self) -> str:
+        return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
+
+    def _resolve(self, device) -> Policy:
+        if self.policy is None:
+            policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
+                                    warn=device is not None)
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=policy)
+            self.policy = policy
+        elif device is not None:
+            hardware.warn_if_slow(self.policy.compute_dtype, device)
+        return self.policy
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer):
+        """Prepare ``model`` and its optimizers for the policy (see :func:`mixprec.prepare`).
+
+        Call it once per model (a GAN: once for each network, sharing this engine's scaler).
+        Several optimizers over one model must hold disjoint parameters; at a master-weight
+        policy each comes back wrapped in a :class:`mixprec.MasterWeightOptimizer`.
+
+        Returns:
+            ``model`` alone, ``(model, optimizer)``, or ``(model, opt1, opt2, ...)``.
+
+        Raises:
+            TypeError: not an ``nn.Module``, or a bad optimizer.
+            RuntimeError: the model was already prepared.
+            ValueError: what :func:`mixprec.prepare` refuses.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"setup expects an nn.Module as model; got {type(model).__name__}")
+        policy = self._resolve(module_device(model))
+        model, opts = prepare_many(model, list(optimizers), policy, **self._ops)
+        self.adopt(model)
+        return model if not opts else (model, *opts)
+
+    def adopt(self, model: nn.Module) -> None:
+        """Take a model prepared elsewhere (a strategy's ``prepare``) into this run: its
+        parameters are named in the scaler's error messages and its policy is recorded."""
+        prepared = policy_of(model)
+        if prepared is None:
+            raise ValueError("adopt() takes a model prepared for this run's policy; this one was "
+                             "not prepared (use setup())")
+        if self.policy is not None and not _same_apart_from_marks(prepared, self.policy):
+            raise ValueError(f"this model was prepared with {prepared}, not with this run's "
+                             f"{self.policy}")
+        if self.policy is None:
+            self.policy = prepared
+        if self.scaler is None:
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared)
+        self.scaler.attach(model)
+        self.models.append(model)
+
+    def resolve_policy(self, device) -> Policy:
+        """The run's policy, resolving ``dtype="auto"`` on ``device`` (what a strategy
+        prepares the model with)."""
+        return self._resolve(device)
+
+    # -- the step --------------------------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current loss scale (no host sync)."""
+        return self._ready().scale(loss)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``scale(loss).backward(**kwargs)``."""
+        self.scale(loss).backward(**kwargs)
+
+    def unscale_(self, optimizer) -> None:
+        """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for
+        inf/NaN (at most once per optimizer per step; see :meth:`LossScaler.unscale_`)."""
+        self._ready().unscale_(optimizer)
+
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
+        """Clip the true gradients ``optimizer`` will step with; returns their total norm."""
+        return self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+
+    def step(self, *optimizers, max_grad_norm: float | None = None) -> bool:
+        """Step every optimizer unless its gradients overflowed; update the scale once.
+
+        Args:
+            optimizers: the optimizers :meth:`setup` returned (at least one).
+            max_grad_norm: clip each optimizer's true gradients to this total 2-norm first.
+
+        Returns:
+            True when every optimizer stepped; False when any was skipped (inf/NaN gradients:
+            its weights and state are untouched, and the scale backed off).
+
+        Host syncs: one per optimizer (the overflow flag), as :meth:`LossScaler.step`.
+
+        Raises:
+            ValueError: no optimizer, or a bad ``max_grad_norm``.
+        """
+        if not optimizers:
+            raise ValueError("step() needs the optimizer(s) to step, e.g. amp.step(optimizer)")
+        check_max_norm(max_grad_norm)
+        scaler = self._ready()
+        applied = True
+        for opt in optimizers:
+            if max_grad_norm is not None:
+                scaler.clip_grad_norm_(opt, max_grad_norm)
+            applied = bool(scaler.step(opt)) and applied
+        scaler.update()
+        return applied
+
+    def _ready(self) -> LossScaler:
+        if self.scaler is None:
+            raise RuntimeError("this MixedPrecision resolves dtype='auto' on the model's device: "
+                               "call setup(model, optimizer) first")
+        return self.scaler
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The policy (as plain data) and the scaler's state; a host sync."""
+        return {"policy": None if self.policy is None else self.policy.state_dict(),
+                "scaler": self._ready().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: the checkpoint's policy differs from this run's (both are shown), or a
+                malformed dict.
+        """
+        if not isinstance(state, dict) or set(state) != {"policy", "scaler"}:
+            raise ValueError(f"a MixedPrecision state_dict has the keys ['policy', 'scaler']; "
+                             f"got {sorted(state) if isinstance(state, dict) else state!r}")
+        self._ready()
+        check_policy(state["policy"], self.policy)
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def check_policy(saved: dict | None, policy: Policy | None, where: str = "this checkpoint"):
+    """Refuse a saved policy (a :meth:`Policy.state_dict`) that differs from ``policy``."""
+    mine = None if policy is None else policy.state_dict()
+    if saved != mine:
+        shown = "none" if saved is None else str(Policy.from_state_dict(saved))
+        raise ValueError(f"{where} was made under the policy {shown}, but this run uses "
+                         f"{policy}: load it into a run with the same policy")
+
+
+def _same_apart_from_marks(prepared: Policy, policy: Policy) -> bool:
+    """A prepared model's policy records the model's to_float marks as overrides."""
+    return dataclasses.replace(prepared, overrides=()) == dataclasses.replace(policy,
+                                                                              overrides=())

@@ -1,0 +1,125 @@
+"""mp.MixedPrecision: one engine, the step order once, the same numbers as mp.Trainer."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+OVERFLOW_AT = 2
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def data(n=6):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+    x, y = batches[OVERFLOW_AT]
+    batches[OVERFLOW_AT] = (x, torch.full_like(y, float("nan")))  # NaN gradients: it must skip
+    return batches
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_manual_loop_on_the_engine_is_bitwise_the_trainer(level, dtype):
+    batches = data()
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    trainer = mp.Trainer(model, F.mse_loss, opt, level=level, dtype=dtype, loss_scaler="dynamic",
+                         scheduler=sched, max_grad_norm=0.5, progress=False)
+    history = trainer.fit(batches)
+
+    model2 = net()
+    amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale="dynamic")
+    model2, opt2 = amp.setup(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.9)
+    applied = []
+    for x, y in batches:
+        amp.backward(F.mse_loss(model2(x), y))
+        applied.append(amp.step(opt2, max_grad_norm=0.5))
+        opt2.zero_grad()
+        if applied[-1]:
+            sched2.step()
+    assert applied == [not s for s in history.skipped] and applied[OVERFLOW_AT] is False
+    for p, q in zip(trainer.model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert amp.scaler.get_scale() == trainer.scaler.get_scale()
+    assert sched2.get_last_lr() == sched.get_last_lr()
+
+
+def test_several_optimizers_and_models_share_one_scaler_that_updates_once_per_step():
+    """A GAN's shape: two networks, two optimizers, one engine."""
+    gen, disc = net(), net()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", loss_scale=2.0 ** 10)
+    gen, opt_g = amp.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    disc, opt_d = amp.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    assert isinstance(opt_g, mp.MasterWeightOptimizer) and len(amp.models) == 2
+    before = [p.detach().clone() for p in disc.parameters()]
+    x = torch.randn(4, 8)
+    amp.backward(gen(x).float().mean() + disc(x).float().mean() * float("inf"))
+    assert amp.step(opt_g, opt_d) is False  # the discriminator overflowed
+    assert all(torch.equal(p, q) for p, q in zip(disc.parameters(), before))
+    assert amp.scaler.skipped_steps == 1 and amp.scaler.applied_steps == 1
+
+
+def test_one_model_with_two_optimizers_gets_masters_for_both():
+    model = net()
+    first, rest = list(model[0].parameters()), list(model[1:].parameters())
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    model, a, b = amp.setup(model, torch.optim.SGD(first, lr=0.1), torch.optim.Adam(rest))
+    assert model[0].weight.dtype == torch.bfloat16
+    assert a.master_param(model[0].weight).dtype == torch.float32
+    state = model.state_dict()
+    assert torch.equal(state["0.weight"], a.master_param(model[0].weight))
+    assert torch.equal(state["3.weight"], b.master_param(model[3].weight))
+
+
+def test_state_dict_round_trips_and_another_policy_is_refused_showing_both():
+    amp = mp.MixedPrecision(level="O2", dtype="fp16")
+    model = net()
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.backward(model(torch.randn(4, 8)).float().mean())
+    amp.step(opt)
+    state = amp.state_dict()
+    again = mp.MixedPrecision(level="O2", dtype="fp16")
+    again.load_state_dict(copy.deepcopy(state))
+    assert again.scaler.state_dict() == amp.scaler.state_dict()
+    other = mp.MixedPrecision(level="O1", dtype="fp16")
+    with pytest.raises(ValueError, match=r"made under the policy O2\(params=fp16.*but this run "
+                                         r"uses O1\(params=fp32"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"keys \['policy', 'scaler'\]"):
+        again.load_state_dict({"scaler": state["scaler"]})
+
+
+def test_bad_input_is_refused_clearly():
+    amp = mp.MixedPrecision(level="O2")  # dtype auto: resolved on the model's device
+    assert amp.policy is None
+    with pytest.raises(RuntimeError, match=r"call setup\(model, optimizer\) first"):
+        amp.backward(torch.ones((), requires_grad=True))
+    with pytest.raises(ValueError, match="'O0', 'O1', 'O2', 'O3'; got 'O5'"):
+        mp.MixedPrecision(level="O5")
+    with pytest.raises(ValueError, match="not both"):
+        mp.MixedPrecision(level="O2", policy=mp.Policy())
+    with pytest.raises(TypeError, match="policy must be a mixprec.Policy"):
+        mp.MixedPrecision(policy="O2")
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    model = net()
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        amp.step()
+    with pytest.raises(ValueError, match="max_grad_norm must be None or a positive finite"):
+        amp.step(opt, max_grad_norm=-1)
+    with pytest.raises(RuntimeError, match="already prepared"):
+        amp.setup(model)
+    with pytest.raises(TypeError, match="nn.Module"):
+        amp.setup("model")
