@@ -6,6 +6,7 @@ and numerics diagnostics. ``import mixprec as mp``.
 
 from . import debug, formats, parallel
 from .autocast import autocast
+from .casting import to_float
 from .emulation import emulate_fp16
 from .engine import MixedPrecision
 from .hardware import SlowDtypeWarning, device_capabilities
@@ -13,7 +14,7 @@ from .master import MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
 from .parallel import fp32_state_dict
 from .policy import NormLayer, Policy, is_norm_layer
-from .prepare import policy_of, prepare, to_float
+from .prepare import policy_of, prepare
 from .scaling import (
                       DynamicLossScaler,
                       NoLossScaler,

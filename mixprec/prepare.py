@@ -1,4 +1,4 @@
-"""``mp.prepare``, ``mp.to_float`` and ``mp.policy_of``: casting a model to a precision policy.
+"""``mp.prepare`` and ``mp.policy_of``: setting a model and its optimizers up for a policy.
 
 A prepared model stays the same ``nn.Module`` object: parameters are cast in place (their
 identity is kept, so optimizers holding them keep working) and the forward of the root, of the
@@ -25,7 +25,17 @@ import torch
 from torch import nn
 
 from .autocast import PrecisionContext, autocast
-from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
+from .casting import (
+    PREPARED_ATTR,
+    cast_tensors,
+    check_materialised,
+    float_mark,
+    module_device,
+    module_dtypes,
+    takes_low_precision_input,
+    to_float,
+)
+from .dtypes import dtype_name
 from .master import MasterWeightOptimizer, is_master_optimizer
 from .oplists import warn_unreachable
 from .policy import Policy
@@ -38,7 +48,6 @@ from .regions import (
     island_of,
     island_region,
     refresh_island,
-    region_modules,
 )
 from .statedict import link_masters, register_fp32_state_dict
 
@@ -46,141 +55,10 @@ __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of",
            "ForwardWrapper"]
 
 _POLICY_ATTR = "_mixprec_policy"
-_FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module computes in that dtype
-_PREPARED_ATTR = "_mixprec_in_prepared"   # set on every submodule of a prepared model
 _FP32 = torch.float32
 _FP16_MIN_SUBNORMAL = 2.0 ** -24
 
 
-# -- module dtypes -------------------------------------------------------------------------------
-def module_device(module: nn.Module) -> torch.device:
-    """The device of a module's first parameter (or buffer); the CPU for a module with none."""
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
-def _module_dtypes(root: nn.Module, root_dtype, override) -> dict[nn.Module, torch.dtype]:
-    """The dtype each module's own tensors take: an override, else the parent's (top-down)."""
-    result: dict[nn.Module, torch.dtype] = {}
-
-    def visit(mod: nn.Module, name: str, inherited: torch.dtype) -> None:
-        dt = override(mod, name) or inherited
-        result.setdefault(mod, dt)
-        for child_name, child in mod.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, dt)
-
-    visit(root, "", root_dtype)
-    return result
-
-
-def _wanted(dtypes: dict[nn.Module, torch.dtype], kind: str) -> dict[int, torch.dtype]:
-    """id(tensor) -> dtype for each floating ``_parameters``/``_buffers`` tensor; a tensor
-    shared by modules that want different dtypes takes the widest of them."""
-    wanted: dict[int, torch.dtype] = {}
-    for mod, dt in dtypes.items():
-        for t in getattr(mod, kind).values():
-            if t is not None and t.is_floating_point() and t.dtype != torch.float64:
-                prev = wanted.get(id(t))
-                wanted[id(t)] = dt if prev is None or _width(dt) > _width(prev) else prev
-    return wanted
-
-
-def _cast_tensors(dtypes: dict[nn.Module, torch.dtype], kind: str,
-                  originals: dict[torch.Tensor, torch.Tensor] | None = None,
-                  keep=lambda t: False) -> None:
-    """Cast each module's own floating ``kind`` ("_parameters" or "_buffers") in place to its
-    dtype; a tied tensor once; ``keep(t)`` tensors are left as they are. With ``originals``,
-    each fp32 parameter cast narrower leaves its fp32 data there (the storage itself, no copy:
-    the masters start from it)."""
-    wanted = _wanted(dtypes, kind)
-    for mod in dtypes:
-        tensors = getattr(mod, kind)
-        for key, t in tensors.items():
-            dt = None if t is None else wanted.get(id(t))
-            if dt is None or t.dtype == dt or keep(t):
-                continue
-            if isinstance(t, nn.Parameter):
-                if originals is not None and t.dtype == _FP32:
-                    originals[t] = t.data
-                t.data = t.data.to(dt)
-            else:
-                tensors[key] = t.to(dt)
-
-
-def _width(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits
-
-
-def _float_mark(mod: nn.Module, _name: str = ""):
-    return getattr(mod, _FLOAT_ATTR, None)
-
-
-def _check_materialised(model: nn.Module) -> None:
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if meta:
-        raise ValueError(
-            f"{len(meta)} parameter(s)/buffer(s) of the model are on the meta device (e.g. "
-            f"{meta[0]!r}): they hold no values to cast. Materialise the model first, e.g. "
-            "model.to_empty(device='cpu') and initialise (or load) its weights, then prepare it")
-
-
-# -- to_float ------------------------------------------------------------------------------------
-def to_float(module: nn.Module, dtype) -> nn.Module:
-    """Make ``module`` compute in ``dtype`` (MindSpore's ``Cell.to_float``).
-
-    Its floating inputs are cast at entry, its parameters are cast for the call (their storage
-    stays as it is, so an optimizer keeps updating them in their own precision: MindSpore keeps
-    the Parameter in fp32 and casts at compute), its floating buffers are cast, and its forward
-    runs with autocast off, so every op inside computes in ``dtype``. Its outputs are returned as
-    computed: an fp32 module's output is fp32. Modules around it keep computing in their own
-    dtype (a module of a ``to_float`` region casts its floating inputs to the region's dtype). A
-    sub-module with its own ``to_float`` keeps its setting: ``to_float(net, "fp16");
-    to_float(net.dense, "fp32")`` leaves ``net.dense`` in fp32 whichever call comes first.
-    ``mp.prepare`` later stores parameters per its policy (16-bit with fp32 masters at O2).
-
-    Args:
-        module: the sub-module.
-        dtype: "fp32", "bf16", "fp16" or a floating torch dtype.
-
-    Returns:
-        ``module`` itself.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: ``dtype`` is not a training dtype; the module is on the meta device.
-        RuntimeError: ``module`` belongs to a model already passed to :func:`prepare`.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> _ = to_float(net, "bf16"); _ = to_float(net[2], "fp32")
-        >>> net[0].weight.dtype, net(torch.ones(1, 4)).dtype
-        (torch.float32, torch.float32)
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"to_float expects an nn.Module; got {type(module).__name__}")
-    dt = to_dtype(dtype)
-    if dt not in TRAINING_DTYPES:
-        raise ValueError(f"to_float dtype must be 'fp32', 'fp16' or 'bf16'; got {dtype!r}")
-    if getattr(module, _PREPARED_ATTR, False):
-        raise RuntimeError("to_float must be called before mp.prepare() on the model that holds "
-                           "this module (prepare already fixed its parameter dtypes and optimizer)")
-    _check_materialised(module)
-    setattr(module, _FLOAT_ATTR, dt)
-    _cast_tensors({m: dt for m in region_modules(module)}, "_buffers")
-    context = PrecisionContext.fixed(dt, module_device(module).type)
-    island = island_of(module)
-    if island is not None:  # re-marked: update the existing wrapper in place
-        island.dtype, island.context = dt, context
-    else:
-        module.forward = Island(module, dt, True, context)
-    refresh_island(module)
-    return module
-
-
-# -- prepare -------------------------------------------------------------------------------------
 def policy_of(model: nn.Module) -> Policy | None:
     """The :class:`Policy` a model was prepared with, or None."""
     return getattr(model, _POLICY_ATTR, None)
@@ -201,7 +79,7 @@ def _check_names(model: nn.Module, policy: Policy) -> None:
 def _module_dtype(policy: Policy):
     """(module, qualified name) -> the dtype it computes in by itself, or None: a to_float
     mark, else the policy's override or keep_fp32."""
-    return lambda mod, name: _float_mark(mod) or policy.module_dtype(mod, name)
+    return lambda mod, name: float_mark(mod) or policy.module_dtype(mod, name)
 
 
 def _check_marks(model: nn.Module, policy: Policy) -> None:
@@ -213,7 +91,7 @@ def _check_marks(model: nn.Module, policy: Policy) -> None:
         dt = dtype_of(mod, name)
         if dt is not None and dt not in (_FP32, policy.compute_dtype):
             where = name or "the model itself"
-            how = ("marked to_float" if _float_mark(mod) is not None else "given by the "
+            how = ("marked to_float" if float_mark(mod) is not None else "given by the "
                    "policy's overrides as")
             raise ValueError(
                 f"module {where!r} was {how}({dtype_name(dt)}) but this policy "
@@ -225,8 +103,8 @@ def _check_marks(model: nn.Module, policy: Policy) -> None:
 def _recorded(model: nn.Module, policy: Policy) -> Policy:
     """The policy with the model's to_float marks recorded as overrides by qualified name."""
     named = {k for k, _ in policy.overrides if isinstance(k, str)}
-    marks = tuple((name, _float_mark(mod)) for name, mod in model.named_modules()
-                  if _float_mark(mod) is not None and name not in named)
+    marks = tuple((name, float_mark(mod)) for name, mod in model.named_modules()
+                  if float_mark(mod) is not None and name not in named)
     if not marks:
         return policy
     return dataclasses.replace(policy, overrides=policy.overrides + marks)
@@ -364,7 +242,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     if policy_of(model) is not None:
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")
-    _check_materialised(model)
+    check_materialised(model)
     _check_names(model, policy)
     _check_marks(model, policy)
     for optimizer in optimizers:
@@ -386,7 +264,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     register_fp32_state_dict(model, policy.master_weights)
     setattr(model, _POLICY_ATTR, _recorded(model, policy))
     for mod in model.modules():
-        setattr(mod, _PREPARED_ATTR, True)
+        setattr(mod, PREPARED_ATTR, True)
     return model, list(optimizers)
 
 
@@ -436,32 +314,21 @@ def _cast_model(model: nn.Module, policy: Policy, device_type: str,
         dt = dtype_of(mod, name)
         return _FP32 if dt == _FP32 else (policy.param_dtype if dt is not None else None)
 
-    params = _module_dtypes(model, policy.param_dtype, param_override)
-    buffers = _module_dtypes(model, policy.param_dtype, dtype_of)
+    params = module_dtypes(model, policy.param_dtype, param_override)
+    buffers = module_dtypes(model, policy.param_dtype, dtype_of)
     originals: dict[torch.Tensor, torch.Tensor] = {}
-    _cast_tensors(params, "_parameters", originals, keep=lambda t: not trained(t))
-    _cast_tensors(buffers, "_buffers")
+    cast_tensors(params, "_parameters", originals, keep=lambda t: not trained(t))
+    cast_tensors(buffers, "_buffers")
     if not policy.is_mixed:
         return originals
     for name, mod in model.named_modules():
         dt = dtype_of(mod, name)
-        if dt is None or _float_mark(mod) is not None:  # none, or to_float made its island
+        if dt is None or float_mark(mod) is not None:  # none, or to_float made its island
             continue
-        cast_inputs = dt != _FP32 or not _takes_low_precision_input(mod, device_type)
+        cast_inputs = dt != _FP32 or not takes_low_precision_input(mod, device_type)
         mod.forward = Island(mod, dt, cast_inputs, PrecisionContext.fixed(dt, device_type))
         refresh_island(mod)
     return originals
-
-
-def _takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
-    """Norm kernels that read bf16/fp16 activations with fp32 parameters (and statistics) and
-    accumulate in fp32: the numbers of casting the input up, to the rounding of the output and
-    fp32 reassociation, without two casts around the layer (BatchNorm on CPU and CUDA;
-    LayerNorm and GroupNorm on CPU, 4x faster than the cast path there). Their output is in the
-    activations' dtype, as torch.autocast's batch_norm."""
-    if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-        return device_type in ("cpu", "cuda")
-    return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) and device_type == "cpu"
 
 
 def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor]):
