@@ -12,7 +12,6 @@ from .engine import MixedPrecision
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
-from .parallel import fp32_state_dict
 from .policy import NormLayer, Policy, is_norm_layer
 from .prepare import policy_of, prepare
 from .scaling import (
@@ -22,6 +21,7 @@ from .scaling import (
                       StaticLossScaler,
                       make_loss_scaler,
 )
+from .statedict import fp32_state_dict
 from .training import Accuracy, Callback, History, LossMonitor, ModelCheckpoint, Trainer
 
 __version__ = "0.2.0"

@@ -1,4 +1,4 @@
-"""A prepared model's ``state_dict()`` in fp32: its low-precision parameters' fp32 companions.
+"""fp32 weights: a prepared model's ``state_dict()``, and :func:`fp32_state_dict` for any model.
 
 At O2 each trained low-precision parameter has an fp32 companion: its master in the optimizer
 ``prepare`` wrapped. ``state_dict()`` returns the companions themselves (detached), so it holds
@@ -18,13 +18,18 @@ takes the parameter's value there; in a copy, a shadow written in place (through
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
 
 from .dtypes import is_low_precision
+from .master import MasterWeightOptimizer
+from .parallel.env import is_fsdp, unwrap
 
-__all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict"]
+__all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
+           "fp32_state_dict"]
 
 _LINK_ATTR = "_mixprec_masters"
 _FP32 = torch.float32
@@ -169,3 +174,69 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
             comp = pairs.get(tensors.get(key))
             if comp is not None and torch.is_tensor(value) and value.shape == comp.shape:
                 comp.copy_(value)
+
+
+def fp32_state_dict(model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> OrderedDict[str, Any]:
+    """An fp32 copy of a model's weights, from its fp32 masters where they exist, plain names.
+
+    The one path for fp32 weights (``mp.fp32_state_dict``, ``mp.parallel.fp32_state_dict``):
+
+    * one process: floating parameters and buffers as fp32 copies, low-precision weights taken
+      from the fp32 masters of ``optimizer`` (a :class:`mixprec.MasterWeightOptimizer`), else
+      from the companions the prepared model holds (its masters, or a copy's shadows), else
+      upcast; integer buffers copied unchanged;
+    * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
+    * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
+      masters). A collective: call it on every rank; every rank gets the full dict.
+
+    The result loads with ``load_state_dict`` into a plain, single-process fp32 copy.
+
+    Args:
+        model: the model (plain, prepared, DDP-wrapped or FSDP-sharded).
+        optimizer: its optimizer (a MasterWeightOptimizer holds the fp32 masters), or None.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``optimizer`` not an optimizer.
+        ValueError: ``optimizer`` is a ``MasterWeightOptimizer`` over another model's params.
+
+    Example:
+        >>> model = nn.Linear(2, 2).to(torch.bfloat16)
+        >>> fp32_state_dict(model)["weight"].dtype
+        torch.float32
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be None or a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if is_fsdp(model):
+        return _copy(model.state_dict(), {}, gather=True)
+    model = unwrap(model)
+    source = model.state_dict(keep_vars=True)
+    if isinstance(optimizer, MasterWeightOptimizer):
+        masters = optimizer.masters_by_param()
+        if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
+            raise ValueError("optimizer holds none of this model's parameters; pass the "
+                             "optimizer that was built over this model")
+    else:
+        link = companions_of(model)
+        masters = link.settle() if link is not None else {}
+    return _copy(source, masters, gather=False)
+
+
+def _copy(source: dict, masters: dict, gather: bool) -> OrderedDict[str, Any]:
+    out: OrderedDict[str, Any] = OrderedDict()
+    with torch.no_grad():
+        for name, value in source.items():
+            if not torch.is_tensor(value):
+                out[name] = value  # extra state
+                continue
+            value = masters.get(value, value).detach()
+            full = getattr(value, "full_tensor", None) if gather else None  # a DTensor shard
+            if full is not None:
+                value = full().to("cpu")
+            out[name] = (value.to(torch.float32, copy=True) if value.is_floating_point()
+                         else value.clone())
+    out._metadata = getattr(source, "_metadata", None)  # type: ignore[attr-defined]
+    return out

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import MasterWeightOptimizer, fp32_state_dict, is_master_optimizer
+from mixprec import fp32_state_dict
+from mixprec.master import MasterWeightOptimizer, is_master_optimizer
 from mixprec.master.params import valid_grad
 
 LOW = [torch.bfloat16, torch.float16]

@@ -6,16 +6,15 @@
 * :mod:`.sharding`: :func:`fsdp`, prepare-and-shard with FSDP2; the fp32 shards are the masters.
   Loaded on first use of ``mp.parallel.fsdp``: importing FSDP2 takes about 0.8 s, half of
   ``import mixprec``.
-* :mod:`.weights`: :func:`fp32_state_dict` for plain, DDP and FSDP models.
+* ``fp32_state_dict`` for plain, DDP and FSDP models (from :mod:`mixprec.statedict`).
 * :mod:`.plan`: bytes per rank and traffic per step on paper (``mixprec plan``).
 """
 
 import importlib
 
 from .ddp import REDUCE_DTYPES, ddp, reduce_dtype_of
-from .env import init_from_env, is_fsdp, is_main_process, local_rank, rank, world_size
+from .env import init_from_env, is_fsdp, is_main_process, local_rank, rank, unwrap, world_size
 from .plan import MemoryPlan, plan, plan_table
-from .weights import fp32_state_dict, unwrap
 
 __all__ = ["ddp", "fsdp", "world_size", "rank", "local_rank", "is_main_process", "init_from_env",
            "fp32_state_dict", "unwrap", "is_fsdp", "plan", "plan_table", "MemoryPlan",
@@ -25,4 +24,6 @@ __all__ = ["ddp", "fsdp", "world_size", "rank", "local_rank", "is_main_process",
 def __getattr__(name: str):
     if name == "fsdp":  # deferred: FSDP2's import cost (see the module docstring)
         return importlib.import_module(".sharding", __name__).fsdp
+    if name == "fp32_state_dict":  # the one fp32 path lives above this package
+        return importlib.import_module("..statedict", __name__).fp32_state_dict
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "is_fsdp", "local_rank", "is_main_process", "is_initialized",
-           "launched_by_torchrun", "init_from_env", "device", "timeout", "require_group",
-           "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+__all__ = ["world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
+           "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
+           "require_group", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
 
 #: Seconds a collective may wait for the other ranks before it raises (unless overridden).
 DEFAULT_TIMEOUT_S = 600.0
@@ -164,3 +164,8 @@ def is_fsdp(model) -> bool:
     """
     fsdp_module = sys.modules.get("torch.distributed.fsdp")
     return fsdp_module is not None and isinstance(model, fsdp_module.FSDPModule)
+
+
+def unwrap(model):
+    """The user's module inside a ``DistributedDataParallel`` wrapper (else ``model`` itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
