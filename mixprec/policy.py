@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,6 +50,40 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
     return resolved
 
 
+_KEEP_FP32_VALID = ("an nn.Module subclass (e.g. nn.LayerNorm), a qualified module name "
+                    "(e.g. 'encoder.norm'), or an iterable of them")
+
+
+def keep_fp32_entries(keep: Any) -> tuple:
+    """``keep_fp32`` as a tuple of module types and qualified module names.
+
+    Args:
+        keep: an ``nn.Module`` subclass, a qualified module name, or an iterable of them.
+
+    Raises:
+        TypeError: anything else (a number, a mapping, a module instance...), naming it.
+    """
+    if isinstance(keep, (type, str)):
+        keep = (keep,)
+    elif isinstance(keep, (bytes, Mapping, nn.Module)) or not isinstance(keep, Iterable):
+        raise TypeError(f"keep_fp32 must be {_KEEP_FP32_VALID}; got {_described(keep)}")
+    keep = tuple(keep)
+    for k in keep:
+        if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
+            raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified module "
+                            f"names; got {_described(k)}")
+    return keep
+
+
+def _described(value: Any) -> str:
+    """``value`` for an error message: its type and repr, with a hint for module instances."""
+    text = f"{type(value).__name__} {value!r}"
+    if isinstance(value, nn.Module):
+        text = (f"the module instance {type(value).__name__}(...) (pass its type, "
+                f"{type(value).__name__}, or its qualified name)")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """How a model stores parameters, computes, and returns outputs.
@@ -67,7 +102,8 @@ class Policy:
         compute_dtype: dtype compute-heavy ops run in (matmul, conv, linear).
         output_dtype: dtype the model's floating outputs are cast to (fp32 keeps the loss in
             fp32), or None to leave them as they come.
-        keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute.
+        keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute:
+            one, or an iterable of them.
         master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
         loss_scale: ``"dynamic"``, a fixed float, or None.
         autocast: run the forward under :func:`mixprec.autocast` with ``compute_dtype``.
@@ -95,17 +131,7 @@ class Policy:
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
                                                               what="output_dtype"))
-        keep = self.keep_fp32
-        if isinstance(keep, (type, str)):
-            keep = (keep,)
-        if not isinstance(keep, (tuple, list, set, frozenset)):
-            raise TypeError(f"keep_fp32 must be a tuple of nn.Module subclasses or module names; "
-                            f"got {type(keep).__name__}")
-        for k in keep:
-            if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
-                raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified "
-                                f"module names; got {k!r}")
-        object.__setattr__(self, "keep_fp32", tuple(keep))
+        object.__setattr__(self, "keep_fp32", keep_fp32_entries(self.keep_fp32))
         for flag in ("master_weights", "autocast", "cast_inputs"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False; got {getattr(self, flag)!r}")

@@ -32,7 +32,7 @@ from .autocast import PrecisionContext, autocast, cast_floating
 from .dtypes import TRAINING_DTYPES, dtype_name, is_low_precision, to_dtype
 from .master import MasterWeightOptimizer, is_master_optimizer
 from .oplists import warn_unreachable
-from .policy import Policy
+from .policy import Policy, keep_fp32_entries
 
 __all__ = ["prepare", "to_float", "policy_of", "module_device", "ForwardWrapper"]
 
@@ -301,7 +301,7 @@ def _resolve_policy(model, level, dtype, keep_fp32, policy) -> Policy:
     else:
         policy = Policy.from_level(level, dtype, module_device(model))
     if keep_fp32 is not None:
-        extra = (keep_fp32,) if isinstance(keep_fp32, (type, str)) else tuple(keep_fp32)
+        extra = keep_fp32_entries(keep_fp32)
         policy = Policy(**{**policy.__dict__, "keep_fp32": policy.keep_fp32 + extra})
     return policy
 
@@ -345,7 +345,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         ``model``, or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or a bad ``policy``/``optimizer``.
+        TypeError: ``model`` is not an ``nn.Module``, or a bad ``policy``/``optimizer``/
+            ``keep_fp32``.
         ValueError: an unknown level, dtype or op name; an optimizer holding foreign tensors;
             ``keep_fp32`` names that match no module; a ``to_float`` mark in another 16-bit
             format than the policy's; a model on the meta device; ``policy`` with ``level``.
