@@ -5,6 +5,10 @@ Each subcommand lives in a module of ``mixprec.commands`` that exposes ``registe
 A module may also define ``normalize_argv(command, args) -> args``, applied to the arguments
 after the subcommand's name before parsing (``explain`` uses it so that ``-inf`` is a value, not
 an option); it returns ``args`` unchanged for commands it does not own.
+
+The parsers are :class:`mixprec.commands._args.Parser`: an option that takes one value refuses
+to be given twice (argparse would keep the last one silently); list options say so with
+``action="extend", type=comma_list``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib
 import sys
 
 from . import __version__
+from .commands._args import Parser
 
 # Subcommand modules, in the order ``mixprec --help`` lists them.
 COMMANDS = (
@@ -30,8 +35,7 @@ def _modules() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixprec",
-                                     description="Mixed-precision training tools for PyTorch.")
+    parser = Parser(prog="mixprec", description="Mixed-precision training tools for PyTorch.")
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
