@@ -42,7 +42,7 @@ from ..emulation import emulation_context
 from ..hardware import SlowDtypeWarning, is_fast
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
-from ._args import comma_list
+from .args import comma_list
 from .doctor import probe_matmul
 from .memory import peak_mb, reset_peak
 

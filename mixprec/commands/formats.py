@@ -12,7 +12,7 @@ import re
 from fractions import Fraction
 
 from .. import formats
-from ._args import comma_list
+from .args import comma_list
 
 __all__ = ["parse_value", "formats_table", "normalize_argv", "register"]
 
