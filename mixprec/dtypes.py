@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["DtypeInfo", "REGISTRY", "CANONICAL", "ALIASES", "TRAINING_DTYPES",
            "LOW_PRECISION_DTYPES", "CASTABLE_DTYPES", "ROUNDABLE_DTYPES", "to_dtype",
-           "dtype_name", "bits", "info", "is_low_precision"]
+           "dtype_name", "bits", "is_low_precision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +119,6 @@ def to_dtype(spec: Any, *, what: str = "dtype") -> torch.dtype:
         return dt
     raise TypeError(f"{what} must be a string or a torch.dtype ({_VALID_HINT}); "
                     f"got {type(spec).__name__} {spec!r}")
-
-
-def info(dtype: torch.dtype) -> DtypeInfo | None:
-    """The registry entry of a torch dtype, or None for a dtype mixprec does not know."""
-    return _BY_DTYPE.get(dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
