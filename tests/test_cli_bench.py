@@ -9,7 +9,7 @@ import torch
 
 from mixprec import cli, hardware
 from mixprec.benchmodels import MODELS, count_flops, get_model
-from mixprec.commands import bench, doctor
+from mixprec.commands import bench, doctor, peaks
 
 
 def run(capsys, *argv):
@@ -212,7 +212,7 @@ def _fake_peak(shape, gflops, full_size=True):
     """matmul_peaks' answer for one key whose three GEMMs all ran at ``gflops``."""
     gemm = {"gflops": gflops, "shape": list(shape), "full_size": full_size, "slow": False,
             "note": "", "spent_s": 0.0}
-    return bench._combined(shape, {name: dict(gemm) for name, _, _ in bench.TRAINING_GEMMS},
+    return peaks.combined(shape, {name: dict(gemm) for name, _, _ in bench.TRAINING_GEMMS},
                            False)
 
 
@@ -260,7 +260,7 @@ def test_a_row_at_the_gemm_only_rate_is_at_100_percent_not_flagged(monkeypatch):
     gemm_only = 3 / (1 / 2400 + 1 / 400 + 1 / 1200)  # 800
 
     def fake_peaks(keys, shape, device="cpu"):
-        return {k: bench._combined(shape, {
+        return {k: peaks.combined(shape, {
             name: {"gflops": rate, "shape": list(shape), "full_size": True, "spent_s": 0.0}
             for (name, _, _), rate in zip(bench.TRAINING_GEMMS, (2400, 400, 1200))}, False)
             for k in keys}

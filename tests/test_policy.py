@@ -201,7 +201,7 @@ def test_overrides_pick_by_name_before_type_and_are_validated():
         Policy(overrides=[("1",)])
     with pytest.raises(ValueError, match="override dtype must be 'fp32', 'fp16' or 'bf16'"):
         Policy(overrides={"1": "fp8_e4m3"})
-    with pytest.raises(TypeError, match=r"keep_fp32 must be a module type.*got int 42"):
+    with pytest.raises(TypeError, match=r"keep_fp32 must be an nn.Module subclass.*got int 42"):
         Policy(keep_fp32=42)
     with pytest.raises(ValueError, match="need master_weights=True"):
         Policy(master="kahan")

@@ -12,7 +12,7 @@ statistics; on CUDA the allocator's peak is used instead).
 
 "% peak" compares a row's GFLOP/s (the model's forward+backward FLOPs per median step) with the
 GEMM peak of its dtype: the rate of the three GEMMs a Linear layer's training step runs at the
-model's representative shape, in the layouts autograd runs them (:func:`matmul_peaks`). One
+model's representative shape, in the layouts autograd runs them (:mod:`.peaks`). One
 product in one layout is not that rate: kernels differ by layout (torch's CPU fp16 GEMM runs
 ``x @ W.t()`` ~8x faster than ``x @ W``), and the weight gradient has another shape.
 
@@ -38,25 +38,17 @@ import torch
 
 from .. import benchmodels
 from ..dtypes import dtype_name
-from ..emulation import emulation_context
-from ..hardware import SlowDtypeWarning, is_fast
+from ..hardware import SlowDtypeWarning
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
 from .args import comma_list
-from .doctor import probe_matmul
 from .memory import peak_mb, reset_peak
+from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
 
 __all__ = ["run_row", "run_bench", "format_table", "matmul_peaks", "peak_share_text", "register",
            "TRAINING_GEMMS", "FP16_STATE_EPS"]
 
 REFERENCE = "torch.autocast"
-PEAK_BUDGET_S = 2.0  # time budget of one GEMM's probe (see doctor.probe_matmul); 3 per dtype
-#: The GEMMs of a Linear layer's training step at the representative shape ``(m, k, n)`` (rows,
-#: in features, out features) as autograd runs them: name, operand layout (see
-#: ``doctor.LAYOUTS``), and the product's ``(m, k, n)`` as indices into the shape. Forward
-#: ``x @ W.t()``; input gradient ``gy @ W``; weight gradient ``gy.t() @ x``.
-TRAINING_GEMMS = (("forward", "nt", (0, 1, 2)), ("input_grad", "nn", (0, 2, 1)),
-                  ("weight_grad", "tn", (2, 0, 1)))
 #: Adam-style eps of a row whose optimizer state is fp16: a normal fp16 number (the smallest
 #: is 2^-14 = 6.1e-05), so ``sqrt(v) + eps`` never rounds to 0 or to a subnormal.
 FP16_STATE_EPS = 1e-4
@@ -268,7 +260,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     above = sorted({r["peak_of"] for r in results if probes[r["peak_of"]]["full_size"]
                     and r["gflops"] > probes[r["peak_of"]]["gflops"]})
     for key, again in matmul_peaks(above, bm.gemm_shape, device).items():  # once more
-        probes[key] = _faster(probes[key], again)
+        probes[key] = faster(probes[key], again)
     for r in results:
         probe = probes[r["peak_of"]]
         r["peak_share"] = r["gflops"] / probe["gflops"] if probe["full_size"] else None
@@ -282,60 +274,11 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
             "peak_disturbed": any(r["peak_exceeded"] for r in results), "rows": results}
 
 
-def _emulated(dtype_name_: str, device) -> bool:
-    """Does mixprec emulate this dtype's GEMMs on ``device`` (fp16 without fast kernels)?"""
-    return dtype_name_ == "fp16" and not is_fast(torch.float16, device)
-
-
 def _peak_key(row: str, dtype_name_: str, device) -> str:
     """Which peak a row is compared with: its dtype's, or the native kernel's for the plain
     ``torch.autocast`` row where mixprec's rows run emulated fp16."""
-    native = row == REFERENCE and _emulated(dtype_name_, device)
+    native = row == REFERENCE and is_emulated(dtype_name_, device)
     return f"{dtype_name_} native" if native else dtype_name_
-
-
-def matmul_peaks(keys, shape, device="cpu", budget_s: float = PEAK_BUDGET_S) -> dict:
-    """The GEMM peak at ``shape`` of each key ("fp32", "bf16", "fp16", "fp16 native"), in the
-    kernels the rows run: fp16 emulated where mixprec emulates it (fp32 kernels on fp16-rounded
-    values) unless the key says "native".
-
-    ``shape`` ``(m, k, n)`` is a Linear layer's (rows, in features, out features); its training
-    step runs the three GEMMs of :data:`TRAINING_GEMMS`, each timed by ``doctor``'s bounded
-    probe (:func:`mixprec.commands.doctor.probe_matmul`, ``budget_s`` each) in its layout. The
-    peak is their combined rate, ``3 / sum(1 / rate)`` (equal FLOPs each): the GFLOP/s of a
-    training step that did nothing but these GEMMs, which is what a row's GFLOP/s counts.
-
-    Returns:
-        ``{key: {"gflops", "shape", "full_size" (every GEMM probed at its full shape),
-        "gemms" ({name: probe dict}), "spent_s", "emulated"}}``.
-    """
-    device_type = torch.device(device).type
-    out = {}
-    for key in keys:
-        name, _, native = key.partition(" ")
-        dt = resolve_dtype(name, device, warn=False)
-        emulated = _emulated(name, device) and native != "native"
-        with emulation_context(device_type, dt, emulated):
-            gemms = {gemm: probe_matmul(dt, [shape[i] for i in order], device,
-                                        budget_s=budget_s, layout=layout)
-                     for gemm, layout, order in TRAINING_GEMMS}
-        out[key] = _combined(shape, gemms, emulated)
-    return out
-
-
-def _combined(shape, gemms: dict, emulated: bool) -> dict:
-    """One peak from the probes of the training GEMMs (see :func:`matmul_peaks`)."""
-    return {"gflops": len(gemms) / sum(1 / g["gflops"] for g in gemms.values()),
-            "shape": list(shape), "full_size": all(g["full_size"] for g in gemms.values()),
-            "gemms": gemms, "spent_s": sum(g["spent_s"] for g in gemms.values()),
-            "emulated": emulated}
-
-
-def _faster(first: dict, again: dict) -> dict:
-    """Two probes of one peak merged: each GEMM's faster figure (load only slows a GEMM)."""
-    gemms = {name: max(probe, again["gemms"][name], key=lambda g: g["gflops"])
-             for name, probe in first["gemms"].items()}
-    return _combined(first["shape"], gemms, first["emulated"])
 
 
 def peak_share_text(row: dict) -> str:

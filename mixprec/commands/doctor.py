@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..dtypes import to_dtype
 from ..hardware import cpu_model, device_capabilities
 
 __all__ = ["matmul_gflops", "probe_matmul", "probe_shapes", "doctor_report", "register",
@@ -30,7 +31,6 @@ DEFAULT_BUDGET_S = 1.0             # time budget of one dtype's probe, in second
 SLOW_RATIO = 0.1                   # below this share of fp32's rate: "slow"
 _STEP_PRODUCTS = 3                 # products timed at an intermediate shape (1 warm-up + 2)
 _FULL_PRODUCTS = 5                 # at least this many at the full shape (2 warm-up + 3)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Operand layouts of a product ``(m, k) @ (k, n)``: "n" a row-major operand, "t" the transpose
 #: of a row-major one (``W.t()``). A Linear layer's forward is "nt", its input gradient "nn",
 #: its weight gradient "tn"; some kernels' speed depends on it (torch's CPU fp16 GEMM: ~8x).
@@ -213,7 +213,7 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True,
         row = dict(info)
         row["mixprec"] = _mixprec_note(name, info, caps["device"])
         if measure and info["supported"]:
-            probe = probe_matmul(_DTYPES[name], shape, caps["device"], budget_s=budget_s,
+            probe = probe_matmul(to_dtype(name), shape, caps["device"], budget_s=budget_s,
                                  reference_gflops=reference)
             if name == "fp32":
                 reference = probe["gflops"]
