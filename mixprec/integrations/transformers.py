@@ -16,8 +16,11 @@ order. How the Trainer's loop lands on the engine, in the order it runs:
   through ``torch.amp.GradScaler``'s calls: ``step`` is ``engine.step(optimizer)`` (check, step or
   skip, update the scale once), ``update`` has nothing left to do. Every backward of the loop,
   a ``training_step`` override's included, goes through ``accelerator.backward``.
-* clipping: ``args.max_grad_norm`` clips the true gradients (``engine.clip_grad_norm_``: folded
-  into the master step), and the logged ``grad_norm`` is the true one (``engine.grad_norm``).
+* clipping: under a loss scale the gradients are first unscaled (``engine.unscale_``: the
+  ``on_pre_optimizer_step`` callbacks see true values, as with the Trainer's own fp16 AMP);
+  ``args.max_grad_norm`` clips the true gradients (``engine.clip_grad_norm_``; without a loss
+  scale folded into the master step), and the logged ``grad_norm`` is the true one
+  (``engine.grad_norm``).
   This overrides the Trainer's ``_clip_grad_norm``/``_get_grad_norm``, the two methods its loop
   calls for exactly that; their presence is checked when the trainer is built, so a
   transformers version without them fails loudly instead of clipping scaled gradients.
@@ -187,14 +190,23 @@ class MixprecTrainer(transformers.Trainer):
     # -- the step --------------------------------------------------------------------------------
     def _clip_grad_norm(self, model):
         """Clip the true gradients to ``args.max_grad_norm``; returns their norm before."""
+        self._unscale()
         return self.mixed_precision.clip_grad_norm_(self._engine_optimizer,
                                                     self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """The norm the Trainer logs: the true gradients' (no clipping)."""
         if grad_norm is None:
+            self._unscale()
             grad_norm = self.mixed_precision.grad_norm(self._engine_optimizer)
         return grad_norm
+
+    def _unscale(self) -> None:
+        """Under a loss scale, make the gradients the true ones before the loop's
+        ``on_pre_optimizer_step`` callbacks read them (as the Trainer's own fp16 AMP does)."""
+        engine, optimizer = self.mixed_precision, self._engine_optimizer
+        if engine.scaler.is_enabled() and not engine.is_unscaled(optimizer):
+            engine.unscale_(optimizer)
 
     # -- saving ----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
