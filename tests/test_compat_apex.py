@@ -601,3 +601,19 @@ def test_initialized_models_pickle_and_deepcopy(level):
         got = clone(x)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         assert clone.forward.module is clone
+
+
+def test_o2_model_state_dict_holds_the_exact_fp32_masters():
+    """As at mixprec's O2: the model's state_dict() is the masters, not the fp16 rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype="bf16", verbosity=0)
+    with amp.scale_loss(model(torch.randn(4, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    state = model.state_dict()
+    masters = list(amp.master_params(opt))
+    assert state["0.weight"].dtype == torch.float32
+    assert torch.equal(state["0.weight"], masters[0])
+    assert not torch.equal(state["0.weight"], model[0].weight.float())  # finer than bf16

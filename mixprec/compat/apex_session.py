@@ -21,6 +21,7 @@ from torch import nn
 
 from ..engine import MixedPrecision
 from ..scaling import owns_gradients
+from ..statedict import link_masters
 from .apex_models import check_models, fp32_originals, set_up_models
 from .apex_optimizer import AmpOptimizer
 from .apex_options import AmpProperties
@@ -146,6 +147,10 @@ def open_session(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
         for opt in optimizers:  # recast state made before initialize to the parameters' dtype
             if opt.state:
                 opt.load_state_dict(opt.state_dict())
+    masters = [opt.inner for opt in amp_opts if owns_gradients(opt.inner)]
+    if masters:  # the models' state_dict() holds the exact fp32 masters, as at mixprec's O2
+        for model in models:
+            link_masters(model, masters)
     AMP.initialized.update(optimizers)
     return AmpSession(True, props, engine, scalers, verbosity), amp_opts
 
