@@ -4,6 +4,7 @@ environment, rebuilding data loaders for ranks, and the memory planner (``mixpre
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -123,6 +124,22 @@ def test_process_group_timeout_defaults_to_ten_minutes_and_reads_the_environment
 
 def test_init_from_env_does_nothing_without_a_launcher():
     assert mp.parallel.init_from_env() is False and not env.is_initialized()
+
+
+def test_settle_sleeps_its_grace_and_waits_while_c_plus_plus_holds_a_tensor(monkeypatch):
+    start = time.monotonic()
+    env.settle(grace_s=0.01)
+    assert time.monotonic() - start >= 0.01
+    w = torch.ones(2, requires_grad=True)
+    y = (w * w).sum()  # autograd holds w besides its Python object, as a collective's work does
+    monkeypatch.setattr(env, "_SETTLE_TIMEOUT_S", 0.1)
+    start = time.monotonic()
+    env.settle([w], grace_s=0.0)
+    assert time.monotonic() - start >= 0.1  # waited for w until the timeout
+    del y
+    start = time.monotonic()
+    env.settle([w], grace_s=0.0)
+    assert time.monotonic() - start < 0.1
 
 
 # ----------------------------------------------------------------- data loaders

@@ -5,6 +5,19 @@ sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), else a single process. :func:`i
 creates the default group from that environment when none exists (gloo on CPU; ``cpu:gloo,
 cuda:nccl`` with CUDA, the device taken from ``LOCAL_RANK``) and destroys it at interpreter exit;
 a group someone else created is never destroyed.
+
+Exiting cleanly: gloo runs each collective on a worker thread, and that thread lets go of the
+collective's tensors only after the caller's ``wait()`` has returned. Letting go of a tensor that
+Python has seen takes the GIL, and a thread that asks for the GIL once the interpreter is
+finalizing is ended by CPython in the middle of a destructor: the process aborts ("terminate
+called without an active exception", SIGABRT). While the main thread keeps running Python, such a
+worker waits up to the GIL's switch interval (5 ms), so a script that ends within a few
+milliseconds of its last collective can lose that race. ``destroy_process_group()`` does not
+prevent it: gloo's ``shutdown()`` does nothing, and its threads are joined only when the last
+reference to the backend goes, which DDP and FSDP modules hold until finalization. :func:`settle`
+sleeps, the GIL released, until the workers are done; the Trainer calls it when ``fit`` returns,
+and mixprec calls it at interpreter exit once it has used a process group (before destroying a
+group it created).
 """
 
 from __future__ import annotations
@@ -13,13 +26,16 @@ import atexit
 import datetime
 import os
 import sys
+import time
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
            "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
-           "require_group", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+           "require_group", "settle", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV",
+           "SETTLE_GRACE_S"]
 
 #: Seconds a collective may wait for the other ranks before it raises (unless overridden).
 DEFAULT_TIMEOUT_S = 600.0
@@ -29,7 +45,13 @@ TIMEOUT_ENV = "MIXPREC_DIST_TIMEOUT"
 TORCHRUN_HINT = ("launch the script with torchrun, e.g. `torchrun --nproc-per-node 2 train.py`, "
                  "or call torch.distributed.init_process_group() before building the Trainer")
 
+#: Seconds :func:`settle` keeps the GIL released at least (four GIL switch intervals).
+SETTLE_GRACE_S = 0.02
+_SETTLE_SLICE_S = 0.001   # one sleep: the GIL is dropped and taken again around each
+_SETTLE_TIMEOUT_S = 1.0   # the longest settle() waits for a tensor a collective still holds
+
 _created_here = False
+_exit_hook = False
 
 
 def is_initialized() -> bool:
@@ -104,8 +126,7 @@ def init_from_env(timeout_s: float | None = None) -> bool:
     ``torch.cuda.set_device(LOCAL_RANK)``). The collective timeout is ``timeout_s``, else
     ``$MIXPREC_DIST_TIMEOUT`` seconds, else 10 minutes: a rank whose peers stopped answering
     raises after that long instead of waiting forever. A group created here is destroyed at
-    interpreter exit (gloo can abort the process at exit otherwise); an existing group is left
-    alone.
+    interpreter exit, after :func:`settle`; an existing group is left alone.
 
     Args:
         timeout_s: the collective timeout in seconds (None: see above).
@@ -133,12 +154,51 @@ def init_from_env(timeout_s: float | None = None) -> bool:
         backend = "gloo"
     dist.init_process_group(backend, timeout=limit, rank=rank(), world_size=world_size())
     _created_here = True
-    atexit.register(_destroy_if_ours)
+    _register_exit_hook()
     return True
 
 
-def _destroy_if_ours() -> None:
+def settle(tensors: Iterable[torch.Tensor] = (), grace_s: float = SETTLE_GRACE_S) -> None:
+    """Sleep, the GIL released, until the collectives' worker threads have let go of their work.
+
+    Call it after the last collective of a process (the Trainer does when ``fit`` returns, and
+    mixprec does at interpreter exit): a gloo worker that still holds a finished collective's
+    tensors needs the GIL to release them, and aborts the process if the interpreter is already
+    finalizing by then (see the module docstring). Sleeps at least ``grace_s`` seconds in 1 ms
+    slices, and longer (up to 1 s) while a tensor of ``tensors`` is still held by a collective.
+    It is local: no collective, nothing to match on the other ranks.
+
+    Args:
+        tensors: tensors this process passed to its last collectives (held by nothing else).
+        grace_s: the shortest time to sleep, in seconds.
+    """
+    tensors = list(tensors)
+    start = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - start
+        held = any(_held_elsewhere(t) for t in tensors)
+        if elapsed >= _SETTLE_TIMEOUT_S or (elapsed >= grace_s and not held):
+            return
+        time.sleep(_SETTLE_SLICE_S)
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """True while C++ (a collective's work object) holds ``tensor`` besides its Python object."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and use_count() > 1
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_at_exit)
+        _exit_hook = True
+
+
+def _at_exit() -> None:
+    """Let the workers finish (:func:`settle`); destroy the default group if mixprec created it."""
     global _created_here
+    settle()
     if _created_here and is_initialized():
         dist.destroy_process_group()
     _created_here = False
@@ -146,6 +206,9 @@ def _destroy_if_ours() -> None:
 
 def require_group(what: str) -> None:
     """Make sure a default process group exists (creating it from torchrun's environment).
+
+    Also arranges for :func:`settle` to run at interpreter exit (for a group the user created
+    too, which is never destroyed).
 
     Raises:
         ValueError: no group and no launcher environment; the message shows the torchrun command.
@@ -155,6 +218,7 @@ def require_group(what: str) -> None:
         raise ValueError(f"{what} needs torch.distributed: no process group exists and this "
                          f"process was not started by a launcher (WORLD_SIZE/RANK unset); "
                          f"{TORCHRUN_HINT}")
+    _register_exit_hook()
 
 
 def is_fsdp(model) -> bool:

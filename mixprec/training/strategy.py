@@ -140,6 +140,9 @@ class Strategy:
     def failed(self, exc: BaseException) -> None:
         """Called when fit() raises; may raise a clearer error instead."""
 
+    def finish(self) -> None:
+        """Called when fit() returns or raises, after the callbacks' ``on_fit_end``."""
+
     # -- checkpoints ------------------------------------------------------------------------
     def save(self, trainer, path) -> None:
         ts.atomic_save(ts.trainer_state(trainer), path)
@@ -153,6 +156,7 @@ class DistributedStrategy(Strategy):
     """What DDP and FSDP share: samplers, agreement across ranks, per-rank RNG in checkpoints."""
 
     distributed = True
+    _sent: tuple = ()   # the tensor of the latest all-reduce below, for finish()
 
     @property
     def is_main(self) -> bool:
@@ -169,20 +173,30 @@ class DistributedStrategy(Strategy):
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
 
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(t, op=op)
+        self._sent = (t,)
+        return t
+
     def mean(self, value: torch.Tensor) -> float:
-        t = value.detach().float().reshape(1).clone()
-        dist.all_reduce(t)
+        t = self._all_reduce(value.detach().float().reshape(1).clone())
         return float(t) / env.world_size()
 
     def sum(self, values: list[float], device) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return t.tolist()
+        return self._all_reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
     def any(self, flag: bool, device) -> bool:
         t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(self._all_reduce(t, op=dist.ReduceOp.MAX).item())
+
+    def finish(self) -> None:
+        """Wait until the collectives' worker threads are done (:func:`.env.settle`).
+
+        The script may end right after ``fit``; a gloo worker still letting go of a collective's
+        tensors when the interpreter finalizes aborts the process.
+        """
+        sent, self._sent = self._sent, ()
+        env.settle(sent)
 
     def metric_values(self, metrics, device) -> dict:
         out = {}

@@ -296,8 +296,11 @@ class Trainer:
             self.strategy.failed(exc)
             raise
         finally:
-            for cb in callbacks:
-                cb.on_fit_end(self)
+            try:
+                for cb in callbacks:
+                    cb.on_fit_end(self)
+            finally:
+                self.strategy.finish()  # e.g. let gloo's threads finish before the script ends
         return self.history
 
     def _epoch_iterator(self, data):
