@@ -80,6 +80,7 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         out["gradients"] += sum(tensor_bytes(_GRAD.__get__(m)) for m in masters)
     if isinstance(optimizer, CompactMasterOptimizer):
         out["gradients"] += sum(tensor_bytes(g) for g, _ in optimizer._grads32.values())
+        out["compensation"] += sum(tensor_bytes(c) for c in optimizer._pending.values())
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():

@@ -341,18 +341,19 @@ EXPECTED = {("fp32", "fp32"): 14, ("fp32", "bf16"): 10, ("kahan", "fp32"): 12,
 
 @pytest.mark.parametrize("master,state_dtype", list(EXPECTED))
 def test_bytes_per_parameter_counts_what_is_held(master, state_dtype):
+    """Exact up to Adam's step counters and the rounding generator's state (5 kB per optimizer):
+    0.01 bytes per parameter on these 0.5M parameters."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    net = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
     net, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3), level="O2",
                           dtype="bf16", master=master, state_dtype=state_dtype)
-    net(torch.randn(2, 64)).float().sum().backward()
+    net(torch.randn(2, 512)).float().sum().backward()
     opt.step()
     held = mp.bytes_per_parameter(net, opt)
     assert held["gradients"] == 2
     opt.zero_grad(set_to_none=True)
     got = mp.bytes_per_parameter(net, opt)
     assert got["gradients"] == 0
-    step_bytes = 8 / (64 * 64 + 64) * 2 / 2  # Adam's fp32 step counter, per tensor
-    assert got["total"] - step_bytes == pytest.approx(EXPECTED[(master, state_dtype)])
+    assert got["total"] == pytest.approx(EXPECTED[(master, state_dtype)], abs=0.01)
     assert got["masters"] == (4 if master == "fp32" else 0)
     assert got["compensation"] == (2 if master == "kahan" else 0)

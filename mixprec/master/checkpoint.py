@@ -12,16 +12,13 @@ from collections.abc import Mapping
 
 import torch
 
+from . import states
 from .params import is_master
 
-__all__ = ["MASTERS_KEY", "register", "indexed_masters", "GENERATOR_KEY"]
+__all__ = ["MASTERS_KEY", "register", "indexed_masters"]
 
 #: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
 MASTERS_KEY = "master_weights"
-
-
-#: Key of the rounding generator's state (stochastic rounding of weights or bf16 moments).
-GENERATOR_KEY = "rounding_generator"
 
 
 def indexed_masters(optimizer) -> dict[int, torch.Tensor]:
@@ -48,8 +45,6 @@ def register(optimizer) -> None:
 def _save_masters(optimizer, state: dict) -> dict:
     """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
     state[MASTERS_KEY] = {i: m.detach() for i, m in indexed_masters(optimizer).items()}
-    if optimizer.state_dtype != torch.float32:  # bf16 moments are rounded stochastically
-        state[GENERATOR_KEY] = optimizer.rounding.state_dict()
     return state
 
 
@@ -59,9 +54,6 @@ def _take_masters(optimizer, state_dict: Mapping) -> dict:
         raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     state_dict = dict(state_dict)
     saved = state_dict.pop(MASTERS_KEY, None)
-    generator = state_dict.pop(GENERATOR_KEY, None)
-    if generator is not None:
-        optimizer.rounding.load_state_dict(generator)
     if saved is not None:
         _check_saved_masters(saved, indexed_masters(optimizer))
     optimizer._incoming_masters = saved
@@ -80,6 +72,7 @@ def _restore_masters(optimizer) -> None:
             torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
     optimizer.write_back()
     optimizer.drop_master_grads()
+    states.restore_generator(optimizer, optimizer.rounding)
 
 
 def _check_saved_masters(saved: Mapping[int, torch.Tensor],

@@ -10,8 +10,9 @@ parameter instead of an fp32 master's 4:
   about 16 significant bits (a bf16 pair; fp16: 22), so it tracks an fp32 master closely.
 * ``master="stochastic"``: no buffer; the updated fp32 value is written into the bf16 weight
   with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. Its random
-  keys come from a generator whose state travels in ``state_dict()`` (key
-  ``"rounding_generator"``), so a resumed run continues bitwise. bf16 weights only (fp16 ones
+  keys come from a generator whose state travels in ``state_dict()`` (in the first parameter
+  entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it too), so a resumed
+  run continues bitwise. bf16 weights only (fp16 ones
   use ``"kahan"``).
 
 The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
@@ -54,7 +55,7 @@ from . import states
 from .buckets import is_per_parameter
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator
-from .states import COMPENSATION_KEY
+from .states import COMPENSATION_KEY, OWN_KEYS
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -66,7 +67,6 @@ from .wrapper import (
 __all__ = ["CompactMasterOptimizer", "COMPACT_MASTERS", "is_compact_optimizer"]
 
 COMPACT_MASTERS = ("kahan", "stochastic")
-GENERATOR_KEY = "rounding_generator"
 
 
 def is_compact_optimizer(optimizer: Any) -> bool:
@@ -118,13 +118,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.salt = int(salt)
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
+        self._pending: dict[torch.Tensor, torch.Tensor] = {}
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
-        self.register_state_dict_post_hook(_save_generator)
-        self.register_load_state_dict_pre_hook(_load_generator)
         self.register_load_state_dict_post_hook(_share_with_inner)
         states.register(self)
+        self.register_load_state_dict_post_hook(_load_generator)
 
     def __repr__(self) -> str:
         return (f"CompactMasterOptimizer(master={self.master!r}, state_dtype="
@@ -154,22 +154,39 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     f"of shape {tuple(p.shape)}. Use master='kahan' (or 'fp32') for fp16")
 
     def _init_state(self, params: list[torch.Tensor], initial: Mapping) -> None:
+        """Moments in the state dtype; Kahan compensations made, held aside until the first
+        step (an optimizer whose state is empty counts as fresh to torch's distributed
+        checkpointing, which then steps it once at lr 0 to lay its state out)."""
         with torch.no_grad():
             for p in params:
-                state = self.state[p]
-                states.cast_moments(state, p, self.state_dtype, self.rounding)
-                if self.master != "kahan" or COMPENSATION_KEY in state:
+                states.cast_moments(self.state[p], p, self.state_dtype, self.rounding)
+                if self.master != "kahan" or COMPENSATION_KEY in self.state[p]:
                     continue
                 comp = torch.zeros_like(p, memory_format=torch.preserve_format)
                 value = initial.get(p)
                 if value is not None and not isinstance(p, DTensor):
                     comp.copy_(value.to(p.device) - p.float())
-                state[COMPENSATION_KEY] = comp
+                self._pending[p] = comp
+        for p in params:  # no empty entries left behind by the reads above
+            if not self.state[p]:
+                del self.state[p]
+
+    def _settle_pending(self) -> None:
+        """Move the compensations held aside into the state (first step)."""
+        if self.master != "kahan":
+            return
+        for p in self._low:
+            state = self.state[p]
+            if COMPENSATION_KEY not in state:
+                comp = self._pending.pop(p, None)
+                state[COMPENSATION_KEY] = (comp if comp is not None else torch.zeros_like(
+                    p, memory_format=torch.preserve_format))
 
     # -- what it holds -------------------------------------------------------------------------
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s Kahan compensation buffer (None for ``"stochastic"`` or fp32 params)."""
-        return ck.compensation(self, param)
+        comp = ck.compensation(self, param)
+        return self._pending.get(param) if comp is None else comp
 
     def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
         """16-bit parameter -> the best fp32 estimate of its value (new tensors): weight +
@@ -256,6 +273,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         if stale:
             raise stale_fp16_error(len(stale), stale[0].shape)
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        self._settle_pending()
         try:
             if self._fast_path():
                 self._fast_step(inv)
@@ -264,6 +282,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     self._generic_bucket(bucket, inv)
         finally:
             self.drop_master_grads()
+        if self.master == "stochastic" or self.state_dtype != torch.float32:
+            states.record_generator(self.inner, self.rounding)
         return None
 
     def _fast_path(self) -> bool:
@@ -318,10 +338,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     temp.grad = grad.to(torch.float32, copy=True)
                     grads.append(temp.grad)
                     entry = state.pop(p, {})
-                    comp = entry.pop(COMPENSATION_KEY, None)
+                    ours = {k: entry.pop(k) for k in OWN_KEYS if k in entry}
                     if entry:
                         state[temp] = entry
-                    pairs.append((p, temp, comp))
+                    pairs.append((p, temp, ours))
                     out.append(temp)
                 lists.append(out)
             if inv is not None:
@@ -338,13 +358,11 @@ class CompactMasterOptimizer(WrappedOptimizer):
         state = self.inner.state
         keys = self.rounding.keys(len(pairs), self.salt) if self.master == "stochastic" else None
         with torch.no_grad():
-            for i, (p, temp, comp) in enumerate(pairs):
+            for i, (p, temp, ours) in enumerate(pairs):
                 key = None if keys is None else keys[i].to(p.device)
+                comp = ours.get(COMPENSATION_KEY)
                 ck.store(*map(ck.local, (p.detach(), comp, temp.detach())), key)
-                entry = state.pop(temp, {})
-                if comp is not None:
-                    entry[COMPENSATION_KEY] = comp
-                state[p] = entry
+                state[p] = {**state.pop(temp, {}), **ours}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (its 16-bit parameters get compensation buffers under kahan).
@@ -368,21 +386,9 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return is_per_parameter(self.inner)
 
 
-def _save_generator(optimizer: CompactMasterOptimizer, state: dict) -> dict:
-    """state_dict post-hook: the rounding generator travels with the state."""
-    state[GENERATOR_KEY] = optimizer.rounding.state_dict()
-    return state
-
-
-def _load_generator(optimizer: CompactMasterOptimizer, state_dict: Mapping) -> dict:
-    """load_state_dict pre-hook: restore the rounding generator (when the dict has one)."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
-    state_dict = dict(state_dict)
-    saved = state_dict.pop(GENERATOR_KEY, None)
-    if saved is not None:
-        optimizer.rounding.load_state_dict(saved)
-    return state_dict
+def _load_generator(optimizer: CompactMasterOptimizer) -> None:
+    """load_state_dict post-hook: the rounding generator continues from the saved state."""
+    states.restore_generator(optimizer, optimizer.rounding)
 
 
 def _share_with_inner(optimizer: CompactMasterOptimizer) -> None:

@@ -364,6 +364,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             steps.bucketed_step(self, grad_scale)
         if grad_scale is not None:  # reads after the step see the true gradients (torch.amp)
             self._carry.inv = grad_scale.double().reciprocal().float()
+        if self.state_dtype != torch.float32:  # bf16 moments are rounded stochastically
+            states.record_generator(self.inner, self.rounding)
         return None
 
     def _check_fp16_changes(self) -> None:

@@ -32,12 +32,18 @@ from torch.distributed.tensor import DTensor
 from ..dtypes import dtype_name, to_dtype
 from .rounding import RoundingGenerator, stochastic_round
 
-__all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "check_state_dtype", "is_moment", "cast_moments",
-           "fp32_moments", "register"]
+__all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "GENERATOR_KEY", "OWN_KEYS", "check_state_dtype",
+           "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
+           "restore_generator"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 #: The state key of a parameter's Kahan compensation buffer (not a moment: never cast).
 COMPENSATION_KEY = "compensation"
+#: The state key under which the rounding generator's state travels (in one parameter's entry,
+#: so torch's, DCP's and FSDP2's optimizer state dicts carry it like any other state).
+GENERATOR_KEY = "rounding_generator"
+#: State keys a master optimizer adds beside the inner optimizer's own.
+OWN_KEYS = (COMPENSATION_KEY, GENERATOR_KEY)
 
 
 def check_state_dtype(state_dtype) -> torch.dtype:
@@ -60,7 +66,7 @@ def _plain(value) -> bool:
 
 def is_moment(key, value, param: torch.Tensor) -> bool:
     """True for a floating state tensor shaped as ``param`` (not ``step``, not compensation)."""
-    return (key not in ("step", COMPENSATION_KEY) and _plain(value)
+    return (key != "step" and key not in OWN_KEYS and _plain(value)
             and value.is_floating_point() and value.shape == param.shape)
 
 
@@ -135,6 +141,32 @@ def _restore(optimizer) -> None:
                 continue
             for key, value in entry.items():
                 now = state.get(key)
-                if (torch.is_tensor(now) and _plain(value) and value.is_floating_point()
-                        and key != "step" and now.dtype != value.dtype):
+                if (torch.is_tensor(now) and _plain(value) and key != "step"
+                        and now.dtype != value.dtype):
                     state[key] = value.to(device=now.device)
+
+
+# -- the rounding generator in the state ---------------------------------------------------------
+def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
+    """Put the generator's state into the first state entry that holds the inner optimizer's own
+    state (an entry of ours alone would make torch's optimizers skip their state set-up)."""
+    anchor = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            state.pop(GENERATOR_KEY, None)
+            if anchor is None and any(k not in OWN_KEYS for k in state):
+                anchor = state
+    if anchor is not None:
+        anchor[GENERATOR_KEY] = rounding.state_dict()
+
+
+def restore_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
+    """Load the generator state found in ``optimizer.state`` (after ``load_state_dict``)."""
+    for state in optimizer.state.values():
+        saved = state.get(GENERATOR_KEY)
+        if saved is not None:
+            rounding.load_state_dict(saved.to(torch.uint8))
+            return
