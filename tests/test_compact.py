@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec.commands.plan import plan_report
 from mixprec.master import CompactMasterOptimizer
 from mixprec.master.rounding import RoundingGenerator, random16, stochastic_round
 from mixprec.master.states import COMPENSATION_KEY
+from mixprec.parallel.plan import plan
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
@@ -357,3 +359,19 @@ def test_bytes_per_parameter_counts_what_is_held(master, state_dtype):
     assert got["total"] == pytest.approx(EXPECTED[(master, state_dtype)], abs=0.01)
     assert got["masters"] == (4 if master == "fp32" else 0)
     assert got["compensation"] == (2 if master == "kahan" else 0)
+
+
+def test_plan_knows_the_compact_options():
+    n = 1_000_000
+    single = {(m, s): plan(n, level="O2", strategy="single", master=m, state_dtype=s)
+              for m, s in EXPECTED}
+    for key, p in single.items():  # the plan counts the 16-bit gradient too
+        assert p.bytes_per_param() == EXPECTED[key] + 2
+    fsdp = plan(n, level="O2", strategy="fsdp", world=4, master="kahan", state_dtype="bf16")
+    assert fsdp.total * 4 / n == 10  # 16-bit shards, compensation and moments sharded
+    with pytest.raises(ValueError, match="master-weight level"):
+        plan(n, level="O3", master="kahan")
+    _, rows, text = plan_report(n, level="O2", strategy="single", world=1,
+                                master="stochastic", state_dtype="bf16")
+    assert "* single       1  O2 stochastic/bf16" in text
+    assert len({(r.master, r.state_dtype) for r in rows}) == 6

@@ -63,10 +63,7 @@ Host-device synchronisation: ``step()``, ``unscale_grads_()``, ``zero_grad()``, 
 and ``load_state_dict()`` add none (all copies are asynchronous device ops), except that
 ``fused="compile"`` reads Adam's ``step`` when that state lives on a GPU.
 
-The pieces: :mod:`.params` (the master parameter and its gradient), :mod:`.buckets` (which
-optimizers step in buckets; the fp32 gradient scratch), :mod:`.steps` (the step paths),
-:mod:`.kernels` (fused update kernels), :mod:`.checkpoint` (masters in ``state_dict``),
-:mod:`.wrapper` (what every master optimizer shares).
+The pieces are listed in :mod:`mixprec.master`.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ class Trainer:
         parameter (nine-linear on an H100: 1.8 vs 2.9 ms per update)."""
         opt = self.optimizer
         if (is_master_optimizer(opt) and kernels.is_compilable(opt.inner)
-                and self.device.type == "cpu"):
+                and self.device.type == "cpu" and opt.state_dtype == torch.float32):
             opt.fused = "compile"
 
     # ----------------------------------------------------------------- the step
