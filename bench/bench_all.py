@@ -14,7 +14,7 @@ import platform
 from pathlib import Path
 
 from mixprec.benchmodels import MODELS
-from mixprec.commands.bench import format_table, run_bench
+from mixprec.commands.bench import format_table, peak_share_text, run_bench
 from mixprec.commands.doctor import doctor_report
 
 OUT = Path(__file__).parent / "results"
@@ -24,15 +24,16 @@ def markdown(rep: dict) -> str:
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
     lines = [f"**{rep['model']}** ({sizes}; {rep['flops_per_step'] / 1e9:.1f} GFLOP/step)", "",
              ("| row | dtype | ms/step | speed-up | peak MB | final loss | GFLOP/s "
-              "| % matmul peak | update % |"),
+              "| % GEMM peak | update % |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rep["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         lines.append(f"| {r['row']} | {r['dtype']} | {r['ms_per_step']:.1f} | {sp} | "
                      f"{r['peak_mb']:.0f} | {r['final_loss']:.6g} | {r['gflops']:.0f} | "
-                     f"{100 * r['peak_share']:.0f}% | {100 * r['update_share']:.1f}% |")
+                     f"{peak_share_text(r)} | {100 * r['update_share']:.1f}% |")
     peaks = ", ".join(f"{d} {v:.0f}" for d, v in rep["matmul_peak_gflops"].items())
-    lines += ["", f"matmul peak at {'x'.join(map(str, rep['gemm_shape']))} (GFLOP/s): {peaks}"]
+    lines += ["", f"GEMM peak at {'x'.join(map(str, rep['gemm_shape']))} (a Linear layer's "
+                  f"forward, input- and weight-gradient GEMMs combined; GFLOP/s): {peaks}"]
     return "\n".join(lines)
 
 

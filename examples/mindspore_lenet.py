@@ -8,9 +8,11 @@ once per epoch through ``LossMonitor``. Here the same network and data run throu
 
 * ``amp_level="O2"``, ``FixedLossScaleManager(1024.0, False)`` (apply the update even on
   overflow): ``level="O2"``, ``loss_scaler=mp.StaticLossScaler(1024.0, skip_on_overflow=False)``
-* ``amp_level="O2"``, ``DynamicLossScaleManager()`` (2**24, factor 2, window 2000):
-  ``level="O2"``, ``loss_scaler=mp.DynamicLossScaler(init_scale=2**24, growth_factor=2,
-  backoff_factor=0.5, growth_interval=2000)``
+* ``amp_level="O2"``, ``DynamicLossScaleManager()`` (2**24, factor 2, window 2000, floor 1, no
+  ceiling below fp32's range): ``level="O2"``, ``loss_scaler=mp.DynamicLossScaler(
+  init_scale=2**24, growth_factor=2, backoff_factor=0.5, growth_interval=2000,
+  max_scale=2**127)`` (the largest power of two in fp32; the default ``max_scale`` of ``2**24``
+  would keep the scale from ever growing)
 * ``amp_level="O3"``, ``loss_scale_manager=None``: ``level="O3"``, ``loss_scaler=None``
 * ``network.conv1.to_float(mstype.float16)``: ``mp.to_float(network.conv1, "fp16")``,
   ``level="O0"``
@@ -91,7 +93,8 @@ RUNS = {
         dict(level="O2", loss_scaler=lambda: mp.StaticLossScaler(1024.0, skip_on_overflow=False)),
     "O2 + DynamicLossScaleManager()":
         dict(level="O2", loss_scaler=lambda: mp.DynamicLossScaler(
-            init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)),
+            init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+            max_scale=2.0 ** 127)),
     "O3, loss_scale_manager=None":
         dict(level="O3", loss_scaler=lambda: None),
     "manual: conv1.to_float(float16), the rest fp32":

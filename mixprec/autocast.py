@@ -21,20 +21,21 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import oplists
+from .dtypes import CASTABLE_DTYPES
 from .emulation import Fp16EmulationMode, should_emulate
 from .policy import resolve_dtype
 
 __all__ = ["autocast", "cast_floating", "PrecisionContext", "is_mixprec_mode"]
 
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 _LOW = "low"  # marker: "the autocast dtype in force at call time"
 _PROMOTE = "promote"  # marker: "the widest floating dtype among the inputs"
 
 
 def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
-    """Cast every fp32/fp16/bf16 tensor in a pytree to ``dtype`` (fp64 and integers untouched)."""
+    """Cast every tensor of a castable dtype (fp32/fp16/bf16, see :mod:`mixprec.dtypes`) in a
+    pytree to ``dtype``; fp64, fp8 and integer tensors are left untouched."""
     def cast(t):
-        if (isinstance(t, torch.Tensor) and t.dtype in _CASTABLE and t.dtype != dtype
+        if (isinstance(t, torch.Tensor) and t.dtype in CASTABLE_DTYPES and t.dtype != dtype
                 and (device_type is None or t.device.type == device_type)):
             return t.to(dtype)
         return t
@@ -75,7 +76,7 @@ def is_mixprec_mode(mode) -> bool:
 def _widest(tree, device_type: str) -> torch.dtype | None:
     """fp32 when the fp32/fp16/bf16 tensors of ``device_type`` in ``tree`` mix dtypes, else None."""
     dtypes = {t.dtype for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
-              and t.dtype in _CASTABLE and t.device.type == device_type}
+              and t.dtype in CASTABLE_DTYPES and t.device.type == device_type}
     return torch.float32 if len(dtypes) > 1 else None
 
 

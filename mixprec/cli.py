@@ -5,15 +5,21 @@ Each subcommand lives in a module of ``mixprec.commands`` that exposes ``registe
 A module may also define ``normalize_argv(command, args) -> args``, applied to the arguments
 after the subcommand's name before parsing (``explain`` uses it so that ``-inf`` is a value, not
 an option); it returns ``args`` unchanged for commands it does not own.
+
+The parsers are :class:`mixprec.commands.args.Parser`: an option that takes one value refuses
+to be given twice (argparse would keep the last one silently); list options say so with
+``action="extend", type=comma_list``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
+from .commands.args import Parser
 
 # Subcommand modules, in the order ``mixprec --help`` lists them.
 COMMANDS = (
@@ -30,8 +36,7 @@ def _modules() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixprec",
-                                     description="Mixed-precision training tools for PyTorch.")
+    parser = Parser(prog="mixprec", description="Mixed-precision training tools for PyTorch.")
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -61,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(normalize_argv(argv))
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `mixprec plan ... | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"mixprec {args.command}: error: {exc}", file=sys.stderr)
         return 2

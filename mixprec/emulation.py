@@ -34,14 +34,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import hardware, oplists
-from .dtypes import to_dtype
+from .dtypes import ROUNDABLE_DTYPES, to_dtype
 
 __all__ = ["emulation_context", "should_emulate", "Fp16EmulationMode", "emulate_fp16",
            "EMULATED_FUNCTIONS"]
 
 _LOG = logging.getLogger("mixprec")
 _FP16 = torch.float16
-_ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
 _MODES = ("auto", True, False)
 
 
@@ -81,7 +80,7 @@ def autocast_runs_in_low_precision(op: str, device_type: str) -> bool:
 
 def _round(t):
     """A floating tensor as fp32 holding fp16-rounded values (differentiable)."""
-    if isinstance(t, torch.Tensor) and t.dtype in _ROUNDABLE:
+    if isinstance(t, torch.Tensor) and t.dtype in ROUNDABLE_DTYPES:
         return t.to(_FP16).to(torch.float32)
     return t
 
@@ -121,7 +120,7 @@ class Fp16EmulationMode(TorchFunctionMode):
         if torch.is_autocast_enabled(self.device_type) and autocast_runs_in_low_precision(
                 op, self.device_type):
             return (torch.get_autocast_dtype(self.device_type) == _FP16
-                    and all(t.dtype in _ROUNDABLE for t in floating))
+                    and all(t.dtype in ROUNDABLE_DTYPES for t in floating))
         return all(t.dtype == _FP16 for t in floating)
 
 

@@ -36,18 +36,22 @@ from torch import nn
 from . import hardware
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
-from .scaling import LossScaler, make_loss_scaler
+from .scaling import LossScaler, make_loss_scaler, owns_gradients
+from .scaling.unscale import total_norm
 
 __all__ = ["MixedPrecision", "check_max_norm"]
 
 
 def check_max_norm(max_grad_norm) -> None:
     """Raise ValueError unless ``max_grad_norm`` is None or a positive finite number."""
-    if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-            and 0 < max_grad_norm < math.inf):
+    if max_grad_norm is not None and not _positive_finite(max_grad_norm):
         raise ValueError(f"max_grad_norm must be None or a positive finite number; "
                          f"got {max_grad_norm!r}")
+
+
+def _positive_finite(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < math.inf)
 
 
 class MixedPrecision:
@@ -94,6 +98,7 @@ class MixedPrecision:
         self.policy: Policy | None = None
         self.scaler: LossScaler | None = None
         self._given = policy
+        self._stage: dict[int, str] = {}  # optimizer id -> "unscaled" | "folded", until step()
         if policy is not None or not (isinstance(dtype, str) and dtype.lower() == "auto"):
             self._resolve(None)
         self.models: list[nn.Module] = []
@@ -169,10 +174,69 @@ class MixedPrecision:
         """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for
         inf/NaN (at most once per optimizer per step; see :meth:`LossScaler.unscale_`)."""
         self._ready().unscale_(optimizer)
+        self._stage[id(optimizer)] = "unscaled"
+
+    def is_unscaled(self, optimizer) -> bool:
+        """True when :meth:`unscale_`, :meth:`clip_grad_norm_` or :meth:`clip_grad_value_` ran on
+        ``optimizer`` since its last :meth:`step` (its gradients are then the true ones, or a
+        clip is folded into the step: :meth:`unscale_` must not run again)."""
+        return id(optimizer) in self._stage
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
-        """Clip the true gradients ``optimizer`` will step with; returns their total norm."""
-        return self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        """Clip the true gradients ``optimizer`` will step with; returns their total norm.
+
+        Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the clip folded
+        into its step (no fp32 gradient copy); see :meth:`LossScaler.clip_grad_norm_`.
+        """
+        folds = self._stage.get(id(optimizer)) is None and owns_gradients(optimizer)
+        total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        self._stage[id(optimizer)] = "folded" if folds else "unscaled"
+        return total
+
+    def clip_grad_value_(self, optimizer, clip_value: float) -> None:
+        """Clamp each true gradient ``optimizer`` will step with to ``[-clip_value, clip_value]``.
+
+        Unscales first unless :meth:`unscale_` was called this step (for a
+        :class:`mixprec.MasterWeightOptimizer` that makes the fp32 master gradients, which the
+        step then uses). No host sync.
+
+        Raises:
+            ValueError: ``clip_value`` is not a positive finite number.
+            RuntimeError: :meth:`clip_grad_norm_` already folded a clip into this step.
+        """
+        if not _positive_finite(clip_value):
+            raise ValueError(f"clip_value must be a positive finite number; got {clip_value!r}")
+        stage = self._stage.get(id(optimizer))
+        if stage == "folded":
+            raise RuntimeError("clip_grad_value_() after clip_grad_norm_() in one step: the norm "
+                               "clip was folded into the step; clip by value or by norm")
+        if stage is None:
+            self.unscale_(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the true gradients ``optimizer`` will step with, as they stand (what
+        ``torch.nn.utils.clip_grad_norm_(..., max_norm=inf)`` reports on fp32 gradients); no
+        host sync.
+
+        Raises:
+            RuntimeError: :meth:`clip_grad_norm_` already ran this step (it returned the norm).
+        """
+        scaler = self._ready()
+        stage = self._stage.get(id(optimizer))
+        if stage == "folded":
+            raise RuntimeError("grad_norm() after clip_grad_norm_(): use the norm it returned")
+        if owns_gradients(optimizer):
+            grads = [g for _, g in optimizer.grads_for_step()]
+        else:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+                     if p.grad is not None]
+        total = total_norm(grads, norm_type, scaler.scale_tensor.device)
+        if stage is None and scaler.is_enabled():  # they still carry the loss scale
+            total = total / scaler.scale_tensor
+        return total
 
     def step(self, *optimizers, max_grad_norm: float | None = None) -> bool:
         """Step every optimizer unless its gradients overflowed; update the scale once.
@@ -198,6 +262,7 @@ class MixedPrecision:
         for opt in optimizers:
             if max_grad_norm is not None:
                 scaler.clip_grad_norm_(opt, max_grad_norm)
+            self._stage.pop(id(opt), None)
             applied = bool(scaler.step(opt)) and applied
         scaler.update()
         return applied

@@ -10,10 +10,10 @@ import warnings
 
 import torch
 
+from .dtypes import TRAINING_DTYPES, dtype_name
+
 __all__ = ["device_capabilities", "cpu_flags", "cpu_model", "is_fast", "warn_if_slow",
            "SlowDtypeWarning"]
-
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _cpuinfo_field(key: str) -> str | None:
@@ -151,9 +151,13 @@ def _auto(caps: dict) -> tuple[str, str]:
                     f"fp16: {d['fp16']['why']}")
 
 
+def _training_name(dtype: torch.dtype) -> str | None:
+    return dtype_name(dtype) if dtype in TRAINING_DTYPES else None
+
+
 def is_fast(dtype: torch.dtype, device=None) -> bool:
     """True when ``dtype`` has fast matrix kernels on ``device``."""
-    name = _NAMES.get(dtype)
+    name = _training_name(dtype)
     if name is None:
         return False
     return bool(device_capabilities(device)["dtypes"][name]["fast"])
@@ -164,7 +168,7 @@ _warned: set[tuple[str, str]] = set()
 
 def warn_if_slow(dtype: torch.dtype, device=None) -> None:
     """Warn once per (device, dtype) when the user asked for a dtype that is slow there."""
-    name = _NAMES.get(dtype)
+    name = _training_name(dtype)
     if name in (None, "fp32"):
         return
     caps = device_capabilities(device)

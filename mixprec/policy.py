@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import re
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -155,6 +156,40 @@ def type_from_path(path: str) -> type:
     return obj
 
 
+_KEEP_FP32_VALID = ("an nn.Module subclass (e.g. nn.LayerNorm), a qualified module name "
+                    "(e.g. 'encoder.norm'), or an iterable of them")
+
+
+def keep_fp32_entries(keep: Any) -> tuple:
+    """``keep_fp32`` as a tuple of module types and qualified module names.
+
+    Args:
+        keep: an ``nn.Module`` subclass, a qualified module name, or an iterable of them.
+
+    Raises:
+        TypeError: anything else (a number, a mapping, a module instance...), naming it.
+    """
+    if isinstance(keep, (type, str)):
+        keep = (keep,)
+    elif isinstance(keep, (bytes, Mapping, nn.Module)) or not isinstance(keep, Iterable):
+        raise TypeError(f"keep_fp32 must be {_KEEP_FP32_VALID}; got {_described(keep)}")
+    keep = tuple(keep)
+    for k in keep:
+        if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
+            raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified module "
+                            f"names; got {_described(k)}")
+    return keep
+
+
+def _described(value: Any) -> str:
+    """``value`` for an error message: its type and repr, with a hint for module instances."""
+    text = f"{type(value).__name__} {value!r}"
+    if isinstance(value, nn.Module):
+        text = (f"the module instance {type(value).__name__}(...) (pass its type, "
+                f"{type(value).__name__}, or its qualified name)")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """How a model stores parameters, computes, and returns outputs: the whole description.
@@ -180,7 +215,8 @@ class Policy:
         compute_dtype: dtype compute-heavy ops run in (matmul, conv, linear).
         output_dtype: dtype the model's floating outputs are cast to (fp32 keeps the loss in
             fp32), or None to leave them as they come.
-        keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute.
+        keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute:
+            one, or an iterable of them.
         master_weights: wrap the optimizer so that low-precision parameters train through
             masters (see ``master``).
         loss_scale: ``"dynamic"``, a fixed float, or None.
@@ -223,7 +259,7 @@ class Policy:
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
                                                               what="output_dtype"))
-        object.__setattr__(self, "keep_fp32", _keys(self.keep_fp32, "keep_fp32"))
+        object.__setattr__(self, "keep_fp32", keep_fp32_entries(self.keep_fp32))
         object.__setattr__(self, "overrides", _overrides(self.overrides))
         for flag in ("master_weights", "autocast", "cast_inputs"):
             if not isinstance(getattr(self, flag), bool):

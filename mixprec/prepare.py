@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from .dtypes import dtype_name
 from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
 from .master.wrapper import WrappedOptimizer
 from .oplists import warn_unreachable
-from .policy import Policy
+from .policy import Policy, keep_fp32_entries
 from .regions import (
     Entry,
     ForwardWrapper,
@@ -58,6 +59,7 @@ __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of",
 _POLICY_ATTR = "_mixprec_policy"
 _FP32 = torch.float32
 _FP16_MIN_SUBNORMAL = 2.0 ** -24
+_FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def policy_of(model: nn.Module) -> Policy | None:
@@ -130,22 +132,29 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
 
 
 def _check_fp16_state(optimizer, policy: Policy) -> None:
-    """Without masters, an fp16 model's Adam-style state is fp16 too: refused (it cannot match
-    an fp32 step; it diverges)."""
+    """Without masters, an fp16 model's Adam-style state is fp16 too: (1 - beta2) * g^2
+    underflows for small gradients. With an eps below fp16's smallest normal the update then
+    divides by (almost) zero: refused. With a larger eps it stays finite but loses Adam's
+    normalisation there: said once, as a warning."""
     if optimizer is None or policy.master_weights or policy.param_dtype != torch.float16:
         return
     for i, group in enumerate(optimizer.param_groups):
-        if "betas" in group and "eps" in group:
-            beta2 = float(group["betas"][1])
-            smallest = (_FP16_MIN_SUBNORMAL / max(1.0 - beta2, 1e-12)) ** 0.5
+        if not ("betas" in group and "eps" in group):
+            continue
+        beta2, eps = float(group["betas"][1]), float(group["eps"])
+        smallest = (_FP16_MIN_SUBNORMAL / max(1.0 - beta2, 1e-12)) ** 0.5
+        what = (f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
+                f"eps={eps:g}) keeps its moment estimates in fp16 under {policy} (no master "
+                f"weights): (1 - beta2) * grad^2 underflows to 0 in fp16 for every |grad| < "
+                f"{smallest:.1e}, and the update there is m / eps")
+        if eps < _FP16_MIN_NORMAL:
             raise ValueError(
-                f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
-                f"eps={group['eps']:g}) would keep its moment estimates in fp16 under {policy} "
-                f"(no master weights): (1 - beta2) * grad^2 underflows to 0 in fp16 for every "
-                f"|grad| < {smallest:.1e}, and the update then divides by eps (which rounds to "
-                f"0 in fp16 below 6e-8), giving inf/NaN weights. Use level='O2' (fp32 masters "
-                f"and optimizer state), dtype='bf16' (fp32's exponent range), or an "
-                f"SGD-style optimizer")
+                f"{what}, with an eps below fp16's smallest normal 6.1e-05: inf/NaN weights. "
+                f"Use level='O2' (fp32 masters and optimizer state), dtype='bf16' (fp32's "
+                f"exponent range), an SGD-style optimizer, or eps >= 6.1e-05")
+        warnings.warn(f"{what}: Adam's normalisation is lost for those gradients. Level 'O2' "
+                      f"(fp32 masters and state) or dtype='bf16' keep it", UserWarning,
+                      stacklevel=4)
 
 
 def _check_one_of(policy, level, dtype) -> None:
@@ -165,7 +174,7 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
     else:
         policy = Policy.from_level(level, dtype, device, warn=warn)
     if keep_fp32 is not None:
-        extra = Policy(keep_fp32=keep_fp32).keep_fp32  # validated as a Policy field is
+        extra = keep_fp32_entries(keep_fp32)
         policy = dataclasses.replace(policy, keep_fp32=policy.keep_fp32 + extra)
     compact = {k: v for k, v in (("master", master), ("state_dtype", state_dtype))
                if v is not None}
@@ -222,7 +231,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         ``model``, or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or a bad ``policy``/``optimizer``.
+        TypeError: ``model`` is not an ``nn.Module``, or a bad ``policy``/``optimizer``/
+            ``keep_fp32``.
         ValueError: an unknown level, dtype or op name; an optimizer holding foreign tensors;
             ``keep_fp32`` names that match no module; a ``to_float`` mark in another 16-bit
             format than the policy's; a model on the meta device; ``policy`` with ``level``.

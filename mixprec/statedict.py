@@ -82,9 +82,10 @@ class Companions:
         pairs = self.pairs()
         with torch.no_grad():
             for param, comp in pairs.items():
-                changed = comp.to(param.dtype).ne(param)
+                here = comp.to(param.device)  # a model moved (Lightning's teardown) keeps its
+                changed = here.to(param.dtype).ne(param)  # masters where the optimizer has them
                 if changed.any():  # the parameter was written directly: it is the truth there
-                    comp.copy_(torch.where(changed, param.to(_FP32), comp))
+                    comp.copy_(torch.where(changed, param.to(_FP32), here))
         self._record()
         return pairs
 
@@ -170,7 +171,10 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
                 or not is_low_precision(value):
             continue  # not ours, keep_vars=True (the tensor itself), or already fp32
         comp = pairs.get(own)
-        state_dict[key] = comp.detach() if comp is not None else value.to(_FP32)
+        if comp is None:
+            state_dict[key] = value.to(_FP32)
+        else:  # the companion itself (in-place writes reach it), on the model's device
+            state_dict[key] = comp.detach().to(own.device)
 
 
 def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -246,7 +250,8 @@ def _copy(source: dict, masters: dict, gather: bool) -> OrderedDict[str, Any]:
             if not torch.is_tensor(value):
                 out[name] = value  # extra state
                 continue
-            value = masters.get(value, value).detach()
+            master = masters.get(value)
+            value = (value if master is None else master.to(value.device)).detach()
             full = getattr(value, "full_tensor", None) if gather else None  # a DTensor shard
             if full is not None:
                 value = full().to("cpu")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mixprec.compat import apex_amp
+from mixprec.compat.apex_state import AMP
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,7 +22,6 @@ def _seed():
 @pytest.fixture
 def restore_apex_registrations():
     """apex_amp.register_*_function changes process-wide lists (as apex's did): undo it after."""
-    saved = dict(apex_amp._user_lists)
+    saved = AMP.snapshot()
     yield
-    apex_amp._user_lists.clear()
-    apex_amp._user_lists.update(saved)
+    AMP.restore(saved)

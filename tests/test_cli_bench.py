@@ -2,13 +2,14 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
 from mixprec import cli, hardware
 from mixprec.benchmodels import MODELS, count_flops, get_model
-from mixprec.commands import bench, doctor
+from mixprec.commands import bench, doctor, peaks
 
 
 def run(capsys, *argv):
@@ -65,7 +66,17 @@ def test_bench_text_table(capsys):
     code, out, _ = run(capsys, "bench", "--levels", "O0,O1", "--steps", "1", "--warmup", "0",
                        "--width", "8", "--batch", "4", "--in-process")
     assert code == 0
-    assert "speed-up" in out and "torch.autocast" in out and "matmul peak" in out
+    assert "speed-up" in out and "torch.autocast" in out and "GEMM peak" in out
+
+
+def test_bench_levels_accumulate_when_repeated(capsys):
+    parse = cli.build_parser().parse_args
+    assert parse(["bench", "--levels", "O0", "--levels", "O2,o3"]).levels == ["O0", "O2", "o3"]
+    assert parse(["bench"]).levels is None  # every level
+    code, out, _ = run(capsys, "bench", "--levels", "O0", "--levels", "O0,O1", "--no-reference",
+                       "--steps", "1", "--warmup", "0", "--width", "8", "--batch", "4",
+                       "--in-process", "--json")
+    assert code == 0 and [r["row"] for r in json.loads(out)["rows"]] == ["O0", "O1"]
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -107,15 +118,19 @@ def test_bench_repeat_pools_the_steps_of_all_rounds(capsys):
 # A CPU without fp16 hardware runs torch's native fp16 GEMM at ~0.27 GFLOP/s: 16 s for one
 # 512x2048x2048 product. A fake kernel with that rate shows what the probe would run there.
 FAKE_RATES = {torch.float32: 300.0, torch.bfloat16: 300.0, torch.float16: 0.27}  # GFLOP/s
+# Layout factors of the fake kernels: 1 everywhere unless a test sets them.
+LAYOUT_SPEED = {"nn": 1.0, "nt": 1.0, "tn": 1.0, "tt": 1.0}
 
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
     calls = []
+    monkeypatch.setattr(sys.modules[__name__], "LAYOUT_SPEED", dict(LAYOUT_SPEED))
 
-    def product_times(dtype, shape, device, budget_s, min_reps, warmup):
+    def product_times(dtype, shape, device, budget_s, min_reps, warmup, layout="nn"):
         calls.append((dtype, tuple(shape), warmup + max(min_reps, 1)))
-        return [2.0 * math.prod(shape) / (FAKE_RATES[dtype] * 1e9)] * max(min_reps, 1)
+        rate = FAKE_RATES[dtype] * LAYOUT_SPEED[layout]
+        return [2.0 * math.prod(shape) / (rate * 1e9)] * max(min_reps, 1)
 
     monkeypatch.setattr(doctor, "_product_times", product_times)
     return calls
@@ -188,9 +203,17 @@ def test_bench_table_flags_a_share_above_the_peak():
     o1 = next(line for line in lines if line.startswith("O1"))
     assert "50% " in o0 and "!" not in o0
     assert "130%!" in o1
-    assert any(line.startswith("! above the matmul peak: the peak probe was disturbed")
+    assert any(line.startswith("! above the GEMM peak even after re-probing it")
                for line in lines)
-    assert "disturbed" not in bench.format_table(_report([0.5, 0.99]))
+    assert "above the GEMM peak" not in bench.format_table(_report([0.5, 0.99]))
+
+
+def _fake_peak(shape, gflops, full_size=True):
+    """matmul_peaks' answer for one key whose three GEMMs all ran at ``gflops``."""
+    gemm = {"gflops": gflops, "shape": list(shape), "full_size": full_size, "slow": False,
+            "note": "", "spent_s": 0.0}
+    return peaks.combined(shape, {name: dict(gemm) for name, _, _ in bench.TRAINING_GEMMS},
+                           False)
 
 
 @pytest.mark.parametrize("second, disturbed", [(1e-6, True), (1e6, False)])
@@ -199,9 +222,7 @@ def test_bench_reprobes_a_disturbed_peak_and_flags_it_in_the_json(monkeypatch, s
 
     def fake_peaks(keys, shape, device="cpu"):  # the first probe is far too low
         probes.append(list(keys))
-        gflops = 1e-6 if len(probes) == 1 else second
-        return {k: {"gflops": gflops, "shape": list(shape), "full_size": True, "slow": False,
-                    "note": "", "emulated": False} for k in keys}
+        return {k: _fake_peak(shape, 1e-6 if len(probes) == 1 else second) for k in keys}
 
     monkeypatch.setattr(bench, "matmul_peaks", fake_peaks)
     rep = bench.run_bench(levels=("O0",), steps=1, warmup=0, reference=False, isolate=False,
@@ -209,7 +230,7 @@ def test_bench_reprobes_a_disturbed_peak_and_flags_it_in_the_json(monkeypatch, s
     assert probes == [["fp32"], ["fp32"]] and rep["peak_reprobed"] == ["fp32"]
     assert rep["matmul_peak_gflops"]["fp32"] == round(max(1e-6, second), 1)
     assert rep["rows"][0]["peak_exceeded"] is disturbed and rep["peak_disturbed"] is disturbed
-    assert ("disturbed" in bench.format_table(rep)) is disturbed
+    assert ("above the GEMM peak" in bench.format_table(rep)) is disturbed
 
 
 def test_bench_peaks_follow_the_kernels_the_rows_run():
@@ -217,3 +238,99 @@ def test_bench_peaks_follow_the_kernels_the_rows_run():
     emulated = not hardware.is_fast(torch.float16, "cpu")
     assert peaks["fp16"]["emulated"] is emulated and peaks["fp16 native"]["emulated"] is False
     assert all(p["gflops"] > 0 and p["full_size"] for p in peaks.values())
+
+
+def test_the_gemm_peak_times_a_linear_layers_three_training_gemms_in_their_layouts(fake_kernels):
+    # torch's CPU fp16 GEMM is ~8x faster for x @ W.t() than for x @ W; a probe of one product
+    # in one layout put the rows that run all three above "100%" of it
+    LAYOUT_SPEED.update(nn=1.0, nt=8.0, tn=4.0)
+    (probe,) = bench.matmul_peaks(["fp32"], (64, 32, 16)).values()
+    gemms = probe["gemms"]
+    assert [(g["layout"], g["shape"]) for g in gemms.values()] == [
+        ("nt", [64, 32, 16]), ("nn", [64, 16, 32]), ("tn", [16, 64, 32])]
+    rates = [300.0 * f for f in (8.0, 1.0, 4.0)]
+    assert [g["gflops"] for g in gemms.values()] == pytest.approx(rates)
+    # a step that does nothing but these three GEMMs (equal FLOPs) runs at exactly the peak
+    gemm_only_step = 3 / sum(1 / r for r in rates)
+    assert probe["gflops"] == pytest.approx(gemm_only_step) and probe["full_size"]
+    assert 300.0 < probe["gflops"] < 2400.0  # neither the nn product alone nor the fastest
+
+
+def test_a_row_at_the_gemm_only_rate_is_at_100_percent_not_flagged(monkeypatch):
+    gemm_only = 3 / (1 / 2400 + 1 / 400 + 1 / 1200)  # 800
+
+    def fake_peaks(keys, shape, device="cpu"):
+        return {k: peaks.combined(shape, {
+            name: {"gflops": rate, "shape": list(shape), "full_size": True, "spent_s": 0.0}
+            for (name, _, _), rate in zip(bench.TRAINING_GEMMS, (2400, 400, 1200))}, False)
+            for k in keys}
+
+    monkeypatch.setattr(bench, "matmul_peaks", fake_peaks)
+    rep = bench.run_bench(levels=("O0",), steps=1, warmup=0, reference=False, isolate=False,
+                          width=8, batch=4, depth=2)
+    row = rep["rows"][0]
+    assert row["peak_share"] == pytest.approx(row["gflops"] / gemm_only)
+    row["gflops"], row["peak_share"] = gemm_only, 1.0
+    text = bench.format_table(rep)
+    line = next(line for line in text.splitlines() if line.startswith("O0"))
+    assert " 100% " in line and "!" not in line and "above the GEMM peak" not in text
+    assert "fp32 800 (2400/400/1200)" in text
+
+
+def test_a_gemm_too_slow_to_probe_at_full_size_gives_no_percentage(monkeypatch, fake_kernels):
+    # the native fp16 GEMM (0.27 GFLOP/s here) stops at a smaller shape: slower than at the
+    # row's full shape, so it is no peak for the row (it read "243%!" blaming machine load)
+    peaks = bench.matmul_peaks(["fp16 native"], (512, 2048, 2048), budget_s=1.0)
+    assert peaks["fp16 native"]["full_size"] is False
+    monkeypatch.setattr(bench, "matmul_peaks", lambda keys, shape, device="cpu": {
+        k: _fake_peak(shape, 1e-9, full_size=False) for k in keys})
+    rep = bench.run_bench(levels=("O0",), steps=1, warmup=0, reference=False, isolate=False,
+                          width=8, batch=4, depth=2)
+    row = rep["rows"][0]
+    assert row["peak_share"] is None and not row["peak_exceeded"] and not rep["peak_disturbed"]
+    assert rep["peak_reprobed"] == []
+    text = bench.format_table(rep)
+    line = next(line for line in text.splitlines() if line.startswith("O0"))
+    assert line.split()[7] == "-" and "!" not in line and "above the GEMM peak" not in text
+    assert "too slow to probe at full size within the budget" in text and "no % peak" in text
+
+
+# ----------------------------------------------------------------- fp16 without master weights
+TINY_GPT = {"width": 16, "batch": 2, "depth": 1, "seq_len": 8}
+
+
+def test_o3_fp16_row_runs_a_sound_eps_and_says_why():
+    o3 = bench.run_row("transformer", TINY_GPT, "O3", "fp16", steps=2, warmup=1)
+    assert math.isfinite(o3["final_loss"])
+    (note,) = o3["notes"]
+    assert "AdamW's eps=1e-08 rounds to 0" in note and "0/0 = NaN" in note
+    assert f"This row ran with eps={bench.FP16_STATE_EPS:g}" in note
+    for level in ("O2", bench.REFERENCE):  # fp32 optimizer state: nothing changed, no note
+        row = bench.run_row("transformer", TINY_GPT, level, "fp16", steps=1, warmup=0)
+        assert row["notes"] == [] and math.isfinite(row["final_loss"])
+    assert bench.run_row("transformer", TINY_GPT, "O3", "bf16", steps=1, warmup=0)["notes"] == []
+
+
+def test_without_the_sound_eps_the_row_is_refused_up_front_not_a_nan_loss(monkeypatch):
+    """The row the old bench ran (fp16 AdamW state, eps 1e-8) is refused by prepare."""
+    monkeypatch.setattr(bench, "_fp16_state_eps", lambda opt, level, dtype: "")
+    with pytest.raises(ValueError, match="eps below fp16's smallest normal"):
+        bench.run_row("transformer", TINY_GPT, "O3", "fp16", steps=1, warmup=1)
+
+
+def test_bench_transformer_fp16_prints_the_reason_under_the_table(capsys):
+    code, out, _ = run(capsys, "bench", "--model", "transformer", "--dtype", "fp16", "--levels",
+                       "O3", "--no-reference", "--steps", "1", "--warmup", "1", "--width", "16",
+                       "--batch", "2", "--depth", "1", "--seq-len", "8", "--in-process")
+    row = next(line for line in out.splitlines() if line.startswith("O3"))
+    assert code == 0 and "nan" not in row and row.split()[5].endswith("(1)")
+    assert "(1) O3: pure fp16 without master weights keeps the optimizer state in fp16" in out
+
+
+def test_bench_table_footnotes_each_note():
+    rep = _report([0.5, 0.6])
+    rep["rows"][1].update(final_loss=math.nan, notes=["first reason", "second reason"])
+    lines = bench.format_table(rep).splitlines()
+    o1 = next(line for line in lines if line.startswith("O1"))
+    assert "nan(1)(2)" in o1.split()
+    assert "(1) O1: first reason" in lines and "(2) O1: second reason" in lines

@@ -105,6 +105,43 @@ def test_explain_several_values_and_formats(capsys):
     assert field(blocks[2], "kind") == "inf" and field(blocks[3], "bits") == "0 11111111 0000000"
 
 
+def test_explain_repeated_format_options_explain_every_format(capsys):
+    code, out, err = run(capsys, "explain", "1/3", "-1", "-f", "bf16", "-f", "fp16")
+    blocks = out.strip().split("\n\n")
+    assert code == 0 and err == "" and len(blocks) == 4
+    assert [b.splitlines()[0].split(" in ")[1].split()[0] for b in blocks] == ["bf16", "fp16"] * 2
+    assert [field(b, "stored") for b in blocks[:2]] == ["0.333984375", "0.333251953125"]
+    code, out, _ = run(capsys, "explain", "1", "--format", "bf16,fp16", "-f", "fp8_e4m3",
+                       "-f", "fp16")  # mixed spellings; a format given twice is shown once
+    names = [b.splitlines()[0].split(" in ")[1].split()[0] for b in out.strip().split("\n\n")]
+    assert code == 0 and names == ["bf16", "fp16", "fp8_e4m3"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--params", "1B", "--dtype", "bf16", "--dtype", "fp16"],
+    ["plan", "--params", "1B", "--params", "2B"],
+    ["bench", "--dtype", "bf16", "--dtype", "fp16"],
+    ["bench", "--model", "convnet", "--model", "transformer"],
+    ["bench", "--steps", "1", "--steps", "2"],
+    ["doctor", "--shape", "8,8,8", "--shape", "16,16,16"],
+    ["demo", "--epochs", "1", "--epochs", "2"],
+])
+def test_single_valued_options_given_twice_are_refused(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"argument {argv[-2]}: given twice ({' '.join(argv[-4:])}); " in err
+    assert "it takes one value" in err
+
+
+def test_explain_format_option_accumulates_when_repeated():
+    parse = cli.build_parser().parse_args
+    assert parse(["explain", "1", "-f", "bf16,fp16", "-f", "fp16"]).format == [
+        "bf16", "fp16", "fp16"]
+    assert parse(["explain", "1"]).format is None  # the command's default: fp16
+
+
 @pytest.mark.parametrize("argv, message", [
     (["explain", "abc"], "VALUE must be a number"),
     (["explain", "1e400"], "beyond the float64 range"),

@@ -18,6 +18,8 @@ from torch import nn
 import mixprec as mp
 from mixprec.compat import apex_amp as amp
 from mixprec.compat import apex_lists, apex_options
+from mixprec.compat.apex_models import AffineBatchNorm
+from mixprec.compat.apex_state import AMP
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
@@ -93,10 +95,21 @@ def test_apex_runtime_errors(level, kw, match):
         amp.initialize(nn.Linear(2, 2), opt_level=level, verbosity=0, **kw)
 
 
-def test_o1_accepts_what_apex_accepted():
-    for kw in ({"cast_model_type": False}, {"cast_model_type": torch.float32},
-               {"patch_torch_functions": False}, {"loss_scale": 128.0}):
-        amp.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0, **kw)
+@pytest.mark.parametrize("kw,x_dtype,expected", [
+    ({"cast_model_type": False}, HALF, (HALF, HALF)),          # nothing cast, O1 lists on
+    ({"cast_model_type": torch.float32}, HALF, (FLOAT, FLOAT)),  # inputs, outputs cast to fp32
+    ({"patch_torch_functions": False}, FLOAT, (FLOAT, FLOAT)),   # no O1 lists: all fp32
+    ({"loss_scale": 128.0}, FLOAT, (HALF, FLOAT)),               # O1 lists: linear in fp16
+])
+def test_o1_accepts_what_apex_accepted(kw, x_dtype, expected):
+    """Each override apex allowed at O1 is accepted and does what it says."""
+    lin = nn.Linear(2, 2)
+    model = amp.initialize(Fn(lambda x: (lin(x), x * 2), lin), opt_level="O1", verbosity=0, **kw)
+    assert lin.weight.dtype == FLOAT  # O1 never casts the weights
+    out, doubled = model(torch.randn(3, 2, dtype=x_dtype))
+    assert (out.dtype, doubled.dtype) == expected
+    scale = 128.0 if "loss_scale" in kw else 2.0 ** 16
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": scale, "unskipped": 0}}
 
 
 @pytest.mark.parametrize("kw,exc,match", [
@@ -228,6 +241,28 @@ def test_o2_o3_cast_the_model_batchnorm_per_keep_batchnorm_fp32(level, dtype):
     assert all(v.dtype == FLOAT for k, v in sd.items() if "num_batches" not in k)
     assert sd["bn.num_batches_tracked"].dtype == torch.int64
     assert model.state_dict(keep_vars=True)["fc.weight"] is model.fc.weight  # live params kept
+
+
+@pytest.mark.parametrize("level,keep", [("O0", ()), ("O1", ()), ("O2", (AffineBatchNorm,)),
+                                        ("O3", ())])
+def test_models_are_prepared_through_one_engine(level, keep):
+    models = [Net(), Net()]
+    models = amp.initialize(models, opt_level=level, dtype="bf16", verbosity=0)
+    engine = AMP.session.engine
+    assert engine.models == models
+    assert all(mp.policy_of(m) == engine.policy for m in models)
+    assert engine.policy.keep_fp32 == keep
+    assert mp.Policy.from_state_dict(engine.policy.state_dict()) == engine.policy
+    with pytest.raises(RuntimeError, match="already set up"):
+        amp.initialize(models[0], verbosity=0)
+
+
+def test_affine_batchnorm_marks_only_affine_batchnorm_layers():
+    assert isinstance(nn.BatchNorm2d(3), AffineBatchNorm)
+    assert not isinstance(nn.BatchNorm1d(3, affine=False), AffineBatchNorm)
+    assert not isinstance(nn.LayerNorm(3), AffineBatchNorm)
+    with pytest.raises(TypeError, match="marker"):
+        AffineBatchNorm()
 
 
 def test_cast_model_outputs_and_o1_outputs():
@@ -566,3 +601,19 @@ def test_initialized_models_pickle_and_deepcopy(level):
         got = clone(x)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         assert clone.forward.module is clone
+
+
+def test_o2_model_state_dict_holds_the_exact_fp32_masters():
+    """As at mixprec's O2: the model's state_dict() is the masters, not the fp16 rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype="bf16", verbosity=0)
+    with amp.scale_loss(model(torch.randn(4, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    state = model.state_dict()
+    masters = list(amp.master_params(opt))
+    assert state["0.weight"].dtype == torch.float32
+    assert torch.equal(state["0.weight"], masters[0])
+    assert not torch.equal(state["0.weight"], model[0].weight.float())  # finer than bf16

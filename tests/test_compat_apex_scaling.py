@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.compat import apex_amp as amp
+from mixprec.compat.apex_state import AMP
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
@@ -352,7 +353,7 @@ def test_clip_master_params_after_scale_loss():
 
 
 def test_scale_loss_errors(monkeypatch):
-    monkeypatch.setattr(amp, "_state", None)
+    monkeypatch.setattr(AMP, "session", None)
     with pytest.raises(RuntimeError, match="amp.initialize first"):
         with amp.scale_loss(torch.tensor(1.0), None):
             pass

@@ -123,3 +123,52 @@ def test_bad_input_is_refused_clearly():
         amp.setup(model)
     with pytest.raises(TypeError, match="nn.Module"):
         amp.setup("model")
+
+
+def _backward_once(level, dtype, loss_scale):
+    amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale=loss_scale)
+    model = net()
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    x, y = data()[0]
+    amp.backward(F.mse_loss(model(x), y) * 100)  # gradients of a few units: the clip bites
+    scale = amp.scaler.get_scale() if amp.scaler.is_enabled() else 1.0
+    true = {n: p.grad.float() / scale for n, p in model.named_parameters()}
+    before = {k: v.clone() for k, v in mp.fp32_state_dict(model).items()}
+    return amp, model, opt, true, before
+
+
+CLIP_CASES = [("O1", "fp16", 1024.0), ("O2", "fp16", 1024.0), ("O2", "bf16", None)]
+
+
+@pytest.mark.parametrize("level, dtype, loss_scale", CLIP_CASES)
+def test_clip_grad_value_clamps_the_true_gradients_the_step_uses(level, dtype, loss_scale):
+    amp, model, opt, true, before = _backward_once(level, dtype, loss_scale)
+    assert not amp.is_unscaled(opt)
+    amp.clip_grad_value_(opt, 0.05)
+    assert amp.is_unscaled(opt)
+    assert amp.step(opt) is True and not amp.is_unscaled(opt)
+    after = mp.fp32_state_dict(model)
+    assert any((g.abs() > 0.05).any() for g in true.values())
+    for name, grad in true.items():  # SGD(lr=1): the update is minus the clamped true gradient
+        torch.testing.assert_close(after[name], before[name] - grad.clamp(-0.05, 0.05),
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("level, dtype, loss_scale", CLIP_CASES)
+def test_grad_norm_is_the_true_norm_before_and_after_unscaling(level, dtype, loss_scale):
+    amp, model, opt, true, _ = _backward_once(level, dtype, loss_scale)
+    expected = torch.stack([g.norm() for g in true.values()]).norm()
+    torch.testing.assert_close(amp.grad_norm(opt), expected, rtol=1e-5, atol=0)
+    amp.unscale_(opt)
+    torch.testing.assert_close(amp.grad_norm(opt), expected, rtol=1e-5, atol=0)
+
+
+def test_a_folded_clip_refuses_value_clipping_and_grad_norm():
+    amp, model, opt, _, _ = _backward_once("O2", "fp16", 1024.0)
+    amp.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match="clip by value or by norm"):
+        amp.clip_grad_value_(opt, 0.1)
+    with pytest.raises(RuntimeError, match="use the norm it returned"):
+        amp.grad_norm(opt)
+    with pytest.raises(ValueError, match="clip_value must be a positive finite number"):
+        amp.clip_grad_value_(opt, float("inf"))

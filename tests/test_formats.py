@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixprec as mp
-from mixprec import formats
+from mixprec.formats import decomposition, ranges, rounding
 
 F = mp.formats
 TORCH_FORMATS = [n for n in F.names() if F.get(n).torch_dtype is not None]
@@ -259,7 +259,7 @@ def test_rounding_matches_torch_cast(name):
     fmt = F.get(name)
     x = _grid(name)
     in_range = x.abs() <= fmt.max  # torch saturates e4m3 overflow; compared separately below
-    ours = formats._round(x.double(), fmt)
+    ours = rounding.round_to(x.double(), fmt)
     theirs = x.to(fmt.torch_dtype).double()
     assert torch.equal(ours[in_range], theirs[in_range])
     assert torch.equal(torch.signbit(ours[in_range]), torch.signbit(theirs[in_range]))
@@ -268,7 +268,7 @@ def test_rounding_matches_torch_cast(name):
 def test_rounding_matches_torch_cast_fp32():
     x = (torch.randn(20000, dtype=torch.float64)
          * torch.exp2(torch.randint(-160, 130, (20000,))).double())
-    assert torch.equal(formats._round(x, F.get("fp32")), x.float().double())
+    assert torch.equal(rounding.round_to(x, F.get("fp32")), x.float().double())
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"])
@@ -292,7 +292,7 @@ def test_bits_round_trip_through_the_real_dtype(name):
         d = F.decompose(value, fmt)
         pattern = int(d.bits.replace(" ", ""), 2)
         assert same(from_pattern(pattern, fmt), d.stored)
-        assert formats._encode(d.stored, fmt) == (d.sign, d.biased_exponent, d.fraction)
+        assert decomposition.encode(d.stored, fmt) == (d.sign, d.biased_exponent, d.fraction)
         assert len(d.bits) == fmt.bits + 2
 
 
@@ -302,7 +302,7 @@ def test_every_fp8_pattern_decodes_like_torch(name):
     for pattern in range(256):
         sign, rest = pattern >> 7, pattern & 0x7F
         fields = (sign, rest >> fmt.mantissa_bits, rest & ((1 << fmt.mantissa_bits) - 1))
-        assert same(formats._decode(*fields, fmt), from_pattern(pattern, fmt)), pattern
+        assert same(decomposition.decode(*fields, fmt), from_pattern(pattern, fmt)), pattern
 
 
 # ----------------------------------------------------------------------------- range_report
@@ -359,7 +359,7 @@ def test_range_report_empty_and_bad_input():
 def test_range_report_chunks_agree(monkeypatch):
     x = torch.randn(1000) * torch.exp2(torch.randint(-30, 20, (1000,)).float())
     whole = F.range_report(x, "fp16")
-    monkeypatch.setattr(formats, "_CHUNK", 77)
+    monkeypatch.setattr(ranges, "_CHUNK", 77)
     chunked = F.range_report(x, "fp16")
     assert chunked.underflow == whole.underflow > 0 and chunked.overflow == whole.overflow > 0
     assert chunked.max_rel_error == whole.max_rel_error

@@ -90,7 +90,26 @@ def test_nonfinite_gradients_are_reported():
     model.weight.grad = torch.tensor([[math.inf, math.nan, 2.0]])
     report = grad_report(model)
     assert report.total.max_abs == 2.0 and report.total.range.nonfinite == 2
-    assert "already inf/NaN" in str(report)
+    assert report.total.overflow == report.total.nonfinite == 2 / 3
+    assert "2 gradient values (66.67%) are already inf/NaN, counted under 'overflow'" in str(report)
+
+
+def test_overflow_counts_every_value_a_scaler_would_see_as_inf_or_nan():
+    model = nn.Linear(3, 2)
+    model.weight.grad = torch.full((2, 3), math.inf)
+    model.bias.grad = torch.tensor([math.nan, 1e5])  # 1e5 overflows fp16
+    report = grad_report(model, "fp16")
+    w, b, total = report["weight"], report["bias"], report.total
+    assert (w.overflow, w.nonfinite, w.safe_scale_log2) == (1.0, 1.0, None)
+    assert (b.overflow, b.nonfinite, b.range.overflow) == (1.0, 0.5, 1)
+    assert (total.overflow, total.nonfinite) == (1.0, 7 / 8)
+    for s in (w, b, total):  # the columns of one row add up
+        assert s.zero + s.underflow + s.range.representable_fraction + s.overflow == 1.0
+    lines = str(report).splitlines()
+    weight_row, total_row = lines[3].split(), lines[-3].split()
+    assert weight_row[3] == "-" and weight_row[7] == "100.00%"  # no finite value to size
+    assert total_row[0] == "(all)" and total_row[7] == "100.00%"
+    assert "7 gradient values (87.50%) are already inf/NaN" in str(report)
 
 
 def test_matches_torch_cast_on_a_real_backward():

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixprec import oplists
 
@@ -42,12 +43,31 @@ def test_mixprec_blocks_run(capsys):
             ran += 1
     assert ran >= 10
     assert "epoch: 1 step: 4, loss is " in capsys.readouterr().out
+    _check_dynamic_loss_scale_manager_grows(namespace["dynamic"])
+
+
+def _check_dynamic_loss_scale_manager_grows(dynamic):
+    """The page's DynamicLossScaleManager() translation grows from 2**24, as MindSpore's does
+    (it has no ceiling below fp32's range)."""
+    assert dynamic.get_scale() == 2.0 ** 24 and dynamic.get_growth_interval() == 2000
+    dynamic.set_growth_interval(1)  # one clean step is enough to grow
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for expected in (2.0 ** 25, 2.0 ** 26):
+        dynamic.scale(model(torch.ones(1, 2)).sum()).backward()
+        assert dynamic.step(opt) is True
+        dynamic.update()
+        opt.zero_grad()
+        assert dynamic.get_scale() == expected
 
 
 def test_other_libraries_blocks_are_valid_python():
+    compiled = 0
     for info, code, line in _blocks(DOC.read_text()):
         if info == "python before":
             compile(code, f"{DOC.name}:{line}", "exec")
+            compiled += 1
+    assert compiled >= len(SECTIONS)  # one "before" block per library at least
 
 
 @pytest.mark.parametrize("title", SECTIONS)

@@ -245,6 +245,18 @@ def test_plan_command_marks_the_chosen_row_and_prints_json(capsys):
     assert "parameter count" in capsys.readouterr().err
 
 
+def test_plan_command_names_the_training_dtype_and_says_fp32_levels_are_plain_fp32(capsys):
+    assert cli_main(["plan", "--params", "1B", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "training dtype bf16" in out.splitlines()[0] and "not a 16-bit type" not in out
+    assert cli_main(["plan", "--params", "1B", "--level", "O3", "--dtype", "fp32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "training dtype fp32" in lines[0] and "16-bit dtype" not in lines[0]
+    assert lines[2].startswith("fp32 is not a 16-bit type: every level is plain fp32")
+    rows = [line.split() for line in lines if line[:2] in ("  ", "* ") and line.endswith("GiB")]
+    assert len(rows) == 12 and len({tuple(r[-8:]) for r in rows if r[0] == "single"}) == 1
+
+
 def test_a_checkpoint_from_another_world_size_loads_only_at_an_epoch_end(tmp_path):
     trainer = _trainer()
     batches = [(torch.randn(4, 4), torch.randint(0, 2, (4,))) for _ in range(3)]

@@ -74,6 +74,38 @@ def test_bad_policy_fields():
         Policy(keep_fp32=(int,))
 
 
+VALID_KEEP = "an nn.Module subclass .*, a qualified module name .*, or an iterable of them"
+
+
+@pytest.mark.parametrize("keep, got", [
+    (42, "got int 42"), (3.5, "got float 3.5"), ({"norm": True}, "got dict {'norm': True}"),
+    (torch.nn.LayerNorm(4), r"got the module instance LayerNorm\(\.\.\.\) \(pass its type"),
+])
+@pytest.mark.parametrize("where", ["Policy", "prepare"])
+def test_keep_fp32_of_the_wrong_type_is_named_with_what_is_valid(keep, got, where):
+    with pytest.raises(TypeError, match=f"^keep_fp32 must be {VALID_KEEP}; {got}"):
+        if where == "Policy":
+            Policy(keep_fp32=keep)
+        else:
+            mp.prepare(torch.nn.Linear(4, 4), level="O2", dtype="bf16", keep_fp32=keep)
+
+
+@pytest.mark.parametrize("where", ["Policy", "prepare"])
+def test_keep_fp32_entries_are_checked_and_any_iterable_is_taken(where):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with pytest.raises(TypeError, match="entries must be nn.Module subclasses or qualified "
+                                        "module names; got int 42"):
+        if where == "Policy":
+            Policy(keep_fp32=[torch.nn.Linear, 42])
+        else:
+            mp.prepare(net, level="O2", dtype="bf16", keep_fp32=[42])
+    if where == "Policy":
+        assert Policy(keep_fp32=(t for t in [torch.nn.Linear])).keep_fp32 == (torch.nn.Linear,)
+    else:
+        mp.prepare(net, level="O3", dtype="bf16", keep_fp32=(name for name in ["0"]))
+        assert net[0].weight.dtype == FP32 and net[1].weight.dtype == BF16
+
+
 def test_auto_resolves_from_capabilities(monkeypatch):
     caps = mp.device_capabilities("cpu")
     assert resolve_dtype("auto", "cpu", warn=False) == to_dtype(caps["auto_dtype"])
@@ -169,7 +201,7 @@ def test_overrides_pick_by_name_before_type_and_are_validated():
         Policy(overrides=[("1",)])
     with pytest.raises(ValueError, match="override dtype must be 'fp32', 'fp16' or 'bf16'"):
         Policy(overrides={"1": "fp8_e4m3"})
-    with pytest.raises(TypeError, match=r"keep_fp32 must be a module type.*got int 42"):
+    with pytest.raises(TypeError, match=r"keep_fp32 must be an nn.Module subclass.*got int 42"):
         Policy(keep_fp32=42)
     with pytest.raises(ValueError, match="need master_weights=True"):
         Policy(master="kahan")

@@ -223,10 +223,14 @@ def test_o3_fp16_with_adam_state_in_fp16_is_refused(make):
     (0 in fp16 at 1e-8): the weights turn inf/NaN. Refused, with the ways out."""
     model = five_linear()
     with pytest.raises(ValueError, match=r"underflows to 0 in fp16 for every \|grad\| < 7\.7e-03"
-                                         r".*level='O2'.*dtype='bf16'"):
+                                         r".*inf/NaN weights.*level='O2'.*dtype='bf16'"):
         mp.prepare(model, make(model.parameters()), level="O3", dtype="fp16")
     assert all(p.dtype == FP32 for p in model.parameters())  # refused before anything changed
     mp.prepare(model, make(model.parameters()), level="O2", dtype="fp16")  # fp32 state: fine
+    big_eps = five_linear()  # finite, but Adam's normalisation is lost for small gradients
+    with pytest.warns(UserWarning, match="normalisation is lost"):
+        mp.prepare(big_eps, torch.optim.Adam(big_eps.parameters(), eps=1e-4), level="O3",
+                   dtype="fp16")
     sgd_model = five_linear()  # SGD's momentum in fp16 is sound
     mp.prepare(sgd_model, torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9),
                level="O3", dtype="fp16")

@@ -9,32 +9,50 @@ peak MB = the process's peak resident set (``VmHWM``) minus its resident set jus
 model was built (the batch already exists) -- weights, gradients, optimizer state and masters,
 activations and kernel workspaces, as the OS sees them (CPU PyTorch keeps no allocator
 statistics; on CUDA the allocator's peak is used instead).
+
+"% peak" compares a row's GFLOP/s (the model's forward+backward FLOPs per median step) with the
+GEMM peak of its dtype: the rate of the three GEMMs a Linear layer's training step runs at the
+model's representative shape, in the layouts autograd runs them (:mod:`.peaks`). One
+product in one layout is not that rate: kernels differ by layout (torch's CPU fp16 GEMM runs
+``x @ W.t()`` ~8x faster than ``x @ W``), and the weight gradient has another shape.
+
+A row whose optimizer state would be fp16 (O3 in fp16: no fp32 master weights) runs its
+Adam-style optimizer with ``eps`` = :data:`FP16_STATE_EPS` where the model's eps is below fp16's
+smallest normal number (AdamW's 1e-8 rounds to 0 in fp16, and an update then divides 0 by 0);
+the row says so in a note. A row whose final loss is inf/NaN gets a note with the warnings it
+raised.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 
 from .. import benchmodels
 from ..dtypes import dtype_name
-from ..emulation import emulation_context
-from ..hardware import is_fast
-from ..policy import LEVELS, resolve_dtype
+from ..hardware import SlowDtypeWarning
+from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
-from .doctor import probe_matmul
+from .args import comma_list
 from .memory import peak_mb, reset_peak
+from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
 
-__all__ = ["run_row", "run_bench", "format_table", "matmul_peaks", "register"]
+__all__ = ["run_row", "run_bench", "format_table", "matmul_peaks", "peak_share_text", "register",
+           "TRAINING_GEMMS", "FP16_STATE_EPS"]
 
 REFERENCE = "torch.autocast"
-PEAK_BUDGET_S = 3.0  # time budget of one dtype's matmul peak probe (see doctor.probe_matmul)
+#: Adam-style eps of a row whose optimizer state is fp16: a normal fp16 number (the smallest
+#: is 2^-14 = 6.1e-05), so ``sqrt(v) + eps`` never rounds to 0 or to a subnormal.
+FP16_STATE_EPS = 1e-4
+_FP16_MIN_NORMAL = 2.0 ** -14
 
 
 # ----------------------------------------------------------------- one row
@@ -79,13 +97,59 @@ def _trainer_step(model, opt, loss_fn, inputs, target, level, dtype, device, com
     return step
 
 
+def _fp16_state_eps(opt, level: str, dtype: torch.dtype) -> str:
+    """Give a row whose optimizer state is fp16 (no master weights) an eps fp16 can hold.
+
+    Sets every ``param_groups`` eps below fp16's smallest normal number to
+    :data:`FP16_STATE_EPS`; returns the row's note ("" when nothing changed)."""
+    if level == REFERENCE or dtype != torch.float16:
+        return ""
+    policy = Policy.from_level(level, dtype, warn=False)
+    if policy.master_weights or policy.param_dtype != torch.float16:
+        return ""
+    small = sorted({g["eps"] for g in opt.param_groups
+                    if isinstance(g.get("eps"), float) and g["eps"] < _FP16_MIN_NORMAL})
+    if not small:
+        return ""
+    for group in opt.param_groups:
+        if group.get("eps") in small:
+            group["eps"] = FP16_STATE_EPS
+    eps = small[0]
+    fate = "rounds to 0" if eps < 2.0 ** -25 else "is an fp16 subnormal"
+    return (f"pure fp16 without master weights keeps the optimizer state in fp16, where "
+            f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^-14 = 6.1e-05): an "
+            f"update divides by ~0 where a gradient is 0 (0/0 = NaN, or overflow to inf). This "
+            f"row ran with eps={FP16_STATE_EPS:g}; the other rows keep eps={eps:g}")
+
+
+def _loss_note(loss: float, caught) -> str:
+    """Why a row's final loss is inf/NaN: the warnings the row raised (speed warnings aside)."""
+    if math.isfinite(loss):
+        return ""
+    why = list(dict.fromkeys(str(w.message) for w in caught
+                             if not issubclass(w.category, SlowDtypeWarning)))
+    return (f"the loss became {loss:g}: " + (" | ".join(why) if why else
+            "no warning was raised; find the first inf/NaN op with Trainer(diagnose_overflow="
+            "True) or mixprec.debug.trace_nonfinite"))
+
+
 def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, warmup: int,
             device: str = "cpu", compile: bool = False) -> dict:
     """Time one row in this process; ``level`` is "O0".."O3" or ``"torch.autocast"``.
 
     ``compile=True`` builds level rows with ``Trainer(compile=True)`` (compiled forward and loss;
-    at O2 the fused master step); the first step compiles, so keep ``warmup >= 1``.
+    at O2 the fused master step); the first step compiles, so keep ``warmup >= 1``. The row's
+    warnings are recorded, not shown: ``notes`` lists what the bench changed for the row (see
+    :func:`_fp16_state_eps`) and, when the final loss is inf/NaN, the warnings that explain it.
     """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row = _timed_row(model_name, sizes, level, dtype, steps, warmup, device, compile)
+    row["notes"] = [n for n in (row.pop("eps_note"), _loss_note(row["final_loss"], caught)) if n]
+    return row
+
+
+def _timed_row(model_name, sizes, level, dtype, steps, warmup, device, compile) -> dict:
     dev = torch.device(device)
     bm = benchmodels.get_model(model_name, **sizes)
     torch.manual_seed(0)
@@ -95,6 +159,7 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
     base = reset_peak(dev)
     model = bm.build().to(dev)
     opt = bm.make_optimizer(model.parameters())
+    eps_note = _fp16_state_eps(opt, level, dt)
     if level == REFERENCE:
         step = _reference_step(model, opt, bm.loss_fn, inputs, target, dt, dev)
     else:
@@ -111,7 +176,8 @@ def run_row(model_name: str, sizes: dict, level: str, dtype: str, steps: int, wa
     return {"row": level, "dtype": dtype_name(dt), "ms_per_step": 1e3 * statistics.median(times),
             "update_ms": 1e3 * statistics.median(updates), "peak_mb": peak_mb(dev, base),
             "update_times_ms": [round(1e3 * u, 2) for u in updates],
-            "final_loss": loss, "loss_scale": scale, "times_ms": [round(1e3 * t, 2) for t in times]}
+            "final_loss": loss, "loss_scale": scale,
+            "times_ms": [round(1e3 * t, 2) for t in times], "eps_note": eps_note}
 
 
 def _run_isolated(spec: dict) -> dict:
@@ -135,11 +201,12 @@ def _pool(rounds: list[dict]) -> dict:
     row["update_ms"] = statistics.median(row["update_times_ms"])
     peaks = [r["peak_mb"] for r in rounds if r["peak_mb"] is not None]
     row["peak_mb"] = max(peaks) if peaks else None
+    row["notes"] = list(dict.fromkeys(n for r in rounds for n in r.get("notes", [])))
     return row
 
 
 def _parse_levels(text: str) -> list[str]:
-    levels = [x.strip().upper() for x in text.split(",") if x.strip()]
+    levels = list(dict.fromkeys(x.strip().upper() for x in text.split(",") if x.strip()))
     bad = [x for x in levels if x not in LEVELS]
     if not levels or bad:
         raise ValueError(f"unknown level(s) {bad or text!r}; choose from {', '.join(LEVELS)} "
@@ -156,9 +223,12 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     does not hit one row only); a row's time is the median over the timed steps of all its
     rounds, its peak memory the largest of its rounds. Speed-ups are over the O0 row of the same
     run; achieved GFLOP/s counts the model's matmul/conv/attention FLOPs
-    (``benchmodels.count_flops``) per median step; the matmul peak is measured in this run by
-    :func:`matmul_peaks`. A row faster than its peak means the peak probe was disturbed by load:
-    that dtype is probed once more (the larger figure is kept), and a row still above it gets
+    (``benchmodels.count_flops``) per median step; the GEMM peak of each dtype (the GEMMs of a
+    Linear layer's training step at the model's representative shape) is measured in this run
+    by :func:`matmul_peaks`. ``peak_share`` is None where a GEMM was too slow to probe at its
+    full shape within the budget (a figure at a smaller shape is no peak for the row). A row
+    faster than its peak means the probe ran slower than the row's GEMMs: that dtype is probed
+    once more (each GEMM's faster figure is kept), and a row still above it gets
     ``peak_exceeded`` (and the report ``peak_disturbed``), which :func:`format_table` flags.
     ``compile=True``: level rows (not the torch.autocast row) use ``Trainer(compile=True)``; the
     compile time falls in the warm-up steps and is not in the medians.
@@ -187,13 +257,14 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     for r in results:
         r["peak_of"] = _peak_key(r["row"], r["dtype"], device)
     probes = matmul_peaks(sorted({r["peak_of"] for r in results}), bm.gemm_shape, device)
-    above = sorted({r["peak_of"] for r in results if r["gflops"] > probes[r["peak_of"]]["gflops"]})
-    for key, again in matmul_peaks(above, bm.gemm_shape, device).items():  # disturbed: once more
-        if again["gflops"] > probes[key]["gflops"]:
-            probes[key] = again
+    above = sorted({r["peak_of"] for r in results if probes[r["peak_of"]]["full_size"]
+                    and r["gflops"] > probes[r["peak_of"]]["gflops"]})
+    for key, again in matmul_peaks(above, bm.gemm_shape, device).items():  # once more
+        probes[key] = faster(probes[key], again)
     for r in results:
-        r["peak_share"] = r["gflops"] / probes[r["peak_of"]]["gflops"]
-        r["peak_exceeded"] = r["peak_share"] > 1
+        probe = probes[r["peak_of"]]
+        r["peak_share"] = r["gflops"] / probe["gflops"] if probe["full_size"] else None
+        r["peak_exceeded"] = r["peak_share"] is not None and r["peak_share"] > 1
     return {"model": model, "sizes": bm.sizes, "flops_per_step": flops, "steps": steps,
             "warmup": warmup, "repeat": repeat, "device": device, "compile": compile,
             "threads": torch.get_num_threads(),
@@ -203,32 +274,18 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
             "peak_disturbed": any(r["peak_exceeded"] for r in results), "rows": results}
 
 
-def _emulated(dtype_name_: str, device) -> bool:
-    """Does mixprec emulate this dtype's GEMMs on ``device`` (fp16 without fast kernels)?"""
-    return dtype_name_ == "fp16" and not is_fast(torch.float16, device)
-
-
 def _peak_key(row: str, dtype_name_: str, device) -> str:
     """Which peak a row is compared with: its dtype's, or the native kernel's for the plain
     ``torch.autocast`` row where mixprec's rows run emulated fp16."""
-    native = row == REFERENCE and _emulated(dtype_name_, device)
+    native = row == REFERENCE and is_emulated(dtype_name_, device)
     return f"{dtype_name_} native" if native else dtype_name_
 
 
-def matmul_peaks(keys, shape, device="cpu", budget_s: float = PEAK_BUDGET_S) -> dict:
-    """The matmul peak at ``shape`` of each key ("fp32", "bf16", "fp16", "fp16 native"), as
-    the rows compute: ``doctor``'s bounded probe (:func:`mixprec.commands.doctor.probe_matmul`),
-    with fp16 emulated where mixprec emulates it (fp32 kernels on fp16-rounded values) unless
-    the key says "native". Returns ``{key: probe dict}`` with ``"emulated"`` added."""
-    device_type = torch.device(device).type
-    out = {}
-    for key in keys:
-        name, _, native = key.partition(" ")
-        dt = resolve_dtype(name, device, warn=False)
-        emulated = _emulated(name, device) and native != "native"
-        with emulation_context(device_type, dt, emulated):
-            out[key] = probe_matmul(dt, shape, device, budget_s=budget_s) | {"emulated": emulated}
-    return out
+def peak_share_text(row: dict) -> str:
+    """A row's "% peak" cell: ``"40%"``, or ``"-"`` where its dtype's GEMMs were too slow to
+    probe at full size (no peak to compare with)."""
+    share = row.get("peak_share")
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def format_table(rep: dict) -> str:
@@ -240,25 +297,33 @@ def format_table(rep: dict) -> str:
              f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
-    exceeded = False
+    exceeded, footnotes = False, []
     for r in rep["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mem = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "n/a"
-        over = r["peak_share"] > 1  # recomputed: a report from elsewhere is flagged too
+        over = r["peak_share"] is not None and r["peak_share"] > 1  # a report from elsewhere too
         exceeded |= over
+        loss = f"{r['final_loss']:.6g}"
+        for note in r.get("notes", []):
+            footnotes.append(f"({len(footnotes) + 1}) {r['row']}: {note}")
+            loss += f"({len(footnotes)})"
         lines.append(f"{r['row']:<15}{r['dtype']:<6}{r['ms_per_step']:>9.1f}{sp:>9}{mem:>9}"
-                     f"{r['final_loss']:>12.6g}{r['gflops']:>9.0f}{100 * r['peak_share']:>7.0f}%"
+                     f"{loss:>12}{r['gflops']:>9.0f}{peak_share_text(r):>8}"
                      f"{'!' if over else ' '}{r['update_ms']:>11.1f}"
                      f"{100 * r['update_share']:>8.1f}%")
     m, k, n = rep["gemm_shape"]
     probes = rep.get("matmul_peak", {})
     peaks = ", ".join(f"{key} {v:.0f}" + _peak_remark(probes.get(key, {}))
                       for key, v in rep["matmul_peak_gflops"].items())
-    lines += ["", f"matmul peak (doctor's probe at {m}x{k}x{n}, GFLOP/s): {peaks}"]
+    lines += ["", f"GEMM peak at {m}x{k}x{n}, GFLOP/s (a Linear layer's training GEMMs combined; "
+                  f"each in parentheses: forward x@W.t() / input gradient gy@W / weight gradient "
+                  f"gy.t()@x): {peaks}"]
     if exceeded:
-        lines.append("! above the matmul peak: the peak probe was disturbed by load (it was "
-                     "re-probed once, the larger figure kept), so '% peak' is not reliable in "
-                     "this run; run again on a quieter machine")
+        lines.append("! above the GEMM peak even after re-probing it (the faster figures kept): "
+                     "the probe's GEMMs ran slower than the row's (load during the probe, or the "
+                     "row's other kernels, such as attention or other shapes, outpacing them), "
+                     "so this '% peak' is not reliable")
+    lines += footnotes
     lines += [
               "peak MB: peak resident memory of the row's process above its level before the "
               "model was built"
@@ -271,10 +336,16 @@ def format_table(rep: dict) -> str:
 
 
 def _peak_remark(probe: dict) -> str:
-    notes = ["emulated"] if probe.get("emulated") else []
-    if probe.get("full_size") is False:
-        notes.append(f"at {'x'.join(map(str, probe['shape']))} only")
-    return f" ({', '.join(notes)})" if notes else ""
+    gemms = probe.get("gemms", {})
+    notes = ["/".join(f"{g['gflops']:.0f}" for g in gemms.values())] if gemms else []
+    if probe.get("emulated"):
+        notes.append("emulated")
+    short = [f"{name} at {'x'.join(map(str, g['shape']))}" for name, g in gemms.items()
+             if not g["full_size"]]
+    if short or probe.get("full_size") is False:
+        notes.append("too slow to probe at full size within the budget ("
+                     + (", ".join(short) or "a smaller shape") + " only): no % peak")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _run(args) -> int:
@@ -283,7 +354,8 @@ def _run(args) -> int:
     if args.model not in benchmodels.MODELS:
         raise ValueError(f"unknown model {args.model!r}; "
                          f"choose one of {', '.join(benchmodels.MODELS)}")
-    rep = run_bench(args.model, _parse_levels(args.levels), args.dtype, args.steps, args.warmup,
+    levels = _parse_levels(",".join(args.levels or LEVELS))
+    rep = run_bench(args.model, levels, args.dtype, args.steps, args.warmup,
                     args.repeat, not args.no_reference, not args.in_process, args.device,
                     compile=args.compile, **sizes)
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
@@ -294,8 +366,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time a model at each level vs fp32 and torch.autocast",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="nine-linear", help=f"one of {', '.join(benchmodels.MODELS)}")
-    p.add_argument("--levels", default="O0,O1,O2,O3",
-                   help="comma-separated levels (default %(default)s)")
+    p.add_argument("--levels", action="extend", type=comma_list, default=None,
+                   help=f"levels, comma-separated or repeated (default {','.join(LEVELS)})")
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
     p.add_argument("--steps", type=int, default=10,
                    help="timed steps per row (default %(default)s)")

@@ -19,10 +19,11 @@ import time
 
 import torch
 
+from ..dtypes import to_dtype
 from ..hardware import cpu_model, device_capabilities
 
 __all__ = ["matmul_gflops", "probe_matmul", "probe_shapes", "doctor_report", "register",
-           "DEFAULT_SHAPE", "SMALL_SHAPE", "DEFAULT_BUDGET_S", "SLOW_RATIO"]
+           "DEFAULT_SHAPE", "SMALL_SHAPE", "DEFAULT_BUDGET_S", "SLOW_RATIO", "LAYOUTS"]
 
 DEFAULT_SHAPE = (512, 2048, 2048)  # nine-linear's GEMM: batch 512 x width 2048 x width 2048
 SMALL_SHAPE = (128, 128, 128)      # the first, cheap probe (4.2 MFLOP)
@@ -30,7 +31,10 @@ DEFAULT_BUDGET_S = 1.0             # time budget of one dtype's probe, in second
 SLOW_RATIO = 0.1                   # below this share of fp32's rate: "slow"
 _STEP_PRODUCTS = 3                 # products timed at an intermediate shape (1 warm-up + 2)
 _FULL_PRODUCTS = 5                 # at least this many at the full shape (2 warm-up + 3)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Operand layouts of a product ``(m, k) @ (k, n)``: "n" a row-major operand, "t" the transpose
+#: of a row-major one (``W.t()``). A Linear layer's forward is "nt", its input gradient "nn",
+#: its weight gradient "tn"; some kernels' speed depends on it (torch's CPU fp16 GEMM: ~8x).
+LAYOUTS = ("nn", "nt", "tn", "tt")
 
 
 def _sync(device: torch.device) -> None:
@@ -39,7 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_s: float = 0.4,
-                  min_reps: int = 3, warmup: int = 2) -> float:
+                  min_reps: int = 3, warmup: int = 2, layout: str = "nn") -> float:
     """Measured GEMM throughput: the median GFLOP/s of ``(m, k) @ (k, n)`` in ``dtype``.
 
     Runs ``warmup`` products, then repeats for about ``budget_s`` seconds (at least
@@ -54,22 +58,31 @@ def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_
         budget_s: rough time budget for the timed repetitions.
         min_reps: minimum number of timed repetitions.
         warmup: untimed products first.
+        layout: the operands' layout, one of :data:`LAYOUTS`.
 
     Returns:
         GFLOP/s (1e9 floating-point operations per second, a multiply-add counting as 2).
     """
     m, k, n = shape
-    times = _product_times(dtype, shape, device, budget_s, min_reps, warmup)
+    times = _product_times(dtype, shape, device, budget_s, min_reps, warmup, layout)
     return 2.0 * m * k * n / statistics.median(times) / 1e9
 
 
-def _product_times(dtype, shape, device, budget_s: float, min_reps: int, warmup: int) -> list:
-    """Seconds per ``(m, k) @ (k, n)`` product, after ``warmup`` untimed ones."""
+def _operand(rows: int, cols: int, transposed: bool, dtype, device, gen) -> torch.Tensor:
+    """A ``rows x cols`` operand: row-major, or the transpose of a row-major ``cols x rows``."""
+    if transposed:
+        return torch.randn(cols, rows, device=device, generator=gen).to(dtype).t()
+    return torch.randn(rows, cols, device=device, generator=gen).to(dtype)
+
+
+def _product_times(dtype, shape, device, budget_s: float, min_reps: int, warmup: int,
+                   layout: str = "nn") -> list:
+    """Seconds per ``(m, k) @ (k, n)`` product in ``layout``, after ``warmup`` untimed ones."""
     device = torch.device(device)
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(m, k, device=device, generator=gen).to(dtype)
-    b = torch.randn(k, n, device=device, generator=gen).to(dtype)
+    a = _operand(m, k, layout[0] == "t", dtype, device, gen)
+    b = _operand(k, n, layout[1] == "t", dtype, device, gen)
     for _ in range(warmup):
         a @ b
     _sync(device)
@@ -101,7 +114,7 @@ def _shape_text(shape) -> str:
 
 def probe_matmul(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", *,
                  budget_s: float = DEFAULT_BUDGET_S, reference_gflops: float | None = None,
-                 slow_ratio: float = SLOW_RATIO, small=SMALL_SHAPE) -> dict:
+                 slow_ratio: float = SLOW_RATIO, small=SMALL_SHAPE, layout: str = "nn") -> dict:
     """GEMM throughput in bounded time: climb from a small shape to ``shape`` while affordable.
 
     At each shape of :func:`probe_shapes` the rate measured so far predicts the cost of the next
@@ -120,18 +133,23 @@ def probe_matmul(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", *,
             ``reference_gflops`` is marked slow.
         slow_ratio: see ``reference_gflops``.
         small: the caps of the first shape.
+        layout: the operands' layout, one of :data:`LAYOUTS` (default "nn": both row-major).
 
     Returns:
         ``{"gflops", "shape" (where the figure was measured), "full_size" (bool), "slow" (bool),
-        "note" (why it stopped short, or ""), "spent_s" (seconds of products timed)}``.
+        "note" (why it stopped short, or ""), "spent_s" (seconds of products timed),
+        "layout"}``.
 
     Raises:
-        ValueError: a negative ``budget_s`` or a ``slow_ratio`` outside [0, 1].
+        ValueError: a negative ``budget_s``, a ``slow_ratio`` outside [0, 1] or an unknown
+            ``layout``.
     """
     if not budget_s >= 0:
         raise ValueError(f"budget_s must be >= 0 seconds; got {budget_s!r}")
     if not 0 <= slow_ratio <= 1:
         raise ValueError(f"slow_ratio must be between 0 and 1; got {slow_ratio!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     shape = tuple(shape)
     rate, reached, spent, stop_note = None, None, 0.0, ""
     for step in probe_shapes(shape, small):
@@ -144,15 +162,15 @@ def probe_matmul(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", *,
                              f"(budget {budget_s:g} s)")
                 break
         if full:
-            times = _product_times(dtype, step, device, min(0.4, budget_s - spent), 3, 2)
+            times = _product_times(dtype, step, device, min(0.4, budget_s - spent), 3, 2, layout)
             rate, warm = flops / statistics.median(times) / 1e9, 2
         else:
-            times = _product_times(dtype, step, device, 0.0, _STEP_PRODUCTS - 1, 1)
+            times = _product_times(dtype, step, device, 0.0, _STEP_PRODUCTS - 1, 1, layout)
             rate, warm = flops / min(times) / 1e9, 1
         spent += sum(times) * (1 + warm / len(times))
         reached = step
     result = {"gflops": rate, "shape": list(reached), "full_size": reached == shape,
-              "slow": False, "note": "", "spent_s": spent}
+              "slow": False, "note": "", "spent_s": spent, "layout": layout}
     notes = []
     if reference_gflops and rate < slow_ratio * reference_gflops:
         result["slow"] = True
@@ -195,7 +213,7 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True,
         row = dict(info)
         row["mixprec"] = _mixprec_note(name, info, caps["device"])
         if measure and info["supported"]:
-            probe = probe_matmul(_DTYPES[name], shape, caps["device"], budget_s=budget_s,
+            probe = probe_matmul(to_dtype(name), shape, caps["device"], budget_s=budget_s,
                                  reference_gflops=reference)
             if name == "fp32":
                 reference = probe["gflops"]

@@ -12,6 +12,7 @@ import re
 from fractions import Fraction
 
 from .. import formats
+from .args import comma_list
 
 __all__ = ["parse_value", "formats_table", "normalize_argv", "register"]
 
@@ -23,6 +24,7 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _MAX_BITS = 20000  # bound on the size of exact intermediate results (2**-24 needs 25 bits)
 # A token that starts like a negative VALUE (argparse would take it for an option).
 _NEGATIVE = re.compile(r"-(\d|\.\d|\(|inf|nan)", re.IGNORECASE)
+_DEFAULT_FORMAT = "fp16"
 _HINT = "a number such as 65504, 1e-8, 0.00006666666, 2**-24 (or 2^-24), 1/3, 0x1p-14, inf or nan"
 
 
@@ -134,7 +136,11 @@ def normalize_argv(command: str, args: list[str]) -> list[str]:
 
 
 def _run_explain(args) -> int:
-    fmts = [formats.get(name) for name in args.format.split(",")]
+    fmts = []
+    for name in args.format or [_DEFAULT_FORMAT]:
+        fmt = formats.get(name)
+        if fmt not in fmts:
+            fmts.append(fmt)
     values = [parse_value(text.strip()) for text in args.value]
     blocks = [str(formats.decompose(v, f)) for v in values for f in fmts]
     print("\n\n".join(blocks))
@@ -157,7 +163,8 @@ def register(subparsers) -> None:
         epilog="VALUE may be 65504, 1e-8, 2**-24, 2^-24, 1/3, 0x1p-14, inf or nan, and "
         "negative: mixprec explain -inf -2**-24 -1e6")
     p.add_argument("value", nargs="+", metavar="VALUE", help="the value(s) to explain")
-    p.add_argument("--format", "-f", default="fp16",
-                   help="format name(s), comma-separated: " + ", ".join(formats.names()) +
-                   " (default: %(default)s)")
+    p.add_argument("--format", "-f", action="extend", type=comma_list, default=None,
+                   help="format name(s), comma-separated or repeated (-f bf16 -f fp16): each "
+                   "VALUE is explained in each format; " + ", ".join(formats.names()) +
+                   f" (default: {_DEFAULT_FORMAT})")
     p.set_defaults(func=_run_explain)

@@ -11,6 +11,8 @@ from ..policy import LEVELS
 __all__ = ["plan_report", "register"]
 
 _GIB = 2.0 ** 30
+_FP32_NOTE = ("fp32 is not a 16-bit type: every level is plain fp32 (O1-O3 keep no 16-bit "
+              "copies and no masters), as mixprec.prepare makes them")
 _COLUMNS = ("strategy", "ranks", "level", "params", "masters", "grads", "optimizer", "total",
             "B/param", "traffic/step")
 
@@ -62,10 +64,11 @@ def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, o
     width = 19 if compact else 5
     lines = [
         f"mixprec plan: {_count(chosen.params)} parameters, {chosen.optimizer} "
-        f"({OPTIMIZER_MOMENTS[chosen.optimizer]} moments), 16-bit dtype {chosen.dtype}, "
+        f"({OPTIMIZER_MOMENTS[chosen.optimizer]} moments), training dtype {chosen.dtype}, "
         f"gradients reduced in {chosen.reduce_dtype}",
         "GiB per rank; B/param: bytes per parameter (/N: over N ranks); traffic: sent per rank "
         "per step",
+        *([_FP32_NOTE] if chosen.dtype == "fp32" else []),
         "",
         _line(" ", _COLUMNS, width),
     ]
@@ -112,7 +115,9 @@ def register(subparsers) -> None:
                     "next to the other levels and strategies.")
     p.add_argument("--params", required=True, help="parameter count: 7e9, 7B, 350M, ...")
     p.add_argument("--level", default="O2", choices=LEVELS)
-    p.add_argument("--dtype", default="bf16", help="16-bit dtype: bf16 (default) or fp16")
+    p.add_argument("--dtype", default="bf16",
+                   help="training dtype of O1-O3: bf16 (default), fp16, or fp32 (then every "
+                        "level is plain fp32)")
     p.add_argument("--strategy", default="fsdp", choices=STRATEGIES)
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks (default 8; 1 for --strategy single)")

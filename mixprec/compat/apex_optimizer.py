@@ -12,6 +12,11 @@ its own scale) can feed one optimizer before its ``step()``: on entering a block
 already unscaled by earlier blocks are set aside, the block's backward writes fresh (scaled)
 gradients, and on exit those are unscaled (into the fp32 masters at O2) and the set-aside ones
 added back. Only the fresh gradients are checked for inf/NaN.
+
+The fp32 masters are driven through the scaler protocol only
+(:class:`mixprec.scaling.OwnsGradients`): ``grads_for_step()`` names the gradients the step
+reads, ``unscale_grads_()`` makes the unscaled fp32 ones, ``drop_master_grads()`` drops them on
+a skipped step.
 """
 
 from __future__ import annotations
@@ -20,25 +25,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..master import MasterWeightOptimizer, is_master_optimizer
-from ..master.params import valid_grad
+from ..master import MasterWeightOptimizer
+from ..scaling import owns_gradients
 from ..scaling.unscale import unscale_and_check_
 
 __all__ = ["AmpOptimizer"]
-
-
-def _unscale_grads(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                   device: torch.device) -> torch.Tensor:
-    """Make the gradients ``optimizer.step()`` will use equal the model's times ``inv_scale``.
-
-    For a MasterWeightOptimizer those are the fp32 master gradients it makes in
-    ``unscale_grads_`` plus its fp32 parameters' gradients, unscaled in place; for a plain
-    optimizer the parameters' own gradients, unscaled in place. Returns a 0-d flag, > 0 when a
-    gradient holds inf/NaN. No host sync.
-    """
-    if is_master_optimizer(optimizer):
-        return optimizer.unscale_grads_(inv_scale)
-    return unscale_and_check_(optimizer.param_groups, inv_scale, device)
 
 
 class AmpOptimizer(torch.optim.Optimizer):
@@ -48,7 +39,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         optimizer: the user's ``torch.optim.Optimizer``.
         master_weights: wrap it in a :class:`mixprec.MasterWeightOptimizer` (fp32 masters of the
             low-precision parameters; apex's O2).
-        originals: ``id(param) -> fp32 tensor`` taken before the model was cast; masters start
+        originals: parameter -> its fp32 value taken before the model was cast; masters start
             from these exact values.
         verbosity: > 0 prints a line when a step is skipped, as apex did.
 
@@ -90,40 +81,46 @@ class AmpOptimizer(torch.optim.Optimizer):
     # -- the scale_loss protocol ---------------------------------------------------------------
     def prepare_backward(self) -> None:
         """On entering a ``scale_loss`` block: set aside gradients the backward must not mix
-        with."""
-        masters = is_master_optimizer(self.inner)
+        with, and clear them so that the backward writes fresh ones.
+
+        An fp32 parameter's gradient is set aside whatever it holds (apex accumulated into it);
+        a gradient the step reads through a master (a 16-bit parameter's) only when an earlier
+        block unscaled it since the last step (otherwise it is stale and dropped, as in apex).
+        """
+        own = self._held()
         self._set_aside = {}
-        for group in self.param_groups:
-            for t in group["params"]:
-                param = self.inner.model_param(t) if masters else t
-                if param is not t:            # an fp32 master: its model gradient is consumed
-                    held = valid_grad(t) if self._live else None
-                    if held is not None:
-                        self._set_aside[t] = held     # unscale_grads_ makes a new tensor
-                    param.grad = None
-                elif t.grad is not None:      # an fp32 parameter: keep what it holds
-                    self._set_aside[t] = t.grad
-                    t.grad = None
+        for param, grad in self._step_grads():
+            if id(param) in own:
+                self._set_aside[param] = grad
+            elif self._live:
+                self._set_aside[param] = grad.float()
+            param.grad = None
+        if owns_gradients(self.inner):
+            self.inner.drop_master_grads()
 
     def post_backward(self, inv_scale: torch.Tensor, device: torch.device) -> torch.Tensor:
         """On leaving a block: unscale the fresh gradients, add back the set-aside ones.
 
         Returns the inf/NaN flag of the fresh gradients (0-d tensor, no host sync).
         """
-        if is_master_optimizer(self.inner):
+        own = self._held()
+        if owns_gradients(self.inner):
             # a master with a set-aside gradient and none fresh: give its model parameter a
             # zero gradient, so that the optimizer makes (and later steps) the master gradient
-            for t in self._set_aside:
-                param = self.inner.model_param(t)
-                if param is not t and param.grad is None:
+            for param in self._set_aside:
+                if id(param) not in own and param.grad is None:
                     param.grad = torch.zeros_like(param)
-        found = _unscale_grads(self.inner, inv_scale, device)
+            found = self.inner.unscale_grads_(inv_scale)
+        else:
+            found = unscale_and_check_(self.param_groups, inv_scale, device)
+        fresh = {id(p): g for p, g in self._step_grads()}
         grads, extra = [], []
-        for t, g in self._set_aside.items():
-            if t.grad is None:
-                t.grad = g
+        for param, g in self._set_aside.items():
+            now = fresh.get(id(param))
+            if now is None:
+                param.grad = g
             else:
-                grads.append(t.grad)
+                grads.append(now)
                 extra.append(g)
         if grads:
             with torch.no_grad():
@@ -132,6 +129,18 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._live = True
         self.scaled_pending = False
         return found
+
+    def _held(self) -> set[int]:
+        """ids of the tensors in param_groups (a 16-bit parameter is read through a master)."""
+        return {id(t) for group in self.param_groups for t in group["params"]}
+
+    def _step_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (parameter, gradient) pairs the next step reads: the gradient tensors
+        themselves, so that an in-place change is what the step uses."""
+        if owns_gradients(self.inner):
+            return self.inner.grads_for_step()
+        return [(p, p.grad) for group in self.param_groups for p in group["params"]
+                if p.grad is not None]
 
     def record_overflow(self, loss_id: int, found: torch.Tensor, scaler) -> None:
         """Remember a dynamic block's flag: the next ``step()`` is skipped if any is set."""
@@ -146,14 +155,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: a closure with fp32 master weights or with a pending skip (as apex).
         """
+        owner = owns_gradients(self.inner)
         overflowed = self._read_overflow()
-        if closure is not None and (overflowed is not None or is_master_optimizer(self.inner)):
+        if closure is not None and (overflowed is not None or owner):
             raise RuntimeError("amp optimizers with master weights, or after a gradient overflow, "
                                "do not take a closure (as apex): compute the loss, backward it "
                                "inside amp.scale_loss, then call optimizer.step()")
         self._live = False
         if overflowed is not None:
-            if is_master_optimizer(self.inner):
+            if owner:
                 self.inner.drop_master_grads()
             if self.verbosity > 0:
                 loss_id, scale = overflowed

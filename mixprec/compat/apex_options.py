@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import to_dtype
+from ..dtypes import LOW_PRECISION_DTYPES, TRAINING_DTYPES, dtype_name, to_dtype
 
 __all__ = ["AmpProperties", "LEVELS", "level_properties", "resolve_properties", "check_dtype"]
 
@@ -71,14 +71,14 @@ class AmpProperties:
         return "\n".join(f"{name:22} : {values[name]}" for name in names)
 
     def brief(self) -> str:
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.low_dtype]
+        name = dtype_name(self.low_dtype)
         return f"{self.opt_level}: {_BRIEF[self.opt_level].format(dtype=name)}"
 
 
 def check_dtype(dtype) -> torch.dtype:
     """The low-precision dtype of the ``dtype=`` extension: fp16 (apex's) or bf16."""
     resolved = to_dtype(dtype, what="dtype")
-    if resolved not in (torch.float16, torch.bfloat16):
+    if resolved not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be 'fp16' (apex's) or 'bf16'; got {dtype!r}")
     return resolved
 
@@ -165,7 +165,7 @@ def _cast_type(value):
     if not isinstance(value, torch.dtype):
         raise TypeError(f"cast_model_type must be a torch dtype (torch.float16, torch.bfloat16, "
                         f"torch.float32), False or None; got {type(value).__name__} {value!r}")
-    if value not in (torch.float32, torch.float16, torch.bfloat16):
+    if value not in TRAINING_DTYPES:
         raise ValueError(f"cast_model_type must be torch.float32, torch.float16 or "
                          f"torch.bfloat16; got {value}")
     return value

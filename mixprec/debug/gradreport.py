@@ -6,6 +6,12 @@ range is unused.
 :func:`grad_report` measures exactly that for a model's current ``.grad`` tensors: per
 parameter, the fractions that would underflow, become subnormal or overflow in a format after
 multiplying by a scale, and the largest power-of-two scale that keeps every value finite.
+
+"Overflow" means what a loss scaler sees: a value that is inf or NaN once scaled and stored in the
+format. That is a finite value that rounds past the format's largest number, or a value that
+is inf/NaN already (a scaler skips the step for either). So for every parameter
+``zero + underflow + representable + overflow == 1``, and a gradient that is all inf/NaN shows
+100% overflow; :attr:`ParamGradStats.nonfinite` is the part that was inf/NaN before scaling.
 """
 
 from __future__ import annotations
@@ -53,8 +59,17 @@ class ParamGradStats:
 
     @property
     def overflow(self) -> float:
-        """Fraction of finite values that would become inf (NaN in fp8_e4m3)."""
-        return self.range.overflow_fraction
+        """Fraction of values that are inf/NaN once scaled and stored in the format: finite
+        values that would become inf (NaN in fp8_e4m3) plus values that are inf/NaN already
+        (:attr:`nonfinite`), as a loss scaler counts them."""
+        if not self.numel:
+            return 0.0
+        return (self.range.overflow + self.range.nonfinite) / self.numel
+
+    @property
+    def nonfinite(self) -> float:
+        """Fraction of values that are inf or NaN before scaling (part of :attr:`overflow`)."""
+        return self.range.nonfinite / self.numel if self.numel else 0.0
 
     @property
     def subnormal(self) -> float:
@@ -184,8 +199,9 @@ def grad_report(model: nn.Module, fmt: Any = "fp16", scale: float | None = None)
 
     For each parameter with a ``.grad``, the gradient (taken to float64 and multiplied by
     ``scale``) is rounded to ``fmt``: the report gives the fractions that would underflow to
-    zero, be subnormal, or overflow, and the largest power-of-two scale at which the largest
-    ``|g|`` still fits. This models scaling the loss (gradients scale with it); values inside
+    zero, be subnormal, or overflow (be inf/NaN in ``fmt``, including values that are inf/NaN
+    already), and the largest power-of-two scale at which the largest finite ``|g|`` still
+    fits. This models scaling the loss (gradients scale with it); values inside
     the backward pass may be larger. Reads every gradient (a host-device sync on CUDA).
 
     Args:
@@ -260,7 +276,8 @@ def _table(report: GradReport) -> str:
               "max safe scale")
     rows = [header]
     for s in (*report.params, report.total):
-        rows.append((s.name, f"{s.numel:,}", s.dtype, f"{s.max_abs:.3g}", f"{s.zero:.2%}",
+        max_abs = "-" if s.numel and s.nonfinite == 1 else f"{s.max_abs:.3g}"
+        rows.append((s.name, f"{s.numel:,}", s.dtype, max_abs, f"{s.zero:.2%}",
                      f"{s.underflow:.2%}", f"{s.subnormal:.2%}", f"{s.overflow:.2%}",
                      _pow2(s.safe_scale_log2)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -278,7 +295,9 @@ def _table(report: GradReport) -> str:
                      + ", ".join(report.without_grad[:5])
                      + (" ..." if len(report.without_grad) > 5 else ""))
     if report.total.range.nonfinite:
-        notes.append(f"{report.total.range.nonfinite:,} gradient values are already inf/NaN")
+        notes.append(f"{report.total.range.nonfinite:,} gradient values "
+                     f"({report.total.nonfinite:.2%}) are already inf/NaN, counted under "
+                     f"'overflow' (no scale makes them finite)")
     if report.underflow_at_safe_scale is not None:
         notes.append(f"at the largest safe scale {_pow2(report.total.safe_scale_log2)}, "
                      f"{report.underflow_at_safe_scale:.2%} of the values would still underflow")
@@ -314,10 +333,9 @@ def _plot_histogram(path: Any, lo: int, counts: tuple[int, ...], stats: ParamGra
     ax.set_xlim(left, right)
     ax.set_xlabel(f"log2 |gradient x {scale:g}|")
     ax.set_ylabel("% of all values")
-    r = stats.range
     ax.set_title(f"{stats.name}: {stats.numel:,} values in {fmt.name} "
-                 f"(zero {r.exact_zero_fraction:.1%}, underflow {r.underflow_fraction:.1%}, "
-                 f"overflow {r.overflow_fraction:.1%})", fontsize=10)
+                 f"(zero {stats.zero:.1%}, underflow {stats.underflow:.1%}, "
+                 f"overflow {stats.overflow:.1%})", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

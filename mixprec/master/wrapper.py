@@ -18,10 +18,15 @@ import torch
 
 from .buckets import Scratch, is_per_parameter, make_buckets
 
-__all__ = ["WrappedOptimizer", "check_bucket_mb", "check_grad_scale", "not_ours", "check_inner",
-           "stale_fp16_error"]
+__all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
+           "check_inner", "stale_fp16_error"]
 
 _FUSED = ("auto", "compile", False)
+
+
+def is_wrapped(optimizer: Any) -> bool:
+    """True for any mixprec master optimizer (fp32 masters or compact ones)."""
+    return isinstance(optimizer, WrappedOptimizer)
 
 
 def check_inner(optimizer, wrapper_type: type) -> None:

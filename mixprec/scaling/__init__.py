@@ -1,7 +1,9 @@
 """Loss scaling: pure scale state and its update, the scalers, and the unscale pass.
 
 * :mod:`.state`: :class:`ScaleState` (0-d tensors), :class:`DynamicConfig`, :func:`adjust_scale`.
-* :mod:`.base`: :class:`LossScaler`, the shell every scaler shares (stages, unscale/step/update).
+* :mod:`.base`: :class:`LossScaler`, the shell every scaler shares (unscale/clip/step/update).
+* :mod:`.records`: what a scaler records per iteration (each optimizer's stage, the counters).
+* :mod:`.gradscaler`: torch.amp.GradScaler's getters, setters and state_dict keys.
 * :mod:`.scalers`: :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`NoLossScaler`,
   :func:`make_loss_scaler`.
 * :mod:`.unscale`: the fused unscale + inf/NaN pass over plain optimizers' gradients.

@@ -1,6 +1,7 @@
-"""The loss-scaler shell every scaler shares: per-optimizer stages, unscale/clip/step/update,
-counters, parameter names, serialization and torch.amp's drop-in calls. The public scalers live
-in :mod:`mixprec.scaling.scalers`.
+"""The loss-scaler shell every scaler shares: scale, unscale/clip/step/update over the
+per-optimizer stages (:mod:`mixprec.scaling.records`), and parameter names in error messages;
+torch.amp's getters, setters and state_dict come from :mod:`mixprec.scaling.gradscaler`. The
+public scalers live in :mod:`mixprec.scaling.scalers`.
 
 Two kinds of optimizer are driven:
 
@@ -11,13 +12,11 @@ Two kinds of optimizer are driven:
   scaler checks the gradients it reads, and passes the factor they still carry as
   ``step(grad_scale=...)``, so the optimizer unscales them while it reads them; an explicit
   ``unscale_`` asks it for unscaled fp32 gradients (``unscale_grads_``). See the protocol in
-  :class:`mixprec.MasterWeightOptimizer`.
+  :mod:`mixprec.scaling.protocol`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import math
 import weakref
 
@@ -25,36 +24,15 @@ import torch
 from torch import nn
 
 from . import unscale as passes
+from .gradscaler import GradScalerInterface
 from .protocol import owns_gradients
-from .state import ScaleState, check_keys, positive_scale
+from .records import SEQUENCE, Counters, OptimizerRecord, Stage, StageBook, check_not_stepped
+from .state import ScaleState, positive_scale
 
 __all__ = ["LossScaler", "owns_gradients"]
 
-_SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt) or "
-             "clip_grad_norm_(opt, ...)] -> step(opt) -> update()")
 
-
-class _Stage(enum.Enum):
-    READY = "ready"
-    UNSCALED = "unscaled"
-    STEPPED = "stepped"
-
-
-@dataclasses.dataclass
-class _OptimizerRecord:
-    stage: _Stage = _Stage.READY
-    found_inf: torch.Tensor | None = None
-    grad_scale: torch.Tensor | None = None  # the factor the gradients the step reads carry
-    bad_params: list[str] | None = None  # set when this step reached the min-scale limit
-
-
-@dataclasses.dataclass
-class _Counters:
-    skipped_steps: int = 0
-    applied_steps: int = 0
-
-
-class LossScaler:
+class LossScaler(GradScalerInterface):
     """Shared shell: per-optimizer stages, unscale/clip/step/update, counters, serialization."""
 
     _kind = "none"
@@ -63,8 +41,8 @@ class LossScaler:
 
     def __init__(self):
         self._state = ScaleState.initial(1.0)
-        self._counters = _Counters()
-        self._records: dict[int, _OptimizerRecord] = {}
+        self._counters = Counters()
+        self._stages = StageBook()
         self._modules: list[weakref.ref] = []
         self.process_group = None
 
@@ -116,7 +94,7 @@ class LossScaler:
                             f"them; got {_describe(loss)}")
         if not self._scales:
             return loss
-        if self._state.device != loss.device and not self._records:
+        if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
@@ -145,7 +123,7 @@ class LossScaler:
         elif self._scales:
             record.found_inf = passes.unscale_and_check_(optimizer.param_groups, inv_scale,
                                                          self._state.device)
-        record.stage = _Stage.UNSCALED
+        record.stage = Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients the step will use to ``max_norm``; return their norm.
@@ -172,16 +150,16 @@ class LossScaler:
         """
         _check_clip_args(max_norm, norm_type)
         if owns_gradients(optimizer):
-            record = self._records.get(id(optimizer))
-            if record is None or record.stage is _Stage.READY:
+            record = self._stages.get(optimizer)
+            if record is None or record.stage is Stage.READY:
                 return self._fold_clip(optimizer, max_norm, norm_type)
-            self._check_not_stepped(record, "clip_grad_norm_()")
+            check_not_stepped(record, "clip_grad_norm_()")
         else:
-            record = self._records.get(id(optimizer))
-            if record is None or record.stage is _Stage.READY:
+            record = self._stages.get(optimizer)
+            if record is None or record.stage is Stage.READY:
                 self.unscale_(optimizer)
             else:
-                self._check_not_stepped(record, "clip_grad_norm_()")
+                check_not_stepped(record, "clip_grad_norm_()")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return torch.zeros((), dtype=torch.float32, device=self._state.device)
@@ -209,14 +187,14 @@ class LossScaler:
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
                             "optimizer.step(closure) directly when not scaling")
         _check_optimizer(optimizer)
-        record = self._records.get(id(optimizer))
-        if record is not None and record.stage is _Stage.STEPPED:
+        record = self._stages.get(optimizer)
+        if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
-                               f"update(); {_SEQUENCE}")
+                               f"update(); {SEQUENCE}")
         owner = owns_gradients(optimizer)
-        if record is None or record.stage is _Stage.READY:
+        if record is None or record.stage is Stage.READY:
             record = self._prepare_step(optimizer, owner)
-        record.stage = _Stage.STEPPED
+        record.stage = Stage.STEPPED
         if self._checks and self._overflowed(record):
             self._counters.skipped_steps += 1
             if self._next_overflow_raises():
@@ -251,13 +229,13 @@ class LossScaler:
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
             self._set_scale(_as_number(new_scale, "new_scale"))
-            self._records = {}
+            self._stages.clear()
             return
-        stepped = [r for r in self._records.values() if r.stage is _Stage.STEPPED]
+        stepped = self._stages.stepped()
         if not stepped:
             raise RuntimeError(f"update() called before any step() since the last update(); "
-                               f"{_SEQUENCE}")
-        self._records = {}
+                               f"{SEQUENCE}")
+        self._stages.clear()
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             self._state = self._adjust(torch.stack([f.to(self._state.device) for f in flags]).sum())
@@ -265,72 +243,6 @@ class LossScaler:
         if bad:
             names = list(dict.fromkeys(n for names in bad for n in names))
             raise self._persistent_overflow_error(names)
-
-    # -- torch.amp.GradScaler's getters and setters ------------------------------------------
-    def get_growth_factor(self) -> float:
-        """Multiplier of the scale after ``growth_interval`` clean steps (1.0: it never grows)."""
-        return 1.0
-
-    def get_backoff_factor(self) -> float:
-        """Multiplier of the scale after an overflow (1.0: it never backs off)."""
-        return 1.0
-
-    def get_growth_interval(self) -> int:
-        """Clean steps in a row before the scale grows."""
-        return 2000
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (dynamic scalers only)."""
-        self._fixed("set_growth_factor")
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (dynamic scalers only)."""
-        self._fixed("set_backoff_factor")
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (dynamic scalers only)."""
-        self._fixed("set_growth_interval")
-
-    # -- serialization -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything needed to resume (syncs): kind, hyper-parameters, scale state, counters.
-
-        It also carries torch.amp.GradScaler's keys (``scale``, ``growth_factor``,
-        ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), so
-        ``torch.amp.GradScaler().load_state_dict(scaler.state_dict())`` works too.
-        """
-        numbers = self._state.to_numbers()
-        return {"scale": self.get_scale(), "growth_factor": self.get_growth_factor(),
-                "backoff_factor": self.get_backoff_factor(),
-                "growth_interval": self.get_growth_interval(),
-                "_growth_tracker": int(numbers["growth_tracker"]),
-                "kind": self._kind, "config": self._config_dict(), "state": numbers,
-                "counters": dataclasses.asdict(self._counters)}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore from :meth:`state_dict` (or, for a dynamic scaler, a ``torch.amp.GradScaler``'s).
-
-        Raises:
-            ValueError: a state_dict of another scaler kind, or missing/unknown keys.
-        """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict() takes a dict; got {type(state_dict).__name__}")
-        if "kind" not in state_dict:
-            return self._load_grad_scaler(state_dict)
-        check_keys("state_dict", {k: v for k, v in state_dict.items() if k not in _TORCH_KEYS},
-                   ("kind", "config", "state", "counters"))
-        if state_dict["kind"] != self._kind:
-            raise ValueError(f"this state_dict is from a {state_dict['kind']!r} loss scaler; "
-                             f"{type(self).__name__} loads only {self._kind!r} ones")
-        check_keys("state_dict['state']", state_dict["state"],
-                   tuple(f.name for f in dataclasses.fields(ScaleState)))
-        check_keys("state_dict['counters']", state_dict["counters"],
-                   tuple(f.name for f in dataclasses.fields(_Counters)))
-        positive_scale("state_dict['state']['scale']", state_dict["state"]["scale"])
-        self._load_config(state_dict["config"])  # validates before anything is assigned
-        self._state = ScaleState.from_numbers(state_dict["state"], self._state.device)
-        self._counters = _Counters(**state_dict["counters"])
-        self._records = {}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._repr_fields().items())
@@ -346,53 +258,28 @@ class LossScaler:
     def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
         raise NotImplementedError
 
-    def _config_dict(self) -> dict:
-        return {}
-
     def _repr_fields(self) -> dict:
         return self._config_dict()
-
-    def _load_config(self, config: dict) -> None:
-        check_keys("state_dict['config']", config, ())
-
-    def _load_grad_scaler(self, state_dict: dict) -> None:
-        raise ValueError(f"{type(self).__name__} cannot load a torch.amp.GradScaler state_dict "
-                         f"(keys {sorted(state_dict)}); use DynamicLossScaler")
 
     def _set_scale(self, new_scale: float) -> None:
         if new_scale != 1.0:
             raise ValueError(f"{type(self).__name__} does not scale the loss; update(new_scale) "
                              f"takes only 1.0 here, got {new_scale!r}")
 
-    def _fixed(self, what: str) -> None:
-        raise ValueError(f"{type(self).__name__} has a fixed scale; {what}() needs a "
-                         f"DynamicLossScaler")
-
     # -- internals ---------------------------------------------------------------------------
     def _inv_scale(self) -> torch.Tensor:
         return self._state.scale.double().reciprocal().float()
 
-    def _ready_record(self, optimizer, what: str) -> _OptimizerRecord:
+    def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         _check_optimizer(optimizer)
-        record = self._records.setdefault(id(optimizer), _OptimizerRecord())
-        if record.stage is not _Stage.READY:
-            done = "unscale_() or clip_grad_norm_()" if record.stage is _Stage.UNSCALED \
-                else "step()"
-            raise RuntimeError(f"{what} called on an optimizer after {done} since the last "
-                               f"update(); {_SEQUENCE}")
-        return record
+        return self._stages.ready(optimizer, what)
 
-    def _check_not_stepped(self, record: _OptimizerRecord, what: str) -> None:
-        if record.stage is _Stage.STEPPED:
-            raise RuntimeError(f"{what} called on an optimizer after step() since the last "
-                               f"update(); {_SEQUENCE}")
-
-    def _prepare_step(self, optimizer, owner: bool) -> _OptimizerRecord:
+    def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
         """A READY optimizer about to step: unscale (plain) or check (owner) its gradients."""
         if not owner:
             if self._scales or self._checks:
                 self.unscale_(optimizer)
-            return self._records.setdefault(id(optimizer), _OptimizerRecord())
+            return self._stages.ensure(optimizer)
         record = self._ready_record(optimizer, "step()")
         if self._checks:
             grads = [g for _, g in optimizer.grads_for_step()]
@@ -412,10 +299,10 @@ class LossScaler:
         record.grad_scale = carried / coef
         if self._checks:
             record.found_inf = (~torch.isfinite(total)).float()
-        record.stage = _Stage.UNSCALED
+        record.stage = Stage.UNSCALED
         return total
 
-    def _overflowed(self, record: _OptimizerRecord) -> bool:
+    def _overflowed(self, record: OptimizerRecord) -> bool:
         found = record.found_inf
         if found is None:
             return False
@@ -437,9 +324,6 @@ class LossScaler:
             if module is not None:
                 names.update({id(p): n for n, p in module.named_parameters()})
         return names
-
-
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:

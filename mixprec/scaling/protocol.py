@@ -8,7 +8,9 @@ so mixprec's scalers (and :class:`mixprec.MixedPrecision`, the apex compatibilit
 integrations) drive it through these four calls, and through nothing else:
 
 * ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in their
-  own dtypes: what a scaler checks for inf/NaN and measures for clipping (read-only).
+  own dtypes: what a scaler checks for inf/NaN and measures for clipping. They are the tensors
+  the step reads, so an in-place change is what the step uses (the apex layer adds gradients
+  set aside from an earlier loss into them).
 * ``unscale_grads_(inv_scale)``: make the fp32 gradients the step will use, times ``inv_scale``
   (a 0-d tensor, or None for 1), check them for inf/NaN in the same pass, and return a 0-d flag
   (> 0: overflow). Afterwards the gradients read as unscaled wherever torch code looks.

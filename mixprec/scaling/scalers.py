@@ -198,7 +198,7 @@ class DynamicLossScaler(LossScaler):
         self._state = ScaleState.from_numbers(
             {"scale": scale, "growth_tracker": state_dict["_growth_tracker"],
              "hysteresis_tracker": config.hysteresis, "skips_at_min": 0}, self._state.device)
-        self._records = {}
+        self._stages.clear()
 
 
 class StaticLossScaler(LossScaler):

@@ -10,65 +10,29 @@ accumulation, metrics, callbacks, strategies across processes, and exact resume.
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from ..engine import MixedPrecision, check_max_norm
+from ..engine import MixedPrecision
 from ..master import is_master_optimizer, kernels
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts
 from .batches import compute_loss, logits_of, split_batch, to_device
 from .callbacks import Callback, ProgressBar
+from .checks import check_device, check_options, check_reiterable, length
 from .choose import make_strategy
 from .diagnose import diagnose_overflow
+from .evaluate import evaluate
 from .history import History
 from .metrics import make_metrics
 
 __all__ = ["Trainer", "History"]
-
-
-def _check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
-    if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
-            or grad_accum_steps < 1):
-        raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
-    check_max_norm(max_grad_norm)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
-                        f"model output's .loss; got {loss_fn!r}")
-
-
-def _check_device(device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
-                         f"'cuda:0'; got {device!r}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available here "
-                           f"(torch {torch.__version__}); train on 'cpu' or install a CUDA build")
-    return dev
-
-
-def _check_reiterable(name: str, data, epochs_left: int) -> None:
-    if epochs_left > 1 and isinstance(data, Iterator):  # iter() would draw a loader's RNG
-        raise TypeError(f"{name} is a one-shot iterator ({type(data).__name__}): it would be "
-                        f"exhausted after the first of {epochs_left} epochs. Pass something "
-                        f"that can be iterated again, e.g. a list of batches or a DataLoader")
-
-
-def _length(data) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 class Trainer:
@@ -95,24 +59,19 @@ class Trainer:
         max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
         device: where to train (default: the device of the model's parameters).
         callbacks: :class:`mixprec.Callback` objects.
-        compile: run each step's forward and loss under ``torch.compile``; at O2 on a CPU
-            with a ``torch.optim.SGD``/``Adam``/``AdamW`` optimizer (options the compiled step
-            supports), also turn on the compiled master step
-            (``MasterWeightOptimizer(fused="compile")``: one pass per parameter that reads its
-            low-precision gradient; on CUDA torch's fused multi-tensor kernels stay, being
-            faster there).
+        compile: run each step's forward and loss under ``torch.compile``; at O2 on a CPU,
+            with an optimizer the compiled master step supports, also turn that step on
+            (``MasterWeightOptimizer(fused="compile")``; on CUDA torch's fused kernels stay).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
             :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
             (see :mod:`mixprec.training.diagnose`).
         progress: show a tqdm bar (only when stdout is a terminal).
-        strategy: "auto" (default: "ddp" when launched by torchrun with ``WORLD_SIZE`` > 1 or
-            when a default process group of more than one rank exists, else "single"),
-            "single", "ddp" (``DistributedDataParallel``) or "fsdp" (FSDP2 ``fully_shard``; the
-            fp32 shards are the master weights). Under ddp/fsdp the process group is created
-            from torchrun's environment when none exists, a ``DataLoader`` is rebuilt over a
-            ``DistributedSampler`` (its ``batch_size`` is per rank), the logged loss, metrics
-            and :meth:`evaluate` are averaged over the ranks, and the progress bar and
-            :class:`LossMonitor` print on rank 0 only. See :mod:`mixprec.training.strategy`.
+        strategy: "auto" ("ddp" under torchrun with ``WORLD_SIZE`` > 1 or in a default process
+            group of more than one rank, else "single"), "single", "ddp" or "fsdp" (FSDP2; the
+            fp32 shards are the masters). Under ddp/fsdp a ``DataLoader`` is rebuilt over a
+            ``DistributedSampler`` (``batch_size`` per rank), the logged loss, metrics and
+            :meth:`evaluate` are averaged over the ranks, and rank 0 alone prints. See
+            :mod:`mixprec.training.strategy`.
         reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
             "bf16" or "fp16" (half the traffic).
         master, state_dtype: at O2, how 16-bit weights keep small updates ("fp32" masters,
@@ -154,7 +113,7 @@ class Trainer:
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None,
                  master: str | None = None, state_dtype=None):
-        _check_options(grad_accum_steps, max_grad_norm, loss_fn)
+        check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy,
                                      master=master, state_dtype=state_dtype)
         self.strategy = make_strategy(strategy, reduce_dtype)
@@ -162,7 +121,7 @@ class Trainer:
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
             raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
         self.metrics = make_metrics(metrics)
-        self.device = _check_device(device) if device is not None else self.strategy.device(model)
+        self.device = check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(
             model, optimizer, self.engine.resolve_policy(self.device))
@@ -206,10 +165,11 @@ class Trainer:
         output = batch.run(self.model)
         return compute_loss(output, batch, self.loss_fn), output
 
-    def _batch(self, batch):
+    def prepare_batch(self, batch):
+        """A batch moved to the device and split into inputs and target."""
         return split_batch(to_device(batch, self.device), needs_target=self.loss_fn is not None)
 
-    def _update_metrics(self, metrics, output, batch) -> None:
+    def update_metrics(self, metrics, output, batch) -> None:
         if not metrics:
             return
         if batch.target is None:
@@ -235,9 +195,9 @@ class Trainer:
 
     def _forward_backward(self, batch, divisor: int) -> torch.Tensor:
         t = time.perf_counter()
-        batch = self._batch(batch)
+        batch = self.prepare_batch(batch)
         loss, output = self._forward_loss_fn(batch)
-        self._update_metrics(self.metrics, output, batch)
+        self.update_metrics(self.metrics, output, batch)
         t = self._tick("forward", t)
         self.engine.backward(loss / divisor if divisor > 1 else loss)
         self._tick("backward", t)
@@ -312,15 +272,15 @@ class Trainer:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an integer >= 1; got {epochs!r}")
         for name, data in (("train_data", train_data), ("eval_data", eval_data)):
-            if data is not None and _length(data) == 0:
+            if data is not None and length(data) == 0:
                 raise ValueError(f"{name} is empty (0 batches); nothing to train or evaluate on")
             if data is not None:
-                _check_reiterable(name, data, epochs - self.epoch)
+                check_reiterable(name, data, epochs - self.epoch)
         callbacks = list(self.callbacks)
         train_data = self.strategy.loader(train_data)
         show = self.progress if progress is None else progress
         if show and sys.stdout.isatty() and self.strategy.is_main:
-            n = _length(train_data)
+            n = length(train_data)
             steps = None if n is None else math.ceil(n / self.grad_accum_steps)
             callbacks.append(ProgressBar(steps))
         self.state.data, self.stop_training = train_data, False
@@ -367,7 +327,7 @@ class Trainer:
 
     def _run_epoch(self, data, callbacks) -> bool:
         """Train one (rest of an) epoch; False when a callback stopped training mid-epoch."""
-        n, accum = _length(data), self.grad_accum_steps
+        n, accum = length(data), self.grad_accum_steps
         it = self._epoch_iterator(data)
         for cb in callbacks:
             cb.on_epoch_begin(self, self.epoch + 1)
@@ -413,9 +373,8 @@ class Trainer:
     def evaluate(self, data: Iterable) -> dict:
         """Mean loss (weighted by batch size) and metrics over ``data``, without gradients.
 
-        Under ddp/fsdp a ``DataLoader`` is split over the ranks (a ``DistributedSampler``, which
-        repeats a few samples when the dataset does not divide evenly) and the sums are reduced,
-        so every rank returns the same numbers.
+        Under ddp/fsdp a ``DataLoader`` is split over the ranks and the sums are reduced, so
+        every rank returns the same numbers (see :func:`mixprec.training.evaluate.evaluate`).
 
         Returns:
             ``{"loss": float, <metric name>: float, ...}``.
@@ -423,27 +382,7 @@ class Trainer:
         Raises:
             ValueError: empty data.
         """
-        data = self.strategy.loader(data)
-        metrics = [copy.deepcopy(m) for m in self.metrics]
-        for m in metrics:
-            m.reset()
-        was_training = self.model.training
-        self.model.eval()
-        total, count = 0.0, 0
-        try:
-            with torch.no_grad():
-                for batch in data:
-                    batch = self._batch(batch)
-                    loss, output = self.forward_loss(batch)
-                    size = batch.size()
-                    total, count = total + float(loss) * size, count + size
-                    self._update_metrics(metrics, output, batch)
-        finally:
-            self.model.train(was_training)
-        total, count = self.strategy.sum([total, count], self.device)
-        if count == 0:
-            raise ValueError("evaluation data is empty (0 batches)")
-        return {"loss": total / count, **self.strategy.metric_values(metrics, self.device)}
+        return evaluate(self, data)
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, path) -> None:

@@ -1,0 +1,53 @@
+"""Argument parsing shared by the ``mixprec`` subcommands.
+
+argparse keeps the last value of an option given twice (``-f bf16 -f fp16`` is ``-f fp16``),
+silently. :class:`Parser` closes that pitfall for every subcommand: an option that takes one
+value and names no ``action`` refuses a second occurrence with an error; an option that takes a
+list says so with ``action="extend", type=comma_list`` (then ``-f bf16 -f fp16`` and
+``-f bf16,fp16`` both mean the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["Parser", "SingleValue", "comma_list"]
+
+_GIVEN = "_mixprec_options_given"  # namespace attribute: the options given so far
+
+
+class SingleValue(argparse.Action):
+    """Store an option's one value, refusing the option when it is given a second time."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, _GIVEN, None)
+        if given is None:
+            given = {}
+            setattr(namespace, _GIVEN, given)
+        if self.dest in given:
+            first, option = given[self.dest]
+            parser.error(f"argument {'/'.join(self.option_strings)}: given twice ({option} "
+                         f"{first} {option_string} {values}); it takes one value, "
+                         f"give it once")
+        given[self.dest] = (values, option_string)
+        setattr(namespace, self.dest, values)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose single-valued options refuse to be repeated (see the module
+    docstring); the subcommands' parsers are of this class too."""
+
+    def add_argument(self, *args, **kwargs):
+        optional = bool(args) and args[0].startswith(self.prefix_chars)
+        if optional and "action" not in kwargs and kwargs.get("nargs") is None:
+            kwargs["action"] = SingleValue
+        return super().add_argument(*args, **kwargs)
+
+
+def comma_list(text: str) -> list[str]:
+    """The items of a comma-separated option value (``"O0, O2"`` -> ``["O0", "O2"]``)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated names; "
+                                         f"got {text!r}")
+    return items

@@ -1,0 +1,12 @@
+"""mixprec in other training loops: each integration drives one :class:`mixprec.MixedPrecision`.
+
+* :mod:`mixprec.integrations.lightning`: ``MixprecPrecision``, a Lightning precision plugin
+  (``pip install 'mixprec[lightning]'``).
+* :mod:`mixprec.integrations.transformers`: ``MixprecTrainer``, a Hugging Face
+  ``transformers.Trainer`` (``pip install 'mixprec[transformers]'``).
+
+Importing this package imports neither library; each module imports its own when it is imported.
+See docs/integrations.md for what each one covers.
+"""
+
+__all__: list[str] = []

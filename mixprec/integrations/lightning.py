@@ -1,0 +1,264 @@
+"""``MixprecPrecision``: a Lightning precision plugin that runs on :class:`mixprec.MixedPrecision`.
+
+``L.Trainer(plugins=[MixprecPrecision(level="O2", dtype="fp16")])`` trains a LightningModule
+with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step order. Where each
+of Lightning's precision hooks lands on the engine:
+
+* ``connect(model, optimizers, schedulers)`` (after ``configure_optimizers``):
+  ``engine.setup(model, *optimizers)`` prepares the model in place and, at a master-weight
+  policy, wraps each optimizer in a :class:`mixprec.MasterWeightOptimizer` whose masters take the
+  fp32 weights' own storage; Lightning then holds the wrapped optimizers. A scheduler built on the
+  user's optimizer keeps working through the param groups both share; a scheduler stepped every
+  ``"step"`` is wrapped so that it steps only after an applied update. The model is prepared
+  here, not in ``convert_module``, because the masters need the optimizers.
+* ``forward_context()`` (around ``training_step``, ``validation_step``, ...): the policy's
+  precision context, so code that calls sub-modules directly computes as the model does.
+* ``backward``: the loss times the loss scale (``on_before_backward`` sees the true loss).
+* ``optimizer_step``: run the closure (forward and backward); with a loss scale, unscale into the
+  true gradients unless that was done (``engine.unscale_``: ``on_before_optimizer_step`` and
+  clipping see true values); the ``on_before_optimizer_step`` hooks and
+  ``configure_gradient_clipping``; then ``engine.step(optimizer)``: step, or skip when the
+  gradients overflowed (the step still counts in ``global_step``, as with Lightning's own AMP),
+  and update the scale.
+* ``clip_gradients``: ``gradient_clip_val`` clips the true gradients: by norm through
+  ``engine.clip_grad_norm_`` (folded into the master step when nothing was unscaled), by value
+  through ``engine.clip_grad_value_``.
+* ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
+  masters travel in the optimizer's state, and the model's ``state_dict`` is fp32.
+
+Lightning's single-device strategy only (DDP and FSDP: ``mp.Trainer(strategy=...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import MixedPrecision
+from ..master.wrapper import is_wrapped
+from ..policy import Policy
+from ..prepare import policy_of
+from ..regions import Entry
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+except ImportError as exc:  # pragma: no cover - the error names the extra
+    raise ImportError("mixprec.integrations.lightning needs the lightning package: "
+                      "pip install 'mixprec[lightning]'") from exc
+
+__all__ = ["MixprecPrecision", "SkipAwareScheduler"]
+
+_FP32 = torch.float32
+
+
+class SkipAwareScheduler:
+    """An LR scheduler that steps only when its optimizer's last update was applied.
+
+    Everything else (``state_dict``, ``get_last_lr``, ``optimizer``, ...) is the wrapped
+    scheduler's, so checkpoints hold the scheduler's own state.
+
+    Args:
+        scheduler: the scheduler to wrap.
+        applied: returns whether the last update of the scheduler's optimizer was applied.
+    """
+
+    def __init__(self, scheduler, applied: Callable[[], bool]):
+        self.scheduler = scheduler
+        self._applied = applied
+
+    def step(self, *args, **kwargs) -> None:
+        """``scheduler.step(...)``, unless the last update was skipped (inf/NaN gradients)."""
+        if self._applied():
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict:
+        """The wrapped scheduler's state."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the wrapped scheduler's state."""
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str):
+        if name in ("scheduler", "_applied"):  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"SkipAwareScheduler({self.scheduler!r})"
+
+
+class MixprecPrecision(Precision):
+    """A Lightning precision plugin on a :class:`mixprec.MixedPrecision` engine.
+
+    Args:
+        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
+        dtype: the low-precision dtype, or "auto" (resolved on the model's device).
+        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
+            O1/O2, none otherwise; "dynamic"; a number; None) or a scaler. A scaler that checks
+            for overflow (any but none) makes an update with inf/NaN gradients a skipped step.
+        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        engine_options: ``keep_fp32``, ``low_precision_ops``, ``fp32_ops``, ``emulate_fp16``
+            (see :class:`mixprec.MixedPrecision`).
+
+    Attributes:
+        engine: the :class:`mixprec.MixedPrecision`.
+        policy: the engine's policy (None until ``dtype="auto"`` is resolved at set-up).
+        scaler: the engine's loss scaler.
+        applied: optimizer -> whether its last update was applied (read by the skip-aware
+            schedulers).
+
+    ``trainer.precision`` reports the parameters' storage: "32-true" at O0/O1, "bf16-true" or
+    "16-true" at O2/O3. Passing Lightning's own ``precision=`` as well is refused by Lightning
+    ("Received both `precision=...` and `plugins=...`"): two precision plugins would cast and
+    scale twice.
+
+    Raises:
+        ValueError, TypeError: what :class:`mixprec.MixedPrecision` refuses.
+
+    Example:
+        >>> import lightning.pytorch as L
+        >>> plugin = MixprecPrecision(level="O2", dtype="bf16")
+        >>> trainer = L.Trainer(plugins=[plugin], accelerator="cpu", logger=False,
+        ...                     enable_progress_bar=False, enable_checkpointing=False)
+    """
+
+    def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
+                 policy: Policy | None = None, **engine_options):
+        self.engine = MixedPrecision(level, dtype, loss_scale, policy, **engine_options)
+        self.applied: dict[int, bool] = {}
+        self._context = None
+
+    def __repr__(self) -> str:
+        return f"MixprecPrecision({self.engine!r})"
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.engine.policy
+
+    @property
+    def scaler(self):
+        return self.engine.scaler
+
+    @property
+    def precision(self) -> str:  # what trainer.precision (and the model summary) reads
+        policy = self.engine.policy
+        if policy is None or policy.param_dtype == _FP32:
+            return "32-true"
+        return "bf16-true" if policy.param_dtype == torch.bfloat16 else "16-true"
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list):
+        """Prepare the model and its optimizers (see the module docstring)."""
+        if not isinstance(model, pl.LightningModule):
+            raise RuntimeError(
+                f"MixprecPrecision runs under Lightning's single-device strategy, which passes "
+                f"the LightningModule itself; this strategy wrapped it in "
+                f"{type(model).__name__}. For DDP or FSDP train with "
+                f"mp.Trainer(strategy='ddp' or 'fsdp')")
+        optimizers = self._setup(model, list(optimizers))
+        self._context = _entry_context(model)
+        configs = [self._skip_aware(config, optimizers) for config in lr_schedulers]
+        return model, optimizers, configs
+
+    def _setup(self, model: nn.Module, optimizers: list) -> list:
+        if policy_of(model) is None:
+            prepared = self.engine.setup(model, *optimizers)
+            return list(prepared[1:]) if optimizers else []
+        if model not in self.engine.models:  # prepared by another run (adopt checks the policy)
+            self.engine.adopt(model)
+        fresh = [o for o in optimizers if not is_wrapped(o)]
+        if fresh and policy_of(model).master_weights:
+            raise RuntimeError(
+                "this model was prepared by an earlier run and its weights are now stored in "
+                "low precision: a new optimizer over it would start its fp32 masters from "
+                "rounded weights. Fit a fresh model, or load its fp32 state_dict into one "
+                "(fit(ckpt_path=...) does)")
+        return optimizers
+
+    def _skip_aware(self, config, optimizers: list):
+        if config.interval != "step" or isinstance(config.scheduler, SkipAwareScheduler):
+            return config
+        target = getattr(config.scheduler, "optimizer", None)
+        owner = next((o for o in optimizers
+                      if o is target or getattr(o, "inner", None) is target), None)
+        if owner is None:
+            return config
+
+        def applied() -> bool:
+            return self.applied.get(id(owner), True)
+        return dataclasses.replace(config, scheduler=SkipAwareScheduler(config.scheduler, applied))
+
+    # -- the step --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """The policy's precision context (autocast with its op lists at O1/O2)."""
+        if self._context is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            self._context.enter(stack)
+            yield
+
+    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
+        """Backpropagate the loss times the loss scale (through ``model.backward``)."""
+        model.backward(self.engine.scale(tensor), *args, **kwargs)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Closure, true gradients, Lightning's hooks and clipping, then the engine's step."""
+        if kwargs:
+            raise TypeError(f"MixprecPrecision steps through mixprec's engine, which passes no "
+                            f"arguments to optimizer.step; got {sorted(kwargs)}")
+        inner = optimizer.inner if is_wrapped(optimizer) else optimizer
+        if isinstance(inner, torch.optim.LBFGS):
+            raise TypeError("LBFGS re-evaluates its closure inside step(), after the overflow "
+                            "check; mixprec's loss scaling cannot drive it")
+        result = closure()
+        if result is None and model.automatic_optimization:
+            return None  # training_step returned None: no backward, nothing to step
+        if self.engine.scaler.is_enabled() and not self.engine.is_unscaled(optimizer):
+            self.engine.unscale_(optimizer)  # hooks and clipping see the true gradients
+        self._after_closure(model, optimizer)
+        self.applied[id(optimizer)] = self.engine.step(optimizer)
+        return result
+
+    def clip_gradients(self, optimizer, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
+        """Clip the true gradients: by norm (``engine.clip_grad_norm_``) or by value."""
+        if clip_val <= 0:
+            return
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_grad_value_(optimizer, clip_val)
+        else:
+            self.engine.clip_grad_norm_(optimizer, clip_val)
+
+    def unscale_gradients(self, optimizer) -> None:
+        """``engine.unscale_(optimizer)``: its gradients read as the true ones."""
+        self.engine.unscale_(getattr(optimizer, "_optimizer", optimizer))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's state (policy and scaler); empty before set-up."""
+        return {} if self.engine.scaler is None else self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the engine's state; a checkpoint made under another policy is refused."""
+        self.engine.load_state_dict(state_dict)
+
+
+def _entry_context(model: nn.Module):
+    """The precision context the prepared model's entry runs its forward in, or None."""
+    wrapper = model.__dict__.get("forward")
+    while wrapper is not None:
+        if isinstance(wrapper, Entry):
+            return wrapper.context
+        wrapper = getattr(wrapper, "inner", None)
+    return None

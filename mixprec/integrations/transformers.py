@@ -1,0 +1,231 @@
+"""``MixprecTrainer``: a Hugging Face ``transformers.Trainer`` that runs on
+:class:`mixprec.MixedPrecision`.
+
+``MixprecTrainer(model, args, train_dataset=..., mixed_precision=mp.MixedPrecision("O2",
+"bf16"))`` trains with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step
+order. How the Trainer's loop lands on the engine, in the order it runs:
+
+* ``create_optimizer``: the optimizer the Trainer builds from its ``TrainingArguments`` (or the
+  one passed as ``optimizers=(opt, sched)``) and the model go through ``engine.setup``: the model
+  is prepared in place and, at a master-weight policy, the optimizer becomes a
+  :class:`mixprec.MasterWeightOptimizer` whose masters take the fp32 weights' own storage. A
+  scheduler built on the user's optimizer keeps working through the param groups both share.
+* the loss scale: the Trainer's accelerator gets an :class:`EngineGradScaler` as its gradient
+  scaler, the object accelerate calls when it backpropagates (``scale(loss).backward()``), steps
+  (``step(optimizer)`` then ``update()``) and checkpoints (``state_dict``). It is the engine seen
+  through ``torch.amp.GradScaler``'s calls: ``step`` is ``engine.step(optimizer)`` (check, step or
+  skip, update the scale once), ``update`` has nothing left to do. Every backward of the loop,
+  a ``training_step`` override's included, goes through ``accelerator.backward``.
+* clipping: under a loss scale the gradients are first unscaled (``engine.unscale_``: the
+  ``on_pre_optimizer_step`` callbacks see true values, as with the Trainer's own fp16 AMP);
+  ``args.max_grad_norm`` clips the true gradients (``engine.clip_grad_norm_``; without a loss
+  scale folded into the master step), and the logged ``grad_norm`` is the true one
+  (``engine.grad_norm``).
+  This overrides the Trainer's ``_clip_grad_norm``/``_get_grad_norm``, the two methods its loop
+  calls for exactly that; their presence is checked when the trainer is built, so a
+  transformers version without them fails loudly instead of clipping scaled gradients.
+* skipped steps: accelerate reports a step the scaler did not take as
+  ``optimizer_step_was_skipped``, and the Trainer then leaves the LR scheduler alone: the
+  scheduler steps on applied updates only.
+* checkpoints: the masters travel in the optimizer's state (``optimizer.pt``), the engine's state
+  (policy and scaler) in ``scaler.pt``, both written with every checkpoint and read back by
+  ``train(resume_from_checkpoint=...)`` (a checkpoint made under another policy is refused).
+  ``save_model`` writes the fp32 weights (the masters) and a config that says float32.
+
+The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
+fp32 model. One process only (no DDP, FSDP or DeepSpeed: ``mp.Trainer(strategy=...)`` covers
+those); ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
+GradScaler on top of the engine would cast and scale twice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engine import MixedPrecision
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - the error names the extra
+    raise ImportError("mixprec.integrations.transformers needs transformers and accelerate: "
+                      "pip install 'mixprec[transformers]'") from exc
+
+__all__ = ["MixprecTrainer", "EngineGradScaler"]
+
+_LOOP_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "create_optimizer",
+               "create_accelerator_and_postprocess", "save_model")
+
+
+class EngineGradScaler:
+    """A :class:`mixprec.MixedPrecision` seen through the calls accelerate makes on its
+    gradient scaler (``torch.amp.GradScaler``'s): ``scale``, ``step``, ``update``, ``unscale_``,
+    ``state_dict``, ``load_state_dict``.
+
+    Args:
+        engine: the engine.
+    """
+
+    def __init__(self, engine: MixedPrecision):
+        self.engine = engine
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale."""
+        return self.engine.scale(loss)
+
+    def unscale_(self, optimizer) -> None:
+        """``engine.unscale_(optimizer)``."""
+        self.engine.unscale_(optimizer)
+
+    def step(self, optimizer, closure=None) -> bool:
+        """``engine.step(optimizer)``: step or skip, and update the scale; True when applied.
+
+        Raises:
+            TypeError: a closure (it would recompute scaled gradients after the check).
+        """
+        if closure is not None:
+            raise TypeError("a closure would recompute scaled gradients after the overflow "
+                            "check; mixprec's engine steps without one")
+        return self.engine.step(optimizer)
+
+    def update(self, new_scale=None) -> None:
+        """Nothing left to do: :meth:`step` updated the scale.
+
+        Raises:
+            ValueError: a ``new_scale`` (set it on ``engine.scaler`` instead).
+        """
+        if new_scale is not None:
+            raise ValueError("the engine updates its scale in step(); set a scale with "
+                             "engine.scaler.update(new_scale)")
+
+    def is_enabled(self) -> bool:
+        """True when the engine scales the loss."""
+        return self.engine.scaler.is_enabled()
+
+    def get_scale(self) -> float:
+        """The current loss scale (a host sync)."""
+        return self.engine.scaler.get_scale()
+
+    def state_dict(self) -> dict:
+        """The engine's state: the policy and the scaler."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`; a state made under another policy is refused."""
+        self.engine.load_state_dict(state_dict)
+
+
+class MixprecTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose precision is a :class:`mixprec.MixedPrecision`.
+
+    Takes every argument of ``transformers.Trainer`` (``TrainingArguments``,
+    ``optimizers=(optimizer, scheduler)``, ``optimizer_cls_and_kwargs``, callbacks, ...), plus:
+
+    Args:
+        mixed_precision: the engine (keyword only), e.g.
+            ``mp.MixedPrecision(level="O2", dtype="bf16")``.
+
+    Attributes:
+        mixed_precision: the engine; ``.policy`` and ``.scaler`` are its.
+
+    Raises:
+        TypeError: ``mixed_precision`` is not a :class:`mixprec.MixedPrecision`.
+        ValueError: ``TrainingArguments(fp16=True)``, ``bf16=True``, ``fp16_full_eval`` or
+            ``bf16_full_eval``, an accelerator configured for mixed precision, or a run over
+            several processes or devices (DDP, FSDP, DeepSpeed, DataParallel).
+        RuntimeError: this transformers version's loop lacks a method the trainer overrides.
+
+    Example:
+        >>> import mixprec as mp, transformers
+        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
+        >>> args = transformers.TrainingArguments("out", use_cpu=True, report_to=[])
+        >>> trainer = MixprecTrainer(model, args,
+        ...                          mixed_precision=mp.MixedPrecision("O2", "bf16"))
+    """
+
+    def __init__(self, *args: Any, mixed_precision: MixedPrecision, **kwargs: Any):
+        if not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a mixprec.MixedPrecision, e.g. "
+                            f"mp.MixedPrecision(level='O2', dtype='bf16'); "
+                            f"got {type(mixed_precision).__name__}")
+        missing = [name for name in _LOOP_HOOKS if not hasattr(transformers.Trainer, name)]
+        if missing:
+            raise RuntimeError(f"transformers {transformers.__version__}'s Trainer has no "
+                               f"{', '.join(missing)}, which MixprecTrainer overrides to clip and "
+                               f"save through mixprec; use the version in mixprec's "
+                               f"'transformers' extra")
+        self.mixed_precision = mixed_precision
+        self._engine_optimizer = None
+        super().__init__(*args, **kwargs)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, with the engine as its gradient scaler."""
+        _refuse_amp_arguments(self.args)
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        if accelerator.mixed_precision != "no" or accelerator.scaler is not None:
+            raise ValueError(f"the accelerator was configured for mixed precision "
+                             f"({accelerator.mixed_precision!r}, e.g. by "
+                             f"ACCELERATE_MIXED_PRECISION or an accelerate config): unset it; the "
+                             f"MixedPrecision engine decides the precision")
+        if (self.args.world_size > 1 or self.args.n_gpu > 1 or self.is_deepspeed_enabled
+                or self.is_fsdp_enabled):
+            raise ValueError("MixprecTrainer runs in one process on one device; for DDP and FSDP "
+                             "train with mp.Trainer(strategy='ddp' or 'fsdp')")
+        accelerator.scaler = EngineGradScaler(self.mixed_precision)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer (from its arguments, or the one given), set up with the model
+        through the engine (at O2: a MasterWeightOptimizer with fp32 masters)."""
+        if self._engine_optimizer is not None and self.optimizer is not None:
+            return self.optimizer  # a later train(): the model is prepared already
+        optimizer = super().create_optimizer(model)
+        self.model, optimizer = self.mixed_precision.setup(self.model, optimizer)
+        self.optimizer = self._engine_optimizer = optimizer
+        return optimizer
+
+    # -- the step --------------------------------------------------------------------------------
+    def _clip_grad_norm(self, model):
+        """Clip the true gradients to ``args.max_grad_norm``; returns their norm before."""
+        self._unscale()
+        return self.mixed_precision.clip_grad_norm_(self._engine_optimizer,
+                                                    self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The norm the Trainer logs: the true gradients' (no clipping)."""
+        if grad_norm is None:
+            self._unscale()
+            grad_norm = self.mixed_precision.grad_norm(self._engine_optimizer)
+        return grad_norm
+
+    def _unscale(self) -> None:
+        """Under a loss scale, make the gradients the true ones before the loop's
+        ``on_pre_optimizer_step`` callbacks read them (as the Trainer's own fp16 AMP does)."""
+        engine, optimizer = self.mixed_precision, self._engine_optimizer
+        if engine.scaler.is_enabled() and not engine.is_unscaled(optimizer):
+            engine.unscale_(optimizer)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``transformers.Trainer.save_model``: fp32 weights (the masters), a float32 config."""
+        super().save_model(output_dir, _internal_call)
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        if self.args.should_save and config is not None and self._engine_optimizer is not None:
+            config.dtype = torch.float32  # save_pretrained wrote the low-precision storage
+            config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+
+
+def _refuse_amp_arguments(args) -> None:
+    flags = [name for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")
+             if getattr(args, name, False)]
+    if flags:
+        shown = ", ".join(f"{name}=True" for name in flags)
+        raise ValueError(
+            f"TrainingArguments({shown}) turns on accelerate's own mixed precision (torch "
+            f"autocast and GradScaler, or a half-precision model for evaluation) on top of the "
+            f"MixedPrecision engine, which would cast and scale twice; leave fp16/bf16 False: "
+            f"mixed_precision=mp.MixedPrecision(level=..., dtype=...) decides the precision")

@@ -1,0 +1,102 @@
+"""What a loss scaler records during one iteration: each optimizer's stage (ready -> unscaled ->
+stepped) with what its step carries, and the step counters.
+
+A scaler keeps one :class:`OptimizerRecord` per optimizer seen since the last ``update()``, in a
+:class:`StageBook`; the book enforces the call order of an iteration and is cleared by
+``update()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+__all__ = ["Stage", "OptimizerRecord", "StageBook", "Counters", "SEQUENCE", "check_not_stepped"]
+
+#: The call order of one iteration, quoted by every error about it.
+SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt) or "
+            "clip_grad_norm_(opt, ...)] -> step(opt) -> update()")
+
+
+class Stage(enum.Enum):
+    """Where an optimizer is in the current iteration."""
+
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+@dataclasses.dataclass
+class OptimizerRecord:
+    """One optimizer in the current iteration.
+
+    Attributes:
+        stage: its :class:`Stage`.
+        found_inf: the 0-d inf/NaN flag of the gradients its step reads (None: not checked).
+        grad_scale: the factor the gradients its step reads still carry (None: none).
+        bad_params: names of the parameters with non-finite gradients, set when this step
+            reached the dynamic scaler's min-scale limit.
+    """
+
+    stage: Stage = Stage.READY
+    found_inf: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+    bad_params: list[str] | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    """Steps since the scaler was made (they travel in its ``state_dict``)."""
+
+    skipped_steps: int = 0
+    applied_steps: int = 0
+
+
+class StageBook:
+    """The :class:`OptimizerRecord` of each optimizer seen since the last ``update()``."""
+
+    def __init__(self) -> None:
+        self._records: dict[int, OptimizerRecord] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def get(self, optimizer) -> OptimizerRecord | None:
+        """The optimizer's record, or None when it was not seen in this iteration."""
+        return self._records.get(id(optimizer))
+
+    def ensure(self, optimizer) -> OptimizerRecord:
+        """The optimizer's record, made (ready) when it was not seen in this iteration."""
+        return self._records.setdefault(id(optimizer), OptimizerRecord())
+
+    def ready(self, optimizer, what: str) -> OptimizerRecord:
+        """The optimizer's record, which must still be ready for ``what`` (a call's name).
+
+        Raises:
+            RuntimeError: ``what`` comes after unscale_()/clip_grad_norm_() or step() on this
+                optimizer in this iteration.
+        """
+        record = self.ensure(optimizer)
+        if record.stage is not Stage.READY:
+            done = ("unscale_() or clip_grad_norm_()" if record.stage is Stage.UNSCALED
+                    else "step()")
+            raise RuntimeError(f"{what} called on an optimizer after {done} since the last "
+                               f"update(); {SEQUENCE}")
+        return record
+
+    def stepped(self) -> list[OptimizerRecord]:
+        """The records of the optimizers stepped (or skipped) in this iteration."""
+        return [r for r in self._records.values() if r.stage is Stage.STEPPED]
+
+    def clear(self) -> None:
+        """Start a new iteration."""
+        self._records = {}
+
+
+def check_not_stepped(record: OptimizerRecord, what: str) -> None:
+    """Raise RuntimeError when ``what`` (a call's name) comes after step() in this iteration."""
+    if record.stage is Stage.STEPPED:
+        raise RuntimeError(f"{what} called on an optimizer after step() since the last "
+                           f"update(); {SEQUENCE}")

@@ -1,0 +1,47 @@
+"""Validation of a :class:`mixprec.Trainer`'s arguments and data (clear errors up front)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..engine import check_max_norm
+
+__all__ = ["check_options", "check_device", "check_reiterable", "length"]
+
+
+def check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
+    if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
+            or grad_accum_steps < 1):
+        raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
+    check_max_norm(max_grad_norm)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
+                        f"model output's .loss; got {loss_fn!r}")
+
+
+def check_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:0'; got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available here "
+                           f"(torch {torch.__version__}); train on 'cpu' or install a CUDA build")
+    return dev
+
+
+def check_reiterable(name: str, data, epochs_left: int) -> None:
+    if epochs_left > 1 and isinstance(data, Iterator):  # iter() would draw a loader's RNG
+        raise TypeError(f"{name} is a one-shot iterator ({type(data).__name__}): it would be "
+                        f"exhausted after the first of {epochs_left} epochs. Pass something "
+                        f"that can be iterated again, e.g. a list of batches or a DataLoader")
+
+
+def length(data) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None

@@ -1,0 +1,259 @@
+"""The Lightning precision plugin: the same numbers as mp.Trainer, exact resume, fp32 weights."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+
+L = pytest.importorskip("lightning.pytorch")
+from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning"),
+              pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings."
+                                         "PossibleUserWarning")]
+
+OVERFLOW_AT = 2
+TOL = 1e-5  # master weights against mp.Trainer (measured: <= 6e-8; see docs/integrations.md)
+LOSS_SCALES = {"bf16": 1.0, "fp16": "dynamic"}  # bf16: a unit scale that still skips on inf/NaN
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def data(n=6, overflow_at=OVERFLOW_AT):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+    if overflow_at is not None:
+        x, y = batches[overflow_at]
+        batches[overflow_at] = (x, torch.full_like(y, float("nan")))  # NaN gradients: a skip
+    return batches
+
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = net()
+        self.seen = []  # true gradient norms seen by on_before_optimizer_step
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        self.seen.append(torch.stack([g.float().norm() for g in grads]).norm().item())
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def trainer(plugin, **kwargs):
+    options = dict(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                   enable_checkpointing=False, enable_model_summary=False)
+    return L.Trainer(plugins=[plugin], **{**options, **kwargs})
+
+
+def loader(batches):
+    return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+def reference(batches, level, dtype, **kwargs):
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    ref = mp.Trainer(model, F.mse_loss, opt, level=level, dtype=dtype, scheduler=sched,
+                     loss_scaler=LOSS_SCALES[dtype], progress=False, **kwargs)
+    return ref, ref.fit(batches)
+
+
+def weights(model: nn.Module) -> dict:
+    """The fp32 weights (the masters at O2) by the plain network's names."""
+    return {k.removeprefix("net."): v for k, v in mp.fp32_state_dict(model).items()}
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = weights(a), weights(b)
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_training_matches_mp_trainer_with_an_overflow(level, dtype):
+    batches = data()
+    module = Regressor()
+    plugin = MixprecPrecision(level=level, dtype=dtype, loss_scale=LOSS_SCALES[dtype])
+    fit = trainer(plugin, gradient_clip_val=0.5)
+    fit.fit(module, loader(batches))
+    ref, history = reference(batches, level, dtype, max_grad_norm=0.5)
+
+    assert max_diff(module, ref.model) <= TOL
+    assert plugin.scaler.skipped_steps == sum(history.skipped) == 1
+    assert fit.global_step == len(batches)  # a skipped step is no error and still counts
+    assert plugin.scaler.get_scale() == ref.scaler.get_scale()
+    scheduler = fit.lr_scheduler_configs[0].scheduler
+    assert scheduler.get_last_lr() == ref.scheduler.get_last_lr()  # stepped on applied steps only
+    if level == "O2":
+        assert isinstance(fit.optimizers[0], mp.MasterWeightOptimizer)
+        assert module.net[0].weight.dtype == mp.Policy.from_level("O2", dtype).param_dtype
+    assert plugin.engine.policy == plugin.policy == mp.policy_of(module)
+
+
+def test_accumulation_and_value_clipping_match_the_engine_loop():
+    batches = data(8, overflow_at=5)
+    module = Regressor()
+    plugin = MixprecPrecision(level="O2", dtype="fp16")
+    trainer(plugin, accumulate_grad_batches=2, gradient_clip_val=0.05,
+            gradient_clip_algorithm="value").fit(module, loader(batches))
+
+    model = net()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    for i in range(0, len(batches), 2):
+        for x, y in batches[i:i + 2]:
+            amp.backward(F.mse_loss(model(x), y) / 2)
+        amp.clip_grad_value_(opt, 0.05)
+        if amp.step(opt):
+            sched.step()
+        opt.zero_grad()
+    assert max_diff(module, model) <= TOL
+    assert plugin.scaler.skipped_steps == amp.scaler.skipped_steps == 1
+
+
+def test_hooks_see_the_true_gradients_under_a_loss_scale():
+    batches = data(3, overflow_at=None)
+    seen = {}
+    for scale in (1.0, 2.0 ** 12):
+        module = Regressor()
+        trainer(MixprecPrecision(level="O2", dtype="fp16", loss_scale=scale)).fit(
+            module, loader(batches))
+        seen[scale] = module.seen
+    assert seen[2.0 ** 12] == pytest.approx(seen[1.0], rel=1e-3)
+
+
+def test_fit_from_a_checkpoint_resumes_exactly_and_saves_fp32_weights(tmp_path):
+    batches = data(4, overflow_at=1)
+    whole, uninterrupted = Regressor(), MixprecPrecision(level="O2", dtype="fp16")
+    trainer(uninterrupted, max_epochs=2).fit(whole, loader(batches))
+
+    first = Regressor()
+    plugin = MixprecPrecision(level="O2", dtype="fp16")
+    fit = trainer(plugin)
+    fit.fit(first, loader(batches))
+    fit.save_checkpoint(tmp_path / "one.ckpt")
+    ckpt = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    masters = mp.fp32_state_dict(first)
+    assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())
+    assert all(torch.equal(ckpt["state_dict"][k], masters[k]) for k in masters)
+    assert ckpt["MixprecPrecision"]["policy"] == plugin.policy.state_dict()
+    assert ckpt["MixprecPrecision"]["scaler"]["scale"] == plugin.scaler.get_scale() < 2.0 ** 16
+
+    resumed = Regressor()
+    again = MixprecPrecision(level="O2", dtype="fp16")
+    trainer(again, max_epochs=2).fit(resumed, loader(batches), ckpt_path=tmp_path / "one.ckpt")
+    assert max_diff(resumed, whole) == 0.0
+    assert again.scaler.state_dict() == uninterrupted.scaler.state_dict()
+
+
+def test_a_checkpoint_of_another_policy_is_refused_showing_both(tmp_path):
+    batches = data(2, overflow_at=None)
+    fit = trainer(MixprecPrecision(level="O2", dtype="bf16"))
+    fit.fit(Regressor(), loader(batches))
+    fit.save_checkpoint(tmp_path / "o2.ckpt")
+    with pytest.raises(ValueError, match=r"made under the policy O2\(.*but this run uses O1\("):
+        trainer(MixprecPrecision(level="O1", dtype="bf16"), max_epochs=2).fit(
+            Regressor(), loader(batches), ckpt_path=tmp_path / "o2.ckpt")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_lightning_amp_as_well_is_a_clear_error(precision):
+    with pytest.raises(ValueError, match=r"Received both `precision=.*` and "
+                                         r"`plugins=MixprecPrecision\(MixedPrecision\(O2"):
+        trainer(MixprecPrecision(level="O2", dtype="bf16"), precision=precision)
+
+
+def test_a_strategy_that_wraps_the_model_is_refused():
+    plugin = MixprecPrecision(level="O2", dtype="bf16")
+    with pytest.raises(RuntimeError, match="single-device strategy.*wrapped it in Sequential"):
+        plugin.connect(net(), [], [])
+
+
+def test_manual_optimization_steps_through_the_engine():
+    class Manual(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.mse_loss(self(x), y))
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    batches = data()
+    module = Manual()
+    plugin = MixprecPrecision(level="O2", dtype="fp16")
+    trainer(plugin).fit(module, loader(batches))
+
+    model = net()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x, y in batches:
+        amp.backward(F.mse_loss(model(x), y))
+        amp.clip_grad_norm_(opt, 0.5)
+        amp.step(opt)
+        opt.zero_grad()
+    assert max_diff(module, model) <= TOL
+    assert plugin.scaler.skipped_steps == 1
+
+
+def test_validation_after_fit_reuses_the_prepared_model_and_a_second_fit_is_refused():
+    batches = data(2, overflow_at=None)
+    module = Regressor()
+    plugin = MixprecPrecision(level="O2", dtype="bf16")
+    fit = trainer(plugin)
+    fit.fit(module, loader(batches))
+    before = copy.deepcopy(mp.fp32_state_dict(module))
+    module.validation_step = module.training_step
+    fit.validate(module, loader(batches), verbose=False)
+    assert all(torch.equal(v, before[k]) for k, v in mp.fp32_state_dict(module).items())
+    with pytest.raises(RuntimeError, match="prepared by an earlier run"):
+        trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(module, loader(batches))
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_compact_masters_train_as_in_mp_trainer(master):
+    """master=/state_dtype= reach the engine and the run follows mp.Trainer's, the NaN batch
+    skipped in both. Lightning clips the optimizer's parameters' gradients, which are the bf16
+    model gradients here (mp.Trainer folds the clip factor into the step): each clipped gradient
+    rounds to bf16, lr * 4 * eps(bf16) per step (Kahan: 6 steps of that); a stochastic run that
+    once rounds differently drifts by a few bf16 ulps of its weights (|w| < 1: 2**-6)."""
+    batches = data()
+    module = Regressor()
+    plugin = MixprecPrecision(level="O2", dtype="bf16", loss_scale=LOSS_SCALES["bf16"],
+                              master=master, state_dtype="bf16")
+    trainer(plugin, gradient_clip_val=0.5).fit(module, loader(batches))
+    ref, history = reference(batches, "O2", "bf16", max_grad_norm=0.5, master=master,
+                             state_dtype="bf16")
+    assert mp.policy_of(module).master == master
+    assert plugin.scaler.skipped_steps == sum(history.skipped) == 1
+    tol = 6 * 1e-2 * 4 * 2.0 ** -8 if master == "kahan" else 2.0 ** -6
+    assert max_diff(module, ref.model) <= tol
