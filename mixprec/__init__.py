@@ -9,8 +9,9 @@ from .autocast import autocast
 from .casting import to_float
 from .emulation import emulate_fp16
 from .engine import MixedPrecision
+from .footprint import bytes_per_parameter
 from .hardware import SlowDtypeWarning, device_capabilities
-from .master import MasterWeightOptimizer
+from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
 from .policy import NormLayer, Policy, is_norm_layer
 from .prepare import policy_of, prepare
@@ -44,7 +45,9 @@ __all__ = [
     "OpListWarning",
     # master weights
     "MasterWeightOptimizer",
+    "CompactMasterOptimizer",
     "fp32_state_dict",
+    "bytes_per_parameter",
     # loss scaling
     "DynamicLossScaler",
     "StaticLossScaler",

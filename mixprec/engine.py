@@ -66,6 +66,8 @@ class MixedPrecision:
         keep_fp32: extra module types or qualified names kept in fp32.
         low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
         emulate_fp16: see :class:`mixprec.autocast`.
+        master, state_dtype: how 16-bit parameters are updated and the optimizer moments'
+            dtype (see :func:`mixprec.prepare`); None: the policy's.
 
     Attributes:
         policy: the resolved :class:`mixprec.Policy` (None until ``dtype="auto"`` is resolved
@@ -79,7 +81,7 @@ class MixedPrecision:
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
                  policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
-                 fp32_ops=(), emulate_fp16="auto"):
+                 fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         if policy is not None and (level != "O1" or not (isinstance(dtype, str)
@@ -89,6 +91,7 @@ class MixedPrecision:
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
         self._level, self._dtype, self._keep = level, dtype, keep_fp32
+        self._compact = {"master": master, "state_dtype": state_dtype}
         self._ops = dict(low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
                          emulate_fp16=emulate_fp16)
         self._loss_scale = loss_scale
@@ -106,7 +109,7 @@ class MixedPrecision:
     def _resolve(self, device) -> Policy:
         if self.policy is None:
             policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
-                                    warn=device is not None)
+                                    warn=device is not None, **self._compact)
             self.scaler = make_loss_scaler(self._loss_scale, dtype=policy)
             self.policy = policy
         elif device is not None:

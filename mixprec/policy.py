@@ -291,6 +291,9 @@ class Policy:
         if dtype_name(self.state_dtype) not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}; "
                              f"got {dtype_name(self.state_dtype)!r}")
+        if self.master == "stochastic" and self.param_dtype == torch.float16:
+            raise ValueError("master='stochastic' rounds into bf16 weights; with fp16 "
+                             "parameters use master='kahan' or 'fp32'")
         compact = self.master != "fp32" or self.state_dtype != _FP32
         if compact and not self.master_weights:
             raise ValueError(f"master={self.master!r} and state_dtype="

@@ -37,7 +37,8 @@ from .casting import (
     to_float,
 )
 from .dtypes import dtype_name
-from .master import MasterWeightOptimizer, is_master_optimizer
+from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
+from .master.wrapper import WrappedOptimizer
 from .oplists import warn_unreachable
 from .policy import Policy, keep_fp32_entries
 from .regions import (
@@ -162,9 +163,11 @@ def _check_one_of(policy, level, dtype) -> None:
                          f"{policy} with level={level!r}, dtype={dtype!r}")
 
 
-def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True) -> Policy:
+def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True, master=None,
+                   state_dtype=None) -> Policy:
     """The policy ``prepare`` uses: ``policy``, or the level's on ``device`` (resolving
-    ``dtype="auto"`` there; ``warn``: about a dtype slow there), with ``keep_fp32`` added."""
+    ``dtype="auto"`` there; ``warn``: about a dtype slow there), with ``keep_fp32`` added and
+    ``master``/``state_dtype`` set when given (they need a master-weight policy)."""
     if policy is not None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
@@ -173,15 +176,19 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
     if keep_fp32 is not None:
         extra = keep_fp32_entries(keep_fp32)
         policy = dataclasses.replace(policy, keep_fp32=policy.keep_fp32 + extra)
-    if policy.master != "fp32" or policy.state_dtype != _FP32 or policy.fp8 is not None:
-        raise NotImplementedError(f"{policy}: compact masters, low-precision optimizer states "
-                                  f"and FP8 layers are not in this version of mixprec")
+    compact = {k: v for k, v in (("master", master), ("state_dtype", state_dtype))
+               if v is not None}
+    if compact:
+        policy = dataclasses.replace(policy, **compact)
+    if policy.fp8 is not None:
+        raise NotImplementedError(f"{policy}: FP8 layers are not in this version of mixprec")
     return policy
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O1",
             dtype: Any = "auto", keep_fp32=None, policy: Policy | None = None,
-            low_precision_ops=(), fp32_ops=(), emulate_fp16="auto"):
+            low_precision_ops=(), fp32_ops=(), emulate_fp16="auto", master: str | None = None,
+            state_dtype=None):
     """Set a model (and its optimizer) up for a precision level or policy.
 
     * O0: nothing changes (fp32).
@@ -213,6 +220,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         policy: a :class:`mixprec.Policy`, instead of ``level``/``dtype``.
         low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
         emulate_fp16: see :class:`mixprec.autocast`.
+        master: how 16-bit parameters keep small updates (a master-weight policy, O2):
+            ``"fp32"`` (fp32 masters, :class:`mixprec.MasterWeightOptimizer`), ``"kahan"`` (a
+            16-bit compensation buffer) or ``"stochastic"`` (stochastic rounding, bf16 only;
+            both :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
+        state_dtype: ``"fp32"`` or ``"bf16"``: the dtype of the optimizer's moment buffers
+            under a master-weight policy; None: the policy's.
 
     Returns:
         ``model``, or ``(model, optimizer)`` when an optimizer is given.
@@ -237,7 +250,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     _check_one_of(policy, level, dtype)
     model, optimizers = prepare_many(
         model, [] if optimizer is None else [optimizer],
-        resolve_policy(level, dtype, keep_fp32, policy, module_device(model)),
+        resolve_policy(level, dtype, keep_fp32, policy, module_device(model), master=master,
+                       state_dtype=state_dtype),
         low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, emulate_fp16=emulate_fp16)
     return model if optimizer is None else (model, optimizers[0])
 
@@ -263,7 +277,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=4)  # names op lists miss
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
-        optimizers = [_wrap_optimizer(opt, originals) for opt in optimizers]
+        optimizers = [_wrap_optimizer(opt, originals, policy) for opt in optimizers]
         link_masters(model, optimizers)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
@@ -341,9 +355,14 @@ def _cast_model(model: nn.Module, policy: Policy, device_type: str,
     return originals
 
 
-def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor]):
+def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor], policy: Policy):
     """Wrap in a MasterWeightOptimizer whose masters are the exact fp32 originals (their
-    storage: the cast kept no second fp32 copy of the weights)."""
-    if is_master_optimizer(optimizer):
+    storage: the cast kept no second fp32 copy of the weights), or in a CompactMasterOptimizer
+    whose Kahan compensation starts as what the cast lost."""
+    if isinstance(optimizer, WrappedOptimizer):
         return optimizer
-    return MasterWeightOptimizer(optimizer, initial_masters=originals)
+    if policy.master == "fp32":
+        return MasterWeightOptimizer(optimizer, initial_masters=originals,
+                                     state_dtype=policy.state_dtype)
+    return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
+                                  initial_values=originals)

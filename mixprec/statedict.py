@@ -1,7 +1,10 @@
 """fp32 weights: a prepared model's ``state_dict()``, and :func:`fp32_state_dict` for any model.
 
 At O2 each trained low-precision parameter has an fp32 companion: its master in the optimizer
-``prepare`` wrapped. ``state_dict()`` returns the companions themselves (detached), so it holds
+``prepare`` wrapped; under ``master="kahan"`` the weight plus its compensation (the best fp32
+estimate), under ``"stochastic"`` the weight's upcast (both computed when read, so an in-place
+write into a ``state_dict()`` value does not reach the model there). ``state_dict()``
+returns the companions themselves (detached), so it holds
 the exact fp32 values, loads into a plain fp32 model, and an in-place write into a value (an EMA
 that updates ``ema.state_dict()`` values, as timm's does) updates the model.
 ``load_state_dict`` sets the companions exactly and the parameters to their rounding. Other
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from .dtypes import is_low_precision
-from .master import MasterWeightOptimizer
+from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .parallel.env import is_fsdp, unwrap
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -57,6 +60,16 @@ class Companions:
                     pairs.update(opt.masters_by_param())
             return pairs
         return self._shadows
+
+    def load(self, param: torch.Tensor, comp: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``param``'s companion ``comp`` to ``value`` exactly (a compact optimizer's
+        companion is computed: it sets the weight and the compensation from ``value``)."""
+        for ref in self._refs:
+            opt = ref()
+            if isinstance(opt, CompactMasterOptimizer) and opt.compensation(param) is not None:
+                opt.load_fp32_(param, value)
+                return
+        comp.copy_(value)
 
     @property
     def is_copy(self) -> bool:
@@ -175,9 +188,10 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
     tensors = _named_tensors(module, prefix)
     with torch.no_grad():
         for key, value in state_dict.items():
-            comp = pairs.get(tensors.get(key))
+            param = tensors.get(key)
+            comp = pairs.get(param)
             if comp is not None and torch.is_tensor(value) and value.shape == comp.shape:
-                comp.copy_(value)
+                link.load(param, comp, value)
 
 
 def fp32_state_dict(model: nn.Module,
@@ -218,7 +232,7 @@ def fp32_state_dict(model: nn.Module,
         return _copy(model.state_dict(), {}, gather=True)
     model = unwrap(model)
     source = model.state_dict(keep_vars=True)
-    if isinstance(optimizer, MasterWeightOptimizer):
+    if isinstance(optimizer, (MasterWeightOptimizer, CompactMasterOptimizer)):
         masters = optimizer.masters_by_param()
         if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
             raise ValueError("optimizer holds none of this model's parameters; pass the "

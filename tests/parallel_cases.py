@@ -102,7 +102,7 @@ def loader(batch, shuffle=False, inf_at=None):
 
 
 def make_trainer(strategy, level, *, reduce="fp32", dropout=0.0, accum=1, clip=None, scaler="auto",
-                 callbacks=(), adam=False):
+                 callbacks=(), adam=False, master=None, state_dtype=None):
     torch.manual_seed(0)
     model = Net(dropout=dropout)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else
@@ -110,7 +110,7 @@ def make_trainer(strategy, level, *, reduce="fp32", dropout=0.0, accum=1, clip=N
     return mp.Trainer(model, F.cross_entropy, opt, level=level, dtype="bf16", strategy=strategy,
                       reduce_dtype=reduce, metrics="accuracy", progress=False,
                       grad_accum_steps=accum, max_grad_norm=clip, loss_scaler=scaler,
-                      callbacks=callbacks)
+                      callbacks=callbacks, master=master, state_dtype=state_dtype)
 
 
 def fit(strategy, level, *, epochs=2, world=1, **options):
@@ -163,10 +163,10 @@ class StopAt(mp.Callback):
             trainer.stop_training = True
 
 
-def resume_case(rank, out, strategy, level):
+def resume_case(rank, out, strategy, level, name="resume.ckpt", **options):
     """Uninterrupted vs stopped at step 6 (mid-epoch 2), saved, loaded into a fresh trainer."""
     def run(callbacks=()):
-        trainer = make_trainer(strategy, level, dropout=0.25, callbacks=callbacks)
+        trainer = make_trainer(strategy, level, dropout=0.25, callbacks=callbacks, **options)
         torch.manual_seed(100 + rank)  # different dropout masks on each rank
         return trainer
 
@@ -176,7 +176,7 @@ def resume_case(rank, out, strategy, level):
     first = run([StopAt(6)])
     first.fit(loader(per_rank, shuffle=True), epochs=2)
     stopped_at = first.global_step
-    path = os.path.join(out, "resume.ckpt")
+    path = os.path.join(out, name)
     first.save(path)
     second = run()
     torch.manual_seed(12345)  # load() must restore every rank's own RNG

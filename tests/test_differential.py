@@ -412,3 +412,72 @@ def test_master_gradients_are_readable_where_torch_code_looks():
     assert norm > 1e-3  # 0.2 returned 0.0 here: the masters had no gradient
     opt.step()
     assert all(valid_grad(m) is None for m in opt.masters_by_param().values())
+
+
+# -- compact masters: Kahan compensation and stochastic rounding ----------------------------------
+# The same cells for master="kahan"/"stochastic" (fp32 or bf16 moments), against the same fp32
+# reference started from the compensated value (kahan: weight + compensation; stochastic: the
+# weight). Tolerances over STEPS steps (eps: the 16-bit unit roundoff):
+# * kahan, fp32 moments: the weight + compensation pair holds ~16 significant bits in bf16
+#   (~22 in fp16): rtol STEPS * 2**-15, atol 1e-7;
+# * stochastic: each step may move a weight by one ulp either way: rtol 2 * STEPS * eps,
+#   atol LR * 8 * eps (as O3, whose rounding is to nearest);
+# * bf16 moments, rounded stochastically: the update carries their ~2**-8 relative noise: atol
+#   LR * 2**-6 more.
+def compact_tolerance(master, state_dtype, dtype):
+    eps = EPS[dtype]
+    tol = ({"rtol": STEPS * 2.0 ** -15, "atol": 1e-7} if master == "kahan"
+           else {"rtol": 2 * STEPS * eps, "atol": LR * 8 * eps})
+    if state_dtype == "bf16":
+        tol["atol"] += LR * 2.0 ** -6
+    return tol
+
+
+COMPACT_MATRIX = [cell for cell in itertools.product(
+    ["kahan", "stochastic"], ["fp32", "bf16"], DTYPES, ["dynamic", "overflow"],
+    ["sgd", "adamw", "adamw_fused", "lamb"], ["no clip", "scaler.clip_grad_norm_"])
+    if not (cell[0] == "stochastic" and cell[2] == "fp16")]
+
+
+@pytest.mark.parametrize("master,state_dtype,dtype,scaling,opt_name,clip", COMPACT_MATRIX)
+def test_compact_master_cell_matches_the_fp32_reference(master, state_dtype, dtype, scaling,
+                                                        opt_name, clip):
+    model = build()
+    model, opt = mp.prepare(model, make_optimizer(opt_name, model.parameters()), level="O2",
+                            dtype=dtype, master=master, state_dtype=state_dtype)
+    assert isinstance(opt, mp.CompactMasterOptimizer)
+    opt.fused = False  # the eager kernels: the compiled ones are checked in test_compact.py
+    values = opt.fp32_values()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    weights = [values.get(p, p.detach().float()).clone().requires_grad_() for p in trained]
+    ref_opt = make_optimizer(opt_name, weights, reference=True)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    tol = compact_tolerance(master, state_dtype, DTYPES[dtype])
+    for i in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, i)).backward()
+        inject = scaling == "overflow" and i == OVERFLOW_AT
+        if inject:
+            with torch.no_grad():
+                model.head.weight.grad[0, 0] = float("inf")
+        scale = scaler.get_scale()
+        true_grads = [p.grad.float() / scale for p in trained]
+        before = snapshot(model, opt)
+        generator = opt.rounding.state_dict().clone()
+        applied = CLIPS[clip](scaler, opt, model)
+        scaler.update()
+        if inject:
+            assert applied is False
+            assert_untouched(before, model, opt)
+            assert torch.equal(generator, opt.rounding.state_dict())
+            continue
+        assert applied is True
+        for w, g in zip(weights, true_grads):
+            w.grad = g
+        if clip != "no clip":
+            torch.nn.utils.clip_grad_norm_(weights, MAX_NORM)
+        ref_opt.step()
+        values = opt.fp32_values()
+        for p, ref in zip(trained, weights):
+            got = values.get(p, p.detach().float())
+            torch.testing.assert_close(got, ref.detach(), **tol)

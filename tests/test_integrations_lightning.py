@@ -236,3 +236,24 @@ def test_validation_after_fit_reuses_the_prepared_model_and_a_second_fit_is_refu
     assert all(torch.equal(v, before[k]) for k, v in mp.fp32_state_dict(module).items())
     with pytest.raises(RuntimeError, match="prepared by an earlier run"):
         trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(module, loader(batches))
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_compact_masters_train_as_in_mp_trainer(master):
+    """master=/state_dtype= reach the engine and the run follows mp.Trainer's, the NaN batch
+    skipped in both. Lightning clips the optimizer's parameters' gradients, which are the bf16
+    model gradients here (mp.Trainer folds the clip factor into the step): each clipped gradient
+    rounds to bf16, lr * 4 * eps(bf16) per step (Kahan: 6 steps of that); a stochastic run that
+    once rounds differently drifts by a few bf16 ulps of its weights (|w| < 1: 2**-6)."""
+    batches = data()
+    module = Regressor()
+    plugin = MixprecPrecision(level="O2", dtype="bf16", loss_scale=LOSS_SCALES["bf16"],
+                              master=master, state_dtype="bf16")
+    trainer(plugin, gradient_clip_val=0.5).fit(module, loader(batches))
+    ref, history = reference(batches, "O2", "bf16", max_grad_norm=0.5, master=master,
+                             state_dtype="bf16")
+    assert mp.policy_of(module).master == master
+    assert plugin.scaler.skipped_steps == sum(history.skipped) == 1
+    tol = 6 * 1e-2 * 4 * 2.0 ** -8 if master == "kahan" else 2.0 ** -6
+    assert max_diff(module, ref.model) <= tol

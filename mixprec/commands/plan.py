@@ -17,9 +17,9 @@ _COLUMNS = ("strategy", "ranks", "level", "params", "masters", "grads", "optimiz
             "B/param", "traffic/step")
 
 
-def _line(mark: str, cells) -> str:
+def _line(mark: str, cells, width: int = 5) -> str:
     strategy, ranks, level, *sizes, bpp, traffic = cells
-    return (f"{mark} {strategy:<8} {ranks:>5}  {level:<5} "
+    return (f"{mark} {strategy:<8} {ranks:>5}  {level:<{width}} "
             + " ".join(f"{c:>9}" for c in sizes) + f" {bpp:>8} {traffic:>13}")
 
 
@@ -34,22 +34,34 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _row(p: MemoryPlan, chosen: bool) -> str:
+def _level(p: MemoryPlan) -> str:
+    """The level, with the master kind and moment dtype when they are not the default."""
+    if (p.master, p.state_dtype) == ("fp32", "fp32"):
+        return p.level
+    return f"{p.level} {p.master}/{p.state_dtype}"
+
+
+def _row(p: MemoryPlan, chosen: bool, width: int) -> str:
     shard = p.world if p.strategy == "fsdp" else 1
     bpp = f"{p.total * shard / p.params:g}" + (f"/{shard}" if shard > 1 else "")
     return _line("*" if chosen else " ", (
-        p.strategy, p.world, p.level, _gib(p.parameters), _gib(p.masters), _gib(p.gradients),
-        _gib(p.optimizer_state), _gib(p.total), bpp, f"{p.traffic / _GIB:.2f} GiB"))
+        p.strategy, p.world, _level(p), _gib(p.parameters), _gib(p.masters), _gib(p.gradients),
+        _gib(p.optimizer_state), _gib(p.total), bpp, f"{p.traffic / _GIB:.2f} GiB"), width)
 
 
 def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, optimizer="adamw",
-                reduce_dtype="fp32") -> tuple[MemoryPlan, list[MemoryPlan], str]:
-    """The chosen plan, the plans of every level and strategy, and the printed table."""
+                reduce_dtype="fp32", master="fp32",
+                state_dtype="fp32") -> tuple[MemoryPlan, list[MemoryPlan], str]:
+    """The chosen plan, the plans of every level and strategy (and, when the chosen one is
+    compact, of every O2 master and moment dtype), and the printed table."""
     chosen = plan(params, level=level, dtype=dtype, strategy=strategy, world=world,
-                  optimizer=optimizer, reduce_dtype=reduce_dtype)
+                  optimizer=optimizer, reduce_dtype=reduce_dtype, master=master,
+                  state_dtype=state_dtype)
     others_world = world if strategy != "single" else 8
+    compact = (chosen.master, chosen.state_dtype) != ("fp32", "fp32")
     rows = plan_table(params, dtype=dtype, world=others_world, optimizer=optimizer,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, compact=compact)
+    width = 19 if compact else 5
     lines = [
         f"mixprec plan: {_count(chosen.params)} parameters, {chosen.optimizer} "
         f"({OPTIMIZER_MOMENTS[chosen.optimizer]} moments), training dtype {chosen.dtype}, "
@@ -58,15 +70,18 @@ def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, o
         "per step",
         *([_FP32_NOTE] if chosen.dtype == "fp32" else []),
         "",
-        _line(" ", _COLUMNS),
+        _line(" ", _COLUMNS, width),
     ]
-    key = (chosen.strategy, chosen.level, chosen.world)
-    lines += [_row(p, (p.strategy, p.level, p.world) == key) for p in rows]
-    if key not in {(p.strategy, p.level, p.world) for p in rows}:
-        lines.append(_row(chosen, True))
+    def key_of(p):
+        return p.strategy, p.level, p.world, p.master, p.state_dtype
+
+    key = key_of(chosen)
+    lines += [_row(p, key_of(p) == key, width) for p in rows]
+    if key not in {key_of(p) for p in rows}:
+        lines.append(_row(chosen, True, width))
     lines += [
         "",
-        f"* {chosen.strategy} {chosen.level} at {chosen.world} rank(s): "
+        f"* {chosen.strategy} {_level(chosen)} at {chosen.world} rank(s): "
         f"{chosen.total / _GIB:.2f} GiB per rank before activations; sends "
         f"{chosen.traffic / _GIB:.2f} GiB per step.",
         "Not counted: activations, transient fp32 copies of 16-bit gradients, FSDP's gathered "
@@ -79,7 +94,8 @@ def _run(args) -> int:
     world = args.world if args.world is not None else 1 if args.strategy == "single" else 8
     chosen, rows, text = plan_report(parse_count(args.params), level=args.level, dtype=args.dtype,
                                      strategy=args.strategy, world=world,
-                                     optimizer=args.optimizer, reduce_dtype=args.reduce_dtype)
+                                     optimizer=args.optimizer, reduce_dtype=args.reduce_dtype,
+                                     master=args.master, state_dtype=args.state_dtype)
     if args.json:
         out = {"chosen": dataclasses.asdict(chosen),
                "rows": [{**dataclasses.asdict(p), "total": p.total} for p in rows]}
@@ -108,5 +124,10 @@ def register(subparsers) -> None:
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MOMENTS))
     p.add_argument("--reduce-dtype", default="fp32",
                    help="gradient reduction dtype: fp32 (default), bf16, fp16")
+    p.add_argument("--master", default="fp32", choices=("fp32", "kahan", "stochastic"),
+                   help="O2: fp32 masters (default), kahan (16-bit compensation) or stochastic "
+                        "(stochastic rounding, no extra bytes)")
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="O2: dtype of the optimizer moments (default fp32)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..engine import MixedPrecision
-from ..master import is_master_optimizer
+from ..master.wrapper import is_wrapped
 from ..policy import Policy
 from ..prepare import policy_of
 from ..regions import Entry
@@ -174,7 +174,7 @@ class MixprecPrecision(Precision):
             return list(prepared[1:]) if optimizers else []
         if model not in self.engine.models:  # prepared by another run (adopt checks the policy)
             self.engine.adopt(model)
-        fresh = [o for o in optimizers if not is_master_optimizer(o)]
+        fresh = [o for o in optimizers if not is_wrapped(o)]
         if fresh and policy_of(model).master_weights:
             raise RuntimeError(
                 "this model was prepared by an earlier run and its weights are now stored in "
@@ -216,7 +216,7 @@ class MixprecPrecision(Precision):
         if kwargs:
             raise TypeError(f"MixprecPrecision steps through mixprec's engine, which passes no "
                             f"arguments to optimizer.step; got {sorted(kwargs)}")
-        inner = optimizer.inner if is_master_optimizer(optimizer) else optimizer
+        inner = optimizer.inner if is_wrapped(optimizer) else optimizer
         if isinstance(inner, torch.optim.LBFGS):
             raise TypeError("LBFGS re-evaluates its closure inside step(), after the overflow "
                             "check; mixprec's loss scaling cannot drive it")

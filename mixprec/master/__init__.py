@@ -6,9 +6,15 @@
 * :mod:`.steps`: the step paths (bucketed, compiled, closure).
 * :mod:`.kernels`: fused update kernels.
 * :mod:`.checkpoint`: masters in the optimizer's ``state_dict``.
+* :mod:`.wrapper`: what every master optimizer shares.
+* :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights with Kahan compensation or
+  stochastic rounding instead of fp32 masters; :mod:`.compact_kernels` (its one-pass kernels),
+  :mod:`.rounding` (stochastic rounding and its generator), :mod:`.states` (bf16 moments).
 """
 
+from .compact import CompactMasterOptimizer, is_compact_optimizer
 from .optimizer import MasterWeightOptimizer, is_master_optimizer
 from .params import MasterParameter
 
-__all__ = ["MasterWeightOptimizer", "MasterParameter", "is_master_optimizer"]
+__all__ = ["MasterWeightOptimizer", "MasterParameter", "is_master_optimizer",
+           "CompactMasterOptimizer", "is_compact_optimizer"]

@@ -12,10 +12,27 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["MASTERS_KEY", "register"]
+from . import states
+from .params import is_master
+
+__all__ = ["MASTERS_KEY", "register", "indexed_masters"]
 
 #: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
 MASTERS_KEY = "master_weights"
+
+
+def indexed_masters(optimizer) -> dict[int, torch.Tensor]:
+    """Masters by their flat index over ``param_groups`` (torch's state_dict numbering)."""
+    out: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    start = 0
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"], start):
+            if is_master(p) and id(p) not in seen:
+                out[i] = p
+                seen.add(id(p))
+        start += len(group["params"])
+    return out
 
 
 def register(optimizer) -> None:
@@ -27,7 +44,7 @@ def register(optimizer) -> None:
 
 def _save_masters(optimizer, state: dict) -> dict:
     """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
-    state[MASTERS_KEY] = {i: m.detach() for i, m in optimizer.indexed_masters().items()}
+    state[MASTERS_KEY] = {i: m.detach() for i, m in indexed_masters(optimizer).items()}
     return state
 
 
@@ -38,7 +55,7 @@ def _take_masters(optimizer, state_dict: Mapping) -> dict:
     state_dict = dict(state_dict)
     saved = state_dict.pop(MASTERS_KEY, None)
     if saved is not None:
-        _check_saved_masters(saved, optimizer.indexed_masters())
+        _check_saved_masters(saved, indexed_masters(optimizer))
     optimizer._incoming_masters = saved
     return state_dict
 
@@ -49,12 +66,13 @@ def _restore_masters(optimizer) -> None:
     optimizer.inner.param_groups = optimizer.param_groups
     optimizer.inner.state = optimizer.state
     saved, optimizer._incoming_masters = optimizer._incoming_masters, None
-    masters = optimizer.indexed_masters()
+    masters = indexed_masters(optimizer)
     if saved:
         with torch.no_grad():
             torch._foreach_copy_(list(masters.values()), [saved[i] for i in masters])
     optimizer.write_back()
     optimizer.drop_master_grads()
+    states.restore_generator(optimizer, optimizer.rounding)
 
 
 def _check_saved_masters(saved: Mapping[int, torch.Tensor],

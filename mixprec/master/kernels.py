@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 __all__ = ["COMPILED_SUPPORTED", "check_compilable", "is_compilable", "torch_fused_problem",
-           "torch_fused", "compiled_step"]
+           "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams", "PerDevice", "hp_tensor",
+           "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
     "torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
@@ -158,23 +159,28 @@ _KERNELS = {"sgd_plain": _sgd_plain, "sgd_momentum": _sgd_momentum,
 _compiled: dict[str, Callable] = {}
 # Dynamic shapes: inductor would pick serial or parallel loops from the size of the first tensor
 # it compiled for (a bias: serial, for every tensor after). Let OpenMP decide at run time instead.
-_OPTIONS = {"cpp.dynamic_threads": True}
+compile_options = {"cpp.dynamic_threads": True}
 
 
 def _kernel(name: str) -> Callable:
     fn = _compiled.get(name)
     if fn is None:
-        fn = _compiled[name] = torch.compile(_KERNELS[name], dynamic=True, options=_OPTIONS)
+        fn = _compiled[name] = torch.compile(_KERNELS[name], dynamic=True,
+                                             options=compile_options)
     return fn
 
 
-def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    if all(t.is_contiguous() for t in tensors):
-        return tuple(t.view(-1) for t in tensors)
+def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as flat views when all are contiguous (one kernel shape per numel), else as
+    they are; None entries stay None."""
+    if all(t is None or t.is_contiguous() for t in tensors):
+        return tuple(None if t is None else t.view(-1) for t in tensors)
     return tensors
 
 
-def _hp(values, device: torch.device) -> torch.Tensor:
+def hp_tensor(values, device: torch.device) -> torch.Tensor:
+    """Hyper-parameters as an fp32 tensor on ``device`` (tensors, so a change never
+    recompiles)."""
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -182,7 +188,7 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class _PerDevice:
+class PerDevice:
     """One small tensor per device (hyper-parameters, inverse scales), made once per step."""
 
     def __init__(self, make: Callable[[torch.device], torch.Tensor]):
@@ -195,17 +201,38 @@ class _PerDevice:
         return t
 
 
-def _sgd_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
+def sgd_hparams(group: dict) -> tuple[list[float], list[float], float]:
+    """SGD's kernel hyper-parameters at the first step and later ones (see ``_sgd_plain``),
+    and the momentum.
+
+    Raises:
+        ValueError: Nesterov without momentum or with dampening (as torch).
+    """
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     momentum, damp = float(group["momentum"]), float(group["dampening"])
     if group["nesterov"] and (momentum <= 0 or damp != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    first_hp = _PerDevice(lambda d: _hp([-lr, wd, 0.0, 1.0, momentum], d))
-    later_hp = _PerDevice(lambda d: _hp([-lr, wd, momentum, 1.0 - damp, momentum], d))
+    return [-lr, wd, 0.0, 1.0, momentum], [-lr, wd, momentum, 1.0 - damp, momentum], momentum
+
+
+def adam_hparams(optimizer, group: dict, step: float) -> list[float]:
+    """Adam/AdamW's kernel hyper-parameters at ``step`` (see ``_adam``)."""
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
+    l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    return [l2, decay, 1 - beta1, beta2, 1 - beta2, bc2 ** 0.5, eps, -lr / bc1]
+
+
+def _sgd_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
+    first_values, later_values, momentum = sgd_hparams(group)
+    first_hp = PerDevice(lambda d: hp_tensor(first_values, d))
+    later_hp = PerDevice(lambda d: hp_tensor(later_values, d))
     for master, param, grad in items:
         dev = master.device
         if momentum == 0:
-            _kernel("sgd_plain")(*_flat(master, param, grad), inv(dev), first_hp(dev))
+            _kernel("sgd_plain")(*flat(master, param, grad), inv(dev), first_hp(dev))
             continue
         state = optimizer.state[master]
         buf = state.get("momentum_buffer")
@@ -214,7 +241,7 @@ def _sgd_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
             buf = state["momentum_buffer"] = torch.zeros_like(master)
         name = "sgd_nesterov" if group["nesterov"] else "sgd_momentum"
         hp = first_hp(dev) if first else later_hp(dev)
-        _kernel(name)(*_flat(master, param, grad, buf), inv(dev), hp)
+        _kernel(name)(*flat(master, param, grad, buf), inv(dev), hp)
 
 
 def _adam_state(optimizer, master: torch.Tensor) -> dict:
@@ -226,11 +253,7 @@ def _adam_state(optimizer, master: torch.Tensor) -> dict:
     return state
 
 
-def _adam_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
-    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
-    l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
+def _adam_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
     states = [_adam_state(optimizer, master) for master, _, _ in items]
     torch._foreach_add_([s["step"] for s in states], 1)
     hps: dict = {}
@@ -239,10 +262,8 @@ def _adam_group(optimizer, group: dict, items: list, inv: _PerDevice) -> None:
         key = (master.device, step)
         hp = hps.get(key)
         if hp is None:
-            bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-            hp = hps[key] = _hp([l2, decay, 1 - beta1, beta2, 1 - beta2, bc2 ** 0.5, eps,
-                                 -lr / bc1], master.device)
-        _kernel("adam")(*_flat(master, param, grad, state["exp_avg"], state["exp_avg_sq"]),
+            hp = hps[key] = hp_tensor(adam_hparams(optimizer, group, step), master.device)
+        _kernel("adam")(*flat(master, param, grad, state["exp_avg"], state["exp_avg_sq"]),
                         inv(master.device), hp)
 
 
@@ -264,7 +285,7 @@ def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
     check_compilable(optimizer)
     group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
     scale = 1.0 if inv_scale is None else inv_scale
-    inv = _PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
+    inv = PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
     rest_lists = []
     with torch.no_grad():
         for group in optimizer.param_groups:

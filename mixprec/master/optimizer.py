@@ -6,23 +6,76 @@ silently stops learning wherever updates are small. Keeping an fp32 copy of each
 weight (the master), applying the optimizer to it and writing the rounded result back lets those
 small updates accumulate until they move the low-precision weight.
 
-The pieces: :mod:`.params` (the master parameter and its gradient), :mod:`.buckets` (which
-optimizers step in buckets; the fp32 gradient scratch), :mod:`.steps` (the step paths),
-:mod:`.kernels` (fused update kernels), :mod:`.checkpoint` (masters in ``state_dict``).
+**torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects:
+LR schedulers, code that edits ``"lr"``, and hooks registered on the wrapper work as for any torch
+optimizer. Reading ``.grad`` of a tensor in ``param_groups`` gives its gradient as torch code
+expects (a master's is its model parameter's gradient in fp32, made when read), so
+``clip_grad_norm_`` over the optimizer's parameters, gradient-norm logging and Lightning's
+clipping see the real gradients; an in-place change to them is what the step uses. The inner
+optimizer's ``step()`` runs once per ``step()`` unless it is one of torch's per-parameter
+optimizers (SGD, Adam, AdamW, ...; see :data:`mixprec.master.buckets.PER_PARAMETER_OPTIMIZERS`),
+whose results do not depend on which parameters are stepped together: those are stepped a bucket
+at a time. The inner optimizer itself must no longer be stepped directly (its ``param_groups``
+now hold masters): its ``step()`` raises a ``RuntimeError`` that says to use the wrapper.
+
+**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one.
+``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``), into one
+scratch buffer per device that is reused from bucket to bucket and freed when the step ends,
+steps that bucket and writes it back; ``fused="compile"`` reads the low-precision gradients
+directly and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
+(gradient) + the optimizer state (SGD with momentum 4, Adam 8; half that with
+``state_dtype="bf16"``); the bucket exists only during ``step()``, when the activations are gone.
+An optimizer that is not per-parameter gets all its fp32 gradients at once, during ``step()``.
+
+**The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`, what mixprec's scalers call):
+
+* ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in their
+  own dtypes: what a scaler checks for inf/NaN and measures for clipping.
+* ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master from the model's
+  gradient times ``inv_scale``, unscales the fp32 parameters' gradients in place, and returns a
+  0-d inf/NaN flag (> 0: overflow), in one pass over each gradient. The model's low-precision
+  gradients are unscaled in place too, so every reader (``grad_report``,
+  ``clip_grad_norm_(model.parameters())``) sees true values. After a change to a model gradient,
+  its master's gradient is made again from it.
+* ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
+  divided by it as they are read (fp32 parameters' gradients in place).
+* ``drop_master_grads()`` drops the fp32 gradients (a scaler calls it when it skips the step);
+  ``zero_grad()`` clears the model's gradients and drops them too.
+
+A scaler that skips a step simply does not call ``step()``: masters, model parameters and
+optimizer state stay untouched. ``torch.amp.GradScaler`` cannot drive this optimizer (it would
+unscale the fp32 gradients it reads, not the ones the step uses): ``step()`` raises a clear error.
+
+**Update kernels** (``fused``): ``"auto"`` (default) runs torch's own fused kernel for
+``torch.optim.SGD``/``Adam``/``AdamW`` on CPU and CUDA (``fused=True`` for the call; the inner
+optimizer's own options are restored after) and the inner optimizer's configured step otherwise;
+``False`` always runs the configured step (bitwise what the unwrapped optimizer does on fp32
+tensors); ``"compile"`` runs one ``torch.compile``-d pass per low-precision parameter that reads
+its low-precision gradient, unscales it and writes master, state and rounded weight (SGD/Adam/
+AdamW with fp32 state only; the first step compiles, which needs a C++ compiler on CPU or Triton
+on GPU; results agree with the others to a few fp32 ulps). See :mod:`mixprec.master.kernels`.
+
+**Moments in bf16** (``state_dtype="bf16"``): the inner optimizer's moment buffers are stored in
+bf16 and widened to fp32 for each bucket's step, then rounded back stochastically (see
+:mod:`mixprec.master.states`); the rounding generator's state travels in ``state_dict``.
+
+Host-device synchronisation: ``step()``, ``unscale_grads_()``, ``zero_grad()``, ``state_dict()``
+and ``load_state_dict()`` add none (all copies are asynchronous device ops), except that
+``fused="compile"`` reads Adam's ``step`` when that state lives on a GPU.
+
+The pieces are listed in :mod:`mixprec.master`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
-from . import checkpoint, kernels, steps
-from .buckets import Scratch, is_per_parameter, make_buckets
+from . import checkpoint, kernels, states, steps
 from .params import (
     GradCarry,
     MasterParameter,
@@ -33,12 +86,19 @@ from .params import (
     set_grad,
     valid_grad,
 )
+from .rounding import DEFAULT_SEED, RoundingGenerator
+from .wrapper import (
+    WrappedOptimizer,
+    check_bucket_mb,
+    check_grad_scale,
+    check_inner,
+    not_ours,
+    stale_fp16_error,
+)
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
 MASTERS_KEY = checkpoint.MASTERS_KEY
-
-_FUSED = ("auto", "compile", False)
 
 
 def is_master_optimizer(optimizer: Any) -> bool:
@@ -46,7 +106,7 @@ def is_master_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, MasterWeightOptimizer)
 
 
-class MasterWeightOptimizer(torch.optim.Optimizer):
+class MasterWeightOptimizer(WrappedOptimizer):
     """An optimizer that steps fp32 master copies of low-precision parameters.
 
     Wraps a torch optimizer built over a model's parameters. Every parameter narrower than fp32
@@ -55,81 +115,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     channels_last weight has a channels_last master); fp32 (and fp64) parameters stay as they
     are (they are their own masters). ``step()`` reads the model's gradients, steps the inner
     optimizer on the masters and writes the masters back into the model parameters, rounded to
-    nearest even. Optimizer state (momentum, Adam moments) therefore lives in fp32 too.
-
-    **torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own
-    objects: LR schedulers, code that edits ``"lr"``, and hooks registered on this object work
-    as for any torch optimizer. Reading ``.grad`` of a tensor in ``param_groups`` gives its
-    gradient as torch code expects (a master's is its model parameter's gradient in fp32, made
-    when read), so ``clip_grad_norm_`` over the optimizer's parameters, gradient-norm logging
-    and Lightning's clipping see the real gradients; an in-place change to them is what the step
-    uses. The inner optimizer's ``step()`` runs once per ``step()`` unless it is one of torch's
-    per-parameter optimizers (SGD, Adam, AdamW, ...; see
-    :data:`mixprec.master.buckets.PER_PARAMETER_OPTIMIZERS`), whose results do not depend on
-    which parameters are stepped together: those are stepped a bucket at a time. The inner
-    optimizer itself must no longer be stepped directly (its ``param_groups`` now hold
-    masters): its ``step()`` raises a ``RuntimeError`` that says to use this one.
-
-    **Gradients and memory.** No fp32 gradient lives between steps unless someone reads one.
-    ``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``), into
-    one scratch buffer per device that is reused from bucket to bucket and freed when the step
-    ends, steps that bucket and writes it back; ``fused="compile"`` reads the low-precision
-    gradients directly and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4
-    (master) + 2 (gradient) + the optimizer state in fp32 (SGD with momentum 4, Adam 8); the
-    bucket exists only during ``step()``, when the activations are gone. An optimizer that is
-    not per-parameter gets all its fp32 gradients at once, during ``step()``.
-
-    **The loss-scaler protocol** (what :class:`mixprec.DynamicLossScaler` and the other mixprec
-    scalers call; an optimizer that owns the gradients its step reads implements it):
-
-    * ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in
-      their own dtypes: what a scaler checks for inf/NaN and measures for clipping.
-    * ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master from the model's
-      gradient times ``inv_scale``, unscales the fp32 parameters' gradients in place, and
-      returns a 0-d inf/NaN flag (> 0: overflow), in one pass over each gradient. The model's
-      low-precision gradients are unscaled in place too, so every reader (``grad_report``,
-      ``clip_grad_norm_(model.parameters())``) sees true values. After a change to a model
-      gradient, its master's gradient is made again from it.
-    * ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
-      divided by it as they are read (fp32 parameters' gradients in place). Without
-      ``grad_scale`` they are used as they are.
-    * ``drop_master_grads()`` drops the fp32 gradients (a scaler calls it when it skips the
-      step); ``zero_grad()`` clears the model's gradients and drops them too.
-
-    A scaler that skips a step simply does not call ``step()``: masters, model parameters and
-    optimizer state stay untouched. torch's ``torch.amp.GradScaler`` cannot drive this optimizer
-    (it would unscale the fp32 gradients it reads, not the ones the step uses): ``step()``
-    raises a clear error when it is driven by one.
-
-    **Update kernels** (``fused``): ``"auto"`` (default) runs torch's own fused kernel for
-    ``torch.optim.SGD``/``Adam``/``AdamW`` on CPU and CUDA (``fused=True`` for the call; the
-    inner optimizer's own options are restored after) and the inner optimizer's configured step
-    otherwise; ``False`` always runs the configured step (bitwise what the unwrapped optimizer
-    does on fp32 tensors); ``"compile"`` runs one ``torch.compile``-d pass per low-precision
-    parameter that reads its low-precision gradient, unscales it and writes master, state and
-    rounded weight (SGD/Adam/AdamW only; the first step compiles, which needs a C++ compiler on
-    CPU or Triton on GPU; results agree with the others to a few fp32 ulps). See
-    :mod:`mixprec.master.kernels`.
-
-    Host-device synchronisation: ``step()``, ``unscale_grads_()``, ``zero_grad()``,
-    ``state_dict()`` and ``load_state_dict()`` add none (all copies are asynchronous device
-    ops), except that ``fused="compile"`` reads Adam's ``step`` when that state lives on a GPU.
+    nearest even. Optimizer state (momentum, Adam moments) therefore lives in fp32 too, or in
+    bf16 with ``state_dtype="bf16"``. The module docstring describes torch's contract, memory,
+    the loss-scaler protocol, the ``fused`` kernels and host syncs.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32
             mixed freely, several param groups, tied parameters listed once). Any state it
             already holds is moved to the masters and cast to fp32.
         fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
+        bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
+            optimizers; None picks max(4 MiB, 1/16 of all fp32 gradients).
         initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
             exact fp32 weight before the model was cast); it becomes the master's storage, not
             a copy. Parameters not in it start from their upcast.
-        bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
-            optimizers; None picks max(4 MiB, 1/16 of all fp32 gradients).
+        state_dtype: "fp32" (default) or "bf16": the dtype moment buffers are stored in.
+        seed: seed of the generator that rounds bf16 moments (see
+            :mod:`mixprec.master.rounding`).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        ValueError: ``optimizer`` is already a ``MasterWeightOptimizer``, holds a
-            low-precision tensor that is not a leaf, a bad ``fused`` or ``bucket_mb``, or
+        ValueError: ``optimizer`` is already a master optimizer, holds a low-precision tensor
+            that is not a leaf, a bad ``fused``, ``bucket_mb`` or ``state_dtype``, or
             ``fused="compile"`` with an optimizer or option it does not support.
 
     Example:
@@ -141,78 +148,32 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         torch.float32
     """
 
-    _set_up = False  # False while torch's Optimizer.__init__ registers the groups
-    # torch.amp.GradScaler then hands over grad_scale/found_inf instead of stepping blindly,
-    # and step() refuses it with a message (see _refuse_torch_grad_scaler)
-    _step_supports_amp_scaling = True
-
     def __init__(self, optimizer: torch.optim.Optimizer, fused: bool | str = "auto",
                  bucket_mb: float | None = None,
-                 initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
-        if isinstance(optimizer, MasterWeightOptimizer):
-            raise ValueError(
-                "optimizer is already a MasterWeightOptimizer (around "
-                f"{type(optimizer.inner).__name__}); wrap the plain torch optimizer only once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer must be a torch.optim.Optimizer, e.g. "
-                f"torch.optim.SGD(model.parameters(), lr=0.1); got {type(optimizer).__name__}")
-        _check_bucket_mb(bucket_mb)
+                 initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None, *,
+                 state_dtype="fp32", seed: int = DEFAULT_SEED) -> None:
+        check_inner(optimizer, MasterWeightOptimizer)
+        check_bucket_mb(bucket_mb)
+        self.state_dtype = states.check_state_dtype(state_dtype)
+        self.rounding = RoundingGenerator(seed)
         self.inner = optimizer
         self._carry = GradCarry()  # the factor the model's gradients carry after a step
         self._master_of: dict[torch.Tensor, MasterParameter] = {}  # model param -> master
         self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._with_masters(group["params"])
-        # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups and
-        # state so both objects see one truth
-        super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self._set_up = True
-        checkpoint.register(self)
-        optimizer.register_step_pre_hook(self._refuse_direct_step)
-        self._stepping_inner = False
         self._incoming_masters: dict | None = None
-        self.scratch = Scratch()
-        self._bucket_mb = bucket_mb
+        self._adopt(optimizer, bucket_mb, fused)
         self._initial = {}
-        self._rebuild()
-        self._fused: bool | str = False
-        self.fused = fused
+        checkpoint.register(self)
+        states.register(self)
 
-    # -- configuration -------------------------------------------------------------------------
-    @property
-    def fused(self) -> bool | str:
-        """The update kernel: ``"auto"``, ``"compile"`` or ``False`` (see the class docstring)."""
-        return self._fused
-
-    @fused.setter
-    def fused(self, value: bool | str) -> None:
-        if not any(value is v or (isinstance(value, str) and value == v) for v in _FUSED):
-            raise ValueError(f"fused must be 'auto', 'compile' or False; got {value!r}")
+    def _check_fused(self, value) -> None:
         if value == "compile":
             kernels.check_compilable(self.inner)
-        self._fused = value
-
-    @property
-    def bucket_mb(self) -> float | None:
-        """MiB of fp32 gradients per bucket (per-parameter optimizers; None: automatic)."""
-        return self._bucket_mb
-
-    @bucket_mb.setter
-    def bucket_mb(self, value: float | None) -> None:
-        _check_bucket_mb(value)
-        self._bucket_mb = value
-        self._rebuild()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
-            self.inner.register_step_pre_hook(self._refuse_direct_step)  # its hooks
+            if self.state_dtype != torch.float32:
+                raise ValueError("fused='compile' keeps fp32 moments; with state_dtype='bf16' "
+                                 "use fused='auto' or False")
 
     def __repr__(self) -> str:
         return (f"MasterWeightOptimizer({len(self._master_of)} fp32 masters, fused={self.fused!r},"
@@ -264,28 +225,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             params.append(param)
             masters.append(master)
         self._pairs = list(pairs.values())
-        held = [p for g in self.param_groups for p in g["params"]]
-        self._held = {id(p) for p in held}
-        self._model_params = list({id(m): m for m in (self._model_side(p)
-                                                        for p in held)}.values())
-        self._buckets = make_buckets(self.param_groups, self._bucket_mb,
-                                     is_per_parameter(self.inner))
+        super()._rebuild()
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.model_param if is_master(tensor) else tensor
-
-    def buckets(self) -> list[list[list[torch.Tensor]]]:
-        """The buckets ``step()`` walks: per bucket, per param group, its tensors."""
-        return self._buckets
-
-    @property
-    def per_parameter(self) -> bool:
-        """True when the inner optimizer is stepped a bucket at a time (see the class doc)."""
-        return is_per_parameter(self.inner)
-
-    def _holds(self, tensor: torch.Tensor) -> bool:
-        return id(tensor) in self._held
 
     def master_param(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer steps for model parameter ``param``.
@@ -304,7 +248,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return master
         if self._holds(param) and not is_master(param):
             return param
-        raise ValueError(_not_ours(param))
+        raise ValueError(not_ours(param, "MasterWeightOptimizer"))
 
     def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
         """Low-precision model parameter -> its fp32 master (a new dict)."""
@@ -323,7 +267,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return self._model_side(master)
         if master in self._master_of:
             return master
-        raise ValueError(_not_ours(master))
+        raise ValueError(not_ours(master, "MasterWeightOptimizer"))
 
     def refresh_masters(self) -> None:
         """Copy the model parameters into the masters (after editing model weights directly)."""
@@ -409,7 +353,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                                    "recomputes the gradients")
             return steps.closure_step(self, closure)
         if grad_scale is not None:
-            _check_grad_scale(grad_scale)
+            check_grad_scale(grad_scale)
         self._check_fp16_changes()
         if self._fused == "compile":
             steps.compiled_step(self, grad_scale)
@@ -417,64 +361,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             steps.bucketed_step(self, grad_scale)
         if grad_scale is not None:  # reads after the step see the true gradients (torch.amp)
             self._carry.inv = grad_scale.double().reciprocal().float()
+        if self.state_dtype != torch.float32:  # bf16 moments are rounded stochastically
+            states.record_generator(self.inner, self.rounding)
         return None
 
     def _check_fp16_changes(self) -> None:
-        """fp16 model gradients changed after their fp32 gradients were made: refused. After
-        ``unscale_grads_`` the model's fp16 gradients hold the unscaled values, where fp16 loses
-        what lies below its smallest normal (6.1e-05); the step would take a change from them
-        and lose those values (bf16 has fp32's range: its changes are taken)."""
         stale = [m for m in self._master_of.values()
                  if is_stale(m) and m.model_param.dtype == torch.float16]
         if stale:
-            raise RuntimeError(
-                f"the fp16 gradients of {len(stale)} model parameter(s) (e.g. shape "
-                f"{tuple(stale[0].shape)}) changed after their fp32 master gradients were made "
-                "(scaler.unscale_(optimizer)), e.g. by clip_grad_norm_(model.parameters(), ...). "
-                "Unscaled in fp16, gradients below 6.1e-05 lose precision or vanish, so the "
-                "step can't take that change exactly. Clip with scaler.clip_grad_norm_("
-                "optimizer, max_norm), or clip the optimizer's parameters (their fp32 "
-                "gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
-                "g['params']], max_norm); in bf16 clipping the model's parameters works")
-
-    def inner_step(self, closure=None) -> Any:
-        """Run the inner optimizer's ``step`` (only the step paths call this)."""
-        self._stepping_inner = True
-        try:
-            return self.inner.step() if closure is None else self.inner.step(closure)
-        finally:
-            self._stepping_inner = False
-
-    @contextlib.contextmanager
-    def only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
-        """Inside the block, each param group holds only its tensors of ``bucket``."""
-        saved = [group["params"] for group in self.param_groups]
-        try:
-            for group, tensors in zip(self.param_groups, bucket):
-                group["params"] = tensors
-            yield
-        finally:
-            for group, params in zip(self.param_groups, saved):
-                group["params"] = params
-
-    def _refuse_torch_grad_scaler(self) -> None:
-        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
-            raise RuntimeError(
-                "a MasterWeightOptimizer can't be driven by torch.amp.GradScaler: the fp32 "
-                "gradients of its masters are made from the model's gradients, so GradScaler "
-                "would unscale and check copies, not what the step reads. Use mixprec's "
-                "scalers, which take the same calls: scaler = mp.DynamicLossScaler() (or "
-                "mp.make_loss_scaler('auto', policy)); scaler.scale(loss).backward(); "
-                "scaler.step(optimizer); scaler.update()")
-
-    def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
-        if not self._stepping_inner:
-            raise RuntimeError(
-                f"this {type(optimizer).__name__} was wrapped in a MasterWeightOptimizer (by "
-                "mixprec.prepare at level O2, or directly): its param_groups now hold fp32 "
-                "master weights, which only the wrapper steps and writes back to the model. "
-                "Call step() and zero_grad() on the optimizer prepare returned: "
-                "model, optimizer = mp.prepare(model, optimizer, level='O2')")
+            raise stale_fp16_error(len(stale), stale[0].shape)
 
     def drop_master_grads(self) -> None:
         """Drop the masters' fp32 gradients (a scaler that skips a step calls this; the
@@ -482,27 +377,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._carry.inv = None
         for master in self._master_of.values():
             drop_grad(master)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model parameters' gradients and drop the masters'.
-
-        Args:
-            set_to_none: set the model's ``.grad`` to None (default) instead of zeroing it.
-        """
-        self.drop_master_grads()
-        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in self._model_params:
-            g = p.grad
-            if g is None:
-                continue
-            if set_to_none:
-                p.grad = None
-                continue
-            g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
-            grads.setdefault((g.device, g.dtype), []).append(g)
-        with torch.no_grad():
-            for same in grads.values():
-                torch._foreach_zero_(same)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its low-precision parameters get fp32 masters.
@@ -513,19 +387,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """
         if not self._set_up:  # torch's Optimizer.__init__ registering the wrapped groups
             return super().add_param_group(param_group)
-        if not isinstance(param_group, Mapping):
-            raise TypeError("param_group must be a dict with a 'params' entry; got "
-                            f"{type(param_group).__name__}")
-        if "params" not in param_group:
-            raise ValueError(f"param_group needs a 'params' entry; got keys {sorted(param_group)}")
-        group = dict(param_group)
-        params = group["params"]
-        if isinstance(params, set):
-            raise TypeError("param_group['params'] must be an ordered sequence, not a set")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
-        if any(id(p) in known for p in params):
-            raise ValueError("some parameters appear in more than one parameter group")
+        group, params = self._check_new_group(param_group)
         new = [p for p in params if isinstance(p, torch.Tensor) and is_low_precision(p)]
         try:
             group["params"] = self._with_masters(params)
@@ -535,35 +397,3 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 self._master_of.pop(p, None)
             raise
         self._rebuild()
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def indexed_masters(self) -> dict[int, torch.Tensor]:
-        """Masters by their flat index over ``param_groups`` (torch's state_dict numbering)."""
-        out: dict[int, torch.Tensor] = {}
-        seen: set[int] = set()
-        start = 0
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"], start):
-                if is_master(p) and id(p) not in seen:
-                    out[i] = p
-                    seen.add(id(p))
-            start += len(group["params"])
-        return out
-
-
-def _check_bucket_mb(bucket_mb) -> None:
-    if bucket_mb is not None and not (isinstance(bucket_mb, (int, float))
-                                      and not isinstance(bucket_mb, bool) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be None or a positive number; got {bucket_mb!r}")
-
-
-def _check_grad_scale(grad_scale) -> None:
-    if not (isinstance(grad_scale, torch.Tensor) and grad_scale.dim() == 0
-            and grad_scale.is_floating_point()):
-        raise TypeError(f"grad_scale must be a 0-d floating tensor (the factor the gradients "
-                        f"carry) or None; got {grad_scale!r}")
-
-
-def _not_ours(tensor: torch.Tensor) -> str:
-    return (f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is not a parameter (or master) "
-            "of this MasterWeightOptimizer")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..scaling.unscale import unscale_
-from . import kernels
+from . import kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step"]
@@ -66,7 +66,8 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> Non
         fused = (opt.fused == "auto"
                  and kernels.torch_fused_problem(opt.inner, tensors) is None)
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
-                (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()):
+                (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
+                states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
             torch._foreach_copy_([t.model_param for t in stepped], stepped)
@@ -109,7 +110,9 @@ def closure_step(opt, closure: Callable[[], Any]) -> Any:
         opt.unscale_grads_(None)
         return loss
 
-    loss = opt.inner_step(evaluate)
+    tensors = [t for g in opt.param_groups for t in g["params"]]
+    with states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
+        loss = opt.inner_step(evaluate)
     opt.write_back()
     opt.drop_master_grads()
     return loss

@@ -4,11 +4,14 @@ The model counts what stays allocated through a training step, per rank:
 
 * parameters: the model's weights as stored (FSDP: this rank's shard);
 * masters: fp32 master copies of 16-bit weights (:class:`mixprec.MasterWeightOptimizer`, O2 in
-  one process or under DDP); none under FSDP, whose fp32 shards are the masters;
+  one process or under DDP); none under FSDP, whose fp32 shards are the masters; with
+  ``master="kahan"`` the 16-bit compensation buffers instead (2 bytes, sharded under FSDP, whose
+  shards are then 16-bit), with ``"stochastic"`` nothing;
 * gradients: one per parameter in the parameter's dtype (FSDP: the reduce-scattered fp32 or
   16-bit shard);
-* optimizer state: the optimizer's moments, in the dtype it steps in (fp32 at O0-O2, the 16-bit
-  dtype at O3, where torch's optimizers keep state in the parameters' dtype).
+* optimizer state: the optimizer's moments, in the dtype it steps in (fp32 at O0-O2, or the
+  ``state_dtype`` given at O2; the 16-bit dtype at O3, where torch's optimizers keep state in the
+  parameters' dtype).
 
 Not counted: activations, the transient fp32 copies of 16-bit gradients a master step makes, and,
 under FSDP, the all-gathered parameters of the unit being computed.
@@ -29,12 +32,15 @@ from ..dtypes import dtype_name, to_dtype
 from ..policy import LEVELS, Policy
 from .ddp import reduce_dtype_of
 
-__all__ = ["MemoryPlan", "plan", "plan_table", "parse_count", "OPTIMIZER_MOMENTS", "STRATEGIES"]
+__all__ = ["MemoryPlan", "plan", "plan_table", "parse_count", "OPTIMIZER_MOMENTS", "STRATEGIES",
+           "COMPACT_OPTIONS"]
 
 #: Moments (state tensors the size of the parameters) each optimizer keeps.
 OPTIMIZER_MOMENTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1, "lion": 1,
                      "adam": 2, "adamw": 2}
 STRATEGIES = ("single", "ddp", "fsdp")
+#: (master, state_dtype) pairs of O2 that ``plan_table(compact=True)`` lists.
+COMPACT_OPTIONS = tuple((m, s) for m in ("fp32", "kahan", "stochastic") for s in ("fp32", "bf16"))
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
@@ -63,8 +69,9 @@ class MemoryPlan:
 
     Attributes:
         params: number of parameters of the model.
-        level, dtype, strategy, world, optimizer, reduce_dtype: the set-up.
-        parameters, masters, gradients, optimizer_state: bytes per rank.
+        level, dtype, strategy, world, optimizer, reduce_dtype, master, state_dtype: the set-up.
+        parameters, masters, gradients, optimizer_state: bytes per rank (``masters`` holds the
+            Kahan compensation under ``master="kahan"``).
         traffic: bytes one rank sends per optimizer step.
     """
 
@@ -80,6 +87,8 @@ class MemoryPlan:
     gradients: float
     optimizer_state: float
     traffic: float
+    master: str = "fp32"
+    state_dtype: str = "fp32"
 
     @property
     def total(self) -> float:
@@ -115,7 +124,8 @@ def _check(level: str, strategy: str, world: int, optimizer: str) -> tuple[str, 
 
 
 def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", world: int = 1,
-         optimizer: str = "adamw", reduce_dtype="fp32") -> MemoryPlan:
+         optimizer: str = "adamw", reduce_dtype="fp32", master: str = "fp32",
+         state_dtype="fp32") -> MemoryPlan:
     """Bytes per rank and gradient traffic per step of one set-up, on paper.
 
     Args:
@@ -126,6 +136,8 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
         world: number of ranks (1 for "single").
         optimizer: one of :data:`OPTIMIZER_MOMENTS`.
         reduce_dtype: dtype of the gradient reduction ("fp32", "bf16", "fp16").
+        master: "fp32", "kahan" or "stochastic" (O2 only; see :func:`mixprec.prepare`).
+        state_dtype: "fp32" or "bf16": the moments' dtype (O2 only).
 
     Returns:
         A :class:`MemoryPlan`.
@@ -146,28 +158,41 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
     reduce = reduce_dtype_of(reduce_dtype)
     shard = world if strategy == "fsdp" else 1
     policy = Policy.from_level(level, low_dt, warn=False)
+    if (master, dtype_name(to_dtype(state_dtype))) != ("fp32", "fp32"):
+        if not policy.master_weights:
+            raise ValueError(f"master={master!r} and state_dtype={state_dtype!r} apply to a "
+                             f"master-weight level with a 16-bit dtype (O2); got {level} with "
+                             f"{dtype_name(low_dt)}")
+        policy = policy.replace(master=master, state_dtype=state_dtype, level=level)
     gather = policy.param_dtype.itemsize            # what the forward reads
-    masters = 4 if policy.master_weights else 0
+    masters = {"fp32": 4, "kahan": gather, "stochastic": 0}[policy.master] \
+        if policy.master_weights else 0
     stored = gather
-    if strategy == "fsdp" and masters:
+    if strategy == "fsdp" and policy.master_weights and policy.master == "fp32":
         stored, masters = 4, 0                       # fp32 shards, gathered in the 16-bit dtype
-    step_bytes = 4 if policy.master_weights else gather  # the optimizer state's dtype
+    step_bytes = (policy.state_dtype.itemsize if policy.master_weights
+                  else gather)                       # the optimizer state's dtype
     per_param = {"parameters": stored, "masters": masters, "gradients": stored,
                  "optimizer_state": OPTIMIZER_MOMENTS[opt] * step_bytes}
     ring = (world - 1) / world
     traffic = {"single": 0.0, "ddp": 2 * ring * n * reduce.itemsize,
                "fsdp": ring * n * (2 * gather + reduce.itemsize)}[strategy]
     return MemoryPlan(n, level, dtype_name(low_dt), strategy, world, opt, dtype_name(reduce),
-                      **{k: v * n / shard for k, v in per_param.items()}, traffic=traffic)
+                      **{k: v * n / shard for k, v in per_param.items()}, traffic=traffic,
+                      master=policy.master, state_dtype=dtype_name(policy.state_dtype))
 
 
 def plan_table(params, *, dtype="bf16", world: int = 8, optimizer: str = "adamw",
-               reduce_dtype="fp32") -> list[MemoryPlan]:
-    """Plans for every strategy and level: "single" at one rank, "ddp"/"fsdp" at ``world``."""
+               reduce_dtype="fp32", compact: bool = False) -> list[MemoryPlan]:
+    """Plans for every strategy and level: "single" at one rank, "ddp"/"fsdp" at ``world``;
+    with ``compact``, also O2 with each master and state dtype of :data:`COMPACT_OPTIONS`."""
     rows = []
     for strategy in STRATEGIES:
         for level in LEVELS:
-            rows.append(plan(params, level=level, dtype=dtype, strategy=strategy,
-                             world=1 if strategy == "single" else world, optimizer=optimizer,
-                             reduce_dtype=reduce_dtype))
+            options = COMPACT_OPTIONS if compact and level == "O2" else (("fp32", "fp32"),)
+            for master, state_dtype in options:
+                rows.append(plan(params, level=level, dtype=dtype, strategy=strategy,
+                                 world=1 if strategy == "single" else world,
+                                 optimizer=optimizer, reduce_dtype=reduce_dtype, master=master,
+                                 state_dtype=state_dtype))
     return rows

@@ -7,6 +7,11 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   :func:`mixprec.prepare` at O1).
 * O2: fp32 shards gathered in the compute dtype (``param_dtype``): the fp32 shards *are* the
   master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
+  With ``master="kahan"``/``"stochastic"`` the shards are 16-bit and the optimizer comes back
+  wrapped in a :class:`mixprec.master.CompactMasterOptimizer` that steps them (compensation
+  buffers and moments sharded alike; stochastic rounding keys differ per rank, as the shards
+  do); with ``state_dtype="bf16"`` and fp32 masters, in a ``MasterWeightOptimizer`` that only
+  keeps the moments in bf16.
   Modules that :func:`mixprec.prepare` keeps in fp32 at O2 (norm layers, ``keep_fp32``) become
   sharding units of their own, gathered in fp32, so they still compute in fp32.
 * O3: 16-bit shards, 16-bit compute.
@@ -25,7 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..master import is_master_optimizer
+from ..master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
+from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
 from . import env
@@ -70,7 +76,7 @@ def _check_optimizer(model: nn.Module, optimizer) -> dict[int, str]:
     """Names (by id) of the optimizer's parameters; refuse what cannot be rebuilt after sharding."""
     if optimizer is None:
         return {}
-    if is_master_optimizer(optimizer):
+    if is_master_optimizer(optimizer) or isinstance(optimizer, WrappedOptimizer):
         raise ValueError("fsdp takes the plain torch optimizer, not a MasterWeightOptimizer: "
                          "FSDP's fp32 shards are the master weights (a second fp32 copy would "
                          "waste memory); pass the optimizer built over model.parameters()")
@@ -175,7 +181,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if policy.master_weights:
         kept_units = _fp32_modules(model, policy.param_dtype)
         for p, data in originals.items():  # FSDP casts at gather time; the shards stay fp32
-            p.data = data
+            if policy.master == "fp32":    # (compact masters keep 16-bit shards)
+                p.data = data
     del originals
     if mesh is None:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -190,4 +197,15 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if optimizer is None:
         return model
     _rebind_optimizer(optimizer, names, model)
-    return model, optimizer
+    return model, _wrap_sharded(optimizer, policy)
+
+
+def _wrap_sharded(optimizer, policy: Policy):
+    """The optimizer over the shards: plain at fp32 masters with fp32 moments, else wrapped."""
+    if not policy.master_weights or (policy.master, policy.state_dtype) == ("fp32",
+                                                                            torch.float32):
+        return optimizer
+    if policy.master == "fp32":
+        return MasterWeightOptimizer(optimizer, fused=False, state_dtype=policy.state_dtype)
+    return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
+                                  salt=env.rank())

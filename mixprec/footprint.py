@@ -1,0 +1,90 @@
+"""``mp.bytes_per_parameter``: what a training run holds per model parameter, measured.
+
+Every figure is counted from the tensors the model and its optimizer hold right now, not from a
+table: the model's weights as stored, fp32 masters (:class:`mixprec.MasterWeightOptimizer`),
+Kahan compensation buffers (:class:`mixprec.master.CompactMasterOptimizer`), the optimizer's
+state (moments in their dtype; quantized states of torchao's and bitsandbytes' low-bit
+optimizers by their codes, scales and maps; step counters), and the gradients currently held
+(the model's, plus fp32 gradient copies a master optimizer holds at that moment). A DTensor
+(FSDP2) counts its local shard, so the figures are per rank over that rank's parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .master import CompactMasterOptimizer, MasterWeightOptimizer
+from .master.params import _GRAD
+from .master.states import COMPENSATION_KEY
+
+__all__ = ["bytes_per_parameter", "tensor_bytes"]
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor's elements: a DTensor's local shard; a wrapper subclass (torchao's
+    quantized optimizer states) as the sum of the tensors it is made of."""
+    if not torch.is_tensor(t):
+        return 0
+    if isinstance(t, DTensor):
+        return tensor_bytes(t.to_local())
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+        names, _ = flatten()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                        ) -> dict[str, float]:
+    """Bytes per model parameter, measured from the tensors held.
+
+    Args:
+        model: the model (prepared or not; DDP-wrapped or FSDP-sharded: per rank).
+        optimizer: its optimizer (wrapped by ``prepare`` or a plain torch one), or None.
+
+    Returns:
+        A dict with ``weights`` (the model's parameters as stored), ``masters`` (fp32 master
+        copies), ``compensation`` (Kahan buffers), ``optimizer_state`` (everything else in
+        ``optimizer.state``), ``gradients`` (those currently held: 0 after
+        ``zero_grad(set_to_none=True)``) and ``total``, each in bytes per parameter.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        ValueError: the model has no parameters.
+
+    Example:
+        >>> bytes_per_parameter(nn.Linear(4, 4))["weights"]
+        4.0
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got "
+                        f"{type(optimizer).__name__}")
+    params = list({id(p): p for p in model.parameters()}.values())
+    count = sum(_local_numel(p) for p in params)
+    if count == 0:
+        raise ValueError("the model has no parameters to count bytes per parameter for")
+    out = {"weights": sum(tensor_bytes(p.detach()) for p in params),
+           "masters": 0, "compensation": 0, "optimizer_state": 0,
+           "gradients": sum(tensor_bytes(p.grad) for p in params)}
+    if isinstance(optimizer, MasterWeightOptimizer):
+        masters = list(optimizer.masters_by_param().values())
+        out["masters"] = sum(tensor_bytes(m.detach()) for m in masters)
+        out["gradients"] += sum(tensor_bytes(_GRAD.__get__(m)) for m in masters)
+    if isinstance(optimizer, CompactMasterOptimizer):
+        out["gradients"] += sum(tensor_bytes(g) for g, _ in optimizer._grads32.values())
+        out["compensation"] += sum(tensor_bytes(c) for c in optimizer._pending.values())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                where = "compensation" if key == COMPENSATION_KEY else "optimizer_state"
+                out[where] += tensor_bytes(value)
+    out["total"] = sum(out.values())
+    return {k: v / count for k, v in out.items()}

@@ -1,0 +1,400 @@
+"""``CompactMasterOptimizer``: 16-bit weights that train like fp32 ones, without fp32 masters.
+
+Two ways to keep the updates a 16-bit weight would round away, at 2 or 0 extra bytes per
+parameter instead of an fp32 master's 4:
+
+* ``master="kahan"``: each 16-bit weight has a 16-bit compensation buffer (Kahan summation, as
+  in "Revisiting BFloat16 Training" and the optimi library) that holds what the last rounding
+  of the weight lost; weight + compensation is the value the optimizer steps, so updates far
+  below half an ulp accumulate in the compensation until they move the weight. The pair carries
+  about 16 significant bits (a bf16 pair; fp16: 22), so it tracks an fp32 master closely.
+* ``master="stochastic"``: no buffer; the updated fp32 value is written into the bf16 weight
+  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. Its random
+  keys come from a generator whose state travels in ``state_dict()`` (in the first parameter
+  entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it too), so a resumed
+  run continues bitwise. bf16 weights only (fp16 ones
+  use ``"kahan"``).
+
+The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
+``state`` is keyed by them, with the compensation under ``state[p]["compensation"]`` (in the
+weight's dtype), so torch's, DCP's and FSDP2's state-dict machinery carry it like any moment.
+fp32 parameters in the groups (norm layers kept in fp32) are stepped by the inner optimizer as
+they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.master.states`).
+
+**Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
+``capturable``, ``differentiable``) run one pass per tensor (:mod:`.compact_kernels`): compiled
+by ``torch.compile`` with ``fused="auto"`` where a compiler is available (the first step of
+each kind compiles, seconds) or with ``fused="compile"``; eagerly with ``fused=False`` or
+without a compiler (same arithmetic and rounding bits). Any other torch optimizer (``RMSprop``,
+``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient
+fp32 copies (weight + compensation, gradient, moments), a bucket at a time for torch's
+per-parameter optimizers, all at once otherwise; the results are written back compensated or
+rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
+
+**The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
+model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
+(fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
+values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
+the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
+rounding generator stay bitwise untouched. No host syncs, except Adam's step count read on a
+GPU (as :mod:`mixprec.master.kernels`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..dtypes import is_low_precision
+from ..scaling.unscale import check_and_unscale_, unscale_
+from . import compact_kernels as ck
+from . import states
+from .buckets import is_per_parameter
+from .params import _is_current, _source_key
+from .rounding import DEFAULT_SEED, RoundingGenerator
+from .states import COMPENSATION_KEY, OWN_KEYS
+from .wrapper import (
+    WrappedOptimizer,
+    check_bucket_mb,
+    check_grad_scale,
+    check_inner,
+    stale_fp16_error,
+)
+
+__all__ = ["CompactMasterOptimizer", "COMPACT_MASTERS", "is_compact_optimizer"]
+
+COMPACT_MASTERS = ("kahan", "stochastic")
+
+
+def is_compact_optimizer(optimizer: Any) -> bool:
+    """True for a :class:`CompactMasterOptimizer`."""
+    return isinstance(optimizer, CompactMasterOptimizer)
+
+
+class CompactMasterOptimizer(WrappedOptimizer):
+    """Steps 16-bit parameters with Kahan compensation or stochastic rounding (see the module
+    docstring).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (16-bit and fp32).
+        master: ``"kahan"`` or ``"stochastic"``.
+        state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
+        fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
+        bucket_mb: MiB of transient fp32 copies per bucket on the generic path (None: auto).
+        initial_values: 16-bit parameter -> its exact fp32 value (the weight before the model
+            was cast): with ``"kahan"`` the compensation starts as what the cast lost.
+        seed: seed of the rounding generator.
+        salt: mixed into the rounding keys (a rank whose shards differ from the others').
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: already wrapped; an unknown ``master`` or ``state_dtype``;
+            ``"stochastic"`` with fp16 parameters; a bad ``fused`` or ``bucket_mb``.
+
+    Example:
+        >>> model = nn.Linear(4, 2).to(torch.bfloat16)
+        >>> opt = CompactMasterOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "kahan")
+        >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.compensation(model.weight).dtype
+        torch.bfloat16
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master: str = "kahan", *,
+                 state_dtype="fp32", fused: bool | str = "auto", bucket_mb: float | None = None,
+                 initial_values: Mapping[torch.Tensor, torch.Tensor] | None = None,
+                 seed: int = DEFAULT_SEED, salt: int = 0) -> None:
+        check_inner(optimizer, CompactMasterOptimizer)
+        check_bucket_mb(bucket_mb)
+        if master not in COMPACT_MASTERS:
+            raise ValueError(f"master must be one of {', '.join(map(repr, COMPACT_MASTERS))}; "
+                             f"got {master!r}")
+        self.master = master
+        self.state_dtype = states.check_state_dtype(state_dtype)
+        self.rounding = RoundingGenerator(seed)
+        self.salt = int(salt)
+        self.inner = optimizer
+        self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
+        self._pending: dict[torch.Tensor, torch.Tensor] = {}
+        self._adopt(optimizer, bucket_mb, fused)
+        self._check_params(self._low)
+        self._init_state(self._low, initial_values or {})
+        self.register_load_state_dict_post_hook(_share_with_inner)
+        states.register(self)
+        self.register_load_state_dict_post_hook(_load_generator)
+
+    def __repr__(self) -> str:
+        return (f"CompactMasterOptimizer(master={self.master!r}, state_dtype="
+                f"{str(self.state_dtype).replace('torch.', '')}, {len(self._low)} 16-bit "
+                f"parameters, fused={self.fused!r}, {self.inner!r})")
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _check_fused(self, value) -> None:
+        if value == "compile":
+            problem = ck.fast_problem(self.inner)
+            if problem is not None:
+                raise ValueError(f"fused='compile' runs torch.optim.SGD/Adam/AdamW; {problem}. "
+                                 "Use fused='auto' or False for other optimizers or options")
+
+    def _rebuild(self) -> None:
+        super()._rebuild()
+        self._low = [p for p in self._model_params if is_low_precision(p)]
+
+    def _check_params(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            if not p.is_leaf:
+                raise ValueError(f"can't step a non-leaf {p.dtype} tensor of shape "
+                                 f"{tuple(p.shape)}; pass the model's parameters (leaf tensors)")
+            if self.master == "stochastic" and p.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"master='stochastic' rounds into bf16 weights; got a {p.dtype} parameter "
+                    f"of shape {tuple(p.shape)}. Use master='kahan' (or 'fp32') for fp16")
+
+    def _init_state(self, params: list[torch.Tensor], initial: Mapping) -> None:
+        """Moments in the state dtype; Kahan compensations made, held aside until the first
+        step (an optimizer whose state is empty counts as fresh to torch's distributed
+        checkpointing, which then steps it once at lr 0 to lay its state out)."""
+        with torch.no_grad():
+            for p in params:
+                states.cast_moments(self.state[p], p, self.state_dtype, self.rounding)
+                if self.master != "kahan" or COMPENSATION_KEY in self.state[p]:
+                    continue
+                comp = torch.zeros_like(p, memory_format=torch.preserve_format)
+                value = initial.get(p)
+                if value is not None and not isinstance(p, DTensor):
+                    comp.copy_(value.to(p.device) - p.float())
+                self._pending[p] = comp
+        for p in params:  # no empty entries left behind by the reads above
+            if not self.state[p]:
+                del self.state[p]
+
+    def _settle_pending(self) -> None:
+        """Move the compensations held aside into the state (first step)."""
+        if self.master != "kahan":
+            return
+        for p in self._low:
+            state = self.state[p]
+            if COMPENSATION_KEY not in state:
+                comp = self._pending.pop(p, None)
+                state[COMPENSATION_KEY] = (comp if comp is not None else torch.zeros_like(
+                    p, memory_format=torch.preserve_format))
+
+    # -- what it holds -------------------------------------------------------------------------
+    def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s Kahan compensation buffer (None for ``"stochastic"`` or fp32 params)."""
+        comp = ck.compensation(self, param)
+        return self._pending.get(param) if comp is None else comp
+
+    def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
+        """16-bit parameter -> the best fp32 estimate of its value (new tensors): weight +
+        compensation for ``"kahan"``, the weight's upcast for ``"stochastic"``."""
+        with torch.no_grad():
+            return {p: ck.load(p.detach(), self.compensation(p)) for p in self._low}
+
+    def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """What ``mp.fp32_state_dict`` reads: :meth:`fp32_values`."""
+        return self.fp32_values()
+
+    def load_fp32_(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``param`` from an fp32 ``value``: rounded to nearest, the compensation taking
+        what the rounding lost (``"kahan"``)."""
+        with torch.no_grad():
+            value = value.to(device=param.device, dtype=torch.float32)
+            param.copy_(value)
+            comp = self.compensation(param)
+            if comp is not None:
+                comp.copy_(value - param.float())
+
+    # -- the loss-scaler protocol --------------------------------------------------------------
+    def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(parameter, gradient)`` pairs the next ``step()`` reads."""
+        return [(p, self._grad_of(p)) for p in self._model_params if p.grad is not None]
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        held = self._grads32.get(p)
+        if held is not None and _is_current(held[1], p.grad):
+            return held[0]
+        return p.grad
+
+    def unscale_grads_(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Unscale the gradients in place (fp16 ones into fp32 copies too); return the 0-d
+        inf/NaN flag (> 0: overflow). No host sync."""
+        self._grads32 = {}
+        grads, fp16 = [], []
+        with torch.no_grad():
+            for p in self._model_params:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
+                if p.grad.dtype == torch.float16 and inv_scale is not None:
+                    copy = p.grad.float()
+                    self._grads32[p] = (copy, _source_key(p.grad))
+                    fp16.append(p)
+                    grads.append(copy)
+                else:
+                    grads.append(p.grad)
+            found = check_and_unscale_(grads, inv_scale)
+            if fp16:  # readers of the model's gradients see the true values too
+                unscale_([p.grad for p in fp16], inv_scale)
+        for p in fp16:
+            self._grads32[p] = (self._grads32[p][0], _source_key(p.grad))
+        return found
+
+    def drop_master_grads(self) -> None:
+        """Drop the fp32 gradient copies made by :meth:`unscale_grads_`."""
+        self._grads32 = {}
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             grad_scale: torch.Tensor | None = None) -> None:
+        """Update the parameters from their gradients (see the module docstring).
+
+        Args:
+            closure: not supported (raises).
+            grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
+
+        Raises:
+            RuntimeError: a ``closure``; driven by ``torch.amp.GradScaler``; fp16 gradients
+                changed after :meth:`unscale_grads_`.
+        """
+        self._refuse_torch_grad_scaler()
+        if closure is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} can't step with a closure (it would re-evaluate the "
+                "model between updates it has not written yet); use master='fp32' for "
+                f"{type(self.inner).__name__}")
+        if grad_scale is not None:
+            check_grad_scale(grad_scale)
+        stale = [p for p, (_, key) in self._grads32.items() if not _is_current(key, p.grad)]
+        if stale:
+            raise stale_fp16_error(len(stale), stale[0].shape)
+        inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        self._settle_pending()
+        try:
+            if self._fast_path():
+                self._fast_step(inv)
+            else:
+                for bucket in self.buckets():
+                    self._generic_bucket(bucket, inv)
+        finally:
+            self.drop_master_grads()
+        if self.master == "stochastic" or self.state_dtype != torch.float32:
+            states.record_generator(self.inner, self.rounding)
+        return None
+
+    def _fast_path(self) -> bool:
+        if ck.fast_problem(self.inner) is not None:
+            return False
+        return not any(p.grad is not None and p.grad.is_sparse for p in self._low)
+
+    def _compiled(self) -> bool:
+        if self._fused == "compile":
+            return True
+        return self._fused == "auto" and all(ck.can_compile(p.device.type) for p in self._low)
+
+    def _fast_step(self, inv) -> None:
+        low, rest = [], []
+        for group in self.param_groups:
+            items, others = [], []
+            for p in group["params"]:
+                grad = self._grad_of(p)
+                if is_low_precision(p):
+                    if grad is not None:
+                        items.append((p, grad, self.compensation(p)))
+                else:
+                    others.append(p)
+            low.append(items)
+            rest.append(others)
+        ck.fast_step(self.inner, low, inv, self.rounding, self._compiled(), self.state_dtype,
+                     self.salt)
+        own = [p.grad for ps in rest for p in ps if p.grad is not None]
+        if inv is not None and own:
+            with torch.no_grad():
+                unscale_(own, inv)
+        flat = [p for ps in rest for p in ps]
+        with self.only(rest), states.fp32_moments(self.inner, flat, self.state_dtype,
+                                                  self.rounding):
+            self.inner_step()  # always runs, so hooks and schedulers see a step
+
+    def _generic_bucket(self, bucket: list[list[torch.Tensor]], inv) -> None:
+        """Step one bucket through transient fp32 copies (see the module docstring)."""
+        state = self.inner.state
+        lists, pairs, grads = [], [], []
+        with torch.no_grad():
+            for tensors in bucket:
+                out = []
+                for p in tensors:
+                    grad = self._grad_of(p)
+                    if not is_low_precision(p) or grad is None:
+                        out.append(p)
+                        if grad is not None:
+                            grads.append(grad)
+                        continue
+                    temp = ck.load(p.detach(), self.compensation(p)).requires_grad_(True)
+                    temp.grad = grad.to(torch.float32, copy=True)
+                    grads.append(temp.grad)
+                    entry = state.pop(p, {})
+                    ours = {k: entry.pop(k) for k in OWN_KEYS if k in entry}
+                    if entry:
+                        state[temp] = entry
+                    pairs.append((p, temp, ours))
+                    out.append(temp)
+                lists.append(out)
+            if inv is not None:
+                unscale_(grads, inv)
+        flat = [t for ts in lists for t in ts]
+        try:
+            with self.only(lists), states.fp32_moments(self.inner, flat, self.state_dtype,
+                                                       self.rounding):
+                self.inner_step()
+        finally:
+            self._write_back(pairs)
+
+    def _write_back(self, pairs: list[tuple]) -> None:
+        state = self.inner.state
+        keys = self.rounding.keys(len(pairs), self.salt) if self.master == "stochastic" else None
+        with torch.no_grad():
+            for i, (p, temp, ours) in enumerate(pairs):
+                key = None if keys is None else keys[i].to(p.device)
+                comp = ours.get(COMPENSATION_KEY)
+                ck.store(*map(ck.local, (p.detach(), comp, temp.detach())), key)
+                state[p] = {**state.pop(temp, {}), **ours}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (its 16-bit parameters get compensation buffers under kahan).
+
+        Raises:
+            TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
+            ValueError: no ``"params"`` entry, a parameter already held, or an fp16 parameter
+                under ``"stochastic"``.
+        """
+        if not self._set_up:  # torch's Optimizer.__init__ registering the wrapped groups
+            return super().add_param_group(param_group)
+        group, params = self._check_new_group(param_group)
+        self._check_params([p for p in params if is_low_precision(p)])
+        self.inner.add_param_group(group)
+        self._rebuild()
+        self._init_state([p for p in params if is_low_precision(p)], {})
+
+    @property
+    def per_parameter(self) -> bool:
+        """True when the generic path steps a bucket at a time."""
+        return is_per_parameter(self.inner)
+
+
+def _load_generator(optimizer: CompactMasterOptimizer) -> None:
+    """load_state_dict post-hook: the rounding generator continues from the saved state."""
+    states.restore_generator(optimizer, optimizer.rounding)
+
+
+def _share_with_inner(optimizer: CompactMasterOptimizer) -> None:
+    """load_state_dict post-hook: torch made new groups and state; the inner optimizer shares
+    them again."""
+    optimizer.inner.param_groups = optimizer.param_groups
+    optimizer.inner.state = optimizer.state
+    optimizer._rebuild()
+    optimizer.drop_master_grads()

@@ -1,0 +1,215 @@
+"""One-pass update kernels for compact masters: SGD and Adam/AdamW on 16-bit weights.
+
+Each kernel reads a 16-bit weight (plus its Kahan compensation), its gradient in any dtype, and
+its moments (fp32 or bf16); computes the update in fp32 with torch's single-tensor arithmetic
+(as :mod:`mixprec.master.kernels`); and writes the weight back either compensated (``"kahan"``:
+the weight takes the fp32 result rounded to nearest, the compensation what that rounding lost)
+or stochastically rounded (``"stochastic"``), and bf16 moments stochastically rounded
+(:mod:`mixprec.master.states` says why).
+
+The same Python functions run eagerly (``fused=False``) or compiled by ``torch.compile``
+(``fused="auto"`` where a compiler is available, or ``"compile"``): one pass over memory per
+tensor, the random bits made inside the kernel from a key per tensor (so eager and compiled
+rounding draw the same bits). Hyper-parameters travel as tensors, so a scheduler never
+recompiles; each kernel compiles once per combination of master kind, moment dtype and
+gradient dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .kernels import PerDevice, adam_hparams, compile_options, flat, hp_tensor, sgd_hparams
+from .rounding import RoundingGenerator, stochastic_round
+from .states import COMPENSATION_KEY
+
+__all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store", "local",
+           "compensation"]
+
+FAST_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_OFF = ("maximize", "differentiable", "capturable", "amsgrad")
+
+
+# -- the arithmetic (eager or compiled) -----------------------------------------------------------
+def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 value a compact weight stands for: weight + compensation (or the weight)."""
+    return weight.float() if comp is None else weight.float() + comp.float()
+
+
+def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
+          key: torch.Tensor) -> None:
+    """Write the fp32 ``new`` into a compact weight: compensated (``comp`` given) or rounded
+    stochastically with the bits of ``key``."""
+    if comp is None:
+        weight.copy_(stochastic_round(new, key))
+    else:
+        hi = new.to(weight.dtype)
+        weight.copy_(hi)
+        comp.copy_((new - hi.float()).to(comp.dtype))
+
+
+def _store_state(buf: torch.Tensor, new: torch.Tensor, key: torch.Tensor) -> None:
+    if buf.dtype == torch.float32:
+        buf.copy_(new)
+    else:
+        buf.copy_(stochastic_round(new, key))
+
+
+def _sgd(weight, comp, grad, buf, s, hp, keys, nesterov: bool):
+    # hp: -lr, weight_decay, buffer decay, gradient weight, momentum (kernels.sgd_hparams)
+    p = load(weight, comp)
+    g = grad.float() * s + hp[1] * p
+    if buf is not None:
+        b = buf.float() * hp[2] + hp[3] * g
+        _store_state(buf, b, keys[1])
+        g = g + hp[4] * b if nesterov else b
+    store(weight, comp, p + hp[0] * g, keys[0])
+
+
+def _adam(weight, comp, grad, exp_avg, exp_avg_sq, s, hp, keys):
+    # hp: see kernels.adam_hparams
+    p = load(weight, comp)
+    g = grad.float() * s + hp[0] * p
+    ea = exp_avg.float()
+    ea = ea + hp[2] * (g - ea)
+    eas = exp_avg_sq.float() * hp[3] + hp[4] * g * g
+    _store_state(exp_avg, ea, keys[1])
+    _store_state(exp_avg_sq, eas, keys[2])
+    store(weight, comp, p * hp[1] + hp[7] * (ea / (eas.sqrt() / hp[5] + hp[6])), keys[0])
+
+
+_KERNELS = {"sgd": _sgd, "adam": _adam}
+_compiled: dict[str, Callable] = {}
+# the compensation is new - float(bf16(new)): inductor must not drop that round trip
+_OPTIONS = {**compile_options, "emulate_precision_casts": True}
+# variants (master kind, moment dtype, momentum, gradient dtype) each compile once
+_RECOMPILE_LIMIT = 64
+
+
+def _kernel(name: str, compiled: bool) -> Callable:
+    if not compiled:
+        return _KERNELS[name]
+    fn = _compiled.get(name)
+    if fn is None:
+        fn = _compiled[name] = _limited(torch.compile(_KERNELS[name], dynamic=True,
+                                                      options=_OPTIONS))
+    return fn
+
+
+def _limited(fn: Callable) -> Callable:
+    def run(*args):
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return fn(*args)
+    return run
+
+
+# -- which optimizers and devices ----------------------------------------------------------------
+def fast_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the one-pass kernels can't step ``optimizer`` (None when they can)."""
+    if type(optimizer) not in FAST_TYPES:
+        return f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
+    for i, group in enumerate(optimizer.param_groups):
+        on = [k for k in _OFF if group.get(k)]
+        if on:
+            return f"param_groups[{i}] sets {', '.join(on)}=True"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def can_compile(device_type: str) -> bool:
+    """True when ``torch.compile`` can build kernels for ``device_type`` here (CPU: a C++
+    compiler on the PATH; CUDA: Triton importable)."""
+    if device_type == "cpu":
+        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    if device_type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return False
+
+
+# -- stepping the groups --------------------------------------------------------------------------
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def _sgd_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> None:
+    first_values, later_values, momentum = sgd_hparams(group)
+    first_hp = PerDevice(lambda d: hp_tensor(first_values, d))
+    later_hp = PerDevice(lambda d: hp_tensor(later_values, d))
+    for (param, grad, comp), key in zip(items, keys):
+        state = optimizer.state[param]
+        buf = None
+        is_first = True
+        if momentum != 0:
+            buf = state.get("momentum_buffer")
+            is_first = buf is None  # torch starts the buffer at the first gradient
+            if is_first:
+                buf = state["momentum_buffer"] = _zeros(param, state_dtype)
+        hp = (first_hp if is_first else later_hp)(param.device)
+        _kernel("sgd", compiled)(*flat(*map(local, (param, comp, grad, buf))),
+                                 inv(param.device), hp, key, bool(group["nesterov"]))
+
+
+def _adam_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> None:
+    states = []
+    for param, _, _ in items:
+        state = optimizer.state[param]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = _zeros(param, state_dtype)
+            state["exp_avg_sq"] = _zeros(param, state_dtype)
+        states.append(state)
+    torch._foreach_add_([s["step"] for s in states], 1)
+    hps: dict = {}
+    for (param, grad, comp), state, key in zip(items, states, keys):
+        step = float(state["step"])  # a host read: a sync only if the step lives on a GPU
+        hp = hps.get((param.device, step))
+        if hp is None:
+            hp = hps[(param.device, step)] = hp_tensor(adam_hparams(optimizer, group, step),
+                                                       param.device)
+        tensors = (param, comp, grad, state["exp_avg"], state["exp_avg_sq"])
+        _kernel("adam", compiled)(*flat(*map(local, tensors)), inv(param.device), hp, key)
+
+
+def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]],
+              inv_scale: torch.Tensor | None, rounding: RoundingGenerator, compiled: bool,
+              state_dtype: torch.dtype, salt: int = 0) -> None:
+    """Update compact weights with the one-pass kernels.
+
+    Args:
+        optimizer: the inner SGD/Adam/AdamW (its ``state`` is keyed by the model parameters).
+        items_by_group: per param group, ``(parameter, gradient, compensation or None)``.
+        inv_scale: a 0-d tensor the gradients are multiplied by first (None: 1).
+        rounding: where the rounding keys come from (three per tensor, drawn every step).
+        compiled: run the ``torch.compile``-d kernels, else the same functions eagerly.
+        state_dtype: dtype new moment buffers are made in.
+        salt: mixed into the keys (a rank under FSDP, whose shards differ).
+    """
+    group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
+    scale = 1.0 if inv_scale is None else inv_scale
+    inv = PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
+    count = sum(len(items) for items in items_by_group)
+    drawn = torch.stack(rounding.keys(3 * count, salt)).view(-1, 3) if count else None
+    start = 0
+    with torch.no_grad():
+        for group, items in zip(optimizer.param_groups, items_by_group):
+            if not items:
+                continue
+            keys = [drawn[start + i].to(p.device) for i, (p, _, _) in enumerate(items)]
+            start += len(items)
+            group_step(optimizer, group, items, inv, keys, compiled, state_dtype)
+
+
+def compensation(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s Kahan compensation buffer, or None."""
+    return optimizer.state.get(param, {}).get(COMPENSATION_KEY)

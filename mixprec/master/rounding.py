@@ -1,0 +1,98 @@
+"""Stochastic rounding into bf16, and the generator its random bits come from.
+
+Rounding an fp32 value to bf16 keeps the top 16 bits of its bit pattern. Stochastic rounding adds
+a uniformly random 16-bit integer to the pattern before dropping the low 16 bits: the magnitude
+rounds up with probability (dropped bits) / 2**16, which is exactly the value's distance to its
+lower neighbour over the gap between the two neighbours, so the expected result is the fp32 value
+itself (unbiased), whatever the size of the update. An update far below half an ulp, which
+round-to-nearest loses every time, moves the weight now and then by one ulp, as often as its size
+asks. inf and NaN pass unchanged.
+
+The random bits are a counter-based hash of (key, element index): the same function in eager code
+and inside a compiled kernel, so both give the same bits. The keys come from a
+``torch.Generator`` (one draw per tensor per step, :meth:`RoundingGenerator.keys`); its state is
+what a checkpoint saves, so a resumed run rounds exactly as the uninterrupted one, and a skipped
+step, which draws nothing, leaves it untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RoundingGenerator", "random16", "stochastic_round", "DEFAULT_SEED"]
+
+#: The seed a rounding generator starts from unless given one: the same in every process, so the
+#: replicas of a data-parallel run draw the same keys and stay bitwise equal.
+DEFAULT_SEED = 0x5EED
+
+# int32 arithmetic that wraps around (two's complement), in eager torch and in compiled kernels
+_GOLDEN = -0x61C8864F  # 0x9E3779B1 as int32: spreads consecutive indices over 32 bits
+_MIX = 0x45D9F3B
+_KEY_RANGE = 2 ** 31 - 1
+
+
+def random16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Uniform random integers in [0, 2**16), one per element of ``like``.
+
+    Args:
+        key: a 0-d int32 tensor (drawn from a :class:`RoundingGenerator`).
+        like: the tensor whose elements get a random number each (flat index order).
+
+    Returns:
+        An int32 tensor shaped as ``like``.
+    """
+    idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
+    x = idx * _GOLDEN + key
+    x = ((x >> 16) ^ x) * _MIX
+    x = ((x >> 16) ^ x) * _MIX
+    return ((x >> 16) ^ x) & 0xFFFF
+
+
+def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to bf16 with the random bits of ``key``.
+
+    The result holds exact bf16 values in an fp32 tensor's place, returned as bf16 (the final
+    conversion is exact). Works eagerly and under ``torch.compile``.
+    """
+    # finite patterns never overflow int32 here; inf/NaN are passed through by the where
+    bits = value.view(torch.int32) + random16(key, value)
+    rounded = (bits & -65536).view(torch.float32)
+    return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+
+
+class RoundingGenerator:
+    """Per-step keys for stochastic rounding, from a ``torch.Generator`` on the CPU.
+
+    Args:
+        seed: the generator's seed (default :data:`DEFAULT_SEED`, the same in every process).
+
+    Raises:
+        TypeError: ``seed`` is not an int.
+    """
+
+    def __init__(self, seed: int = DEFAULT_SEED):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int; got {seed!r}")
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def keys(self, count: int, salt: int = 0) -> list[torch.Tensor]:
+        """``count`` fresh 0-d int32 keys on the CPU (advances the generator; no host sync)."""
+        drawn = torch.randint(0, _KEY_RANGE, (max(count, 1),), generator=self.generator,
+                              dtype=torch.int32)
+        if salt:
+            drawn = drawn ^ salt
+        return list(drawn.unbind(0))[:count]
+
+    def state_dict(self) -> torch.Tensor:
+        """The generator's state (a uint8 CPU tensor)."""
+        return self.generator.get_state()
+
+    def load_state_dict(self, state: torch.Tensor) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            TypeError: ``state`` is not a uint8 tensor.
+        """
+        if not (torch.is_tensor(state) and state.dtype == torch.uint8):
+            raise TypeError(f"a rounding generator state is a uint8 tensor; got {state!r}")
+        self.generator.set_state(state.cpu())

@@ -1,0 +1,172 @@
+"""Low-precision optimizer moments: bf16 storage, fp32 arithmetic, stochastic rounding.
+
+With ``state_dtype="bf16"`` a master optimizer keeps every moment buffer (SGD's
+``momentum_buffer``, Adam's ``exp_avg``/``exp_avg_sq``, any floating state tensor shaped as its
+parameter) in bf16 between steps: 2 bytes per element instead of 4. The update itself runs in
+fp32: before the inner optimizer steps, the moments of the tensors it steps are widened to fp32
+copies; after it, they are written back to bf16.
+
+**Why the write-back rounds stochastically.** An exponential moving average in bf16 stops moving
+once its increment is below half an ulp of the state: Adam's ``exp_avg_sq`` with ``beta2=0.999``
+adds ``(1 - beta2) * g**2 - (1 - beta2) * v``, i.e. 0.1% of the gap between ``g**2`` and the
+state, while a bf16 ulp is 0.4-0.8% of the value. Rounded to nearest, the state freezes where it
+is (it neither decays when gradients shrink nor grows when they grow) and Adam's step size is
+silently wrong. Rounded stochastically (:mod:`mixprec.master.rounding`), every write-back is
+unbiased, so the bf16 state follows the fp32 one in expectation, with a noise of about an ulp.
+``bench/compact_states.py`` measures both.
+
+Loading a ``state_dict``: torch casts floating state to its parameter's dtype (an fp32 moment of
+a bf16 parameter would become bf16, a bf16 moment of an fp32 master fp32). :func:`register` keeps
+each saved moment in the dtype it was saved in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..dtypes import dtype_name, to_dtype
+from .rounding import RoundingGenerator, stochastic_round
+
+__all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "GENERATOR_KEY", "OWN_KEYS", "check_state_dtype",
+           "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
+           "restore_generator"]
+
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+#: The state key of a parameter's Kahan compensation buffer (not a moment: never cast).
+COMPENSATION_KEY = "compensation"
+#: The state key under which the rounding generator's state travels (in one parameter's entry,
+#: so torch's, DCP's and FSDP2's optimizer state dicts carry it like any other state).
+GENERATOR_KEY = "rounding_generator"
+#: State keys a master optimizer adds beside the inner optimizer's own.
+OWN_KEYS = (COMPENSATION_KEY, GENERATOR_KEY)
+
+
+def check_state_dtype(state_dtype) -> torch.dtype:
+    """The torch dtype of a ``state_dtype`` spec ("fp32", "bf16" or a torch dtype).
+
+    Raises:
+        ValueError: any other dtype.
+    """
+    dt = to_dtype(state_dtype, what="state_dtype")
+    if dt not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be 'fp32' or 'bf16'; got {dtype_name(dt)!r}")
+    return dt
+
+
+def _plain(value) -> bool:
+    """A plain (or DTensor) tensor; library subclasses (torchao's quantized states) are not
+    touched."""
+    return type(value) in (torch.Tensor, DTensor)
+
+
+def is_moment(key, value, param: torch.Tensor) -> bool:
+    """True for a floating state tensor shaped as ``param`` (not ``step``, not compensation)."""
+    return (key != "step" and key not in OWN_KEYS and _plain(value)
+            and value.is_floating_point() and value.shape == param.shape)
+
+
+def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
+                 rounding: RoundingGenerator | None = None) -> None:
+    """Store ``state``'s moments in ``dtype`` (bf16: rounded stochastically with ``rounding``'s
+    keys; otherwise an exact or nearest cast)."""
+    keys = [k for k, v in state.items() if is_moment(k, v, param) and v.dtype != dtype]
+    if not keys:
+        return
+    drawn = rounding.keys(len(keys), salt=1) if (rounding and dtype == torch.bfloat16) else None
+    with torch.no_grad():
+        for i, k in enumerate(keys):
+            value = state[k]
+            if drawn is not None and value.dtype == torch.float32:
+                state[k] = _map_local(value, lambda t: stochastic_round(
+                    t, drawn[i].to(t.device)))
+            else:
+                state[k] = value.to(dtype)
+
+
+def _map_local(value: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` of a tensor, or of a DTensor's local shard (re-wrapped with its placements)."""
+    if not isinstance(value, DTensor):
+        return fn(value)
+    return DTensor.from_local(fn(value.to_local()), value.device_mesh, value.placements,
+                              shape=value.shape, stride=value.stride())
+
+
+@contextlib.contextmanager
+def fp32_moments(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tensor],
+                 dtype: torch.dtype, rounding: RoundingGenerator) -> Iterator[None]:
+    """Inside the block the moments of ``tensors`` (keys of ``optimizer.state``) are fp32; after
+    it they are stored in ``dtype`` again, new moments included. Nothing happens for fp32."""
+    tensors = list(tensors)
+    if dtype == torch.float32:
+        yield
+        return
+    for t in tensors:
+        if t in optimizer.state:
+            cast_moments(optimizer.state[t], t, torch.float32)
+    try:
+        yield
+    finally:
+        for t in tensors:
+            if t in optimizer.state:
+                cast_moments(optimizer.state[t], t, dtype, rounding)
+
+
+# -- state_dict: moments keep the dtype they were saved in ---------------------------------------
+def register(optimizer) -> None:
+    """Install the load hooks that keep saved moments (and compensation) in their saved dtype."""
+    optimizer.register_load_state_dict_pre_hook(_stash)
+    optimizer.register_load_state_dict_post_hook(_restore)
+
+
+def _stash(optimizer, state_dict: Mapping) -> None:
+    optimizer._incoming_state = (state_dict.get("state"), state_dict.get("param_groups"))
+
+
+def _restore(optimizer) -> None:
+    saved, groups = getattr(optimizer, "_incoming_state", (None, None))
+    optimizer._incoming_state = (None, None)
+    if not saved or not groups:
+        return
+    ids = itertools.chain.from_iterable(g["params"] for g in groups)
+    params = itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    with torch.no_grad():
+        for index, param in zip(ids, params):
+            entry, state = saved.get(index), optimizer.state.get(param)
+            if not entry or not state:
+                continue
+            for key, value in entry.items():
+                now = state.get(key)
+                if (torch.is_tensor(now) and _plain(value) and key != "step"
+                        and now.dtype != value.dtype):
+                    state[key] = value.to(device=now.device)
+
+
+# -- the rounding generator in the state ---------------------------------------------------------
+def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
+    """Put the generator's state into the first state entry that holds the inner optimizer's own
+    state (an entry of ours alone would make torch's optimizers skip their state set-up)."""
+    anchor = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            state.pop(GENERATOR_KEY, None)
+            if anchor is None and any(k not in OWN_KEYS for k in state):
+                anchor = state
+    if anchor is not None:
+        anchor[GENERATOR_KEY] = rounding.state_dict()
+
+
+def restore_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
+    """Load the generator state found in ``optimizer.state`` (after ``load_state_dict``)."""
+    for state in optimizer.state.values():
+        saved = state.get(GENERATOR_KEY)
+        if saved is not None:
+            rounding.load_state_dict(saved.to(torch.uint8))
+            return

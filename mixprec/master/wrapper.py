@@ -1,0 +1,255 @@
+"""What every mixprec master optimizer shares: wrapping a torch optimizer and stepping it.
+
+A master optimizer (:class:`mixprec.MasterWeightOptimizer` with fp32 masters,
+:class:`mixprec.master.CompactMasterOptimizer` with Kahan-compensated or stochastically rounded
+16-bit weights) wraps a torch optimizer, shares its ``param_groups`` and ``state`` (so LR
+schedulers and hooks work as for any torch optimizer), steps it itself, and refuses to be stepped
+by ``torch.amp.GradScaler`` or to have its inner optimizer stepped directly: both would bypass
+the loss-scaler protocol (:mod:`mixprec.scaling.protocol`) the master step implements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .buckets import Scratch, is_per_parameter, make_buckets
+
+__all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
+           "check_inner", "stale_fp16_error"]
+
+_FUSED = ("auto", "compile", False)
+
+
+def is_wrapped(optimizer: Any) -> bool:
+    """True for any mixprec master optimizer (fp32 masters or compact ones)."""
+    return isinstance(optimizer, WrappedOptimizer)
+
+
+def check_inner(optimizer, wrapper_type: type) -> None:
+    """Refuse what can't be wrapped: a wrapper already, or not a torch optimizer.
+
+    Raises:
+        ValueError: ``optimizer`` is already a mixprec master optimizer.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+    if isinstance(optimizer, WrappedOptimizer):
+        raise ValueError(
+            f"optimizer is already a {type(optimizer).__name__} (around "
+            f"{type(optimizer.inner).__name__}); wrap the plain torch optimizer only once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer, e.g. "
+            f"torch.optim.SGD(model.parameters(), lr=0.1); got {type(optimizer).__name__}")
+
+
+def check_bucket_mb(bucket_mb) -> None:
+    """Raise ValueError unless ``bucket_mb`` is None or a positive number."""
+    if bucket_mb is not None and not (isinstance(bucket_mb, (int, float))
+                                      and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be None or a positive number; got {bucket_mb!r}")
+
+
+def check_grad_scale(grad_scale) -> None:
+    """Raise TypeError unless ``grad_scale`` is a 0-d floating tensor."""
+    if not (isinstance(grad_scale, torch.Tensor) and grad_scale.dim() == 0
+            and grad_scale.is_floating_point()):
+        raise TypeError(f"grad_scale must be a 0-d floating tensor (the factor the gradients "
+                        f"carry) or None; got {grad_scale!r}")
+
+
+def not_ours(tensor: torch.Tensor, owner: str) -> str:
+    """The message for a tensor that is not one of ``owner``'s parameters."""
+    return (f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is not a parameter (or master) "
+            f"of this {owner}")
+
+
+def stale_fp16_error(count: int, shape) -> RuntimeError:
+    """fp16 model gradients changed after their fp32 gradients were made. After
+    ``unscale_grads_`` the model's fp16 gradients hold the unscaled values, where fp16 loses what
+    lies below its smallest normal (6.1e-05); the step would take a change from them and lose
+    those values (bf16 has fp32's range: its changes are taken)."""
+    return RuntimeError(
+        f"the fp16 gradients of {count} model parameter(s) (e.g. shape {tuple(shape)}) changed "
+        "after their fp32 master gradients were made (scaler.unscale_(optimizer)), e.g. by "
+        "clip_grad_norm_(model.parameters(), ...). Unscaled in fp16, gradients below 6.1e-05 "
+        "lose precision or vanish, so the step can't take that change exactly. Clip with "
+        "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's parameters (their "
+        "fp32 gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
+        "g['params']], max_norm); in bf16 clipping the model's parameters works")
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Base of the master optimizers: the inner optimizer, its shared groups and state, the
+    ``fused`` and ``bucket_mb`` options, buckets, and the refusals (see the module docstring).
+
+    Subclasses call :meth:`_adopt` once the inner optimizer's groups hold what it steps, and
+    define ``_check_fused``, ``_rebuild`` and ``_model_side``.
+    """
+
+    _set_up = False  # False while torch's Optimizer.__init__ registers the groups
+    # torch.amp.GradScaler then hands over grad_scale/found_inf instead of stepping blindly,
+    # and step() refuses it with a message (see _refuse_torch_grad_scaler)
+    _step_supports_amp_scaling = True
+
+    def _adopt(self, optimizer: torch.optim.Optimizer, bucket_mb, fused) -> None:
+        # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups and
+        # state so both objects see one truth
+        super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._set_up = True
+        optimizer.register_step_pre_hook(self._refuse_direct_step)
+        self._stepping_inner = False
+        self.scratch = Scratch()
+        self._bucket_mb = bucket_mb
+        self._rebuild()
+        self._fused: bool | str = False
+        self.fused = fused
+
+    # -- configuration -------------------------------------------------------------------------
+    @property
+    def fused(self) -> bool | str:
+        """The update kernel: ``"auto"``, ``"compile"`` or ``False`` (see the class docstring)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool | str) -> None:
+        if not any(value is v or (isinstance(value, str) and value == v) for v in _FUSED):
+            raise ValueError(f"fused must be 'auto', 'compile' or False; got {value!r}")
+        self._check_fused(value)
+        self._fused = value
+
+    def _check_fused(self, value) -> None:
+        """Raise ValueError when ``value`` can't run this optimizer."""
+
+    @property
+    def bucket_mb(self) -> float | None:
+        """MiB of fp32 gradients per bucket (per-parameter optimizers; None: automatic)."""
+        return self._bucket_mb
+
+    @bucket_mb.setter
+    def bucket_mb(self, value: float | None) -> None:
+        check_bucket_mb(value)
+        self._bucket_mb = value
+        self._rebuild()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
+            self.inner.register_step_pre_hook(self._refuse_direct_step)  # its hooks
+
+    # -- buckets and bookkeeping ---------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Recompute what depends on the param groups (subclasses add to it)."""
+        held = [p for g in self.param_groups for p in g["params"]]
+        self._held = {id(p) for p in held}
+        self._model_params = list({id(m): m for m in (self._model_side(p)
+                                                        for p in held)}.values())
+        self._buckets = make_buckets(self.param_groups, self._bucket_mb,
+                                     is_per_parameter(self.inner))
+
+    @staticmethod
+    def _model_side(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def buckets(self) -> list[list[list[torch.Tensor]]]:
+        """The buckets ``step()`` walks: per bucket, per param group, its tensors."""
+        return self._buckets
+
+    @property
+    def per_parameter(self) -> bool:
+        """True when the inner optimizer is stepped a bucket at a time (see the class doc)."""
+        return is_per_parameter(self.inner)
+
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._held
+
+    def inner_step(self, closure=None) -> Any:
+        """Run the inner optimizer's ``step`` (only the step paths call this)."""
+        self._stepping_inner = True
+        try:
+            return self.inner.step() if closure is None else self.inner.step(closure)
+        finally:
+            self._stepping_inner = False
+
+    @contextlib.contextmanager
+    def only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
+        """Inside the block, each param group holds only its tensors of ``bucket``."""
+        saved = [group["params"] for group in self.param_groups]
+        try:
+            for group, tensors in zip(self.param_groups, bucket):
+                group["params"] = tensors
+            yield
+        finally:
+            for group, params in zip(self.param_groups, saved):
+                group["params"] = params
+
+    # -- refusals ------------------------------------------------------------------------------
+    def _refuse_torch_grad_scaler(self) -> None:
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            raise RuntimeError(
+                f"a {type(self).__name__} can't be driven by torch.amp.GradScaler: the "
+                "gradients its step reads are not the ones in its param_groups, so GradScaler "
+                "would unscale and check the wrong tensors. Use mixprec's scalers, which take "
+                "the same calls: scaler = mp.DynamicLossScaler() (or mp.make_loss_scaler("
+                "'auto', policy)); scaler.scale(loss).backward(); scaler.step(optimizer); "
+                "scaler.update()")
+
+    def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
+        if not self._stepping_inner:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} was wrapped in a {type(self).__name__} (by "
+                "mixprec.prepare at level O2, or directly): only the wrapper steps its "
+                "param_groups and writes the model's 16-bit weights. Call step() and "
+                "zero_grad() on the optimizer prepare returned: "
+                "model, optimizer = mp.prepare(model, optimizer, level='O2')")
+
+    # -- gradients -----------------------------------------------------------------------------
+    def drop_master_grads(self) -> None:
+        """Drop the fp32 gradients made for the step (a scaler that skips a step calls this)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model parameters' gradients and drop the fp32 ones made from them.
+
+        Args:
+            set_to_none: set the model's ``.grad`` to None (default) instead of zeroing it.
+        """
+        self.drop_master_grads()
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in self._model_params:
+            g = p.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
+            grads.setdefault((g.device, g.dtype), []).append(g)
+        with torch.no_grad():
+            for same in grads.values():
+                torch._foreach_zero_(same)
+
+    def _check_new_group(self, param_group) -> tuple[dict, list]:
+        """Validate a param group for :meth:`add_param_group`; return it (a copy) and its
+        parameters."""
+        if not isinstance(param_group, Mapping):
+            raise TypeError("param_group must be a dict with a 'params' entry; got "
+                            f"{type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError(f"param_group needs a 'params' entry; got keys {sorted(param_group)}")
+        group = dict(param_group)
+        params = group["params"]
+        if isinstance(params, set):
+            raise TypeError("param_group['params'] must be an ordered sequence, not a set")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in known for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        return group, params

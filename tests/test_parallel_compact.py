@@ -1,0 +1,58 @@
+"""Compact masters (Kahan, stochastic rounding) with bf16 moments under DDP and FSDP2, 2 gloo ranks.
+
+DDP replicas step identical all-reduced gradients with the same rounding keys, so they agree
+bitwise and match one process at the same global batch within the tolerances of O2 (1e-2, see
+parallel_cases.TOLERANCE): batch splitting changes the 16-bit rounding of the forward. FSDP2
+shards are 16-bit and each rank rounds its own shard (keys salted by rank), so FSDP matches one
+process within those tolerances too; its fp32 state dict (weight + compensation, gathered) is
+the same on both ranks. A resumed FSDP run (DCP directory: compensation and moments sharded,
+the rounding generator in the optimizer's state) equals the uninterrupted one bitwise.
+"""
+
+import pytest
+import torch.distributed as dist
+from parallel_cases import TOLERANCE, fit, launch, max_diff, resume_case
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings(
+                  r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="needs torch.distributed with gloo")]
+
+CASES = [("kahan", "bf16"), ("stochastic", "bf16")]
+
+
+def _all_cases(rank, out):
+    results = {}
+    for master, state_dtype in CASES:
+        for strategy in ("ddp", "fsdp"):
+            results[(strategy, master)] = fit(strategy, "O2", world=2, adam=True, master=master,
+                                              state_dtype=state_dtype)
+        results[("resume", "fsdp", master)] = resume_case(
+            rank, out, "fsdp", "O2", name=f"fsdp-{master}.ckpt", adam=True, master=master,
+            state_dtype=state_dtype)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(_all_cases, tmp_path_factory.mktemp("compact"), timeout=300.0)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("master,state_dtype", CASES)
+def test_two_ranks_match_one_process(ranks, strategy, master, state_dtype):
+    single = fit("single", "O2", adam=True, master=master, state_dtype=state_dtype)
+    a, b = (r[(strategy, master)] for r in ranks)
+    assert max_diff(a["weights"], b["weights"]) == 0  # every rank holds the same fp32 weights
+    assert a["loss"] == b["loss"]
+    assert max_diff(a["weights"], single["weights"]) <= TOLERANCE["O2"]
+    assert a["eval"]["loss"] == pytest.approx(single["eval"]["loss"], abs=TOLERANCE["O2"])
+
+
+@pytest.mark.parametrize("master,state_dtype", CASES)
+def test_fsdp_resume_from_a_dcp_directory_is_bitwise(ranks, master, state_dtype):
+    for r in ranks:
+        got = r[("resume", "fsdp", master)]
+        assert got["stopped_at"] == 6 and got["steps"] == 8
+        assert got["equal"] and got["loss_equal"]
