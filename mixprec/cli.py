@@ -22,6 +22,7 @@ COMMANDS = (
     "bench",
     "demo",
     "plan",
+    "advise",
 )
 
 

@@ -115,6 +115,8 @@ class Trainer:
             :class:`LossMonitor` print on rank 0 only. See :mod:`mixprec.training.strategy`.
         reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
             "bf16" or "fp16" (half the traffic).
+        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`);
+            the names chosen are in ``trainer.policy.fp8_modules``.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
@@ -149,9 +151,11 @@ class Trainer:
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
-                 reduce_dtype: Any = "fp32", policy: Policy | None = None):
+                 reduce_dtype: Any = "fp32", policy: Policy | None = None,
+                 fp8: str | None = None, fp8_modules=None):
         _check_options(grad_accum_steps, max_grad_norm, loss_fn)
-        self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy)
+        self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy, fp8=fp8,
+                                     fp8_modules=fp8_modules)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
@@ -160,7 +164,7 @@ class Trainer:
         self.device = _check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(
-            model, optimizer, self.engine.resolve_policy(self.device))
+            model, optimizer, self.engine.resolve_policy(self.device, model))
         self.engine.adopt(self.strategy.unwrap(self.model))
         self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = self.engine.scaler
