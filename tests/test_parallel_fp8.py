@@ -109,8 +109,23 @@ def resume(rank, out, strategy):
             "loss_equal": whole.history.loss == second.history.loss}
 
 
+def fsdp_direct(rank):
+    """``mp.parallel.fsdp(..., fp8=, fp8_modules=callable)``: names resolved and recorded."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mp.parallel.fsdp(model, opt, level="O2", dtype="bf16", fp8="rowwise",
+                                  fp8_modules=lambda module, name: name.endswith("fc"))
+    x, y = next(iter(loader(4)))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return {"fp8": mp.fp8_modules(model), "policy": mp.policy_of(model).fp8_modules,
+            "types": {type(p._local_tensor).__name__ for p in model.parameters()}}
+
+
 def suite(rank, out):
     return {"ddp": fit("ddp", WORLD), "fsdp": fit("fsdp", WORLD), "grads": ddp_grads(rank),
+            "direct": fsdp_direct(rank),
             "resume_ddp": resume(rank, out, "ddp"), "resume_fsdp": resume(rank, out, "fsdp")}
 
 
@@ -161,3 +176,9 @@ def test_fsdp_all_gathers_the_fp8_weights_in_fp8(ranks):
 def test_resume_is_bitwise(ranks, strategy):
     for r in ranks:
         assert r[f"resume_{strategy}"] == {"equal": True, "loss_equal": True}
+
+
+def test_fsdp_takes_fp8_arguments_and_a_callable(ranks):
+    for r in ranks:
+        assert r["direct"]["fp8"] == CHOSEN and r["direct"]["policy"] == tuple(CHOSEN)
+        assert r["direct"]["types"] == {"Tensor"}  # rowwise: gathered in bf16, cast after
