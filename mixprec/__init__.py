@@ -5,11 +5,13 @@ and numerics diagnostics. ``import mixprec as mp``.
 """
 
 from . import debug, formats, parallel
+from .advisor import Advice, advise
 from .autocast import autocast
 from .casting import to_float
 from .emulation import emulate_fp16
 from .engine import MixedPrecision
 from .footprint import bytes_per_parameter
+from .fp8 import fp8_modules
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
@@ -23,7 +25,15 @@ from .scaling import (
                       make_loss_scaler,
 )
 from .statedict import fp32_state_dict
-from .training import Accuracy, Callback, History, LossMonitor, ModelCheckpoint, Trainer
+from .training import (
+                       Accuracy,
+                       Callback,
+                       FP8Monitor,
+                       History,
+                       LossMonitor,
+                       ModelCheckpoint,
+                       Trainer,
+)
 
 __version__ = "0.2.0"
 
@@ -39,6 +49,7 @@ __all__ = [
     "policy_of",
     "MixedPrecision",
     "to_float",
+    "fp8_modules",
     # autocast with custom op lists
     "autocast",
     "op_lists",
@@ -59,9 +70,12 @@ __all__ = [
     "History",
     "Callback",
     "LossMonitor",
+    "FP8Monitor",
     "ModelCheckpoint",
     "Accuracy",
     # numerics
+    "advise",
+    "Advice",
     "formats",
     "debug",
     "emulate_fp16",

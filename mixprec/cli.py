@@ -28,6 +28,7 @@ COMMANDS = (
     "bench",
     "demo",
     "plan",
+    "advise",
 )
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import hardware
+from .fp8.choice import split_spec, with_modules
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
@@ -68,6 +69,7 @@ class MixedPrecision:
         emulate_fp16: see :class:`mixprec.autocast`.
         master, state_dtype: how 16-bit parameters are updated and the optimizer moments'
             dtype (see :func:`mixprec.prepare`); None: the policy's.
+        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
 
     Attributes:
         policy: the resolved :class:`mixprec.Policy` (None until ``dtype="auto"`` is resolved
@@ -81,7 +83,8 @@ class MixedPrecision:
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
                  policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
-                 fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None):
+                 fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
+                 fp8: str | None = None, fp8_modules=None):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         if policy is not None and (level != "O1" or not (isinstance(dtype, str)
@@ -90,6 +93,10 @@ class MixedPrecision:
                              f"{policy} with level={level!r}, dtype={dtype!r}")
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
+        Policy(fp8=fp8)  # validate the recipe now
+        self._fp8 = fp8
+        self._fp8_names, self._fp8_filter = split_spec(fp8 or getattr(policy, "fp8", None),
+                                                       fp8_modules)
         self._level, self._dtype, self._keep = level, dtype, keep_fp32
         self._compact = {"master": master, "state_dtype": state_dtype}
         self._ops = dict(low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
@@ -109,7 +116,8 @@ class MixedPrecision:
     def _resolve(self, device) -> Policy:
         if self.policy is None:
             policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
-                                    warn=device is not None, **self._compact)
+                                    warn=device is not None, fp8=self._fp8,
+                                    fp8_modules=self._fp8_names, **self._compact)
             self.scaler = make_loss_scaler(self._loss_scale, dtype=policy)
             self.policy = policy
         elif device is not None:
@@ -135,7 +143,8 @@ class MixedPrecision:
         if not isinstance(model, nn.Module):
             raise TypeError(f"setup expects an nn.Module as model; got {type(model).__name__}")
         policy = self._resolve(module_device(model))
-        model, opts = prepare_many(model, list(optimizers), policy, **self._ops)
+        model, opts = prepare_many(model, list(optimizers), policy, fp8_filter=self._fp8_filter,
+                                   **self._ops)
         self.adopt(model)
         return model if not opts else (model, *opts)
 
@@ -156,10 +165,11 @@ class MixedPrecision:
         self.scaler.attach(model)
         self.models.append(model)
 
-    def resolve_policy(self, device) -> Policy:
+    def resolve_policy(self, device, model: nn.Module | None = None) -> Policy:
         """The run's policy, resolving ``dtype="auto"`` on ``device`` (what a strategy
-        prepares the model with)."""
-        return self._resolve(device)
+        prepares the model with); with ``model``, its FP8 layers chosen by name for it."""
+        policy = self._resolve(device)
+        return policy if model is None else with_modules(policy, model, self._fp8_filter)
 
     # -- the step --------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -304,6 +314,8 @@ def check_policy(saved: dict | None, policy: Policy | None, where: str = "this c
 
 
 def _same_apart_from_marks(prepared: Policy, policy: Policy) -> bool:
-    """A prepared model's policy records the model's to_float marks as overrides."""
-    return dataclasses.replace(prepared, overrides=()) == dataclasses.replace(policy,
-                                                                              overrides=())
+    """A prepared model's policy records the model's to_float marks as overrides, and the
+    names of the FP8 layers chosen for it when the run left the choice to prepare."""
+    names = prepared.fp8_modules if policy.fp8_modules is None else policy.fp8_modules
+    return (dataclasses.replace(prepared, overrides=())
+            == dataclasses.replace(policy, overrides=(), fp8_modules=names))

@@ -37,6 +37,8 @@ from .casting import (
     to_float,
 )
 from .dtypes import dtype_name
+from .fp8 import choice as fp8_choice
+from .fp8.convert import convert as convert_fp8
 from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
 from .master.wrapper import WrappedOptimizer
 from .oplists import warn_unreachable
@@ -164,10 +166,11 @@ def _check_one_of(policy, level, dtype) -> None:
 
 
 def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True, master=None,
-                   state_dtype=None) -> Policy:
+                   state_dtype=None, fp8=None, fp8_modules=None) -> Policy:
     """The policy ``prepare`` uses: ``policy``, or the level's on ``device`` (resolving
-    ``dtype="auto"`` there; ``warn``: about a dtype slow there), with ``keep_fp32`` added and
-    ``master``/``state_dtype`` set when given (they need a master-weight policy)."""
+    ``dtype="auto"`` there; ``warn``: about a dtype slow there), with ``keep_fp32`` added,
+    ``master``/``state_dtype`` set when given (they need a master-weight policy), and ``fp8`` /
+    ``fp8_modules`` (names) set."""
     if policy is not None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
@@ -180,15 +183,28 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
                if v is not None}
     if compact:
         policy = dataclasses.replace(policy, **compact)
-    if policy.fp8 is not None:
-        raise NotImplementedError(f"{policy}: FP8 layers are not in this version of mixprec")
+    policy = _with_fp8(policy, fp8, fp8_modules)
+    return policy
+
+
+def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
+    """``policy`` with the ``fp8=`` / ``fp8_modules=`` (names) arguments of ``prepare``."""
+    if fp8 is not None:
+        if policy.fp8 is not None and policy.fp8 != fp8:
+            raise ValueError(f"fp8={fp8!r} disagrees with the policy's fp8={policy.fp8!r}")
+        policy = dataclasses.replace(policy, fp8=fp8)
+    if fp8_modules is not None:
+        policy = dataclasses.replace(policy, fp8_modules=fp8_modules)
+    if policy.fp8_modules is not None and policy.fp8 is None:
+        raise ValueError("fp8_modules chooses the layers that run in FP8: it needs fp8= "
+                         "('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
     return policy
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O1",
             dtype: Any = "auto", keep_fp32=None, policy: Policy | None = None,
             low_precision_ops=(), fp32_ops=(), emulate_fp16="auto", master: str | None = None,
-            state_dtype=None):
+            state_dtype=None, fp8: str | None = None, fp8_modules=None):
     """Set a model (and its optimizer) up for a precision level or policy.
 
     * O0: nothing changes (fp32).
@@ -202,6 +218,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
       the optimizer is wrapped in :class:`mixprec.MasterWeightOptimizer` with fp32 masters taken
       from the original weights.
     * O3: everything low precision, norms included; no autocast, no master weights.
+    * ``fp8=``, with any level: the GEMMs of chosen ``nn.Linear`` layers (and Hugging Face
+      ``Conv1D`` layers) run in FP8 through torchao (``pip install mixprec[fp8]``): their
+      inputs, weights and output gradients are cast to FP8 with dynamic scales, the output
+      comes back in the layer's compute dtype; everything else follows the level. The default
+      choice keeps the first and last Linear, and layers whose dimensions are not multiples of
+      16, in 16 bits (see :mod:`mixprec.fp8.choice`); ``mp.fp8_modules(model)`` lists the
+      converted layers, and ``mp.policy_of(model).fp8_modules`` records their names.
 
     ``policy=mp.Policy(...)`` sets every one of these choices directly instead (see
     :class:`mixprec.Policy`). Integer buffers are never cast; a tied parameter is cast once;
@@ -226,6 +249,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             both :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype of the optimizer's moment buffers
             under a master-weight policy; None: the policy's.
+        fp8: None, or the FP8 recipe of the chosen layers: "tensorwise" (one scale per tensor),
+            "rowwise" (one per row), "rowwise_gw_hp" (rowwise; the weight gradient's GEMM in
+            high precision).
+        fp8_modules: None (the default choice), a list of qualified module names, or a callable
+            ``(module, name) -> bool`` choosing among the layers that can take FP8.
 
     Returns:
         ``model``, or ``(model, optimizer)`` when an optimizer is given.
@@ -235,8 +263,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             ``keep_fp32``.
         ValueError: an unknown level, dtype or op name; an optimizer holding foreign tensors;
             ``keep_fp32`` names that match no module; a ``to_float`` mark in another 16-bit
-            format than the policy's; a model on the meta device; ``policy`` with ``level``.
-        RuntimeError: the model was already prepared.
+            format than the policy's; a model on the meta device; ``policy`` with ``level``;
+            ``fp8_modules`` naming a layer that cannot take FP8 (the reason is given).
+        RuntimeError: the model was already prepared; FP8 on a GPU older than sm89.
+        ImportError: ``fp8`` without torchao installed (``pip install mixprec[fp8]``).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
@@ -248,19 +278,22 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
     _check_one_of(policy, level, dtype)
+    names, chooser = fp8_choice.split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     model, optimizers = prepare_many(
         model, [] if optimizer is None else [optimizer],
         resolve_policy(level, dtype, keep_fp32, policy, module_device(model), master=master,
-                       state_dtype=state_dtype),
-        low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, emulate_fp16=emulate_fp16)
+                       state_dtype=state_dtype, fp8=fp8, fp8_modules=names),
+        low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, emulate_fp16=emulate_fp16,
+        fp8_filter=chooser)
     return model if optimizer is None else (model, optimizers[0])
 
 
 def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_precision_ops=(),
-                 fp32_ops=(), emulate_fp16="auto") -> tuple[nn.Module, list]:
+                 fp32_ops=(), emulate_fp16="auto", fp8_filter=None) -> tuple[nn.Module, list]:
     """:func:`prepare` for a resolved ``policy`` and any number of optimizers over ``model``
     (disjoint parameter sets; each is wrapped at a master-weight policy). What
-    :class:`mixprec.MixedPrecision` and the strategies call."""
+    :class:`mixprec.MixedPrecision` and the strategies call. ``fp8_filter``: the callable
+    ``fp8_modules`` of :func:`prepare` (the policy holds names only)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
     if policy_of(model) is not None:
@@ -272,6 +305,8 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     for optimizer in optimizers:
         _check_optimizer(model, optimizer)
         _check_fp16_state(optimizer, policy)
+    policy = fp8_choice.with_modules(policy, model, fp8_filter)  # names, recorded below
+    convert_fp8(model, policy)
     device_type = module_device(model).type
     context = _policy_context(policy, device_type, low_precision_ops, fp32_ops, emulate_fp16)
     warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=4)  # names op lists miss

@@ -16,6 +16,11 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   sharding units of their own, gathered in fp32, so they still compute in fp32.
 * O3: 16-bit shards, 16-bit compute.
 
+FP8 layers (``fp8=``): with the tensorwise recipe, their weights are all-gathered in FP8
+(torchao's float8 all-gather: each fp32 or 16-bit shard is cast to FP8 with one scale for the
+whole weight, then gathered at one byte per value); rowwise recipes gather in the policy's
+dtype and cast after.
+
 Gradients are reduce-scattered in ``reduce_dtype`` (fp32 by default at every level) and averaged
 over the ranks. Sharding units: every module held in an ``nn.ModuleList`` (transformer blocks)
 plus the root, or the ``units`` you name.
@@ -30,6 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..fp8 import all_gather_in_fp8
+from ..fp8.choice import split_spec
 from ..master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
@@ -123,7 +130,8 @@ def _policies(policy, reduce_dtype: torch.dtype):
 
 def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
-         mesh=None, keep_fp32=None, policy: Policy | None = None):
+         mesh=None, keep_fp32=None, policy: Policy | None = None, fp8: str | None = None,
+         fp8_modules=None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -150,6 +158,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
 
     Returns:
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
@@ -175,7 +184,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     unit_names = _unit_names(model, units)
     env.require_group("mp.parallel.fsdp")
     originals = {p: p.data for p in model.parameters()}
-    prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model)))
+    fp8_names, chooser = split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
+    prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model),
+                                           fp8=fp8, fp8_modules=fp8_names), fp8_filter=chooser)
     policy = policy_of(model)
     kept_units: list[str] = []
     if policy.master_weights:
@@ -184,6 +195,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
             if policy.master == "fp32":    # (compact masters keep 16-bit shards)
                 p.data = data
     del originals
+    all_gather_in_fp8(model)
     if mesh is None:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         mesh = init_device_mesh(dev.type, (env.world_size(),))

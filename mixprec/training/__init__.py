@@ -6,10 +6,11 @@
 * :mod:`.history`, :mod:`.callbacks`, :mod:`.metrics`.
 """
 
-from .callbacks import Callback, LossMonitor, ModelCheckpoint, ProgressBar
+from .callbacks import Callback, FP8Monitor, LossMonitor, ModelCheckpoint, ProgressBar
 from .history import History
 from .metrics import Accuracy, MeanAbsoluteError, Metric, make_metrics
 from .trainer import Trainer
 
 __all__ = ["Trainer", "History", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar",
+           "FP8Monitor",
            "Metric", "Accuracy", "MeanAbsoluteError", "make_metrics"]

@@ -1,4 +1,5 @@
-"""Callbacks of :class:`mixprec.Trainer`: a loss monitor, checkpointing and the progress bar.
+"""Callbacks of :class:`mixprec.Trainer`: a loss monitor, checkpointing, the progress bar, and
+a monitor of FP8 layers' ranges.
 
 A callback overrides any of the hooks of :class:`Callback`. ``logs`` of ``on_step_end`` is a dict
 with ``epoch`` (1-based), ``step`` (optimizer steps so far, skipped ones included),
@@ -17,15 +18,17 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..debug.fp8stats import FP8RangeWarning, FP8Stats, fp8_stats
 from ..parallel import is_main_process
 
-__all__ = ["Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar"]
+__all__ = ["Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar", "FP8Monitor"]
 
 
 class Callback:
@@ -164,3 +167,57 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class FP8Monitor(Callback):
+    """Warn when an FP8 layer's tensors saturate or flush to zero beyond a limit.
+
+    From the start of ``fit`` it records :func:`mixprec.debug.fp8_stats` on the trainer's model
+    (on the device: no host sync per step). Every ``every_n_steps`` optimizer steps, and at the
+    end of ``fit``, it reads them (one host sync per FP8 layer), issues one
+    :class:`mixprec.debug.FP8RangeWarning` listing every layer and tensor (input, weight, output
+    gradient) whose fraction of saturated or flushed-to-zero values, averaged over the steps
+    since the last check, crossed its limit, and starts a new window. Under ddp/fsdp each rank
+    checks its own layers.
+
+    Args:
+        every_n_steps: steps between checks.
+        max_saturated: the largest fraction of saturated (or inf/NaN) values.
+        max_underflow: the largest fraction of nonzero values flushed to zero.
+
+    Attributes:
+        stats: the :class:`mixprec.debug.FP8Stats` recording (None before ``fit``).
+        alerts: every line warned so far, with the step it was found at.
+    """
+
+    def __init__(self, every_n_steps: int = 100, max_saturated: float = 1e-4,
+                 max_underflow: float = 0.01):
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an integer >= 1; got {every_n_steps!r}")
+        for name, value in (("max_saturated", max_saturated), ("max_underflow", max_underflow)):
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be a fraction in [0, 1]; got {value!r}")
+        self.every_n_steps = every_n_steps
+        self.max_saturated, self.max_underflow = max_saturated, max_underflow
+        self.stats: FP8Stats | None = None
+        self.alerts: list[tuple[int, str]] = []
+
+    def on_fit_begin(self, trainer) -> None:
+        self.stats = fp8_stats(trainer.model)
+
+    def on_step_end(self, trainer, logs: dict) -> None:
+        if logs["step"] % self.every_n_steps == 0:
+            self._check(trainer.global_step)
+
+    def on_fit_end(self, trainer) -> None:
+        if self.stats is not None:
+            self._check(trainer.global_step)
+            self.stats.close()
+
+    def _check(self, step: int) -> None:
+        lines = self.stats.alerts(self.max_saturated, self.max_underflow)
+        self.stats.reset()
+        if lines:
+            self.alerts += [(step, line) for line in lines]
+            warnings.warn(f"FP8 ranges at step {step}:\n  " + "\n  ".join(lines),
+                          FP8RangeWarning, stacklevel=2)

@@ -77,6 +77,8 @@ class Trainer:
         master, state_dtype: at O2, how 16-bit weights keep small updates ("fp32" masters,
             "kahan", "stochastic") and the optimizer moments' dtype ("fp32", "bf16"); see
             :func:`mixprec.prepare`. None: the policy's.
+        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`);
+            the names chosen are in ``trainer.policy.fp8_modules``.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
@@ -112,10 +114,12 @@ class Trainer:
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None,
-                 master: str | None = None, state_dtype=None):
+                 master: str | None = None, state_dtype=None, fp8: str | None = None,
+                 fp8_modules=None):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy,
-                                     master=master, state_dtype=state_dtype)
+                                     master=master, state_dtype=state_dtype, fp8=fp8,
+                                     fp8_modules=fp8_modules)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
@@ -124,7 +128,7 @@ class Trainer:
         self.device = check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(
-            model, optimizer, self.engine.resolve_policy(self.device))
+            model, optimizer, self.engine.resolve_policy(self.device, model))
         self.engine.adopt(self.strategy.unwrap(self.model))
         self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = self.engine.scaler

@@ -1,0 +1,243 @@
+"""``Advice``: which layers can take which format, why not, and the policy that follows.
+
+A layer is *unsafe* in a format when a measurement says so (see :class:`Thresholds`): values
+that leave the format's range (overflow: beyond its largest value; underflow: nonzero values
+flushed to zero), or an output or weight-gradient error well above what the format's rounding
+gives an ordinary layer. Each unsafe layer carries its reasons. The sensitivity a table sorts
+by is the loss change the layer causes alone in the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..policy import Policy
+from .measure import FORMATS, Measurement
+from .report import format_table, plot_advice
+
+__all__ = ["Thresholds", "LayerAdvice", "Advice"]
+
+_FP32 = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """When a measurement makes a layer unsafe in a format.
+
+    Attributes:
+        max_overflow: fraction of values beyond the format's range (16-bit: beyond its largest
+            finite value; FP8: saturated after the dynamic scale), inf/NaN included.
+        max_underflow: fraction of nonzero values flushed to zero (16-bit: inputs, outputs,
+            and gradients at the loss scale; FP8: inputs, weights and output gradients after
+            their dynamic scales).
+        max_out_error: per format, the largest relative output error
+            ``||y_fmt - y|| / ||y||``.
+        max_grad_error: per format, the largest relative weight-gradient error.
+
+    The limits sit well above what the formats' rounding gives ordinary layers, so a layer is
+    flagged for what sets it apart: output errors measure ~0.3% in bf16, ~0.04% in fp16 and
+    ~2-4% in FP8 e4m3 (Hugging Face's GPT-2, a trained small transformer, the demo's CNN);
+    weight-gradient errors ~0.2%, ~0.03% and ~2-6% for Linear and conv layers, but up to 13% in
+    bf16 (0.4% in fp16) for norm layers' weights, whose gradient is a sum over every token in
+    which the terms largely cancel (O2 keeps norm layers in fp32 for this).
+    """
+
+    max_overflow: float = 0.0
+    max_underflow: float = 0.01
+    max_out_error: dict = dataclasses.field(default_factory=lambda: {
+        "bf16": 0.05, "fp16": 0.02, "fp8_e4m3": 0.15})
+    max_grad_error: dict = dataclasses.field(default_factory=lambda: {
+        "bf16": 0.25, "fp16": 0.05, "fp8_e4m3": 0.25})
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def judge(fmt: str, m: Measurement, th: Thresholds, scale: float) -> list[str]:
+    """The reasons ``m`` makes a layer unsafe in ``fmt`` (empty: safe)."""
+    reasons = []
+    limit = "the FP8 range after scaling" if fmt == "fp8_e4m3" else \
+        f"{fmt}'s max {torch.finfo(FORMATS[fmt]).max:g}"
+    at = f" at loss scale {scale:g}" if scale != 1.0 else ""
+    for role, frac in m.overflow.items():
+        if frac > th.max_overflow:
+            grad = at if "grad" in role else ""
+            reasons.append(f"{role} overflow: {_pct(frac)} of values beyond {limit}{grad} "
+                           f"(largest {m.amax.get(role, math.nan):.3g})")
+    for role, frac in m.underflow.items():
+        if frac > th.max_underflow:
+            grad = at if "grad" in role else ""
+            reasons.append(f"{role} underflow: {_pct(frac)} of nonzero values flush to zero "
+                           f"in {fmt}{grad}")
+    out_limit = th.max_out_error.get(fmt, math.inf)
+    if m.out_error > out_limit or not math.isfinite(m.out_error):
+        reasons.append(f"output error {_pct(m.out_error)} > {_pct(out_limit)}")
+    grad_limit = th.max_grad_error.get(fmt, math.inf)
+    if m.grad_error is not None and (m.grad_error > grad_limit
+                                     or not math.isfinite(m.grad_error)):
+        reasons.append(f"weight-gradient error {_pct(m.grad_error)} > {_pct(grad_limit)}")
+    return reasons
+
+
+@dataclasses.dataclass
+class LayerAdvice:
+    """One layer: its measurements and verdict per format.
+
+    Attributes:
+        name: qualified name (as ``named_modules()`` gives it).
+        kind: the module's class name.
+        fp8_eligible: whether an FP8 policy can convert it (Linear/Conv1D, dimensions multiples
+            of 16; see :mod:`mixprec.fp8.choice`).
+        measurements: ``{format: Measurement}`` for the formats it can run in.
+        reasons: ``{format: [reason, ...]}``, empty lists where it is safe.
+    """
+
+    name: str
+    kind: str
+    fp8_eligible: bool
+    measurements: dict
+    reasons: dict
+
+    def unsafe(self, fmt: str) -> bool:
+        return bool(self.reasons.get(fmt))
+
+    def sensitivity(self, fmt: str) -> float:
+        """The loss change this layer alone causes in ``fmt`` (measured when an ablation ran,
+        else the first-order estimate); NaN where it can't run in ``fmt``."""
+        m = self.measurements.get(fmt)
+        if m is None:
+            return math.nan
+        return m.measured_loss_change if m.measured_loss_change is not None else m.loss_change
+
+
+@dataclasses.dataclass
+class Advice:
+    """What :func:`mixprec.advise` measured, and what follows from it.
+
+    Attributes:
+        layers: one :class:`LayerAdvice` per measured layer, in model order.
+        formats: the formats measured.
+        loss: the fp32 loss on the batch.
+        loss_scales: ``{format: loss scale}`` used for gradient ranges.
+        fp8_recipe: the FP8 recipe measured ("tensorwise" or "rowwise").
+        thresholds: the :class:`Thresholds` applied.
+        cost: passes and seconds the measurement took.
+        skipped: ``{layer: why}`` for layers not measured (not called, no tensor output).
+    """
+
+    layers: list
+    formats: tuple
+    loss: float
+    loss_scales: dict
+    fp8_recipe: str
+    thresholds: Thresholds
+    cost: dict
+    skipped: dict
+
+    def _check(self, fmt: str) -> None:
+        if fmt not in self.formats:
+            raise ValueError(f"this advice measured {list(self.formats)}, not {fmt!r}: run "
+                             f"mp.advise(..., formats=(..., {fmt!r}))")
+
+    def unsafe(self, fmt: str) -> list[str]:
+        """Names of the layers that must not run in ``fmt`` (model order); :meth:`reasons`
+        says why.
+
+        Raises:
+            ValueError: ``fmt`` was not measured.
+        """
+        self._check(fmt)
+        return [a.name for a in self.layers if a.unsafe(fmt)]
+
+    def reasons(self, fmt: str) -> dict[str, str]:
+        """``{layer: why it is unsafe in fmt}`` for the unsafe layers."""
+        self._check(fmt)
+        return {a.name: "; ".join(a.reasons[fmt]) for a in self.layers if a.unsafe(fmt)}
+
+    def ranking(self, fmt: str) -> list[str]:
+        """The layers that can run in ``fmt``, most sensitive first."""
+        self._check(fmt)
+        able = [a for a in self.layers if fmt in a.measurements]
+        return [a.name for a in sorted(able, key=lambda a: -a.sensitivity(fmt))]
+
+    def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
+        """The level's policy, with the layers unsafe in its 16-bit format kept in fp32
+        (``overrides``), and, with ``fp8``, the FP8-eligible layers safe in FP8 (and in the
+        16-bit format) named in ``fp8_modules``.
+
+        Args:
+            level: "O0".."O3".
+            dtype: "bf16" or "fp16" (it must have been measured).
+            fp8: None, or an FP8 recipe ("tensorwise", "rowwise", "rowwise_gw_hp"); needs
+                "fp8_e4m3" among the measured formats (measured with ``fp8_recipe``).
+
+        Raises:
+            ValueError: a format that was not measured, a bad level or dtype.
+        """
+        base = Policy.from_level(level, dtype, warn=False)
+        low = base.compute_dtype
+        if low == _FP32:
+            unsafe = []
+        else:
+            name = next(k for k, v in FORMATS.items() if v == low)
+            unsafe = self.unsafe(name)
+        overrides = base.overrides + tuple((n, _FP32) for n in unsafe)
+        names = None
+        if fp8 is not None:
+            self._check("fp8_e4m3")
+            names = tuple(a.name for a in self.layers if a.fp8_eligible
+                          and not a.unsafe("fp8_e4m3") and a.name not in unsafe)
+        return dataclasses.replace(base, overrides=overrides, fp8=fp8, fp8_modules=names)
+
+    def _sort_format(self, sort_by: str | None) -> str:
+        if sort_by is None:
+            return self.formats[-1]
+        self._check(sort_by)
+        return sort_by
+
+    def rows(self, sort_by: str | None = None) -> list[LayerAdvice]:
+        """The layers sorted by sensitivity in ``sort_by`` (default: the last format
+        measured); layers that can't run in it follow, by the formats before it."""
+        order = [self._sort_format(sort_by)] + [f for f in reversed(self.formats)]
+
+        def key(a: LayerAdvice):
+            for i, fmt in enumerate(order):
+                s = a.sensitivity(fmt)
+                if not math.isnan(s):
+                    return (i, -s)
+            return (len(order), 0.0)
+        return sorted(self.layers, key=key)
+
+    def table(self, sort_by: str | None = None) -> str:
+        """One row per layer, most sensitive first (see :meth:`rows`): per format the output
+        error and the loss change; the reasons of unsafe layers below."""
+        return format_table(self, self.rows(sort_by))
+
+    def plot(self, path):
+        """Save a bar chart of each layer's loss change per format (unsafe ones marked).
+
+        Raises:
+            ImportError: matplotlib is not installed.
+        """
+        return plot_advice(self, path)
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON-serialisable)."""
+        def measurement(m: Measurement) -> dict:
+            return dataclasses.asdict(m)
+        return {
+            "loss": self.loss, "formats": list(self.formats), "fp8_recipe": self.fp8_recipe,
+            "loss_scales": dict(self.loss_scales), "cost": dict(self.cost),
+            "thresholds": dataclasses.asdict(self.thresholds), "skipped": dict(self.skipped),
+            "layers": [{"name": a.name, "kind": a.kind, "fp8_eligible": a.fp8_eligible,
+                        "formats": {f: {**measurement(m), "unsafe": a.unsafe(f),
+                                        "reasons": list(a.reasons[f])}
+                                    for f, m in a.measurements.items()}}
+                       for a in self.layers]}
+
+    def __str__(self) -> str:
+        return self.table()

@@ -1,0 +1,130 @@
+"""``mp.advise``: measure which layers of a model can take which format, on one batch."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..casting import module_device
+from ..fp8.choice import eligible_layers
+from ..policy import Policy
+from ..prepare import policy_of
+from ..training.batches import to_device
+from .advice import Advice, LayerAdvice, Thresholds, judge
+from .capture import as_batch, find_layers, reference_pass
+from .fp8sim import SIM_RECIPES
+from .measure import (
+    FORMATS,
+    ablation_loss,
+    gradient_peak,
+    loss_scale_for,
+    measure,
+    reference,
+)
+
+__all__ = ["advise"]
+
+
+def _check(model, formats, fp8_recipe, thresholds) -> tuple[str, ...]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"advise expects an nn.Module; got {type(model).__name__}")
+    if policy_of(model) is not None:
+        raise ValueError(f"this model was prepared ({policy_of(model)}); advise measures the "
+                         f"fp32 model: call it before mp.prepare")
+    formats = (formats,) if isinstance(formats, str) else tuple(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"formats must be a non-empty list of {list(FORMATS)}; got "
+                         f"{list(formats)}")
+    if fp8_recipe not in SIM_RECIPES:
+        raise ValueError(f"fp8_recipe must be one of {SIM_RECIPES}; got {fp8_recipe!r}")
+    if thresholds is not None and not isinstance(thresholds, Thresholds):
+        raise TypeError(f"thresholds must be a mixprec.advisor.Thresholds; got "
+                        f"{type(thresholds).__name__}")
+    return tuple(dict.fromkeys(formats))
+
+
+def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
+           formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
+           fp8_recipe: str = "tensorwise", layers=None, ablation: bool = False,
+           thresholds: Thresholds | None = None, seed: int = 0) -> Advice:
+    """Measure, layer by layer, what each format does to the model on ``batch``.
+
+    One fp32 forward and backward records every layer's inputs, output and output gradient.
+    Then each layer runs alone, on those inputs, once in fp32 and once per format (with the
+    recorded output gradient for its backward): the relative error of its output and of its
+    weight gradient when only it runs in the format, the ranges its inputs, outputs and
+    gradients reach in the format (gradients at the loss scale the policy would use), and the
+    loss change, estimated to first order (``ablation=True``: measured, one forward per layer
+    and format). See :mod:`mixprec.advisor.measure`.
+
+    The model is left as it was: no parameter changes, gradients and buffers (BatchNorm
+    statistics) are restored, and every pass draws the same dropout masks.
+
+    Args:
+        model: the fp32 model (before :func:`mixprec.prepare`), in the mode to measure
+            (``train()``: dropout and batch statistics as in training).
+        batch: one batch, as the Trainer takes it: ``(inputs..., target)`` or a dict of model
+            keyword arguments (moved to the model's device).
+        loss_fn: ``(output, target) -> scalar``; None takes the output's ``.loss``.
+        formats: any of "bf16", "fp16", "fp8_e4m3" (FP8 for Linear and Conv1D layers).
+        loss_scale: the fp16 loss scale: "auto" (where a dynamic scaler settles on this batch),
+            a number, or None.
+        fp8_recipe: the FP8 scaling measured: "tensorwise" or "rowwise".
+        layers: qualified names of the layers to measure (default: all).
+        ablation: also measure each layer's loss change with a forward pass.
+        thresholds: when a measurement makes a layer unsafe (:class:`Thresholds`).
+        seed: the random state every pass starts from.
+
+    Returns:
+        An :class:`~mixprec.advisor.Advice`: ``unsafe(fmt)``, ``reasons(fmt)``,
+        ``policy(level, dtype, fp8)``, ``table()``, ``plot(path)``, ``to_dict()``.
+
+    Raises:
+        TypeError: not a module; bad thresholds.
+        ValueError: a prepared model, an unknown format or recipe, unknown layer names.
+
+    Example:
+        >>> import torch, mixprec as mp
+        >>> net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        >>> batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        >>> advice = mp.advise(net, batch, torch.nn.functional.cross_entropy)
+        >>> advice.unsafe("bf16")
+        []
+    """
+    formats = _check(model, formats, fp8_recipe, thresholds)
+    thresholds = thresholds or Thresholds()
+    device = module_device(model)
+    split = as_batch(to_device(batch, device), loss_fn)
+    chosen = find_layers(model, layers)
+    started = time.perf_counter()
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        loss, calls = reference_pass(model, split, loss_fn, chosen, seed)
+        t_ref = time.perf_counter()
+        done = [c for c in calls.values() if c.output is not None]
+        refs = [(c, reference(c)) for c in done]
+        peak = gradient_peak(done, refs)
+        scales = {f: loss_scale_for(f, peak, loss_scale) for f in formats}
+        eligible = set(eligible_layers(model, Policy(fp8="tensorwise")))
+        results, layer_runs, forwards = [], len(refs), 0
+        for call, ref in refs:
+            measured, outputs = measure(call, ref, formats, fp8_recipe, scales, loss)
+            layer_runs += len(measured)
+            if ablation:
+                for fmt, out in outputs.items():
+                    changed = ablation_loss(model, split, loss_fn, call.module, out, seed)
+                    measured[fmt].measured_loss_change = abs(changed - loss) / abs(loss)
+                    forwards += 1
+            reasons = {f: judge(f, m, thresholds, scales[f]) for f, m in measured.items()}
+            results.append(LayerAdvice(call.name, type(call.module).__name__,
+                                       call.name in eligible, measured, reasons))
+    finished = time.perf_counter()
+    skipped = {c.name: ("not called by the forward pass" if c.calls == 0 else
+                        "its output is not a tensor") for c in calls.values()
+               if c.output is None}
+    cost = {"full_passes": 1, "layer_passes": layer_runs, "ablation_forwards": forwards,
+            "seconds": finished - started, "reference_seconds": t_ref - started}
+    return Advice(results, formats, loss, scales, fp8_recipe, thresholds, cost, skipped)

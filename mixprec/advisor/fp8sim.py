@@ -1,0 +1,76 @@
+"""The numbers of an FP8 GEMM, computed in fp32: what the advisor measures FP8 layers with.
+
+An FP8 linear layer (torchao's recipes, see :mod:`mixprec.fp8`) casts each GEMM operand to FP8
+with a dynamic scale, ``q = saturate(x * s)`` with ``s = fmax / amax``, multiplies the FP8
+values exactly and accumulates in fp32, and divides by the scales. :func:`fake_quant` returns
+``q / s`` in fp32, so ``fake_quant(a) @ fake_quant(b)`` is that GEMM's result up to the order of
+fp32 accumulation. :func:`fp8_matmul` does this for the forward GEMM and both backward GEMMs
+(the output gradient in e5m2 for the tensorwise recipe, in e4m3 with rowwise scales for the
+rowwise one), with autograd. It needs no torchao and runs on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SIM_RECIPES", "fake_quant", "fp8_matmul"]
+
+SIM_RECIPES = ("tensorwise", "rowwise")
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_EPS = 1e-12
+
+
+def fake_quant(x: torch.Tensor, dtype: torch.dtype, axis: int | None = None) -> torch.Tensor:
+    """``x`` rounded through an FP8 ``dtype`` cast with a dynamic scale, back in fp32.
+
+    Args:
+        x: any floating tensor.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        axis: rowwise scaling: one scale per slice along ``axis``, rounded down to a power of
+            two (torchao's rowwise recipes); None: one scale for the tensor.
+    """
+    fmax = torch.finfo(dtype).max
+    a = x.float()
+    amax = a.abs().amax() if axis is None else a.abs().amax(dim=axis, keepdim=True)
+    scale = (fmax / amax.double().clamp(min=_EPS)).float()
+    if axis is not None:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (a * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+class _FP8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w_t, rowwise: bool):
+        ctx.save_for_backward(x2, w_t)
+        ctx.rowwise = rowwise
+        return fake_quant(x2, _E4M3, -1 if rowwise else None) @ \
+            fake_quant(w_t, _E4M3, 0 if rowwise else None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w_t = ctx.saved_tensors
+        rowwise = ctx.rowwise
+        g_dtype = _E4M3 if rowwise else _E5M2
+        grad_x = fake_quant(grad, g_dtype, -1 if rowwise else None) @ \
+            fake_quant(w_t, _E4M3, -1 if rowwise else None).t()
+        grad_w = fake_quant(x2, _E4M3, 0 if rowwise else None).t() @ \
+            fake_quant(grad, g_dtype, 0 if rowwise else None)
+        return grad_x, grad_w, None
+
+
+def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
+    """``x @ w_t`` as an FP8 GEMM of ``recipe`` computes it (fp32 result, autograd included).
+
+    Args:
+        x: ``(..., K)``.
+        w_t: ``(K, N)`` (a Linear's ``weight.t()``).
+        recipe: "tensorwise" or "rowwise".
+
+    Raises:
+        ValueError: another recipe.
+    """
+    if recipe not in SIM_RECIPES:
+        raise ValueError(f"the advisor measures FP8 with the recipes {SIM_RECIPES}; "
+                         f"got {recipe!r}")
+    out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).float(), w_t.float(), recipe == "rowwise")
+    return out.reshape(*x.shape[:-1], w_t.shape[-1])

@@ -1,0 +1,227 @@
+"""What one layer does in one format: its output and weight gradient when only it runs in that
+format, the range of the tensors it would hold, and the loss change.
+
+Each layer runs alone on the inputs the reference pass recorded for it: once in fp32 (the
+reference), once per format. The backward takes the output gradient the reference pass recorded
+(times the loss scale the policy would use, then divided out again). So what is measured is the
+layer's own error, exactly as in a model where only that layer runs in the format: its inputs
+are the same, and so is the gradient that reaches it.
+
+* 16-bit formats: parameters, floating buffers and inputs are cast to the format and the layer
+  runs with autocast off (fp16 GEMMs on a CPU through mixprec's fp16 emulation, the numbers of a
+  GPU's fp16 GEMM).
+* ``fp8_e4m3``: Linear and Conv1D layers only, through :func:`~mixprec.advisor.fp8sim.fp8_matmul`
+  (the GEMMs of torchao's recipe, emulated in fp32).
+
+The loss change is estimated to first order, ``sum(dL/dy * (y_fmt - y))``, from numbers the
+passes already have; ``ablation=True`` measures it with one more forward pass per layer and
+format (the layer's output replaced by its output in the format).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..autocast import PrecisionContext, cast_floating
+from ..fp8.choice import gemm_dims, is_conv1d
+from ..fp8.stats import scaled_fractions
+from .capture import LayerCall, isolated, loss_of
+from .fp8sim import fp8_matmul
+
+__all__ = ["FORMATS", "Measurement", "reference", "measure", "gradient_peak", "loss_scale_for",
+           "ablation_loss", "supports"]
+
+#: the formats the advisor measures, and the dtype each runs in (FP8: emulated GEMMs)
+FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_INIT_SCALE = 2.0 ** 16  # mixprec's DynamicLossScaler starts here
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One layer in one format.
+
+    Attributes:
+        out_error: ``||y_fmt - y|| / ||y||`` of the layer's output.
+        grad_error: the same for its parameters' gradients (all of them, concatenated); None
+            without trained parameters or without a gradient reaching the layer.
+        loss_change: first-order estimate of ``|L_fmt - L| / |L|`` with only this layer in the
+            format.
+        measured_loss_change: the same, measured (``ablation=True``), else None.
+        overflow: per tensor ("input", "output", "weight", "grad_output", "weight_grad"), the
+            fraction of values beyond the format's largest value (gradients at the loss scale;
+            FP8: after its dynamic scale), inf/NaN included.
+        underflow: per tensor, the fraction of nonzero values flushed to zero.
+        amax: per tensor, the largest magnitude (gradients at the loss scale).
+    """
+
+    out_error: float
+    grad_error: float | None
+    loss_change: float
+    measured_loss_change: float | None = None
+    overflow: dict = dataclasses.field(default_factory=dict)
+    underflow: dict = dataclasses.field(default_factory=dict)
+    amax: dict = dataclasses.field(default_factory=dict)
+
+
+def supports(fmt: str, module: nn.Module) -> bool:
+    """Can ``module`` run in ``fmt``? (FP8: Linear and Conv1D layers only.)"""
+    return fmt != "fp8_e4m3" or gemm_dims(module) is not None
+
+
+def _trained(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _run(call: LayerCall, fmt: str | None, recipe: str, scale: float):
+    """The layer's output (fp32) and its parameters' gradients (fp32, unscaled)."""
+    mod = call.module
+    leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in mod.named_parameters()}
+    device = call.output.device.type
+    if fmt == "fp8_e4m3":
+        weight = leaves["weight"]
+        out = fp8_matmul(call.args[0], weight if is_conv1d(mod) else weight.t(), recipe)
+        if leaves.get("bias") is not None:
+            out = out + leaves["bias"]
+        out_dtype = torch.float32
+    else:
+        dt = FORMATS.get(fmt, torch.float32)
+        params = {n: t.to(dt) for n, t in leaves.items()}
+        buffers = {n: b.to(dt, copy=True) if b.is_floating_point() else b.clone()
+                   for n, b in mod.named_buffers()}
+        args, kwargs = cast_floating((call.args, call.kwargs), dt)
+        context = PrecisionContext.fixed(dt, device)
+        out = context.run(functional_call, (mod, (params, buffers), args, kwargs), {})
+        out_dtype = dt
+    trained = [n for n in _trained(mod) if leaves[n].requires_grad]
+    grads = {}
+    if call.grad is not None and trained and out.requires_grad:
+        g = (call.grad.float() * scale).to(out_dtype)
+        got = torch.autograd.grad(out, [leaves[n] for n in trained], g, allow_unused=True)
+        grads = {n: (torch.zeros_like(leaves[n]) if t is None else t.float() / scale)
+                 for n, t in zip(trained, got)}
+    return out.detach().float(), grads
+
+
+@torch.no_grad()
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    ref, diff = torch.stack([b.norm(), (a - b).norm()]).tolist()
+    return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+@torch.no_grad()
+def _range_16(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """(overflow fraction, underflow fraction, amax) of ``t * scale`` in ``dtype``."""
+    fi = torch.finfo(dtype)
+    a = t.detach().abs().float()
+    over = a.numel() - torch.count_nonzero(a <= fi.max / scale)  # beyond the range, inf, NaN
+    nonzero = torch.count_nonzero(a)
+    under = torch.count_nonzero(a <= fi.tiny * fi.eps / 2 / scale) - (a.numel() - nonzero)
+    over, under, nonzero, amax = torch.stack([over, under, nonzero, a.max()]).tolist()
+    return over / a.numel(), under / max(nonzero, 1), amax * scale
+
+
+def _ranges(call: LayerCall, fmt: str, recipe: str, scale: float, grads) -> tuple:
+    """(overflow, underflow, amax) dicts of the tensors the layer holds in ``fmt``."""
+    over, under, amax = {}, {}, {}
+    x = next((a for a in call.args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+             None)
+    if fmt == "fp8_e4m3":
+        rowwise = recipe == "rowwise"
+        weight = call.module.weight
+        tensors = {"input": (x, _E4M3, -1), "weight": (weight if is_conv1d(call.module)
+                                                       else weight.t(), _E4M3, 0),
+                   "grad_output": (call.grad, _E4M3 if rowwise else _E5M2, -1)}
+        for role, (t, dtype, axis) in tensors.items():
+            if t is not None:
+                a, sat, flush = scaled_fractions(t, dtype, axis if rowwise else None, rowwise)
+                over[role], under[role], amax[role] = float(sat), float(flush), float(a)
+        return over, under, amax
+    dt = FORMATS[fmt]
+    tensors = {"input": (x, 1.0), "output": (call.output, 1.0), "grad_output": (call.grad, scale)}
+    if grads:
+        tensors["weight_grad"] = (torch.cat([g.flatten() for g in grads.values()]), scale)
+    for role, (t, s) in tensors.items():
+        if t is not None and t.numel():
+            over[role], under[role], amax[role] = _range_16(t, dt, s)
+    return over, under, amax
+
+
+def reference(call: LayerCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The layer's fp32 output and its parameters' gradients, computed alone."""
+    return _run(call, None, "tensorwise", 1.0)
+
+
+def measure(call: LayerCall, ref: tuple, formats, recipe: str, scales: dict, loss: float,
+            ) -> tuple[dict[str, Measurement], dict[str, torch.Tensor]]:
+    """Measure one layer in each format it supports, against ``ref`` (:func:`reference`).
+
+    Returns:
+        ``{format: Measurement}`` and ``{format: the layer's output in it}`` (for an ablation).
+    """
+    ref_out, ref_grads = ref
+    ref_flat = torch.cat([g.flatten() for g in ref_grads.values()]) if ref_grads else None
+    results, outputs = {}, {}
+    for fmt in formats:
+        if not supports(fmt, call.module):
+            continue
+        scale = scales.get(fmt, 1.0)
+        out, grads = _run(call, fmt, recipe, scale)
+        grad_error = None
+        if ref_flat is not None and grads:
+            grad_error = _rel(torch.cat([g.flatten() for g in grads.values()]), ref_flat)
+        change = 0.0
+        if call.grad is not None:
+            change = abs(float((call.grad.float() * (out - ref_out)).sum()))
+        over, under, amax = _ranges(call, fmt, recipe, scale, ref_grads)
+        results[fmt] = Measurement(_rel(out, ref_out), grad_error,
+                                   change / abs(loss) if loss else change, None, over, under,
+                                   amax)
+        outputs[fmt] = out
+    return results, outputs
+
+
+def gradient_peak(calls, refs) -> float:
+    """The largest output or parameter gradient magnitude of the layers (fp32)."""
+    peaks = [call.grad.detach().abs().max() for call in calls
+             if call.grad is not None and call.grad.numel()]
+    peaks += [g.abs().max() for _, (_, grads) in refs for g in grads.values() if g.numel()]
+    return float(torch.stack([p.float().cpu() for p in peaks]).max()) if peaks else 0.0
+
+
+def loss_scale_for(fmt: str, peak: float, loss_scale) -> float:
+    """The loss scale a policy in ``fmt`` would train with: 1 for bf16 and FP8; for fp16
+    ``"auto"``/``"dynamic"`` gives where mixprec's dynamic scaler settles on this batch (2^16,
+    halved until the largest gradient, ``peak``, fits), a number gives itself, None gives 1.
+    """
+    if fmt != "fp16" or loss_scale is None:
+        return 1.0
+    if loss_scale not in ("auto", "dynamic"):
+        return float(loss_scale)
+    fmax = torch.finfo(torch.float16).max
+    scale = _INIT_SCALE
+    while peak * scale > fmax and scale > 2.0 ** -24:
+        scale /= 2
+    return scale
+
+
+@torch.no_grad()
+def ablation_loss(model: nn.Module, batch, loss_fn, module: nn.Module, output: torch.Tensor,
+                  seed: int) -> float:
+    """The model's loss with ``module``'s first output replaced by ``output`` (one forward)."""
+    seen = []
+
+    def hook(mod, args, result):
+        seen.append(True)
+        return output.to(result.dtype) if len(seen) == 1 else None
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with isolated(model, seed):
+            return float(loss_of(model, batch, loss_fn))
+    finally:
+        handle.remove()

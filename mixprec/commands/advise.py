@@ -1,0 +1,116 @@
+"""``mixprec advise``: which layers of a bench model can take bf16, fp16 or FP8 (measured).
+
+Builds a benchmark model (``mixprec bench``'s: nine-linear, convnet, transformer), trains it
+for a few steps in fp32 (``--train-steps``; a freshly initialised model's numbers differ from
+a trained one's) and runs :func:`mixprec.advise` on one of its batches: a table with one row per
+layer, most sensitive first, the reasons for every unsafe layer, the advised policy, and what
+the measurement cost. ``--model planted-overflow`` / ``planted-outlier`` run the two planted
+cases of :mod:`mixprec.advisor.planted` instead (as built: not trained).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .. import benchmodels
+from ..advisor import FORMATS, advise
+from ..advisor.planted import CASES
+
+__all__ = ["run_advise", "register"]
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in FORMATS]
+    if bad or not names:
+        raise ValueError(f"--formats takes a comma-separated list of {', '.join(FORMATS)}; "
+                         f"got {text!r}")
+    return names
+
+
+def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
+               train_steps: int = 20, seed: int = 0, ablation: bool = False,
+               fp8_recipe: str = "tensorwise", **sizes):
+    """Build, briefly train and advise a bench model (or build a planted case); returns
+    ``(advice, bench model or None)``.
+
+    Raises:
+        ValueError: an unknown model, format or size.
+    """
+    if not isinstance(train_steps, int) or train_steps < 0:
+        raise ValueError(f"--train-steps must be an integer >= 0; got {train_steps!r}")
+    if model in CASES:
+        net, batch, loss_fn = CASES[model]()
+        return advise(net, batch, loss_fn, formats=formats, ablation=ablation,
+                      fp8_recipe=fp8_recipe, seed=seed), None
+    bm = benchmodels.get_model(model, **sizes)
+    torch.manual_seed(seed)
+    net = bm.build()
+    gen = torch.Generator().manual_seed(seed)
+    opt = bm.make_optimizer(net.parameters())
+    for _ in range(train_steps):
+        inputs, target = bm.batch(gen)
+        opt.zero_grad(set_to_none=True)
+        bm.loss_fn(net(inputs), target).backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return advise(net, bm.batch(gen), bm.loss_fn, formats=formats, ablation=ablation,
+                  fp8_recipe=fp8_recipe, seed=seed), bm
+
+
+def _run(args) -> int:
+    sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
+             if getattr(args, k) is not None}
+    formats = _formats(args.formats)
+    advice, bm = run_advise(args.model, formats, args.train_steps, args.seed, args.ablation,
+                            args.fp8_recipe, **sizes)
+    low = args.dtype or next((f for f in ("bf16", "fp16") if f in formats), None)
+    policy = None
+    if low is not None:
+        policy = advice.policy(args.level, low,
+                               fp8=args.fp8_recipe if "fp8_e4m3" in formats else None)
+    if args.plot:
+        advice.plot(args.plot)
+    if args.json:
+        out = {"model": args.model, "sizes": None if bm is None else bm.sizes,
+               **advice.to_dict(), "policy": None if policy is None else policy.state_dict()}
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"{args.model} (planted case, as built)" if bm is None else
+          f"{bm.name} {bm.sizes}, after {args.train_steps} fp32 steps")
+    print(advice.table())
+    c = advice.cost
+    print(f"cost: {c['full_passes']} full forward+backward, {c['layer_passes']} single-layer "
+          f"passes, {c['ablation_forwards']} ablation forwards, {c['seconds']:.2f} s")
+    if policy is not None:
+        print(f"advised policy: {policy}")
+        if policy.fp8_modules is not None:
+            print(f"  fp8_modules: {list(policy.fp8_modules)}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("advise", help="measure which layers can take bf16, fp16 or FP8",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="transformer",
+                   help=f"one of {', '.join([*benchmodels.MODELS, *CASES])} "
+                        f"(default %(default)s)")
+    p.add_argument("--formats", default="bf16,fp16,fp8_e4m3",
+                   help="comma-separated formats (default %(default)s)")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    p.add_argument("--level", default="O2", help="level of the advised policy (default O2)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16"),
+                   help="16-bit format of the advised policy (default: the first measured)")
+    p.add_argument("--train-steps", type=int, default=20,
+                   help="fp32 steps before measuring (default %(default)s)")
+    for name in ("width", "batch", "depth", "seq-len", "image-size"):
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"model {name} (default: per model)")
+    p.add_argument("--ablation", action="store_true",
+                   help="measure each layer's loss change (one forward per layer and format)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="save a chart of the advice to this PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run)

@@ -1,0 +1,92 @@
+"""torchao, the engine of mixprec's FP8 layers: imported on first use, recipes, device checks.
+
+torchao is an optional dependency (``pip install mixprec[fp8]``). Nothing in mixprec imports it
+until FP8 is asked for; then it must be there: asking for FP8 without it raises an
+``ImportError`` that names the extra, never a silent fallback to 16 bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+
+import torch
+
+__all__ = ["EXTRA_HINT", "RECIPES", "require", "float8_config", "check_device",
+           "shape_filter"]
+
+EXTRA_HINT = "pip install mixprec[fp8]"
+#: mixprec's recipe names -> torchao's ``Float8LinearRecipeName`` values.
+RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise",
+           "rowwise_gw_hp": "rowwise_with_gw_hp"}
+_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
+
+
+def require(what: str = "FP8 layers"):
+    """The ``torchao.float8`` package, imported now.
+
+    On a machine without CUDA, torchao's import-time warnings that its CUDA kernels' libraries
+    do not load are not shown (they concern kernels a CPU never runs); with CUDA they are.
+
+    Raises:
+        ImportError: torchao is not installed (the message names the ``fp8`` extra).
+    """
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    if not torch.cuda.is_available():
+        quiet.setLevel(max(level, logging.ERROR))
+    try:
+        return importlib.import_module("torchao.float8")
+    except ImportError as exc:
+        raise ImportError(f"{what} run on torchao, which is not installed: {EXTRA_HINT} "
+                          f"(or pip install torchao==0.18.0)") from exc
+    finally:
+        quiet.setLevel(level)
+
+
+def float8_config(recipe: str, *, all_gather: bool = False):
+    """torchao's ``Float8LinearConfig`` of a mixprec recipe name.
+
+    Args:
+        recipe: "tensorwise", "rowwise" or "rowwise_gw_hp".
+        all_gather: cast weights to FP8 before FSDP2's all-gather (tensorwise only).
+
+    Raises:
+        ValueError: an unknown recipe, or ``all_gather`` with a rowwise recipe.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 must be one of {', '.join(map(repr, RECIPES))}; got {recipe!r}")
+    if all_gather and recipe != "tensorwise":
+        raise ValueError(f"FP8 all-gather needs the 'tensorwise' recipe; got {recipe!r}")
+    f8 = require()
+    config = f8.Float8LinearConfig.from_recipe_name(RECIPES[recipe])
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a device whose FP8 GEMMs cannot run: a CUDA GPU older than sm89.
+
+    On a CPU ``torch._scaled_mm`` runs (slowly: FP8 on a CPU is for numerics, never speed).
+
+    Raises:
+        RuntimeError: a CUDA device of compute capability below 8.9.
+    """
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(f"FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, "
+                           f"Hopper); {name} is {capability[0]}.{capability[1]}. Prepare "
+                           f"without fp8= on this GPU")
+
+
+def shape_filter(recipe: str):
+    """torchao's shape filter for ``recipe``: ``(nn.Linear, name) -> bool``, False for a layer
+    too small to gain from FP8 on an H100 (rowwise_gw_hp uses the rowwise rule)."""
+    f8 = require()
+    name = RECIPES["rowwise" if recipe == "rowwise_gw_hp" else recipe]
+    return f8._auto_filter_for_recipe(name, filter_fqns=[])

@@ -1,0 +1,194 @@
+"""Which layers of a model run their GEMMs in FP8: eligibility, the default choice, user choices.
+
+A layer can take FP8 when it is an ``nn.Linear`` or a Hugging Face ``Conv1D`` (GPT-2's Linear
+with a transposed weight) whose two dimensions are multiples of 16 (FP8 tensor cores need it; a
+CPU does not enforce it, so mixprec checks it everywhere), that calls its own ``forward`` (not the
+projections of ``nn.MultiheadAttention``, which reads their weights directly), and that the
+policy does not give a dtype of its own (``keep_fp32``, ``overrides``, ``to_float``, or inside
+such a module).
+
+The default choice (``fp8_modules=None``) takes every such layer except the first and the last
+GEMM layer of the model (Linear or Conv1D layers that run their own forward, in the order
+``named_modules()`` lists them, which is the order they were registered in): Accelerate and
+Megatron keep those in 16 bits for stability. On CUDA it also applies torchao's shape filter,
+which skips layers too small to run faster in FP8. A list of names is taken as given (each must
+be eligible); a callable ``(module, name) -> bool`` picks among the eligible layers. Either way
+the choice is resolved into qualified names, the names ``named_modules()`` gives, recorded in
+the prepared model's policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..casting import float_mark, module_device, module_dtypes
+from ..policy import Policy
+from . import backend
+
+__all__ = ["FP8_ATTR", "is_conv1d", "gemm_dims", "ineligible", "eligible_layers",
+           "default_choice", "choose", "with_modules", "split_spec"]
+
+FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its recipe
+_MULTIPLE = 16
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """True for a Hugging Face ``Conv1D`` (checked without importing transformers: a model that
+    holds one has imported it)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(utils, "Conv1D", None)
+    return cls is not None and isinstance(module, cls)
+
+
+def gemm_dims(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a Linear or Conv1D layer, else None."""
+    if is_conv1d(module):
+        return tuple(module.weight.shape)
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return None
+
+
+def _explicit_dtypes(model: nn.Module, policy: Policy) -> dict[nn.Module, torch.dtype | None]:
+    """Each module's dtype of its own (policy overrides, keep_fp32, to_float; inherited by
+    sub-modules), or None."""
+    return module_dtypes(model, None,
+                         lambda mod, name: float_mark(mod) or policy.module_dtype(mod, name))
+
+
+def ineligible(model: nn.Module, policy: Policy) -> dict[str, str]:
+    """Qualified name -> why it cannot take FP8, for every module that can't (GEMM layers and
+    others alike)."""
+    dtypes = _explicit_dtypes(model, policy)
+    modules = dict(model.named_modules())
+    reasons = {}
+    for name, mod in modules.items():
+        dims = gemm_dims(mod)
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        if not name:
+            why = "is the model itself (an FP8 layer is swapped into its parent module)"
+        elif dims is None:
+            why = f"is a {type(mod).__name__}, not an nn.Linear or a Hugging Face Conv1D"
+        elif isinstance(parent, nn.MultiheadAttention):
+            why = ("is a projection of nn.MultiheadAttention, which reads its weight directly "
+                   "(the layer's forward never runs)")
+        elif dims[0] % _MULTIPLE or dims[1] % _MULTIPLE:
+            why = (f"has dimensions {dims[0]} x {dims[1]}: FP8 GEMMs need both to be multiples "
+                   f"of {_MULTIPLE}")
+        elif dtypes.get(mod) is not None:
+            why = (f"computes in {dtypes[mod]} by the policy (keep_fp32, overrides or to_float, "
+                   f"on it or on a module around it)")
+        elif "forward" in mod.__dict__:
+            why = "has its forward replaced already (wrapped by another tool)"
+        else:
+            continue
+        reasons[name] = why
+    return reasons
+
+
+def eligible_layers(model: nn.Module, policy: Policy) -> list[str]:
+    """Qualified names of the layers that can take FP8, in ``named_modules()`` order."""
+    bad = ineligible(model, policy)
+    return [name for name, _ in model.named_modules() if name not in bad]
+
+
+def default_choice(model: nn.Module, policy: Policy) -> list[str]:
+    """The eligible layers except the model's first and last GEMM layer; on CUDA, only those
+    torchao's shape filter keeps."""
+    modules = dict(model.named_modules())
+    gemms = [name for name, mod in modules.items() if gemm_dims(mod) is not None
+             and not isinstance(modules.get(name.rpartition(".")[0]), nn.MultiheadAttention)]
+    ends = {gemms[0], gemms[-1]} if gemms else set()
+    chosen = [n for n in eligible_layers(model, policy) if n not in ends]
+    if module_device(model).type == "cuda":
+        keep = backend.shape_filter(policy.fp8)
+        chosen = [n for n in chosen if keep(_as_linear(modules[n]), n)]
+    return chosen
+
+
+def _as_linear(module: nn.Module) -> nn.Module:
+    """A Conv1D as a shape-alike (meta) nn.Linear, for torchao's filter (it reads Linears)."""
+    if not is_conv1d(module):
+        return module
+    fan_in, fan_out = gemm_dims(module)
+    return nn.Linear(fan_in, fan_out, bias=False, device="meta")
+
+
+def _check_names(model: nn.Module, policy: Policy, names: tuple[str, ...]) -> None:
+    modules = {n for n, _ in model.named_modules() if n}
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        hints = [f"{n!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(
+            n, modules, n=1)) else "") for n in unknown]
+        raise ValueError(f"fp8_modules name no module of the model: {', '.join(hints)}")
+    bad = ineligible(model, policy)
+    refused = [f"{n!r} {bad[n]}" for n in names if n in bad]
+    if refused:
+        raise ValueError(f"fp8_modules names layers that cannot run in FP8: "
+                         f"{'; '.join(refused)}")
+
+
+def choose(model: nn.Module, policy: Policy, chooser: Callable | None = None) -> tuple[str, ...]:
+    """The qualified names of the layers ``policy`` (with ``fp8`` set) runs in FP8.
+
+    Args:
+        model: the fp32 model, before conversion.
+        policy: the policy; its ``fp8_modules`` (names) wins when set.
+        chooser: ``(module, name) -> bool`` picking among the eligible layers, or None for the
+            default choice.
+
+    Raises:
+        ValueError: a name that is no module, or a layer that cannot take FP8 (the reason is
+            given).
+        TypeError: ``chooser`` is not callable.
+    """
+    if policy.fp8_modules is not None:
+        names = tuple(dict.fromkeys(policy.fp8_modules))
+        _check_names(model, policy, names)
+        return names
+    if chooser is None:
+        return tuple(default_choice(model, policy))
+    if not callable(chooser):
+        raise TypeError(f"fp8_modules must be None, a list of qualified module names, or a "
+                        f"callable (module, name) -> bool; got {type(chooser).__name__}")
+    modules = dict(model.named_modules())
+    return tuple(n for n in eligible_layers(model, policy) if chooser(modules[n], n))
+
+
+def with_modules(policy: Policy, model: nn.Module, chooser: Callable | None = None) -> Policy:
+    """``policy`` with ``fp8_modules`` resolved to qualified names for ``model`` (unchanged
+    without ``fp8``)."""
+    if policy.fp8 is None:
+        if policy.fp8_modules is not None:
+            raise ValueError(f"{policy} names fp8_modules without fp8: set fp8= "
+                             f"('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
+        return policy
+    return dataclasses.replace(policy, fp8_modules=choose(model, policy, chooser))
+
+
+def split_spec(fp8, fp8_modules) -> tuple[tuple[str, ...] | None, Callable | None]:
+    """``fp8_modules`` as given to ``prepare``: (names, None), (None, chooser) or (None, None).
+
+    Raises:
+        ValueError: ``fp8_modules`` without ``fp8``.
+        TypeError: neither None, names nor a callable.
+    """
+    if fp8_modules is None:
+        return None, None
+    if fp8 is None:
+        raise ValueError("fp8_modules chooses the layers that run in FP8: it needs fp8= "
+                         "('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
+    if isinstance(fp8_modules, str):
+        return (fp8_modules,), None
+    if isinstance(fp8_modules, (list, tuple)) and all(isinstance(n, str) for n in fp8_modules):
+        return tuple(fp8_modules), None
+    if callable(fp8_modules):
+        return None, fp8_modules
+    raise TypeError(f"fp8_modules must be None, a list of qualified module names, or a callable "
+                    f"(module, name) -> bool; got {type(fp8_modules).__name__} {fp8_modules!r}")

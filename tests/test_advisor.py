@@ -1,0 +1,171 @@
+"""The precision advisor: planted cases it must find (and the neighbours it must not flag), the
+policy it advises, sound defaults on real models, the model left untouched, its FP8 emulation
+against torchao, and the ``mixprec advise`` command."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec import cli
+from mixprec.advisor.fp8sim import fp8_matmul
+from mixprec.advisor.planted import outlier_case, overflow_case
+from mixprec.benchmodels import get_model
+from mixprec.commands.demo import DigitsCNN, digits_data
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+
+def overflow_net():
+    return overflow_case()[0]
+
+
+def outlier_net():
+    return outlier_case()[0]
+
+
+def test_a_layer_past_fp16_max_is_unsafe_in_fp16_only_and_the_advised_policy_stays_finite():
+    x, y = overflow_case()[1]
+    advice = mp.advise(overflow_net(), (x, y), F.cross_entropy)
+    assert advice.unsafe("fp16") == ["2", "3"]  # its output, and the norm reading it
+    assert advice.unsafe("bf16") == []
+    assert "output overflow" in advice.reasons("fp16")["2"]
+    assert "input overflow" in advice.reasons("fp16")["3"]
+    policy = advice.policy("O2", "fp16")
+    assert dict(policy.overrides) == {"2": torch.float32, "3": torch.float32}
+    plain = mp.prepare(overflow_net(), level="O2", dtype="fp16")
+    advised = mp.prepare(overflow_net(), policy=policy)
+    assert not torch.isfinite(plain(x)).all()
+    assert torch.isfinite(advised(x)).all()
+
+
+def test_a_layer_reading_an_outlier_feature_is_unsafe_in_fp8_its_neighbours_are_not():
+    advice = mp.advise(outlier_net(), outlier_case()[1], F.cross_entropy)
+    assert advice.unsafe("fp8_e4m3") == ["2"]
+    assert "input underflow" in advice.reasons("fp8_e4m3")["2"]
+    assert advice.unsafe("bf16") == []
+    policy = advice.policy("O2", "bf16", fp8="tensorwise")
+    assert policy.fp8 == "tensorwise" and policy.fp8_modules == ("0", "4")  # 6: 10 outputs
+
+
+def test_the_model_is_left_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Dropout(0.3),
+                          nn.Flatten(), nn.Linear(16 * 36, 10))
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    F.cross_entropy(model(x), y).backward()  # gradients the user already has
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    first = mp.advise(model, (x, y), F.cross_entropy)
+    second = mp.advise(model, (x, y), F.cross_entropy)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+    assert torch.equal(rng, torch.get_rng_state()) and model.training
+    for a in (first, second):  # dropout drew the same masks in every pass: same numbers
+        a.cost.clear()
+    assert first.to_dict() == second.to_dict()
+
+
+def test_table_ranking_plot_and_dict(tmp_path):
+    pytest.importorskip("matplotlib")
+    advice = mp.advise(outlier_net(), outlier_case()[1], F.cross_entropy, ablation=True)
+    rows = advice.table().splitlines()
+    assert rows[1].startswith("2 ")  # the most sensitive layer in FP8 first
+    assert "fp8 unsafe: 2: input underflow" in advice.table()
+    assert advice.ranking("fp8_e4m3")[0] == "2"
+    layer = advice.layers[0]
+    assert layer.measurements["bf16"].measured_loss_change is not None
+    data = json.loads(json.dumps(advice.to_dict()))
+    assert data["formats"] == ["bf16", "fp16", "fp8_e4m3"] and len(data["layers"]) == 4
+    assert data["cost"]["full_passes"] == 1 and data["cost"]["ablation_forwards"] == 12
+    assert advice.plot(tmp_path / "advice.png").stat().st_size > 1000
+
+
+def test_estimated_loss_changes_rank_like_measured_ones():
+    bm = get_model("transformer", width=32, depth=1, seq_len=16, batch=4)
+    torch.manual_seed(0)
+    advice = mp.advise(bm.build(), bm.batch(torch.Generator().manual_seed(0)), bm.loss_fn,
+                       formats=("bf16",), ablation=True)
+    est = torch.tensor([a.measurements["bf16"].loss_change for a in advice.layers])
+    got = torch.tensor([a.measurements["bf16"].measured_loss_change for a in advice.layers])
+    rank = lambda t: t.argsort().argsort().float()  # noqa: E731
+    rho = torch.corrcoef(torch.stack([rank(est), rank(got)]))[0, 1]
+    assert rho > 0.9
+
+
+def test_policy_arguments_and_errors():
+    advice = mp.advise(outlier_net(), outlier_case()[1], F.cross_entropy, formats=("bf16",))
+    assert advice.policy("O1", "bf16") == mp.Policy.from_level("O1", "bf16")
+    with pytest.raises(ValueError, match="not 'fp16'"):
+        advice.policy("O2", "fp16")
+    with pytest.raises(ValueError, match="not 'fp8_e4m3'"):
+        advice.policy("O2", "bf16", fp8="tensorwise")
+    with pytest.raises(ValueError, match="formats must be"):
+        mp.advise(outlier_net(), outlier_case()[1], F.cross_entropy, formats=("int8",))
+    with pytest.raises(ValueError, match="not layers of the model"):
+        mp.advise(outlier_net(), outlier_case()[1], F.cross_entropy, layers=["1"])
+    with pytest.raises(ValueError, match="before mp.prepare"):
+        mp.advise(mp.prepare(outlier_net(), level="O2", dtype="bf16"), outlier_case()[1],
+                  F.cross_entropy)
+
+
+def test_no_layer_of_the_demo_cnn_is_unsafe_in_bf16():
+    pytest.importorskip("sklearn")
+    train, _ = digits_data()
+    x, y = train.tensors[0][:64], train.tensors[1][:64]
+    advice = mp.advise(DigitsCNN(width=16), (x, y), F.cross_entropy)
+    assert advice.unsafe("bf16") == [] and advice.unsafe("fp16") == []
+    assert len(advice.layers) == 7 and advice.skipped == {}
+
+
+def test_no_layer_of_gpt2_is_unsafe_in_any_format():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (4, 64))
+    advice = mp.advise(transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids})
+    assert {f: advice.unsafe(f) for f in advice.formats} == {f: [] for f in advice.formats}
+    kinds = {a.kind for a in advice.layers}
+    assert {"Conv1D", "Embedding", "LayerNorm", "Linear"} == kinds
+    assert sum(a.fp8_eligible for a in advice.layers) == 9  # 8 Conv1D and the head
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_fp8_emulation_is_torchaos_gemm(recipe):
+    pytest.importorskip("torchao.float8")
+    model = mp.prepare(nn.Sequential(nn.Linear(32, 64)), level="O0", fp8=recipe,
+                       fp8_modules=["0"])
+    x = torch.randn(16, 32, requires_grad=True)
+    x_sim = x.detach().clone().requires_grad_(True)
+    w_sim = model[0].weight.detach().clone().requires_grad_(True)
+    g = torch.randn(16, 64)
+    model(x).backward(g)
+    (fp8_matmul(x_sim, w_sim.t(), recipe) + model[0].bias.detach()).backward(g)
+    tol = dict(rtol=2.0 ** -7, atol=1e-4) if recipe == "rowwise" else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model[0].weight.grad, w_sim.grad, **tol)
+    torch.testing.assert_close(x.grad, x_sim.grad, **tol)
+
+
+def test_the_advise_command(capsys):
+    code = cli.main(["advise", "--model", "transformer", "--width", "32", "--depth", "1",
+                     "--seq-len", "16", "--batch", "2", "--train-steps", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["model"] == "transformer"
+    assert out["policy"]["fp8"] == "tensorwise" and len(out["layers"]) == 10
+    code = cli.main(["advise", "--model", "nine-linear", "--width", "16", "--depth", "3",
+                     "--batch", "4", "--formats", "bf16", "--train-steps", "1"])
+    text = capsys.readouterr().out
+    assert code == 0 and "advised policy: O2(" in text and "cost: 1 full" in text
+    code = cli.main(["advise", "--model", "planted-overflow", "--formats", "bf16,fp16"])
+    text = capsys.readouterr().out
+    assert code == 0 and "fp16 unsafe: 2: output overflow" in text
+    assert "advised policy: O2(params=bf16" in text  # bf16: nothing to keep in fp32
+    assert cli.main(["advise", "--model", "planted-overflow", "--dtype", "fp16"]) == 0
+    assert "overrides=[2:fp32,3:fp32]" in capsys.readouterr().out
+    assert cli.main(["advise", "--formats", "int8"]) == 2
+    assert "--formats takes" in capsys.readouterr().err
