@@ -230,6 +230,19 @@ def test_resume_from_state_dicts_is_bitwise(master, state_dtype):
     assert_bitwise(everything(model, opt), everything(model2, opt2))
 
 
+def test_a_kahan_checkpoint_before_the_first_step_carries_the_initial_compensation():
+    model, opt = make("kahan", "fp32")
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    assert any(COMPENSATION_KEY in entry for entry in saved[1]["state"].values())
+    model2, opt2 = make("kahan", "fp32", seed=5)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    scaler, scaler2 = mp.DynamicLossScaler(), mp.DynamicLossScaler()
+    train(model, opt, scaler, 3)
+    train(model2, opt2, scaler2, 3)
+    assert_bitwise(everything(model, opt), everything(model2, opt2))
+
+
 @pytest.mark.parametrize("master", MASTERS)
 def test_trainer_save_and_load_resume_bitwise(master, tmp_path):
     def trainer():

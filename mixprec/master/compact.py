@@ -123,6 +123,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
         self.register_load_state_dict_post_hook(_share_with_inner)
+        self.register_state_dict_post_hook(_save_pending)
         states.register(self)
         self.register_load_state_dict_post_hook(_load_generator)
 
@@ -384,6 +385,22 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def per_parameter(self) -> bool:
         """True when the generic path steps a bucket at a time."""
         return is_per_parameter(self.inner)
+
+
+def _save_pending(optimizer: CompactMasterOptimizer, state: dict) -> dict:
+    """state_dict post-hook: compensations not yet in the state (no step taken) are saved too,
+    so a checkpoint taken before the first step resumes exactly."""
+    if not optimizer._pending:
+        return state
+    index, start = {}, 0
+    for group in optimizer.param_groups:  # torch's numbering: first occurrence, group by group
+        for i, p in enumerate(group["params"], start):
+            index.setdefault(id(p), i)
+        start += len(group["params"])
+    for p, comp in optimizer._pending.items():
+        entry = state["state"].setdefault(index[id(p)], {})
+        entry.setdefault(COMPENSATION_KEY, comp)
+    return state
 
 
 def _load_generator(optimizer: CompactMasterOptimizer) -> None:
