@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
-from .master.params import _GRAD
+from .master.params import held_grad
 from .master.states import COMPENSATION_KEY
 
 __all__ = ["bytes_per_parameter", "tensor_bytes"]
@@ -77,10 +77,11 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if isinstance(optimizer, MasterWeightOptimizer):
         masters = list(optimizer.masters_by_param().values())
         out["masters"] = sum(tensor_bytes(m.detach()) for m in masters)
-        out["gradients"] += sum(tensor_bytes(_GRAD.__get__(m)) for m in masters)
+        out["gradients"] += sum(tensor_bytes(held_grad(m)) for m in masters)
     if isinstance(optimizer, CompactMasterOptimizer):
-        out["gradients"] += sum(tensor_bytes(g) for g, _ in optimizer._grads32.values())
-        out["compensation"] += sum(tensor_bytes(c) for c in optimizer._pending.values())
+        held = optimizer.held_tensors()
+        out["gradients"] += sum(tensor_bytes(g) for g in held["gradients"])
+        out["compensation"] += sum(tensor_bytes(c) for c in held["compensation"])
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():

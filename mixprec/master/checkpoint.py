@@ -8,6 +8,7 @@ optimizer's ``state_dict`` (no masters) loads too: the masters keep their values
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -19,6 +20,9 @@ __all__ = ["MASTERS_KEY", "register", "indexed_masters"]
 
 #: Key of the fp32 master weights in ``MasterWeightOptimizer.state_dict()``.
 MASTERS_KEY = "master_weights"
+
+# the masters a load_state_dict call brought, from its pre-hook to its post-hook
+_INCOMING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def indexed_masters(optimizer) -> dict[int, torch.Tensor]:
@@ -56,7 +60,7 @@ def _take_masters(optimizer, state_dict: Mapping) -> dict:
     saved = state_dict.pop(MASTERS_KEY, None)
     if saved is not None:
         _check_saved_masters(saved, indexed_masters(optimizer))
-    optimizer._incoming_masters = saved
+    _INCOMING[optimizer] = saved
     return state_dict
 
 
@@ -65,7 +69,7 @@ def _restore_masters(optimizer) -> None:
     copy the saved masters in, and write them back into the model parameters."""
     optimizer.inner.param_groups = optimizer.param_groups
     optimizer.inner.state = optimizer.state
-    saved, optimizer._incoming_masters = optimizer._incoming_masters, None
+    saved = _INCOMING.pop(optimizer, None)
     masters = indexed_masters(optimizer)
     if saved:
         with torch.no_grad():

@@ -189,6 +189,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         comp = ck.compensation(self, param)
         return self._pending.get(param) if comp is None else comp
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this optimizer holds besides its ``state``: the fp32 gradients made for the
+        step (``"gradients"``) and compensations not yet in the state (``"compensation"``)."""
+        return {"gradients": [g for g, _ in self._grads32.values()],
+                "compensation": list(self._pending.values())}
+
     def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
         """16-bit parameter -> the best fp32 estimate of its value (new tensors): weight +
         compensation for ``"kahan"``, the weight's upcast for ``"stochastic"``."""

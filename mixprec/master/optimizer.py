@@ -162,7 +162,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._with_masters(group["params"])
-        self._incoming_masters: dict | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._initial = {}
         checkpoint.register(self)

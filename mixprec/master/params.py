@@ -25,8 +25,8 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["MasterParameter", "GradCarry", "is_master", "valid_grad", "is_stale", "set_grad",
-           "drop_grad", "derive_grad"]
+__all__ = ["MasterParameter", "GradCarry", "is_master", "valid_grad", "is_stale", "held_grad",
+           "set_grad", "drop_grad", "derive_grad"]
 
 _GRAD = torch.Tensor.grad  # torch's own .grad slot (a C-level descriptor)
 _NO_SOURCE = (None, -1)
@@ -142,6 +142,12 @@ def is_stale(master: MasterParameter) -> bool:
     since (a new backward, or an in-place change such as clipping the model's gradients)."""
     return _GRAD.__get__(master) is not None and not _is_current(master._mp_source,
                                                                   master._mp_param.grad)
+
+
+def held_grad(master: MasterParameter) -> torch.Tensor | None:
+    """The fp32 gradient tensor the master holds right now, current or not (None: none); what
+    its memory footprint counts. Never derives one."""
+    return _GRAD.__get__(master)
 
 
 def set_grad(master: MasterParameter, grad: torch.Tensor | None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -123,13 +124,16 @@ def register(optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(_restore)
 
 
+# the state a load_state_dict call brought, from its pre-hook to its post-hook
+_INCOMING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _stash(optimizer, state_dict: Mapping) -> None:
-    optimizer._incoming_state = (state_dict.get("state"), state_dict.get("param_groups"))
+    _INCOMING[optimizer] = (state_dict.get("state"), state_dict.get("param_groups"))
 
 
 def _restore(optimizer) -> None:
-    saved, groups = getattr(optimizer, "_incoming_state", (None, None))
-    optimizer._incoming_state = (None, None)
+    saved, groups = _INCOMING.pop(optimizer, (None, None))
     if not saved or not groups:
         return
     ids = itertools.chain.from_iterable(g["params"] for g in groups)
