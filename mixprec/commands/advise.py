@@ -17,6 +17,7 @@ import torch
 from .. import benchmodels
 from ..advisor import FORMATS, advise
 from ..advisor.planted import CASES
+from .args import add_model_size_options
 
 __all__ = ["run_advise", "register"]
 
@@ -105,9 +106,7 @@ def register(subparsers) -> None:
                    help="16-bit format of the advised policy (default: the first measured)")
     p.add_argument("--train-steps", type=int, default=20,
                    help="fp32 steps before measuring (default %(default)s)")
-    for name in ("width", "batch", "depth", "seq-len", "image-size"):
-        p.add_argument(f"--{name}", type=int, default=None,
-                       help=f"model {name} (default: per model)")
+    add_model_size_options(p)
     p.add_argument("--ablation", action="store_true",
                    help="measure each layer's loss change (one forward per layer and format)")
     p.add_argument("--seed", type=int, default=0)

@@ -51,3 +51,10 @@ def comma_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected one or more comma-separated names; "
                                          f"got {text!r}")
     return items
+
+
+def add_model_size_options(parser: argparse.ArgumentParser) -> None:
+    """``--width --batch --depth --seq-len --image-size`` (None: the bench model's default)."""
+    for name in ("width", "batch", "depth", "seq-len", "image-size"):
+        parser.add_argument(f"--{name}", type=int, default=None,
+                            help=f"model {name} (default: per model)")

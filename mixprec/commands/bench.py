@@ -41,7 +41,7 @@ from ..dtypes import dtype_name
 from ..hardware import SlowDtypeWarning
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
-from .args import comma_list
+from .args import add_model_size_options, comma_list
 from .memory import peak_mb, reset_peak
 from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
 
@@ -375,9 +375,7 @@ def register(subparsers) -> None:
                    help="untimed steps first (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all rows; medians pool the steps of all rounds")
-    for name in ("width", "batch", "depth", "seq-len", "image-size"):
-        p.add_argument(f"--{name}", type=int, default=None,
-                       help=f"model {name} (default: per model)")
+    add_model_size_options(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",

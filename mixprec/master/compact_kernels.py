@@ -25,7 +25,15 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .kernels import PerDevice, adam_hparams, compile_options, flat, hp_tensor, sgd_hparams
+from .kernels import (
+    PerDevice,
+    adam_hparams,
+    compile_options,
+    flat,
+    hp_tensor,
+    options_problem,
+    sgd_hparams,
+)
 from .rounding import RoundingGenerator, stochastic_round
 from .states import COMPENSATION_KEY
 
@@ -112,13 +120,7 @@ def _limited(fn: Callable) -> Callable:
 # -- which optimizers and devices ----------------------------------------------------------------
 def fast_problem(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the one-pass kernels can't step ``optimizer`` (None when they can)."""
-    if type(optimizer) not in FAST_TYPES:
-        return f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
-    for i, group in enumerate(optimizer.param_groups):
-        on = [k for k in _OFF if group.get(k)]
-        if on:
-            return f"param_groups[{i}] sets {', '.join(on)}=True"
-    return None
+    return options_problem(optimizer, {t: _OFF for t in FAST_TYPES})
 
 
 @functools.lru_cache(maxsize=None)

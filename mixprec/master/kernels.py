@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["COMPILED_SUPPORTED", "check_compilable", "is_compilable", "torch_fused_problem",
-           "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams", "PerDevice", "hp_tensor",
-           "flat", "compile_options"]
+__all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
+           "torch_fused_problem", "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams",
+           "PerDevice", "hp_tensor", "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
     "torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
@@ -46,23 +46,26 @@ _TORCH_FUSED_DEVICES = ("cpu", "cuda")
 
 
 # -- which optimizers each path runs --------------------------------------------------------------
-def _off_options(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
-    if type(optimizer) is torch.optim.SGD:
-        return _SGD_OFF
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        return _ADAM_OFF
-    return None
-
-
-def _compile_problem(optimizer: torch.optim.Optimizer) -> str | None:
-    off = _off_options(optimizer)
-    if off is None:
+def options_problem(optimizer: torch.optim.Optimizer,
+                    off: dict[type, tuple[str, ...]]) -> str | None:
+    """Why a one-pass kernel can't step ``optimizer``: its type is not a key of ``off``, or a
+    param group turns on one of the options ``off`` lists for it (None when it can)."""
+    names = off.get(type(optimizer))
+    if names is None:
         return f"got {type(optimizer).__module__}.{type(optimizer).__name__}"
     for i, group in enumerate(optimizer.param_groups):
-        on = [k for k in off if group.get(k)]
+        on = [k for k in names if group.get(k)]
         if on:
             return f"param_groups[{i}] of {type(optimizer).__name__} sets {', '.join(on)}=True"
     return None
+
+
+_COMPILED_OFF = {torch.optim.SGD: _SGD_OFF, torch.optim.Adam: _ADAM_OFF,
+                 torch.optim.AdamW: _ADAM_OFF}
+
+
+def _compile_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    return options_problem(optimizer, _COMPILED_OFF)
 
 
 def is_compilable(optimizer: torch.optim.Optimizer) -> bool:
