@@ -39,7 +39,9 @@ def test_every_document_has_python_blocks_found():
     assert len(python_blocks(ROOT / "README.md")) >= 8
 
 
-@pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
+@pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning",
+                            # torch's own, from importing transformers first in a process
+                            r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_python_blocks_run_as_written(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files the examples write (checkpoints, plots) land here
