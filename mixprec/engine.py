@@ -105,7 +105,6 @@ class MixedPrecision:
         self.policy: Policy | None = None
         self.scaler: LossScaler | None = None
         self._given = policy
-        self._stage: dict[int, str] = {}  # optimizer id -> "unscaled" | "folded", until step()
         if policy is not None or not (isinstance(dtype, str) and dtype.lower() == "auto"):
             self._resolve(None)
         self.models: list[nn.Module] = []
@@ -184,13 +183,12 @@ class MixedPrecision:
         """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for
         inf/NaN (at most once per optimizer per step; see :meth:`LossScaler.unscale_`)."""
         self._ready().unscale_(optimizer)
-        self._stage[id(optimizer)] = "unscaled"
 
     def is_unscaled(self, optimizer) -> bool:
         """True when :meth:`unscale_`, :meth:`clip_grad_norm_` or :meth:`clip_grad_value_` ran on
         ``optimizer`` since its last :meth:`step` (its gradients are then the true ones, or a
         clip is folded into the step: :meth:`unscale_` must not run again)."""
-        return id(optimizer) in self._stage
+        return self._ready().stage_of(optimizer) in ("unscaled", "folded")
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
         """Clip the true gradients ``optimizer`` will step with; returns their total norm.
@@ -198,10 +196,7 @@ class MixedPrecision:
         Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the clip folded
         into its step (no fp32 gradient copy); see :meth:`LossScaler.clip_grad_norm_`.
         """
-        folds = self._stage.get(id(optimizer)) is None and owns_gradients(optimizer)
-        total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
-        self._stage[id(optimizer)] = "folded" if folds else "unscaled"
-        return total
+        return self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
 
     def clip_grad_value_(self, optimizer, clip_value: float) -> None:
         """Clamp each true gradient ``optimizer`` will step with to ``[-clip_value, clip_value]``.
@@ -216,11 +211,11 @@ class MixedPrecision:
         """
         if not _positive_finite(clip_value):
             raise ValueError(f"clip_value must be a positive finite number; got {clip_value!r}")
-        stage = self._stage.get(id(optimizer))
+        stage = self._ready().stage_of(optimizer)
         if stage == "folded":
             raise RuntimeError("clip_grad_value_() after clip_grad_norm_() in one step: the norm "
                                "clip was folded into the step; clip by value or by norm")
-        if stage is None:
+        if stage == "ready":
             self.unscale_(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if params:
@@ -235,7 +230,7 @@ class MixedPrecision:
             RuntimeError: :meth:`clip_grad_norm_` already ran this step (it returned the norm).
         """
         scaler = self._ready()
-        stage = self._stage.get(id(optimizer))
+        stage = scaler.stage_of(optimizer)
         if stage == "folded":
             raise RuntimeError("grad_norm() after clip_grad_norm_(): use the norm it returned")
         if owns_gradients(optimizer):
@@ -244,7 +239,7 @@ class MixedPrecision:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
         total = total_norm(grads, norm_type, scaler.scale_tensor.device)
-        if stage is None and scaler.is_enabled():  # they still carry the loss scale
+        if stage == "ready" and scaler.is_enabled():  # they still carry the loss scale
             total = total / scaler.scale_tensor
         return total
 
@@ -272,7 +267,6 @@ class MixedPrecision:
         for opt in optimizers:
             if max_grad_norm is not None:
                 scaler.clip_grad_norm_(opt, max_grad_norm)
-            self._stage.pop(id(opt), None)
             applied = bool(scaler.step(opt)) and applied
         scaler.update()
         return applied

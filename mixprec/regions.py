@@ -40,7 +40,7 @@ from .autocast import PrecisionContext, cast_floating, is_mixprec_mode
 from .dtypes import TRAINING_DTYPES
 
 __all__ = ["Region", "ForwardWrapper", "Entry", "Island", "assign_regions", "island_of",
-           "region_modules", "island_region", "first_floating_dtype", "structure_changed",
+           "region_modules", "island_region", "structure_changed",
            "refresh_island"]
 
 _HOOK_ATTR = "_mixprec_region_hook"
@@ -76,14 +76,6 @@ class Region:
     @property
     def needs_hooks(self) -> bool:
         return self.restore or self.cast is not None
-
-
-def first_floating_dtype(tree) -> torch.dtype | None:
-    """The dtype of the first fp32/fp16/bf16 tensor in a pytree, or None."""
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor) and t.dtype in TRAINING_DTYPES:
-            return t.dtype
-    return None
 
 
 def _needs_cast(tree, dtype: torch.dtype) -> bool:

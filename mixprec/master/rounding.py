@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["RoundingGenerator", "random16", "stochastic_round", "DEFAULT_SEED"]
 
-#: The seed a rounding generator starts from unless given one: the same in every process, so the
+#: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
 DEFAULT_SEED = 0x5EED
 

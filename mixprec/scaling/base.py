@@ -66,6 +66,17 @@ class LossScaler(GradScalerInterface):
         """The current loss scale as a float (a host sync; 1.0 when not scaling)."""
         return float(self._state.scale.item()) if self._scales else 1.0
 
+    def stage_of(self, optimizer) -> str:
+        """Where ``optimizer`` is in this iteration: ``"ready"``, ``"unscaled"`` (its gradients
+        read as the true ones), ``"folded"`` (a clip is folded into its step's unscaling) or
+        ``"stepped"``."""
+        record = self._stages.get(optimizer)
+        if record is None:
+            return Stage.READY.value
+        if record.stage is Stage.UNSCALED and record.grad_scale is not None:
+            return "folded"
+        return record.stage.value
+
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
         return self._scales
