@@ -104,9 +104,11 @@ def to_float(module: nn.Module, dtype) -> nn.Module:
     Its floating inputs are cast at entry, its parameters are cast for the call (their storage
     stays as it is, so an optimizer keeps updating them in their own precision: MindSpore keeps
     the Parameter in fp32 and casts at compute), its floating buffers are cast, and its forward
-    runs with autocast off, so every op inside computes in ``dtype``. Its outputs are returned as
-    computed: an fp32 module's output is fp32. Modules around it keep computing in their own
-    dtype (a module of a ``to_float`` region casts its floating inputs to the region's dtype). A
+    runs with autocast off, so every op inside computes in ``dtype``. Its outputs are never
+    rounded: an fp32 module's output is fp32; a 16-bit module's output is widened (losslessly) to
+    the dtype of the code around it when that is wider (fp32 in a plain model, so the fp32 layers
+    after it can consume it). Modules around it keep computing in their own dtype (a module of a
+    ``to_float`` region casts its floating inputs to the region's dtype). A
     sub-module with its own ``to_float`` keeps its setting: ``to_float(net, "fp16");
     to_float(net.dense, "fp32")`` leaves ``net.dense`` in fp32 whichever call comes first.
     ``mp.prepare`` later stores parameters per its policy (16-bit with fp32 masters at O2).
@@ -144,6 +146,7 @@ def to_float(module: nn.Module, dtype) -> nn.Module:
     island = island_of(module)
     if island is not None:  # re-marked: update the existing wrapper in place
         island.dtype, island.context = dt, context
+        island.place(island.outer)
     else:
         module.forward = Island(module, dt, True, context)
     refresh_island(module)

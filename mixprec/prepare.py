@@ -318,6 +318,8 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)
         root_island = island_of(model)  # to_float(model, ...): the root computes in that
+        if root_island is not None:
+            root_island.place(None)  # the entry casts the outputs
         assign_regions(model, island_region(model, root_island) if root_island is not None
                        else _root_region(model, policy, context))
     register_fp32_state_dict(model, policy.master_weights)

@@ -8,11 +8,14 @@ every module kept in fp32 starts another (its :class:`Island` casts its floating
 parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
 module belongs to the innermost region around it.
 
-Outputs are never cast on the way out of an island: an fp32 layer's output is fp32 (MindSpore's
-rule, and torch's ``autocast(enabled=False)`` idiom). Its consumers compute in their own dtype:
-under autocast (O1/O2) by autocast's casts and type promotion; in a region of one fixed dtype
-that holds islands of another (O3 with fp32 modules, ``to_float`` regions) a forward pre-hook on
-each of its modules casts that module's floating inputs to the region's dtype.
+Outputs are never rounded on the way out of an island: an fp32 layer's output is fp32
+(MindSpore's rule, and torch's ``autocast(enabled=False)`` idiom). Its consumers compute in their
+own dtype: under autocast (O1/O2) by autocast's casts and type promotion; in a region of one
+fixed dtype that holds islands of another (O3 with fp32 modules, ``to_float`` regions) a forward
+pre-hook on each of its modules casts that module's floating inputs to the region's dtype. A
+low-precision island inside wider code that has neither (a plain fp32 model, the default until a
+region says otherwise) widens its floating outputs to that code's dtype, losslessly, so the fp32
+layers after it can consume them.
 
 Recomputation (activation checkpointing) runs a module's forward again during backward, outside
 the prepared model's forward. torch restores the autocast state there, but not the op-list and
@@ -41,7 +44,7 @@ from .dtypes import TRAINING_DTYPES
 
 __all__ = ["Region", "ForwardWrapper", "Entry", "Island", "assign_regions", "island_of",
            "region_modules", "island_region", "structure_changed",
-           "refresh_island"]
+           "refresh_island", "outer_dtype"]
 
 _HOOK_ATTR = "_mixprec_region_hook"
 _generation = itertools.count(1)
@@ -134,7 +137,8 @@ class Island(ForwardWrapper):
     Casts its floating inputs to ``dtype`` (unless ``cast_inputs`` is False: a norm kernel that
     reads 16-bit activations with fp32 parameters itself), casts for the call the parameters of
     its region stored in another dtype (``to_float`` keeps a parameter's storage), and runs with
-    autocast off. Outputs are returned as computed.
+    autocast off. Outputs are returned as computed, or widened (losslessly) to the dtype of the
+    code around the island when that is wider (see :meth:`place`).
     """
 
     def __init__(self, module, dtype: torch.dtype, cast_inputs: bool, context: PrecisionContext):
@@ -142,6 +146,14 @@ class Island(ForwardWrapper):
         self.dtype, self.cast_inputs, self.context = dtype, cast_inputs, context
         self._slots: list[tuple[nn.Module, str]] = []
         self._seen = 0
+        self.place(torch.float32)  # plain fp32 code around it, until a region says otherwise
+
+    def place(self, outer: torch.dtype | None) -> None:
+        """Set the dtype of the code around the island (None: autocast, which casts for each
+        consumer): floating outputs are widened to it when it is wider than the island's."""
+        self.outer = outer
+        wider = outer is not None and torch.finfo(outer).bits > torch.finfo(self.dtype).bits
+        self.widen = outer if wider else None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_slots": [], "_seen": 0}
@@ -160,15 +172,17 @@ class Island(ForwardWrapper):
         slots = [(m, n, m._parameters[n]) for m, n in self._param_slots()]
         slots = [(m, n, p) for m, n, p in slots if p is not None and p.dtype != self.dtype]
         if not slots:
-            return self.context.run(self.call_inner, args, kwargs)
-        cast: dict[int, torch.Tensor] = {}
-        try:
-            for m, n, p in slots:  # a tied parameter is cast once
-                m._parameters[n] = cast.setdefault(id(p), p.to(self.dtype))
-            return self.context.run(self.call_inner, args, kwargs)
-        finally:
-            for m, n, p in slots:
-                m._parameters[n] = p
+            out = self.context.run(self.call_inner, args, kwargs)
+        else:
+            cast: dict[int, torch.Tensor] = {}
+            try:
+                for m, n, p in slots:  # a tied parameter is cast once
+                    m._parameters[n] = cast.setdefault(id(p), p.to(self.dtype))
+                out = self.context.run(self.call_inner, args, kwargs)
+            finally:
+                for m, n, p in slots:
+                    m._parameters[n] = p
+        return out if self.widen is None else cast_floating(out, self.widen)
 
 
 def island_of(module: nn.Module) -> Island | None:
@@ -246,10 +260,20 @@ def assign_regions(root: nn.Module, region: Region | None) -> None:
         island = island_of(child)
         if island is not None:
             _set_hook(child, None)  # the island's wrapper enters its context and casts inputs
+            island.place(outer_dtype(region))
             assign_regions(child, island_region(child, island))
         else:
             _set_hook(child, region)
             assign_regions(child, region)
+
+
+def outer_dtype(region: Region | None) -> torch.dtype | None:
+    """The dtype the code of ``region`` computes in, as an island inside it sees it: fp32 for
+    plain code, None under autocast (it casts for each consumer)."""
+    context = None if region is None else region.context
+    if context is None:
+        return torch.float32
+    return None if context.autocast else (region.cast or context.dtype)
 
 
 def refresh_island(module: nn.Module) -> None:

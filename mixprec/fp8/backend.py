@@ -2,18 +2,21 @@
 
 torchao is an optional dependency (``pip install mixprec[fp8]``). Nothing in mixprec imports it
 until FP8 is asked for; then it must be there: asking for FP8 without it raises an
-``ImportError`` that names the extra, never a silent fallback to 16 bits.
+``ImportError`` that names the extra, never a silent fallback to 16 bits. The messages its
+import logs about compiled kernels mixprec never runs are dropped (:func:`quiet_import`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
+import re
 
 import torch
 
-__all__ = ["EXTRA_HINT", "RECIPES", "require", "float8_config", "check_device",
+__all__ = ["EXTRA_HINT", "RECIPES", "require", "quiet_import", "float8_config", "check_device",
            "shape_filter"]
 
 EXTRA_HINT = "pip install mixprec[fp8]"
@@ -23,26 +26,55 @@ RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise",
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
 
 
-def require(what: str = "FP8 layers"):
-    """The ``torchao.float8`` package, imported now.
+#: What importing torchao logs that is not the user's business, by logger: its optional
+#: compiled kernels that do not load here (mixprec's FP8 layers use none of them: their GEMMs
+#: run through ``torch._scaled_mm``), and torch's notice that torchao registers its Enum classes
+#: with ``_pytree`` the deprecated way. Nothing else is filtered.
+_IMPORT_NOISE = (
+    ("torchao", re.compile(r"^Failed to load \S*torchao[/\\]_C\w*\.\S*so\b")),
+    ("torch.utils._pytree", re.compile(r"is an Enum subclass and is now natively supported")),
+)
 
-    On a machine without CUDA, torchao's import-time warnings that its CUDA kernels' libraries
-    do not load are not shown (they concern kernels a CPU never runs); with CUDA they are.
+
+class _Drop(logging.Filter):
+    """Drops the records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_import():
+    """Within the block, the import-time messages of torchao listed in ``_IMPORT_NOISE`` are
+    dropped (for importing torchao, or a package that imports it: ``transformers.trainer``);
+    every other message, and every message after the block, is shown."""
+    added = [(logging.getLogger(name), _Drop(pattern)) for name, pattern in _IMPORT_NOISE]
+    for logger, drop in added:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in added:
+            logger.removeFilter(drop)
+
+
+def require(what: str = "FP8 layers"):
+    """The ``torchao.float8`` package, imported now (without the import-time messages that
+    concern kernels mixprec never runs, see :func:`quiet_import`).
 
     Raises:
         ImportError: torchao is not installed (the message names the ``fp8`` extra).
     """
-    quiet = logging.getLogger("torchao")
-    level = quiet.level
-    if not torch.cuda.is_available():
-        quiet.setLevel(max(level, logging.ERROR))
     try:
-        return importlib.import_module("torchao.float8")
+        with quiet_import():
+            return importlib.import_module("torchao.float8")
     except ImportError as exc:
         raise ImportError(f"{what} run on torchao, which is not installed: {EXTRA_HINT} "
                           f"(or pip install torchao==0.18.0)") from exc
-    finally:
-        quiet.setLevel(level)
 
 
 def float8_config(recipe: str, *, all_gather: bool = False):

@@ -14,7 +14,8 @@ Megatron keep those in 16 bits for stability. On CUDA it also applies torchao's 
 which skips layers too small to run faster in FP8. A list of names is taken as given (each must
 be eligible); a callable ``(module, name) -> bool`` picks among the eligible layers. Either way
 the choice is resolved into qualified names, the names ``named_modules()`` gives, recorded in
-the prepared model's policy.
+the prepared model's policy. When the default choice or a callable leaves no layer, ``prepare``
+warns once, naming why each GEMM layer was left out, and the policy records ``fp8_modules=0``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -32,7 +34,7 @@ from ..policy import Policy
 from . import backend
 
 __all__ = ["FP8_ATTR", "is_conv1d", "gemm_dims", "ineligible", "eligible_layers",
-           "default_choice", "choose", "with_modules", "split_spec"]
+           "default_choice", "choose", "with_modules", "split_spec", "why_none_chosen"]
 
 FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its recipe
 _MULTIPLE = 16
@@ -98,12 +100,17 @@ def eligible_layers(model: nn.Module, policy: Policy) -> list[str]:
     return [name for name, _ in model.named_modules() if name not in bad]
 
 
+def _gemm_layers(modules: dict[str, nn.Module]) -> list[str]:
+    """The GEMM layers that run their own forward (not nn.MultiheadAttention's projections)."""
+    return [name for name, mod in modules.items() if gemm_dims(mod) is not None
+            and not isinstance(modules.get(name.rpartition(".")[0]), nn.MultiheadAttention)]
+
+
 def default_choice(model: nn.Module, policy: Policy) -> list[str]:
     """The eligible layers except the model's first and last GEMM layer; on CUDA, only those
     torchao's shape filter keeps."""
     modules = dict(model.named_modules())
-    gemms = [name for name, mod in modules.items() if gemm_dims(mod) is not None
-             and not isinstance(modules.get(name.rpartition(".")[0]), nn.MultiheadAttention)]
+    gemms = _gemm_layers(modules)
     ends = {gemms[0], gemms[-1]} if gemms else set()
     chosen = [n for n in eligible_layers(model, policy) if n not in ends]
     if module_device(model).type == "cuda":
@@ -169,7 +176,41 @@ def with_modules(policy: Policy, model: nn.Module, chooser: Callable | None = No
             raise ValueError(f"{policy} names fp8_modules without fp8: set fp8= "
                              f"('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
         return policy
-    return dataclasses.replace(policy, fp8_modules=choose(model, policy, chooser))
+    names = choose(model, policy, chooser)
+    if not names and policy.fp8_modules is None:  # chosen for the user, and nothing was
+        warnings.warn(why_none_chosen(model, policy, chooser), UserWarning, stacklevel=4)
+    return dataclasses.replace(policy, fp8_modules=names)
+
+
+def why_none_chosen(model: nn.Module, policy: Policy, chooser: Callable | None = None,
+                    limit: int = 8) -> str:
+    """The message of a choice that left no layer: why each GEMM layer was left out."""
+    modules = dict(model.named_modules())
+    gemms = _gemm_layers(modules)
+    head = (f"fp8={policy.fp8!r} converts no layer of this {type(model).__name__}: every layer "
+            f"computes as without fp8= and the policy records fp8_modules=0. ")
+    if not gemms:
+        kinds = sorted({type(m).__name__ for n, m in modules.items() if n
+                        and any(True for _ in m.parameters(recurse=False))})
+        return head + (f"FP8 runs the GEMMs of nn.Linear and Hugging Face Conv1D layers only, "
+                       f"and the model has none (its layers with parameters: "
+                       f"{', '.join(kinds) or 'none'})")
+    bad = ineligible(model, policy)
+    ends = {gemms[0], gemms[-1]}
+    why = []
+    for name in gemms:
+        if name in bad:
+            reason = bad[name]
+        elif chooser is not None:
+            reason = "was not picked by the fp8_modules callable"
+        elif name in ends:
+            reason = ("is the model's first or last GEMM layer, kept in 16 bits by the default "
+                      "choice (name it in fp8_modules to convert it)")
+        else:
+            reason = "is too small to run faster in FP8 (torchao's shape filter, on CUDA)"
+        why.append(f"{name!r} {reason}")
+    more = f"; and {len(why) - limit} more" if len(why) > limit else ""
+    return head + "Left out: " + "; ".join(why[:limit]) + more
 
 
 def split_spec(fp8, fp8_modules) -> tuple[tuple[str, ...] | None, Callable | None]:

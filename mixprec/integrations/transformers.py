@@ -45,9 +45,12 @@ from typing import Any
 import torch
 
 from ..engine import MixedPrecision
+from ..fp8.backend import quiet_import
 
 try:
-    import transformers
+    with quiet_import():  # transformers.trainer imports torchao when it is installed
+        import transformers
+        import transformers.trainer  # noqa: F401
 except ImportError as exc:  # pragma: no cover - the error names the extra
     raise ImportError("mixprec.integrations.transformers needs transformers and accelerate: "
                       "pip install 'mixprec[transformers]'") from exc
