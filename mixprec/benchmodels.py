@@ -92,13 +92,18 @@ class _GPTBlock(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT-style causal language model: token + position embeddings, pre-LN blocks, a head."""
+    """A GPT-style causal language model: token + position embeddings, pre-LN blocks, a head.
+    Sequences of up to ``MAX_POSITIONS`` tokens (``seq_len`` positions are built)."""
+
+    MAX_POSITIONS = 1024  # GPT-2's n_positions
 
     def __init__(self, vocab: int = 256, dim: int = 256, depth: int = 4, heads: int = 4,
                  seq_len: int = 128):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads; got dim={dim}, heads={heads}")
+        if not 1 <= seq_len <= self.MAX_POSITIONS:
+            raise ValueError(f"seq_len must be in [1, {self.MAX_POSITIONS}]; got {seq_len}")
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.blocks = nn.Sequential(*(_GPTBlock(dim, heads) for _ in range(depth)))
@@ -157,6 +162,9 @@ def _convnet(width=None, batch=None, image_size=None, **_) -> BenchModel:
 
 def _transformer(width=None, batch=None, depth=None, seq_len=None, **_) -> BenchModel:
     w, b, d, t = width or 256, batch or 16, depth or 4, seq_len or 128
+    if t > TinyGPT.MAX_POSITIONS:
+        raise ValueError(f"seq_len must be at most {TinyGPT.MAX_POSITIONS}, the positions the "
+                         f"transformer model has (GPT-2's n_positions); got {t}")
     heads = max(1, w // 64)
 
     def batch_fn(g):

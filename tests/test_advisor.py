@@ -169,3 +169,109 @@ def test_the_advise_command(capsys):
     assert "overrides=[2:fp32,3:fp32]" in capsys.readouterr().out
     assert cli.main(["advise", "--formats", "int8"]) == 2
     assert "--formats takes" in capsys.readouterr().err
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_batch_holding_inf_or_nan_is_refused(bad):
+    x, y = overflow_case()[1]
+    x = x.clone()
+    x[5, 3] = bad
+    with pytest.raises(ValueError, match=r"inf or NaN values \(input 0\)"):
+        mp.advise(overflow_net(), (x, y), F.cross_entropy)
+    with pytest.raises(ValueError, match=r"inf or NaN values \(input 'x'\)"):
+        mp.advise(KwargNet(), {"x": x}, lambda out, _: out.sum())
+
+
+class KwargNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_an_empty_batch_and_a_model_without_parameters_are_refused():
+    x, y = overflow_case()[1]
+    with pytest.raises(ValueError, match=r"empty tensor \(input 0 of shape \(0, 16\), target"):
+        mp.advise(overflow_net(), (x[:0], y[:0]), F.cross_entropy)
+    with pytest.raises(ValueError, match="ReLU has no parameters"):
+        mp.advise(nn.ReLU(), (x, y), F.cross_entropy)
+    frozen = overflow_net().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter of this Sequential requires grad"):
+        mp.advise(frozen, (x, y), F.cross_entropy)
+
+
+def test_a_policy_takes_only_the_fp8_recipe_that_was_measured():
+    batch = outlier_case()[1]
+    tensorwise = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16", "fp8_e4m3"))
+    with pytest.raises(ValueError, match="measured the 'tensorwise' recipe.*fp8_recipe='rowwise'"):
+        tensorwise.policy("O2", "bf16", fp8="rowwise")
+    assert tensorwise.policy("O2", "bf16", fp8="tensorwise").fp8 == "tensorwise"
+    rowwise = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16", "fp8_e4m3"),
+                        fp8_recipe="rowwise")
+    assert rowwise.policy("O2", "bf16", fp8="rowwise_gw_hp").fp8 == "rowwise_gw_hp"
+    with pytest.raises(ValueError, match="measured the 'rowwise' recipe"):
+        rowwise.policy("O2", "bf16", fp8="tensorwise")
+
+
+def test_the_advise_command_refuses_bad_options_before_measuring(capsys, tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr("mixprec.commands.advise.advise",
+                        lambda *a, **k: measured.append(1))  # never reached
+    missing = tmp_path / "no-such-dir" / "advice.png"
+    assert cli.main(["advise", "--model", "planted-overflow", "--plot", str(missing)]) == 2
+    assert f"the directory {missing.parent} does not exist" in capsys.readouterr().err
+    assert cli.main(["advise", "--model", "transformer", "--seq-len", "100000"]) == 2
+    assert "seq_len must be at most 1024, the positions the transformer model has" in \
+        capsys.readouterr().err
+    assert cli.main(["advise", "--model", "gpt9"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt9'" in err
+    assert all(name in err for name in ("nine-linear", "convnet", "transformer",
+                                        "planted-overflow", "planted-outlier"))
+    assert measured == []
+
+
+# -- the loss scale fp16 gradients are judged at -----------------------------------------------
+def test_fp16_loss_scale_is_where_dynamic_scaling_settles():
+    from mixprec.advisor.measure import loss_scale_for
+    fmax = torch.finfo(torch.float16).max
+    assert loss_scale_for("fp16", 1.0, "auto") == 2.0 ** 15  # 2^16 would overflow
+    assert loss_scale_for("fp16", 3.0, "auto") == 2.0 ** 14
+    assert loss_scale_for("fp16", fmax / 2.0 ** 20, "auto") == 2.0 ** 20  # exactly fits
+    assert loss_scale_for("fp16", fmax / 2.0 ** 20 * 1.001, "auto") == 2.0 ** 19
+    assert loss_scale_for("fp16", 1e-9, "auto") == 2.0 ** 24  # the scaler's max_scale
+    assert loss_scale_for("fp16", 0.0, "auto") == 2.0 ** 24
+    assert loss_scale_for("fp16", 1e-9, 1024) == 1024.0 and loss_scale_for("bf16", 1.0, "auto") == 1
+
+
+def test_a_small_bert_is_judged_at_the_scale_dynamic_scaling_reaches():
+    """At a fixed 2^16 ~1.5% of two attention key layers' weight gradients flush in fp16 (the
+    1% limit flags them); dynamic scaling grows past 2^16 when nothing overflows, and there
+    they don't."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128,
+                                  max_position_embeddings=64, num_labels=2)
+    model = transformers.BertForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 512, (8, 32), generator=g),
+             "labels": torch.randint(0, 2, (8,), generator=g)}
+    fixed = mp.advise(model, batch, formats=("fp16",), loss_scale=2.0 ** 16)
+    keys = [f"bert.encoder.layer.{i}.attention.self.key" for i in range(2)]
+    assert fixed.unsafe("fp16") == keys
+    assert all("weight_grad underflow" in why and "at loss scale 65536" in why
+               for why in fixed.reasons("fp16").values())
+    assert "judged at the fixed loss scale 2^16" in fixed.table()
+    auto = mp.advise(model, batch, formats=("fp16",))
+    scale = auto.loss_scales["fp16"]
+    assert 2.0 ** 16 < scale <= 2.0 ** 24 and auto.unsafe("fp16") == []
+    peaks = [m.amax[r] for a in auto.layers for m in a.measurements.values()
+             for r in ("grad_output", "weight_grad") if r in m.amax]
+    fmax = torch.finfo(torch.float16).max
+    assert max(peaks) <= fmax < 2 * max(peaks) or scale == 2.0 ** 24  # the largest that fits
+    assert f"judged at loss scale 2^{int(torch.log2(torch.tensor(scale)))} (dynamic" in \
+        auto.table()

@@ -10,6 +10,7 @@ plain model; resume is bitwise.
 """
 
 import copy
+import re
 import sys
 
 import pytest
@@ -344,3 +345,46 @@ def test_gpt2_conv1d_layers_run_in_fp8_and_keep_their_state_dict():
     assert all(sd[k].shape == reference[k].shape and sd[k].dtype == torch.float32 for k in sd)
     plain = _gpt2()
     plain.load_state_dict(sd)
+
+
+# -- a choice that converts nothing ----------------------------------------------------------------
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return self.pool(self.conv(x)).flatten(1)
+
+
+NOTHING_CHOSEN = {
+    "a conv net": (ConvNet, r"has none \(its layers with parameters: Conv2d\)"),
+    "only first and last Linear": (
+        lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)),
+        r"'0' is the model's first or last GEMM layer.*'2' is the model's first or last"),
+    "odd dimensions": (
+        lambda: nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 24), nn.Linear(24, 16)),
+        r"'1' has dimensions 64 x 24: FP8 GEMMs need both to be multiples of 16"),
+}
+
+
+@pytest.mark.parametrize("case", NOTHING_CHOSEN)
+def test_a_default_choice_that_converts_nothing_warns_once_with_each_reason(case):
+    build, reason = NOTHING_CHOSEN[case]
+    with pytest.warns(UserWarning, match="converts no layer") as record:
+        model = mp.prepare(build(), level="O1", dtype="bf16", fp8="tensorwise")
+    fp8_warnings = [w for w in record if "converts no layer" in str(w.message)]
+    assert len(fp8_warnings) == 1
+    assert re.search(reason, str(fp8_warnings[0].message))
+    assert mp.fp8_modules(model) == []
+    assert mp.policy_of(model).fp8_modules == ()
+    assert "fp8_modules=0" in str(mp.policy_of(model))
+
+
+def test_a_callable_that_picks_nothing_warns_and_an_explicit_empty_list_does_not():
+    with pytest.warns(UserWarning, match="'2' was not picked by the fp8_modules callable"):
+        mp.prepare(net(), level="O1", dtype="bf16", fp8="tensorwise",
+                   fp8_modules=lambda mod, name: False)
+    model = mp.prepare(net(), level="O1", dtype="bf16", fp8="tensorwise", fp8_modules=[])
+    assert mp.fp8_modules(model) == []  # what was asked for: nothing to say

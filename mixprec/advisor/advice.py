@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
-from ..policy import Policy
+from ..policy import FP8_RECIPES, Policy
 from .measure import FORMATS, Measurement
 from .report import format_table, plot_advice
 
@@ -127,6 +128,8 @@ class Advice:
         thresholds: the :class:`Thresholds` applied.
         cost: passes and seconds the measurement took.
         skipped: ``{layer: why}`` for layers not measured (not called, no tensor output).
+        loss_scale: the ``loss_scale`` argument: ``"auto"`` (fp16 gradients judged where
+            dynamic scaling settles on the batch), a fixed number, or None.
     """
 
     layers: list
@@ -137,6 +140,7 @@ class Advice:
     thresholds: Thresholds
     cost: dict
     skipped: dict
+    loss_scale: Any = "auto"
 
     def _check(self, fmt: str) -> None:
         if fmt not in self.formats:
@@ -176,7 +180,8 @@ class Advice:
                 "fp8_e4m3" among the measured formats (measured with ``fp8_recipe``).
 
         Raises:
-            ValueError: a format that was not measured, a bad level or dtype.
+            ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe
+                other than the one measured.
         """
         base = Policy.from_level(level, dtype, warn=False)
         low = base.compute_dtype
@@ -189,9 +194,24 @@ class Advice:
         names = None
         if fp8 is not None:
             self._check("fp8_e4m3")
+            self._check_recipe(fp8)
             names = tuple(a.name for a in self.layers if a.fp8_eligible
                           and not a.unsafe("fp8_e4m3") and a.name not in unsafe)
         return dataclasses.replace(base, overrides=overrides, fp8=fp8, fp8_modules=names)
+
+    def _check_recipe(self, fp8: str) -> None:
+        """A policy's FP8 recipe must be the one measured (rowwise_gw_hp runs the GEMMs of
+        rowwise, with the weight gradient's in high precision: a rowwise measurement covers
+        it)."""
+        if fp8 not in FP8_RECIPES:
+            return  # the Policy names the valid recipes
+        covered = {"tensorwise": ("tensorwise",), "rowwise": ("rowwise", "rowwise_gw_hp")}
+        allowed = covered.get(self.fp8_recipe, (self.fp8_recipe,))
+        if fp8 not in allowed:
+            raise ValueError(f"fp8={fp8!r}, but this advice measured the {self.fp8_recipe!r} "
+                             f"recipe: the two scale differently, so its FP8 verdicts do not "
+                             f"carry over. Use fp8={allowed[0]!r}, or measure the recipe: "
+                             f"mp.advise(..., fp8_recipe={fp8.replace('_gw_hp', '')!r})")
 
     def _sort_format(self, sort_by: str | None) -> str:
         if sort_by is None:
@@ -231,7 +251,8 @@ class Advice:
             return dataclasses.asdict(m)
         return {
             "loss": self.loss, "formats": list(self.formats), "fp8_recipe": self.fp8_recipe,
-            "loss_scales": dict(self.loss_scales), "cost": dict(self.cost),
+            "loss_scales": dict(self.loss_scales), "loss_scale": self.loss_scale,
+            "cost": dict(self.cost),
             "thresholds": dataclasses.asdict(self.thresholds), "skipped": dict(self.skipped),
             "layers": [{"name": a.name, "kind": a.kind, "fp8_eligible": a.fp8_eligible,
                         "formats": {f: {**measurement(m), "unsafe": a.unsafe(f),

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ..casting import module_device
 from ..fp8.choice import eligible_layers
@@ -47,6 +48,46 @@ def _check(model, formats, fp8_recipe, thresholds) -> tuple[str, ...]:
     return tuple(dict.fromkeys(formats))
 
 
+def _check_model(model: nn.Module) -> None:
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"this {type(model).__name__} has no parameters: advise measures the "
+                         f"layers that hold them (Linear, conv, norm, embedding layers ...)")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"no parameter of this {type(model).__name__} requires grad: advise "
+                         f"measures gradients; unfreeze the layers to measure "
+                         f"(p.requires_grad_(True))")
+
+
+def _tensors(split) -> list[tuple[str, torch.Tensor]]:
+    """``(where, tensor)`` for every tensor of the split batch."""
+    parts = [(f"input {i}", a) for i, a in enumerate(split.args)]
+    parts += [(f"input {k!r}", v) for k, v in split.kwargs.items()]
+    parts.append(("target", split.target))
+    found = []
+    for where, part in parts:
+        leaves = tree_flatten(part)[0]
+        found += [(where, t) for t in leaves if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _check_batch(split) -> None:
+    """Refuse an empty batch and non-finite values (one host sync)."""
+    tensors = _tensors(split)
+    empty = [f"{where} of shape {tuple(t.shape)}" for where, t in tensors if t.numel() == 0]
+    if empty:
+        raise ValueError(f"the batch holds an empty tensor ({', '.join(empty)}): advise "
+                         f"measures on at least one example")
+    floating = [(where, t) for where, t in tensors if t.is_floating_point()]
+    if not floating:
+        return
+    finite = torch.stack([torch.isfinite(t).all().cpu() for _, t in floating]).tolist()
+    bad = [where for (where, _), ok in zip(floating, finite) if not ok]
+    if bad:
+        raise ValueError(f"the batch holds inf or NaN values ({', '.join(bad)}): every layer "
+                         f"would read as overflowing; advise measures on finite data")
+
+
 def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
            formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
            fp8_recipe: str = "tensorwise", layers=None, ablation: bool = False,
@@ -71,8 +112,9 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
             keyword arguments (moved to the model's device).
         loss_fn: ``(output, target) -> scalar``; None takes the output's ``.loss``.
         formats: any of "bf16", "fp16", "fp8_e4m3" (FP8 for Linear and Conv1D layers).
-        loss_scale: the fp16 loss scale: "auto" (where a dynamic scaler settles on this batch),
-            a number, or None.
+        loss_scale: the fp16 loss scale gradients are judged at: "auto" (where dynamic
+            scaling settles on this batch: the largest power of two that keeps every measured
+            gradient finite in fp16, at most the scaler's max_scale 2^24), a number, or None.
         fp8_recipe: the FP8 scaling measured: "tensorwise" or "rowwise".
         layers: qualified names of the layers to measure (default: all).
         ablation: also measure each layer's loss change with a forward pass.
@@ -85,7 +127,8 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
 
     Raises:
         TypeError: not a module; bad thresholds.
-        ValueError: a prepared model, an unknown format or recipe, unknown layer names.
+        ValueError: a prepared model, a model without (trainable) parameters, an unknown format
+            or recipe, unknown layer names, an empty batch or one holding inf/NaN.
 
     Example:
         >>> import torch, mixprec as mp
@@ -96,9 +139,11 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
         []
     """
     formats = _check(model, formats, fp8_recipe, thresholds)
+    _check_model(model)
     thresholds = thresholds or Thresholds()
     device = module_device(model)
     split = as_batch(to_device(batch, device), loss_fn)
+    _check_batch(split)
     chosen = find_layers(model, layers)
     started = time.perf_counter()
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
@@ -127,4 +172,5 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
                if c.output is None}
     cost = {"full_passes": 1, "layer_passes": layer_runs, "ablation_forwards": forwards,
             "seconds": finished - started, "reference_seconds": t_ref - started}
-    return Advice(results, formats, loss, scales, fp8_recipe, thresholds, cost, skipped)
+    return Advice(results, formats, loss, scales, fp8_recipe, thresholds, cost, skipped,
+                  loss_scale)

@@ -21,6 +21,8 @@ format (the layer's output replaced by its output in the format).
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 
 import torch
 from torch import nn
@@ -29,16 +31,19 @@ from torch.func import functional_call
 from ..autocast import PrecisionContext, cast_floating
 from ..fp8.choice import gemm_dims, is_conv1d
 from ..fp8.stats import scaled_fractions
+from ..scaling import DynamicLossScaler
 from .capture import LayerCall, isolated, loss_of
 from .fp8sim import fp8_matmul
 
 __all__ = ["FORMATS", "Measurement", "reference", "measure", "gradient_peak", "loss_scale_for",
-           "ablation_loss", "supports"]
+           "describe_scale", "ablation_loss", "supports"]
 
 #: the formats the advisor measures, and the dtype each runs in (FP8: emulated GEMMs)
 FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_INIT_SCALE = 2.0 ** 16  # mixprec's DynamicLossScaler starts here
+#: DynamicLossScaler's default max_scale: where dynamic scaling stops growing
+_MAX_SCALE = inspect.signature(DynamicLossScaler).parameters["max_scale"].default
+_MIN_SCALE = 2.0 ** -24
 
 
 @dataclasses.dataclass
@@ -195,18 +200,37 @@ def gradient_peak(calls, refs) -> float:
 
 def loss_scale_for(fmt: str, peak: float, loss_scale) -> float:
     """The loss scale a policy in ``fmt`` would train with: 1 for bf16 and FP8; for fp16
-    ``"auto"``/``"dynamic"`` gives where mixprec's dynamic scaler settles on this batch (2^16,
-    halved until the largest gradient, ``peak``, fits), a number gives itself, None gives 1.
+    ``"auto"``/``"dynamic"`` gives the scale a dynamic scaler reaches on this batch: it halves
+    on overflow and grows while nothing overflows, so it settles at the largest power of two
+    that keeps the largest gradient, ``peak``, finite in fp16, capped at the scaler's
+    ``max_scale`` (2^24); a number gives itself, None gives 1.
     """
     if fmt != "fp16" or loss_scale is None:
         return 1.0
     if loss_scale not in ("auto", "dynamic"):
         return float(loss_scale)
+    if not peak > 0:
+        return _MAX_SCALE
     fmax = torch.finfo(torch.float16).max
-    scale = _INIT_SCALE
-    while peak * scale > fmax and scale > 2.0 ** -24:
+    scale = min(_MAX_SCALE, 2.0 ** math.floor(math.log2(fmax / peak)) if math.isfinite(peak)
+                else _MIN_SCALE)
+    while peak * scale > fmax and scale > _MIN_SCALE:  # log2's rounding at a power of two
         scale /= 2
-    return scale
+    return max(scale, _MIN_SCALE)
+
+
+def describe_scale(loss_scale, scale: float) -> str:
+    """How the fp16 gradient verdicts' loss scale was chosen, for the table."""
+    if loss_scale in ("auto", "dynamic"):
+        return (f"fp16 gradient ranges judged at loss scale {_pow2(scale)} (dynamic scaling's "
+                f"on this batch: the largest power of two keeping every gradient finite, at "
+                f"most max_scale {_pow2(_MAX_SCALE)})")
+    return f"fp16 gradient ranges judged at the fixed loss scale {_pow2(scale)}"
+
+
+def _pow2(x: float) -> str:
+    k = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(k)}" if k == int(k) else f"{x:g}"
 
 
 @torch.no_grad()

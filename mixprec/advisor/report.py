@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from .measure import describe_scale
+
 __all__ = ["format_table", "plot_advice"]
 
 _SHORT = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8"}
@@ -36,12 +38,12 @@ def format_table(advice, rows) -> str:
         lines.append(cells)
     widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
     text = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
-    scales = ", ".join(f"{f} {s:g}" for f, s in advice.loss_scales.items() if s != 1.0)
     ablated = any(m.measured_loss_change is not None for a in advice.layers
                   for m in a.measurements.values())
     text.append(f"loss {advice.loss:.4g}; dloss: |L_fmt - L| / |L| with only that layer in the "
-                f"format ({'measured' if ablated else 'first-order estimate'})"
-                + (f"; loss scale {scales}" if scales else ""))
+                f"format ({'measured' if ablated else 'first-order estimate'})")
+    if "fp16" in advice.loss_scales:
+        text.append(describe_scale(advice.loss_scale, advice.loss_scales["fp16"]))
     for f in fmts:
         for name, why in advice.reasons(f).items():
             text.append(f"  {_SHORT.get(f, f)} unsafe: {name}: {why}")

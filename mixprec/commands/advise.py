@@ -11,6 +11,7 @@ cases of :mod:`mixprec.advisor.planted` instead (as built: not trained).
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -42,6 +43,9 @@ def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
     """
     if not isinstance(train_steps, int) or train_steps < 0:
         raise ValueError(f"--train-steps must be an integer >= 0; got {train_steps!r}")
+    if model not in CASES and model not in benchmodels.MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of "
+                         f"{', '.join([*benchmodels.MODELS, *CASES])}")
     if model in CASES:
         net, batch, loss_fn = CASES[model]()
         return advise(net, batch, loss_fn, formats=formats, ablation=ablation,
@@ -61,10 +65,21 @@ def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
                   fp8_recipe=fp8_recipe, seed=seed), bm
 
 
+def _check_plot(path: str | None) -> None:
+    """Refuse a chart path whose directory does not exist, before the measurement."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: the directory {folder} does not exist; create it or "
+                         f"choose another path")
+
+
 def _run(args) -> int:
     sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
              if getattr(args, k) is not None}
     formats = _formats(args.formats)
+    _check_plot(args.plot)
     advice, bm = run_advise(args.model, formats, args.train_steps, args.seed, args.ablation,
                             args.fp8_recipe, **sizes)
     low = args.dtype or next((f for f in ("bf16", "fp16") if f in formats), None)
