@@ -280,8 +280,12 @@ def refresh_island(module: nn.Module) -> None:
     """``module`` just became an island (or changed dtype): it drops the hooks of the region
     around it and its sub-modules take its region."""
     structure_changed()
+    island = island_of(module)
+    hook = module.__dict__.get(_HOOK_ATTR)
+    if hook is not None:  # it sat in a region: the code around it computes in that region's dtype
+        island.place(outer_dtype(hook.region))
     _set_hook(module, None)
-    assign_regions(module, island_region(module, island_of(module)))
+    assign_regions(module, island_region(module, island))
 
 
 def island_region(module: nn.Module, island: Island) -> Region:

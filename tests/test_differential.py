@@ -481,3 +481,97 @@ def test_compact_master_cell_matches_the_fp32_reference(master, state_dtype, dty
         for p, ref in zip(trained, weights):
             got = values.get(p, p.detach().float())
             torch.testing.assert_close(got, ref.detach(), **tol)
+
+
+# -- islands: a 16-bit one in a plain fp32 model, an fp32 head in a 16-bit model ------------------
+class ByHand(nn.Module):
+    """A module computing in ``dtype``, written out: its input and parameters cast to
+    ``dtype``, run with autocast off (fp16 GEMMs emulated where fp16 is not fast, as mixprec
+    runs them), the output widened to fp32."""
+
+    def __init__(self, inner, dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x):
+        params = {n: p.to(self.dtype) for n, p in self.inner.named_parameters()}
+        with torch.autocast(x.device.type, enabled=False), \
+                mp.emulate_fp16(self.dtype == torch.float16 and "auto"):
+            out = torch.func.functional_call(self.inner, params, (x.to(self.dtype),))
+        return out.float()
+
+
+ISLAND_CELLS = list(itertools.product(DTYPES, ["stem", "block", "head"], ["sgd", "adamw"]))
+
+
+@pytest.mark.parametrize("dtype,where,opt_name", ISLAND_CELLS)
+def test_a_16_bit_island_in_a_plain_fp32_model_trains_like_its_written_out_reference(
+        dtype, where, opt_name):
+    """``to_float(net.<where>, dtype)`` on an unprepared model: the fp32 layers after the island
+    consume its output, widened to fp32; loss and gradients are those of the fp32 model with
+    the island written out by hand, and the user's optimizer steps exactly the reference step
+    on fp32 weights."""
+    low = DTYPES[dtype]
+    model, by_hand = build(), build()
+    mp.to_float(getattr(model, where), dtype)
+    setattr(by_hand, where, ByHand(getattr(by_hand, where), low))
+    opt = make_optimizer(opt_name, model.parameters())
+    reference = Reference(model, opt, opt_name)
+    for i in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(i)
+        out = model(x)
+        assert out.dtype == torch.float32
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        with torch.no_grad():  # the written-out model at this step's weights
+            for p, q in zip(by_hand.parameters(), model.parameters()):
+                p.copy_(q)
+                p.grad = None
+        expected = loss_of(by_hand, i)
+        expected.backward()
+        assert torch.equal(loss, expected)
+        true_grads = [p.grad.clone() for p in model.parameters()]
+        for g, r in zip(true_grads, by_hand.parameters()):
+            assert g.dtype == torch.float32 and torch.equal(g, r.grad)
+        opt.step()
+        reference.step(true_grads, clip=False)
+        reference.check(model, opt, "O1", low, {"rtol": 1e-5, "atol": 1e-7})
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # storage kept
+
+
+HEAD_CELLS = list(itertools.product(["O1", "O2", "O3"], DTYPES, ["sgd", "adamw"]))
+
+
+@pytest.mark.parametrize("level,dtype,opt_name", HEAD_CELLS)
+def test_an_fp32_head_in_a_16_bit_model_returns_unrounded_logits_and_steps_exactly(
+        level, dtype, opt_name):
+    """``to_float(net.head, "fp32")`` then ``prepare``: the head's logits are its fp32 GEMM of
+    the 16-bit features, bitwise (never rounded to 16 bits), and every step lands on the
+    reference step's weights."""
+    if refused(level, dtype, opt_name):
+        opt_name = "sgd"
+    model = build()
+    mp.to_float(model.head, "fp32")
+    model, opt = mp.prepare(model, make_optimizer(opt_name, model.parameters()), level=level,
+                            dtype=dtype)
+    assert model.head.weight.dtype == torch.float32
+    reference = Reference(model, opt, opt_name)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    seen = {}
+    model.head.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), out=o))
+    for i in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(i)
+        out = model(x)
+        expected = F.linear(seen["x"].float(), model.head.weight, model.head.bias)
+        assert seen["out"].dtype == torch.float32 and torch.equal(seen["out"], expected)
+        assert torch.equal(out.float(), expected)  # O3 returns it as computed: fp32 too
+        scaler.scale(F.cross_entropy(out.float(), y)).backward()
+        scale = scaler.get_scale()
+        true_grads = [None if p.grad is None else p.grad.float() / scale
+                      for p in model.parameters()]
+        assert scaler.step(opt) is True
+        scaler.update()
+        reference.step(true_grads, clip=False)
+        reference.check(model, opt, level, DTYPES[dtype], {"rtol": 1e-5, "atol": 1e-7})

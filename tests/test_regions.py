@@ -61,6 +61,44 @@ def test_o3_with_an_fp32_head_returns_its_fp32_logits():
     assert net(torch.randn(4, 8)).dtype == FP32  # O3's outputs come as computed
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_16_bit_island_in_a_plain_fp32_model_hands_its_fp32_neighbours_fp32(dtype):
+    """0.3 crashed here ("mat1 and mat2 must have the same dtype, but got Half and Float"): the
+    island's output is widened (losslessly) to the plain model's fp32."""
+    net = mlp()
+    mp.to_float(net[0], dtype)
+    seen = {}
+    net[0].register_forward_hook(lambda m, a, o: seen.update(out=o))
+    x = torch.randn(4, 8)
+    out = net(x)
+    low = BF16 if dtype == "bf16" else FP16
+    assert seen["out"].dtype == FP32 and out.dtype == FP32
+    assert torch.equal(seen["out"], seen["out"].to(low).float())  # computed in 16 bits
+    mp.to_float(net[0], "fp32")  # re-marked: nothing to widen, computed in fp32
+    assert torch.equal(net[0](x), F.linear(x, net[0].weight, net[0].bias))
+    mp.to_float(net[0], dtype)
+    assert mp.prepare(net, level="O0")(x).dtype == FP32  # O0 adds no region: still widened
+
+
+def test_an_island_widens_only_to_wider_code_around_it():
+    x = torch.randn(4, 8)
+    inner = mlp()
+    mp.to_float(inner[0], "bf16")
+    mp.prepare(inner, level="O1", dtype="bf16")  # autocast around it: consumers cast
+    seen = {}
+    inner[0].register_forward_hook(lambda m, a, o: seen.update(o1=o.dtype))
+    inner(x)
+    assert seen["o1"] == BF16
+    nested = mlp()
+    mp.to_float(nested, "fp16")
+    mp.to_float(nested[2], "bf16")  # in a 16-bit region of the same width: its hooks cast
+    nested[2].register_forward_hook(lambda m, a, o: seen.update(nested=o.dtype))
+    assert nested(x).dtype == FP32 and seen["nested"] == BF16  # the root island: plain code
+    o3 = mlp()
+    mp.to_float(o3, "bf16")
+    assert mp.prepare(o3, level="O3", dtype="bf16")(x).dtype == BF16  # O3: as computed
+
+
 # -- to_float keeps the storage --------------------------------------------------------------------
 def test_to_float_alone_keeps_fp32_weights_so_small_updates_accumulate():
     """0.2 stored the weights in fp16, where 20 steps at lr 1e-5 moved nothing."""
