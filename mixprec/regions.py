@@ -141,6 +141,9 @@ class Island(ForwardWrapper):
     code around the island when that is wider (see :meth:`place`).
     """
 
+    outer: torch.dtype | None = torch.float32
+    widen: torch.dtype | None = None  # (class defaults: an island pickled before these existed)
+
     def __init__(self, module, dtype: torch.dtype, cast_inputs: bool, context: PrecisionContext):
         super().__init__(module)
         self.dtype, self.cast_inputs, self.context = dtype, cast_inputs, context
