@@ -313,6 +313,9 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
         optimizers = [_wrap_optimizer(opt, originals, policy) for opt in optimizers]
+        names = {p: n for n, p in model.named_parameters()}
+        for opt in optimizers:
+            opt.name_params(names)
         link_masters(model, optimizers)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None

@@ -1,0 +1,96 @@
+"""Checking an optimizer ``state_dict`` against the parameters it is loaded into.
+
+torch's ``Optimizer.load_state_dict`` checks the number of groups and of parameters per group,
+then maps saved state to parameters by position; a state tensor of another shape (a checkpoint
+of another model, or of a model whose layers were reordered) is only caught when the update
+reads it, and torch's fused CPU kernels do not check shapes at all: an AdamW moment of shape
+(48, 16) for a (32, 16) parameter would be stepped without an error. A master optimizer always
+runs those kernels (or its compiled ones, which fail with a long tracing error), so it checks on
+load, in one place, for every master kind and state dtype: :func:`check_before_load` is a
+``load_state_dict`` pre-hook on every mixprec master optimizer.
+
+What is checked, per parameter with saved state:
+
+* every floating state tensor of torch's elementwise optimizers (SGD's ``momentum_buffer``,
+  Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...) and the Kahan
+  ``compensation`` must have the parameter's shape;
+* any other optimizer's state tensors must have the shape of the state it holds now under the
+  same key, where it holds one (a state laid out otherwise, e.g. Adafactor's factored moments,
+  is its own business);
+* the Kahan compensation must be in the weight's dtype (it is added to it, bit for bit).
+
+A mismatch is a ``ValueError`` naming the parameter (its qualified name when ``prepare`` made
+the optimizer, else its group and index), the state key and both shapes. Moments saved in
+another dtype than the optimizer's ``state_dtype`` are converted after loading (see
+:mod:`mixprec.master.states`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .buckets import PER_PARAMETER_OPTIMIZERS
+from .states import COMPENSATION_KEY, GENERATOR_KEY
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state"]
+
+#: torch optimizers whose every floating state tensor but ``step`` is shaped as its parameter.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ != "Adafactor")
+
+
+def check_before_load(optimizer, state_dict) -> None:
+    """``load_state_dict`` pre-hook: :func:`check_state` (a malformed dict is left to torch's
+    own checks, which follow)."""
+    if isinstance(state_dict, Mapping):
+        check_state(optimizer, state_dict)
+
+
+def check_state(optimizer, state_dict: Mapping) -> None:
+    """Raise ValueError where ``state_dict``'s per-parameter state does not fit ``optimizer``'s
+    parameters (see the module docstring)."""
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
+        return
+    mine = optimizer.param_groups
+    if len(groups) != len(mine) or any(
+            not isinstance(g, Mapping) or len(g.get("params", ())) != len(m["params"])
+            for g, m in zip(groups, mine)):
+        return  # torch's load_state_dict raises its own error for this
+    elementwise = type(optimizer.inner) in ELEMENTWISE_OPTIMIZERS
+    for gi, (saved, group) in enumerate(zip(groups, mine)):
+        for pi, (index, param) in enumerate(zip(saved["params"], group["params"])):
+            entry = state.get(index)
+            if isinstance(entry, Mapping):
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                _check_entry(optimizer, entry, param, elementwise, where)
+
+
+def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bool,
+                 where: str) -> None:
+    current = optimizer.state.get(param, {})
+    for key, value in entry.items():
+        if not isinstance(value, torch.Tensor) or key in ("step", GENERATOR_KEY):
+            continue
+        if key == COMPENSATION_KEY or (elementwise and value.is_floating_point()):
+            expected = tuple(param.shape)
+        else:
+            now = current.get(key)
+            if not isinstance(now, torch.Tensor):
+                continue
+            expected = tuple(now.shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"optimizer state_dict does not fit this optimizer: state {key!r} of "
+                f"{optimizer.describe(param, where)} has shape {tuple(value.shape)}, but the "
+                f"parameter needs shape {expected}. Load a state_dict saved from an optimizer "
+                "over the same model, with the same param groups in the same order")
+        if key == COMPENSATION_KEY:
+            weight = optimizer._model_side(param)
+            if value.dtype != weight.dtype:
+                raise ValueError(
+                    f"optimizer state_dict holds a {value.dtype} Kahan compensation for "
+                    f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; load "
+                    "a state_dict saved with the same dtype (and master='kahan')")
