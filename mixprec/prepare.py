@@ -53,7 +53,8 @@ from .regions import (
     island_region,
     refresh_island,
 )
-from .statedict import link_masters, register_fp32_state_dict
+from .modulecasts import guard_casts
+from .statedict import companions_of, link_masters, register_fp32_state_dict
 
 __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of", "module_device",
            "ForwardWrapper"]
@@ -317,6 +318,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         for opt in optimizers:
             opt.name_params(names)
         link_masters(model, optimizers)
+        guard_casts(model, companions_of(model))  # .float()/.half() keep or refuse the masters
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)

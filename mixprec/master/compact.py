@@ -387,6 +387,14 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._rebuild()
         self._init_state([p for p in params if is_low_precision(p)], {})
 
+    def params_widened(self, params: list[torch.Tensor]) -> None:
+        """Parameters now stored wide hold weight + compensation: they are stepped as fp32
+        parameters from now on, without compensation."""
+        for p in params:
+            self._pending.pop(p, None)
+            self.state.get(p, {}).pop(COMPENSATION_KEY, None)
+        super().params_widened(params)
+
     @property
     def per_parameter(self) -> bool:
         """True when the generic path steps a bucket at a time."""

@@ -200,6 +200,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, saved):
                 group["params"] = params
 
+    def params_widened(self, params: list[torch.Tensor]) -> None:
+        """Model parameters now stored in fp32 or wider, holding their exact values (a cast of
+        the prepared model, see :mod:`mixprec.modulecasts`); fp32 masters keep being written
+        into them."""
+        self._rebuild()
+
     # -- refusals ------------------------------------------------------------------------------
     def _refuse_torch_grad_scaler(self) -> None:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
