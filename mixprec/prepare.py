@@ -53,6 +53,7 @@ from .regions import (
     island_region,
     refresh_island,
 )
+from .hfsave import fp32_save_pretrained
 from .modulecasts import guard_casts
 from .statedict import companions_of, link_masters, register_fp32_state_dict
 
@@ -319,6 +320,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
             opt.name_params(names)
         link_masters(model, optimizers)
         guard_casts(model, companions_of(model))  # .float()/.half() keep or refuse the masters
+        fp32_save_pretrained(model)  # Hugging Face: a config that loads the fp32 masters
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)
