@@ -39,8 +39,10 @@ from .casting import (
 from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
+from .hfsave import fp32_save_pretrained
 from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
 from .master.wrapper import WrappedOptimizer
+from .modulecasts import guard_casts
 from .oplists import warn_unreachable
 from .policy import Policy, keep_fp32_entries
 from .regions import (
@@ -53,8 +55,6 @@ from .regions import (
     island_region,
     refresh_island,
 )
-from .hfsave import fp32_save_pretrained
-from .modulecasts import guard_casts
 from .statedict import companions_of, link_masters, register_fp32_state_dict
 
 __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of", "module_device",

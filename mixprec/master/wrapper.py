@@ -146,6 +146,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
             hooks.reshare_hooks(self, self.inner)  # its hooks
+        elif "inner" in self.__dict__:  # load_state_dict: the inner optimizer's class fills
+            # in what an older state_dict lacks (new group flags, a step saved as a number)
+            self.inner.__setstate__({"state": self.state, "param_groups": self.param_groups})
 
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -278,6 +281,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if isinstance(params, set):
             raise TypeError("param_group['params'] must be an ordered sequence, not a set")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = params  # a generator is read once, here
         known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
         if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
