@@ -9,7 +9,7 @@ module of such a model gets a :class:`CastGuard` as its ``_apply`` (the one meth
 torch's casts and moves go through), which looks at what the cast would do to each floating
 parameter before anything changes:
 
-* a parameter widened (``.float()``, ``.double()``, ``.to(torch.float32)``) takes its exact fp32
+* a parameter widened to fp32 (``.float()``, ``.to(torch.float32)``) takes its exact fp32
   value (the master), and the optimizer is told: from then on the parameter is stored wide and
   is stepped exactly (fp32 masters keep being written into it; a Kahan compensation, folded
   into it, is dropped). The forward still follows the policy (O2 computes in 16 bits under
@@ -17,7 +17,8 @@ parameter before anything changes:
 * a parameter narrowed, or moved between 16-bit formats (``.half()`` on a bf16 model,
   ``.bfloat16()`` rounding the fp32 norm layers, ``.to(torch.float16)``), would lose what the
   optimizer keeps in fp32: the cast is refused with a ``RuntimeError`` saying what to do, and the
-  model is left as it was;
+  model is left as it was; so is ``.double()`` (the policy's autocast does not take fp64
+  weights);
 * device moves and layout changes (``.to("cuda")``, ``.cpu()``, ``.to(memory_format=...)``) pass
   through untouched.
 
@@ -43,11 +44,11 @@ def _width(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
-def _loses(old: torch.dtype, new: torch.dtype) -> bool:
+def _refused(old: torch.dtype, new: torch.dtype) -> bool:
     """True when casting a training-dtype ``old`` to ``new`` can round (narrower, or another
-    format as wide)."""
+    format as wide), or leaves the training dtypes (fp64: autocast does not take it)."""
     return (old in TRAINING_DTYPES and new.is_floating_point and new != old
-            and _width(new) <= _width(old))
+            and (_width(new) <= _width(old) or new not in TRAINING_DTYPES))
 
 
 class CastGuard:
@@ -88,7 +89,7 @@ class CastGuard:
                     return {}
             if probed[key] != p.dtype:
                 changed.append((name, p, probed[key]))
-        lossy = [(n, p.dtype, new) for n, p, new in changed if _loses(p.dtype, new)]
+        lossy = [(n, p.dtype, new) for n, p, new in changed if _refused(p.dtype, new)]
         if lossy:
             raise RuntimeError(_refusal(lossy))
         if not changed:
@@ -108,6 +109,12 @@ def _refusal(lossy: list[tuple[str, torch.dtype, torch.dtype]]) -> str:
     shown = ", ".join(f"{n!r} ({dtype_name(old)} -> {dtype_name(new)})"
                       for n, old, new in lossy[:3])
     more = f" and {len(lossy) - 3} more" if len(lossy) > 3 else ""
+    if all(new not in TRAINING_DTYPES and _width(new) > _width(old) for _, old, new in lossy):
+        return (
+            f"a model prepared with master weights computes under its policy (autocast), which "
+            f"does not take {dtype_name(lossy[0][2])} weights: {shown}{more}. Call model.float() "
+            "for fp32 storage (it keeps the masters exact); for a float64 copy, load "
+            "mp.fp32_state_dict(model) into an unprepared model and cast that one")
     return (
         f"this cast would round {len(lossy)} parameter(s) of a model prepared with master "
         f"weights: {shown}{more}. The optimizer keeps their fp32 values (the masters, or the "
