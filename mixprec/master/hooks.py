@@ -16,6 +16,11 @@ optimizer argument (its ``param_groups`` are the inner optimizer's: every parame
 own ``step`` without torch's hook wrapper (:func:`raw_step`). Called directly, the inner
 optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()`` are refused, first, with a
 message naming the wrapper.
+
+Under a loss scale, torch's ``GradScaler`` unscales a plain optimizer's gradients before its
+``step()``, so step pre-hooks (a gradient clip) see true gradients. mixprec's scalers hand a
+master optimizer the scale as ``step(grad_scale=...)`` instead, to unscale while reading; when
+step pre-hooks are registered (:func:`has_step_pre_hooks`), they unscale first, as torch does.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step"]
+__all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks"]
 
 #: The per-instance hook dicts of ``torch.optim.Optimizer``.
 HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -63,3 +69,12 @@ def raw_step(optimizer: torch.optim.Optimizer, closure=None) -> Any:
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # what the scheduler's own step wrapper records
     return step(optimizer) if closure is None else step(optimizer, closure)
+
+
+def has_step_pre_hooks(wrapper) -> bool:
+    """True when step pre-hooks other than the wrapper's own refusal would run on its
+    ``step()`` (its own, its inner optimizer's, or torch's global ones)."""
+    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None):
+        return True
+    return any(h != wrapper._refuse_direct_step
+               for h in wrapper._optimizer_step_pre_hooks.values())

@@ -181,6 +181,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
         step hooks: ``step()`` ran them once (see :mod:`mixprec.master.hooks`)."""
         return hooks.raw_step(self.inner, closure)
 
+    def has_step_pre_hooks(self) -> bool:
+        """True when step pre-hooks would run on :meth:`step` (a loss scaler then unscales the
+        gradients before stepping, as torch's GradScaler does: the hooks see true values)."""
+        return hooks.has_step_pre_hooks(self)
+
     def name_params(self, names: Mapping[torch.Tensor, str]) -> None:
         """Record qualified names of model parameters (``prepare`` does), used in messages."""
         self.param_names = {id(p): n for p, n in names.items()}
