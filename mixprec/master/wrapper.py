@@ -18,6 +18,7 @@ import torch
 
 from . import hooks, loadcheck
 from .buckets import Scratch, is_per_parameter, make_buckets
+from .states import OWN_KEYS
 
 __all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
            "check_inner", "stale_fp16_error"]
@@ -147,8 +148,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
             hooks.reshare_hooks(self, self.inner)  # its hooks
         elif "inner" in self.__dict__:  # load_state_dict: the inner optimizer's class fills
-            # in what an older state_dict lacks (new group flags, a step saved as a number)
-            self.inner.__setstate__({"state": self.state, "param_groups": self.param_groups})
+            # in what an older state_dict lacks (new group flags, a step saved as a number),
+            # over the entries that hold its own state (not ours alone: a compensation saved
+            # before the first step)
+            theirs = {k: v for k, v in self.state.items()
+                      if not isinstance(v, Mapping) or any(key not in OWN_KEYS for key in v)}
+            self.inner.__setstate__({"state": theirs, "param_groups": self.param_groups})
+            self.inner.state = self.state
 
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:
