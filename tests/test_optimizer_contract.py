@@ -505,3 +505,19 @@ def test_param_groups_with_lr_scheduler_go_the_right_direction(kind, name, on):
     if name in ("StepLR", "ExponentialLR"):
         assert lrs[-1][0] != 1e-2 and lrs[-1][1] != 5e-3
         assert lrs[-1][0] / lrs[-1][1] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.ASGD, torch.optim.NAdam, torch.optim.RMSprop,
+                                 torch.optim.Adagrad, torch.optim.Rprop, torch.optim.Adadelta,
+                                 torch.optim.Adamax, torch.optim.RAdam])
+def test_every_elementwise_optimizers_state_round_trips(cls):
+    """Scalar state (ASGD's eta, NAdam's mu_product) is not held to the parameter's shape."""
+    model, opt, _ = make(("fp32", "fp32"), cls)
+    train(model, opt, steps=2)
+    model_c, opt_c, _ = make(("fp32", "fp32"), cls)
+    model_c.load_state_dict(model.state_dict())
+    opt_c.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(model, opt, steps=1, start=2)
+    train(model_c, opt_c, steps=1, start=2)
+    for p, q in zip(model.parameters(), model_c.parameters()):
+        assert torch.equal(p, q)

@@ -12,8 +12,9 @@ load, in one place, for every master kind and state dtype: :func:`check_before_l
 What is checked, per parameter with saved state:
 
 * every floating state tensor of torch's elementwise optimizers (SGD's ``momentum_buffer``,
-  Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...) and the Kahan
-  ``compensation`` must have the parameter's shape;
+  Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...), except
+  scalars (``step``, ASGD's ``eta``, NAdam's ``mu_product``), and the Kahan ``compensation``
+  must have the parameter's shape;
 * any other optimizer's state tensors must have the shape of the state it holds now under the
   same key, where it holds one (a state laid out otherwise, e.g. Adafactor's factored moments,
   is its own business);
@@ -84,7 +85,8 @@ def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bo
     for key, value in entry.items():
         if not isinstance(value, torch.Tensor) or key in ("step", GENERATOR_KEY):
             continue
-        if key == COMPENSATION_KEY or (elementwise and value.is_floating_point()):
+        if key == COMPENSATION_KEY or (elementwise and value.is_floating_point()
+                                        and value.dim() > 0):  # ASGD's eta, NAdam's mu_product
             expected = tuple(param.shape)
         else:
             now = current.get(key)
