@@ -521,3 +521,42 @@ def test_every_elementwise_optimizers_state_round_trips(cls):
     train(model_c, opt_c, steps=1, start=2)
     for p, q in zip(model.parameters(), model_c.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_tensor_lr_steps_as_a_float_lr(kind):
+    """test_tensor_lr: an lr given as a 0-d tensor gives the float lr's weights."""
+    runs = []
+    for lr in (1e-2, torch.tensor(1e-2)):
+        model = net()
+        master, state_dtype = kind
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                                level="O2", dtype="bf16", master=master,
+                                state_dtype=state_dtype)
+        if not isinstance(opt, mp.MasterWeightOptimizer):
+            opt.fused = False
+        train(model, opt, steps=2)
+        runs.append(mp.fp32_state_dict(model))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_can_load_from_and_to_a_named_state_dict(kind):
+    """test_can_load_from_to_named_state_dict: an optimizer over named_parameters() keeps the
+    names in its state_dict, and either form loads into the other."""
+    master, state_dtype = kind
+    saved = {}
+    for named in (True, False):
+        model = net()
+        params = model.named_parameters() if named else model.parameters()
+        model, opt = mp.prepare(model, torch.optim.AdamW(params, lr=1e-2), level="O2",
+                                dtype="bf16", master=master, state_dtype=state_dtype)
+        if not isinstance(opt, mp.MasterWeightOptimizer):
+            opt.fused = False
+        train(model, opt, steps=2)
+        saved[named] = (model, opt, copy.deepcopy(opt.state_dict()))
+    assert saved[True][2]["param_groups"][0]["param_names"][:2] == ["0.weight", "0.bias"]
+    for named in (True, False):
+        model, opt, _ = saved[named]
+        opt.load_state_dict(saved[not named][2])
+        train(model, opt, steps=1, start=2)
