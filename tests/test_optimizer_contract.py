@@ -478,8 +478,10 @@ SCHEDULERS = {
 }
 
 
-@pytest.mark.parametrize("on", ["returned", "user's, before prepare"])
-@pytest.mark.parametrize("name", SCHEDULERS)
+SCHEDULER_CELLS = [(name, "returned") for name in SCHEDULERS] + [("StepLR", "user's, before")]
+
+
+@pytest.mark.parametrize("name,on", SCHEDULER_CELLS)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_param_groups_with_lr_scheduler_go_the_right_direction(kind, name, on):
     """A scheduler on the returned optimizer or on the user's one (built before prepare) sees
