@@ -39,8 +39,10 @@ from .casting import (
 from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
+from .hfsave import fp32_save_pretrained
 from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
 from .master.wrapper import WrappedOptimizer
+from .modulecasts import guard_casts
 from .oplists import warn_unreachable
 from .policy import Policy, keep_fp32_entries
 from .regions import (
@@ -53,7 +55,7 @@ from .regions import (
     island_region,
     refresh_island,
 )
-from .statedict import link_masters, register_fp32_state_dict
+from .statedict import companions_of, link_masters, register_fp32_state_dict
 
 __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of", "module_device",
            "ForwardWrapper"]
@@ -313,7 +315,12 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
         optimizers = [_wrap_optimizer(opt, originals, policy) for opt in optimizers]
+        names = {p: n for n, p in model.named_parameters()}
+        for opt in optimizers:
+            opt.name_params(names)
         link_masters(model, optimizers)
+        guard_casts(model, companions_of(model))  # .float()/.half() keep or refuse the masters
+        fp32_save_pretrained(model)  # Hugging Face: a config that loads the fp32 masters
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)

@@ -61,6 +61,10 @@ class Companions:
             return pairs
         return self._shadows
 
+    def optimizers(self) -> list:
+        """The live optimizers whose masters these are (none for a copy)."""
+        return [opt for opt in (ref() for ref in self._refs) if opt is not None]
+
     def load(self, param: torch.Tensor, comp: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``param``'s companion ``comp`` to ``value`` exactly (a compact optimizer's
         companion is computed: it sets the weight and the compensation from ``value``)."""
@@ -83,7 +87,7 @@ class Companions:
         with torch.no_grad():
             for param, comp in pairs.items():
                 here = comp.to(param.device)  # a model moved (Lightning's teardown) keeps its
-                changed = here.to(param.dtype).ne(param)  # masters where the optimizer has them
+                changed = _written(here, param)  # masters where the optimizer has them
                 if changed.any():  # the parameter was written directly: it is the truth there
                     comp.copy_(torch.where(changed, param.to(_FP32), here))
         self._record()
@@ -115,6 +119,21 @@ class Companions:
         self._shadows = dict(state["shadows"])
         self._versions = {}
         self._record()
+
+
+def _written(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Where ``param`` is not ``value`` rounded: it was written directly. A value exactly half
+    an ulp from ``param`` (a Kahan compensation rounded to 16 bits can reach that tie) may round
+    either way: not a write."""
+    if not is_low_precision(param):
+        return value.to(param.dtype).ne(param)
+    info = torch.finfo(param.dtype)
+    wide = param.to(_FP32)
+    _, exponent = torch.frexp(wide)
+    half_ulp = torch.ldexp(torch.full_like(wide, info.eps / 4), exponent)
+    smallest = info.smallest_normal * info.eps / 2  # half the smallest subnormal
+    half_ulp = torch.where(wide == 0, smallest, half_ulp.clamp_min(smallest))
+    return value.to(param.dtype).ne(param) & (value - wide).abs().gt(half_ulp)
 
 
 def link_masters(model: nn.Module, optimizers: list) -> None:

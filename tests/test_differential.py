@@ -575,3 +575,138 @@ def test_an_fp32_head_in_a_16_bit_model_returns_unrounded_logits_and_steps_exact
         scaler.update()
         reference.step(true_grads, clip=False)
         reference.check(model, opt, level, DTYPES[dtype], {"rtol": 1e-5, "atol": 1e-7})
+
+
+# -- load, hook and cast cells --------------------------------------------------------------------
+# torch's contract around the optimizer and model prepare returns, on every master kind, against
+# the same fp32 reference:
+# * load: a state_dict saved mid-run (model and optimizer) loads into a freshly prepared pair,
+#   which continues bitwise as the uninterrupted run; another model's state is refused, naming
+#   the parameter, and leaves the pair untouched;
+# * hook: a step pre-hook registered on the user's optimizer before prepare clips the global
+#   gradient norm over param_groups once per step, on the true gradients (under a loss scale
+#   too): the reference clips all its weights once. A compact optimizer's param_groups hold the
+#   16-bit parameters, so the hook clips their 16-bit gradients in place: in bf16 the clipped
+#   values are rounded (atol lr * 4 * eps more, as clipping the model's gradients at O2); in
+#   fp16 the step refuses, as it refuses any change to unscaled fp16 gradients;
+# * cast: model.float() mid-run stores the exact fp32 values and training continues on them;
+#   model.half() / .bfloat16() are refused and change nothing.
+# A Kahan pair loaded from a model state_dict is split again, then the optimizer's saved
+# compensation arrives: the pair is split the saved way even where the value lies exactly half an
+# ulp between two weights (0.3 resumed an ulp off there), so every kind resumes bitwise.
+CONTRACT_MATRIX = [cell for cell in itertools.product(
+    ["fp32", "kahan", "stochastic"], DTYPES, ["sgd", "adamw"])
+    if not (cell[0] == "stochastic" and cell[1] == "fp16")]
+
+
+def prepared(master, dtype, opt_name, register=None):
+    model = build()
+    user = make_optimizer(opt_name, model.parameters())
+    if register is not None:
+        register(user)
+    model, opt = mp.prepare(model, user, level="O2", dtype=dtype, master=master)
+    if isinstance(opt, mp.MasterWeightOptimizer):
+        opt.bucket_mb = 1e-4  # a bucket per tensor: hooks and load over several inner steps
+    else:
+        opt.fused = False
+    return model, opt
+
+
+def fp32_values(model, opt):
+    """The fp32 value of each trained weight: master, weight + compensation, or the weight."""
+    values = opt.masters_by_param()
+    return [values.get(p, p).detach().float() for p in model.parameters() if p.requires_grad]
+
+
+def contract_tolerance(master, dtype, cell=None):
+    tol = ({"rtol": 1e-5, "atol": 1e-7} if master == "fp32"
+           else compact_tolerance(master, "fp32", DTYPES[dtype]))
+    if cell == "hook" and master != "fp32":  # the hook clipped 16-bit gradients in place
+        tol["atol"] += LR * 4 * EPS[DTYPES[dtype]]
+    return tol
+
+
+def clip_global_norm(optimizer, args, kwargs):
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
+                                   MAX_NORM)
+
+
+def contract_run(master, dtype, opt_name, cell, steps=STEPS):
+    hooked = cell == "hook"
+    model, opt = prepared(master, dtype, opt_name,
+                          register=(lambda o: o.register_step_pre_hook(clip_global_norm))
+                          if hooked else None)
+    weights = [w.clone().requires_grad_() for w in fp32_values(model, opt)]
+    ref_opt = make_optimizer(opt_name, weights, reference=True)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    tol = contract_tolerance(master, dtype, cell)
+    for i in range(steps):
+        if cell == "cast" and i == 1:
+            before = (copy.deepcopy([p.detach() for p in model.parameters()]),
+                      fp32_values(model, opt))
+            for cast in (lambda m: m.half(), lambda m: m.bfloat16()):
+                with pytest.raises(RuntimeError, match="would round"):
+                    cast(model)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before[0]))
+            model.float()
+            assert all(p.dtype == torch.float32 for p in model.parameters())
+            for p, value in zip(model.parameters(), before[1]):
+                assert torch.equal(p.detach(), value)
+        opt.zero_grad()
+        scaler.scale(loss_of(model, i)).backward()
+        true_grads = [p.grad.float() / scaler.get_scale() for p in model.parameters()]
+        if hooked and master != "fp32" and dtype == "fp16":
+            with pytest.raises(RuntimeError, match=r"fp16 gradients of \d+ model parameter"):
+                scaler.step(opt)
+            return model, opt, scaler
+        assert scaler.step(opt)
+        scaler.update()
+        for w, g in zip(weights, true_grads):
+            w.grad = g
+        if hooked:
+            torch.nn.utils.clip_grad_norm_(weights, MAX_NORM)
+        ref_opt.step()
+        for got, ref in zip(fp32_values(model, opt), weights):
+            torch.testing.assert_close(got, ref.detach(), **tol)
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize("cell", ["hook", "cast"])
+@pytest.mark.parametrize("master,dtype,opt_name", CONTRACT_MATRIX)
+def test_contract_cell_matches_the_fp32_reference(master, dtype, opt_name, cell):
+    contract_run(master, dtype, opt_name, cell)
+
+
+@pytest.mark.parametrize("master,dtype,opt_name", CONTRACT_MATRIX)
+def test_load_cell_resumes_bitwise_and_refuses_another_models_state(master, dtype, opt_name):
+    model, opt, scaler = contract_run(master, dtype, opt_name, "load", steps=2)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+             scaler.state_dict())
+    other = nn.Linear(8, 5)  # the head of another model: (5, 8) where this one is (4, 8)
+    theirs = make_optimizer(opt_name, other.parameters())
+    other(torch.randn(2, 8)).sum().backward()
+    theirs.step()
+    resumed, resumed_opt = prepared(master, dtype, opt_name)
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    untouched = copy.deepcopy(resumed_opt.state_dict())
+    foreign = copy.deepcopy(saved[1])
+    head = len(foreign["param_groups"][0]["params"]) - 2  # head.weight's index
+    foreign["state"][head] = {**foreign["state"].get(head, {}),
+                              **{k: v for k, v in theirs.state_dict()["state"][0].items()
+                                 if k != "step"}}
+    with pytest.raises(ValueError, match=r"parameter 'head\.weight' .*\(5, 8\).*\(4, 8\)"):
+        resumed_opt.load_state_dict(foreign)
+    torch.testing.assert_close(resumed_opt.state_dict(), untouched, rtol=0, atol=0)
+    resumed_scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    resumed_scaler.load_state_dict(saved[2])
+    for run_model, run_opt, run_scaler in ((model, opt, scaler),
+                                           (resumed, resumed_opt, resumed_scaler)):
+        for i in range(2, STEPS + 1):
+            run_opt.zero_grad()
+            run_scaler.scale(loss_of(run_model, i)).backward()
+            assert run_scaler.step(run_opt)
+            run_scaler.update()
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    torch.testing.assert_close(opt.state_dict(), resumed_opt.state_dict(), rtol=0, atol=0)

@@ -6,7 +6,9 @@
 * :mod:`.steps`: the step paths (bucketed, compiled, closure).
 * :mod:`.kernels`: fused update kernels.
 * :mod:`.checkpoint`: masters in the optimizer's ``state_dict``.
-* :mod:`.wrapper`: what every master optimizer shares.
+* :mod:`.wrapper`: what every master optimizer shares; :mod:`.hooks` (torch's optimizer hooks
+  run once per step, over every parameter); :mod:`.loadcheck` (a loaded ``state_dict`` checked
+  against the parameters, and Kahan pairs split the saved way).
 * :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights with Kahan compensation or
   stochastic rounding instead of fp32 masters; :mod:`.compact_kernels` (its one-pass kernels),
   :mod:`.rounding` (stochastic rounding and its generator), :mod:`.states` (bf16 moments).

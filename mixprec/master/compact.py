@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import compact_kernels as ck
-from . import states
+from . import loadcheck, states
 from .buckets import is_per_parameter
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator
@@ -126,6 +126,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.register_state_dict_post_hook(_save_pending)
         states.register(self)
         self.register_load_state_dict_post_hook(_load_generator)
+        if master == "kahan":
+            loadcheck.register_kahan(self)
 
     def __repr__(self) -> str:
         return (f"CompactMasterOptimizer(master={self.master!r}, state_dtype="
@@ -386,6 +388,14 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner.add_param_group(group)
         self._rebuild()
         self._init_state([p for p in params if is_low_precision(p)], {})
+
+    def params_widened(self, params: list[torch.Tensor]) -> None:
+        """Parameters now stored wide hold weight + compensation: they are stepped as fp32
+        parameters from now on, without compensation."""
+        for p in params:
+            self._pending.pop(p, None)
+            self.state.get(p, {}).pop(COMPENSATION_KEY, None)
+        super().params_widened(params)
 
     @property
     def per_parameter(self) -> bool:

@@ -17,7 +17,9 @@ unbiased, so the bf16 state follows the fp32 one in expectation, with a noise of
 
 Loading a ``state_dict``: torch casts floating state to its parameter's dtype (an fp32 moment of
 a bf16 parameter would become bf16, a bf16 moment of an fp32 master fp32). :func:`register` keeps
-each saved moment in the dtype it was saved in.
+each saved tensor in the dtype it was saved in, then stores the moments in the optimizer's own
+``state_dtype`` (a checkpoint saved with the other one loads: widened exactly, or rounded
+stochastically).
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ def _restore(optimizer) -> None:
                 if (torch.is_tensor(now) and _plain(value) and key != "step"
                         and now.dtype != value.dtype):
                     state[key] = value.to(device=now.device)
+            # moments saved in another state dtype: stored in this optimizer's
+            cast_moments(state, param, optimizer.state_dtype, optimizer.rounding)
 
 
 # -- the rounding generator in the state ---------------------------------------------------------

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from . import hooks, loadcheck
 from .buckets import Scratch, is_per_parameter, make_buckets
+from .states import OWN_KEYS
 
 __all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
            "check_inner", "stale_fp16_error"]
@@ -102,8 +104,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._set_up = True
-        optimizer.register_step_pre_hook(self._refuse_direct_step)
-        self._stepping_inner = False
+        hooks.share_hooks(self, optimizer)  # the user's hooks run once per step (see .hooks)
+        self.param_names: dict[int, str] = {}
+        self.register_load_state_dict_pre_hook(loadcheck.check_before_load)
         self.scratch = Scratch()
         self._bucket_mb = bucket_mb
         self._rebuild()
@@ -143,7 +146,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
-            self.inner.register_step_pre_hook(self._refuse_direct_step)  # its hooks
+            hooks.reshare_hooks(self, self.inner)  # its hooks
+        elif "inner" in self.__dict__:  # load_state_dict: the inner optimizer's class fills
+            # in what an older state_dict lacks (new group flags, a step saved as a number),
+            # over the entries that hold its own state (not ours alone: a compensation saved
+            # before the first step)
+            theirs = {k: v for k, v in self.state.items()
+                      if not isinstance(v, Mapping) or any(key not in OWN_KEYS for key in v)}
+            self.inner.__setstate__({"state": theirs, "param_groups": self.param_groups})
+            self.inner.state = self.state
 
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -172,12 +183,24 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return id(tensor) in self._held
 
     def inner_step(self, closure=None) -> Any:
-        """Run the inner optimizer's ``step`` (only the step paths call this)."""
-        self._stepping_inner = True
-        try:
-            return self.inner.step() if closure is None else self.inner.step(closure)
-        finally:
-            self._stepping_inner = False
+        """Run the inner optimizer's ``step`` (only the step paths call this), without torch's
+        step hooks: ``step()`` ran them once (see :mod:`mixprec.master.hooks`)."""
+        return hooks.raw_step(self.inner, closure)
+
+    def has_step_pre_hooks(self) -> bool:
+        """True when step pre-hooks would run on :meth:`step` (a loss scaler then unscales the
+        gradients before stepping, as torch's GradScaler does: the hooks see true values)."""
+        return hooks.has_step_pre_hooks(self)
+
+    def name_params(self, names: Mapping[torch.Tensor, str]) -> None:
+        """Record qualified names of model parameters (``prepare`` does), used in messages."""
+        self.param_names = {id(p): n for p, n in names.items()}
+
+    def describe(self, tensor: torch.Tensor, where: str) -> str:
+        """How messages name a tensor of the groups: its model parameter's qualified name when
+        known, else ``where`` (e.g. "param_groups[0]['params'][3]")."""
+        name = self.param_names.get(id(self._model_side(tensor)))
+        return f"parameter {name!r} ({where})" if name else f"parameter {where}"
 
     @contextlib.contextmanager
     def only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
@@ -191,6 +214,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, saved):
                 group["params"] = params
 
+    def params_widened(self, params: list[torch.Tensor]) -> None:
+        """Model parameters now stored in fp32 or wider, holding their exact values (a cast of
+        the prepared model, see :mod:`mixprec.modulecasts`); fp32 masters keep being written
+        into them."""
+        self._rebuild()
+
     # -- refusals ------------------------------------------------------------------------------
     def _refuse_torch_grad_scaler(self) -> None:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
@@ -203,13 +232,27 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "scaler.update()")
 
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
-        if not self._stepping_inner:
+        if optimizer is self.inner:
             raise RuntimeError(
                 f"this {type(optimizer).__name__} was wrapped in a {type(self).__name__} (by "
                 "mixprec.prepare at level O2, or directly): only the wrapper steps its "
                 "param_groups and writes the model's 16-bit weights. Call step() and "
                 "zero_grad() on the optimizer prepare returned: "
                 "model, optimizer = mp.prepare(model, optimizer, level='O2')")
+
+    def _refuse_direct_state_dict(self, optimizer) -> None:
+        if optimizer is self.inner:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} was wrapped in a {type(self).__name__}: its "
+                "state_dict would leave out what the wrapper keeps (fp32 masters, compensation, "
+                "the rounding generator). Call state_dict() on the optimizer prepare returned")
+
+    def _refuse_direct_load(self, optimizer, state_dict) -> None:
+        if optimizer is self.inner:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} was wrapped in a {type(self).__name__}: "
+                "loading into it would bypass the wrapper (its masters and checks). Call "
+                "load_state_dict() on the optimizer prepare returned")
 
     # -- gradients -----------------------------------------------------------------------------
     def drop_master_grads(self) -> None:
@@ -249,6 +292,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if isinstance(params, set):
             raise TypeError("param_group['params'] must be an ordered sequence, not a set")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = params  # a generator is read once, here
         known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
         if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")

@@ -286,8 +286,10 @@ class LossScaler(GradScalerInterface):
         return self._stages.ready(optimizer, what)
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
-        """A READY optimizer about to step: unscale (plain) or check (owner) its gradients."""
-        if not owner:
+        """A READY optimizer about to step: unscale (plain, or an owner whose step pre-hooks
+        read gradients, as with torch's GradScaler) or check (owner) its gradients."""
+        hooked = getattr(optimizer, "has_step_pre_hooks", None)
+        if not owner or (hooked is not None and hooked()):
             if self._scales or self._checks:
                 self.unscale_(optimizer)
             return self._stages.ensure(optimizer)

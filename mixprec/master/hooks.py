@@ -1,0 +1,80 @@
+"""torch's optimizer hooks on a wrapped optimizer: they run as torch runs them, once.
+
+A user (or a training library) may have registered hooks on the optimizer before handing it to
+``mp.prepare``: step pre/post hooks (a global gradient-norm clip, logging), ``state_dict`` and
+``load_state_dict`` pre/post hooks. Torch runs each one once per ``step()`` (or per
+``state_dict()``/``load_state_dict()`` call), with the optimizer whose ``param_groups`` cover
+every parameter. The master optimizer steps its inner optimizer once per bucket, so the inner
+optimizer's hooks, and torch's global hooks (``register_optimizer_step_pre_hook``), would run
+once per bucket, each time over that bucket's parameters alone.
+
+So the wrapper and its inner optimizer share one set of hook dicts (a hook registered on either,
+before or after wrapping, lands in the same place and its handle removes it), the wrapper's own
+``step()``, ``state_dict()`` and ``load_state_dict()`` run them once, with the wrapper as the
+optimizer argument (its ``param_groups`` are the inner optimizer's: every parameter, the masters'
+``.grad`` the model's gradients in fp32), and the inner optimizer is stepped through its class's
+own ``step`` without torch's hook wrapper (:func:`raw_step`). Called directly, the inner
+optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()`` are refused, first, with a
+message naming the wrapper.
+
+Under a loss scale, torch's ``GradScaler`` unscales a plain optimizer's gradients before its
+``step()``, so step pre-hooks (a gradient clip) see true gradients. mixprec's scalers hand a
+master optimizer the scale as ``step(grad_scale=...)`` instead, to unscale while reading; when
+step pre-hooks are registered (:func:`has_step_pre_hooks`), they unscale first, as torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+__all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks"]
+
+#: The per-instance hook dicts of ``torch.optim.Optimizer``.
+HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+              "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+              "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def share_hooks(wrapper, inner: torch.optim.Optimizer, *, refuse: bool = True) -> None:
+    """Give ``wrapper`` the inner optimizer's hook dicts (``inner``'s hooks become the
+    wrapper's, handles included) and, with ``refuse``, put the refusals of direct calls on
+    ``inner`` first in them."""
+    for name in HOOK_DICTS:
+        setattr(wrapper, name, getattr(inner, name))
+    if not refuse:
+        return
+    handle = inner.register_step_pre_hook(wrapper._refuse_direct_step)
+    inner._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+    inner.register_state_dict_pre_hook(wrapper._refuse_direct_state_dict, prepend=True)
+    inner.register_load_state_dict_pre_hook(wrapper._refuse_direct_load, prepend=True)
+
+
+def reshare_hooks(wrapper, inner: torch.optim.Optimizer) -> None:
+    """After a copy (pickle, deepcopy): torch's pickling gave ``inner`` empty hook dicts; the
+    wrapper's copied dicts (the refusals included, bound to the copy) are shared again."""
+    for name in HOOK_DICTS:
+        setattr(inner, name, getattr(wrapper, name))
+
+
+def raw_step(optimizer: torch.optim.Optimizer, closure=None) -> Any:
+    """``optimizer``'s own ``step`` without torch's hook wrapper (no step hooks, global or
+    per-instance: the wrapper's ``step()`` ran them). An LR scheduler built on ``optimizer``
+    still sees that it stepped."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # torch's profile_hook_step around the class's step
+        step = step.__wrapped__
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True  # what the scheduler's own step wrapper records
+    return step(optimizer) if closure is None else step(optimizer, closure)
+
+
+def has_step_pre_hooks(wrapper) -> bool:
+    """True when step pre-hooks other than the wrapper's own refusal would run on its
+    ``step()`` (its own, its inner optimizer's, or torch's global ones)."""
+    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None):
+        return True
+    return any(h != wrapper._refuse_direct_step
+               for h in wrapper._optimizer_step_pre_hooks.values())

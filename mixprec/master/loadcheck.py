@@ -1,0 +1,136 @@
+"""Checking an optimizer ``state_dict`` against the parameters it is loaded into.
+
+torch's ``Optimizer.load_state_dict`` checks the number of groups and of parameters per group,
+then maps saved state to parameters by position; a state tensor of another shape (a checkpoint
+of another model, or of a model whose layers were reordered) is only caught when the update
+reads it, and torch's fused CPU kernels do not check shapes at all: an AdamW moment of shape
+(48, 16) for a (32, 16) parameter would be stepped without an error. A master optimizer always
+runs those kernels (or its compiled ones, which fail with a long tracing error), so it checks on
+load, in one place, for every master kind and state dtype: :func:`check_before_load` is a
+``load_state_dict`` pre-hook on every mixprec master optimizer.
+
+What is checked, per parameter with saved state:
+
+* every floating state tensor of torch's elementwise optimizers (SGD's ``momentum_buffer``,
+  Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...), except
+  scalars (``step``, ASGD's ``eta``, NAdam's ``mu_product``), and the Kahan ``compensation``
+  must have the parameter's shape;
+* any other optimizer's state tensors must have the shape of the state it holds now under the
+  same key, where it holds one (a state laid out otherwise, e.g. Adafactor's factored moments,
+  is its own business);
+* the Kahan compensation must be in the weight's dtype (it is added to it, bit for bit).
+
+A mismatch is a ``ValueError`` naming the parameter (its qualified name when ``prepare`` made
+the optimizer, else its group and index), the state key and both shapes. Moments saved in
+another dtype than the optimizer's ``state_dtype`` are converted after loading (see
+:mod:`mixprec.master.states`).
+
+**A Kahan pair split the saved way** (:func:`register_kahan`). A model ``state_dict`` holds each
+Kahan weight's value (weight + compensation) in fp32; loading it splits the value again, the
+weight rounded to nearest. Where the value lies exactly half an ulp between two 16-bit weights
+(a 16-bit compensation can round to that tie), the new weight may be the other neighbour, and
+the compensation the optimizer's ``state_dict`` brings next belongs to the saved one: the pair
+would be an ulp off. So loading the optimizer keeps the values the pairs held just before: a
+weight whose value minus the loaded compensation is exactly a 16-bit number becomes that number.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .buckets import PER_PARAMETER_OPTIMIZERS
+from .states import COMPENSATION_KEY, GENERATOR_KEY
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state", "register_kahan"]
+
+#: torch optimizers whose every floating state tensor but ``step`` is shaped as its parameter.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ != "Adafactor")
+
+
+def check_before_load(optimizer, state_dict) -> None:
+    """``load_state_dict`` pre-hook: :func:`check_state` (a malformed dict is left to torch's
+    own checks, which follow)."""
+    if isinstance(state_dict, Mapping):
+        check_state(optimizer, state_dict)
+
+
+def check_state(optimizer, state_dict: Mapping) -> None:
+    """Raise ValueError where ``state_dict``'s per-parameter state does not fit ``optimizer``'s
+    parameters (see the module docstring)."""
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
+        return
+    mine = optimizer.param_groups
+    if len(groups) != len(mine) or any(
+            not isinstance(g, Mapping) or len(g.get("params", ())) != len(m["params"])
+            for g, m in zip(groups, mine)):
+        return  # torch's load_state_dict raises its own error for this
+    elementwise = type(optimizer.inner) in ELEMENTWISE_OPTIMIZERS
+    for gi, (saved, group) in enumerate(zip(groups, mine)):
+        for pi, (index, param) in enumerate(zip(saved["params"], group["params"])):
+            entry = state.get(index)
+            if isinstance(entry, Mapping):
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                _check_entry(optimizer, entry, param, elementwise, where)
+
+
+def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bool,
+                 where: str) -> None:
+    current = optimizer.state.get(param, {})
+    for key, value in entry.items():
+        if not isinstance(value, torch.Tensor) or key in ("step", GENERATOR_KEY):
+            continue
+        if key == COMPENSATION_KEY or (elementwise and value.is_floating_point()
+                                        and value.dim() > 0):  # ASGD's eta, NAdam's mu_product
+            expected = tuple(param.shape)
+        else:
+            now = current.get(key)
+            if not isinstance(now, torch.Tensor):
+                continue
+            expected = tuple(now.shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"optimizer state_dict does not fit this optimizer: state {key!r} of "
+                f"{optimizer.describe(param, where)} has shape {tuple(value.shape)}, but the "
+                f"parameter needs shape {expected}. Load a state_dict saved from an optimizer "
+                "over the same model, with the same param groups in the same order")
+        if key == COMPENSATION_KEY:
+            weight = optimizer._model_side(param)
+            if value.dtype != weight.dtype:
+                raise ValueError(
+                    f"optimizer state_dict holds a {value.dtype} Kahan compensation for "
+                    f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; load "
+                    "a state_dict saved with the same dtype (and master='kahan')")
+
+
+# the values the Kahan pairs held when a load_state_dict call began, until its post-hook
+_VALUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_kahan(optimizer) -> None:
+    """Install, on a Kahan ``CompactMasterOptimizer``, the load hooks that split each loaded
+    pair the saved way (see the module docstring); register after its other load hooks."""
+    optimizer.register_load_state_dict_pre_hook(_take_values)
+    optimizer.register_load_state_dict_post_hook(_keep_values)
+
+
+def _take_values(optimizer, state_dict) -> None:
+    _VALUES[optimizer] = {p: v for p, v in optimizer.fp32_values().items()
+                          if not isinstance(p, DTensor)}
+
+
+def _keep_values(optimizer) -> None:
+    values = _VALUES.pop(optimizer, None) or {}
+    with torch.no_grad():
+        for param, value in values.items():
+            comp = optimizer.compensation(param)
+            if comp is None or comp.shape != param.shape:
+                continue
+            weight = value - comp.float()
+            exact = weight.to(param.dtype)
+            param.copy_(torch.where(exact.float() == weight, exact, param))

@@ -1,0 +1,286 @@
+"""torch.nn.Module's contract on a prepared model: casts, hooks, Hugging Face exports.
+
+Casts (``.float()``, ``.double()``, ``.half()``, ``.bfloat16()``, ``.to(...)``, ``.type(...)``)
+on an O2 model with master weights either keep the masters exact or are refused, the model left
+as it was; device moves pass through. Module hooks (ported from PyTorch's
+test/nn/test_module_hooks.py: forward pre/post hooks with and without kwargs, full backward and
+backward pre hooks, global module hooks, state_dict and load_state_dict hooks) run as on a plain
+module. ``save_pretrained`` of a prepared Hugging Face model loads back, with a plain
+``from_pretrained``, as the fp32 masters exactly.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::mixprec.hardware.SlowDtypeWarning",
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+
+MASTERS = ["fp32", "kahan", "stochastic"]
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch(i=0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def step(model, opt, i=0):
+    opt.zero_grad()
+    x, y = batch(i)
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    opt.step()
+
+
+def trained(master, steps=3):
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16", master=master)
+    if not isinstance(opt, mp.MasterWeightOptimizer):
+        opt.fused = False
+    for i in range(steps):
+        step(model, opt, i)
+    return model, opt
+
+
+def snapshot(model):
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {k: v.clone() for k, v in mp.fp32_state_dict(model).items()})
+
+
+# -- casts --------------------------------------------------------------------------------------
+WIDENING = {
+    ".float()": lambda m: m.float(),
+    ".to(torch.float32)": lambda m: m.to(torch.float32),
+    ".to(dtype=torch.float32)": lambda m: m.to(dtype=torch.float32),
+    ".type(torch.float32)": lambda m: m.type(torch.float32),
+}
+LOSSY = {
+    ".half()": lambda m: m.half(),
+    ".bfloat16()": lambda m: m.bfloat16(),
+    ".to(torch.float16)": lambda m: m.to(torch.float16),
+    ".to('cpu', torch.bfloat16)": lambda m: m.to("cpu", torch.bfloat16),
+    "[0].half()": lambda m: m[0].half(),
+    "[1].bfloat16()": lambda m: m[1].bfloat16(),
+    ".double()": lambda m: m.double(),
+}
+MOVES = {
+    ".to('cpu')": lambda m: m.to("cpu"),
+    ".cpu()": lambda m: m.cpu(),
+    ".to(memory_format=channels_last)": lambda m: m.to(memory_format=torch.channels_last),
+    ".share_memory()": lambda m: m.share_memory(),
+}
+
+
+@pytest.mark.parametrize("cast", WIDENING)
+@pytest.mark.parametrize("master", MASTERS)
+def test_widening_casts_keep_the_masters_exact_and_training_continues(master, cast):
+    """0.3: model.float() stored the bf16-rounded weights and the next state_dict() took them
+    as the truth (4.9e-4 off the masters, carried into training)."""
+    model, opt = trained(master)
+    params = list(model.parameters())
+    exact = mp.fp32_state_dict(model)
+    out = WIDENING[cast](model)
+    assert out is model and list(model.parameters()) == params  # identity kept, as torch
+    wide = torch.float32
+    for name, p in model.named_parameters():
+        assert p.dtype == wide and torch.equal(p.detach().float(), exact[name]), name
+    torch.testing.assert_close(model.state_dict(), {k: v.to(wide) for k, v in exact.items()},
+                               rtol=0, atol=0)
+    # the next steps take the fp32 values as their start, as an fp32 AdamW would
+    reference = {n: p.detach().float().clone().requires_grad_() for n, p in
+                 model.named_parameters()}
+    ref_opt = torch.optim.AdamW(reference.values(), lr=1e-2, foreach=False)
+    ref_opt.load_state_dict(_plain_state(opt))
+    for i in range(3, 5):
+        step(model, opt, i)
+        for (n, p), r in zip(model.named_parameters(), reference.values()):
+            r.grad = p.grad.float()
+        ref_opt.step()
+    for n, p in model.named_parameters():  # fp32 arithmetic, up to the kernels' reassociation
+        torch.testing.assert_close(p.detach().float(), reference[n].detach(), rtol=1e-5,
+                                   atol=1e-6)
+    torch.testing.assert_close(mp.fp32_state_dict(model),
+                               {n: p.detach().float() for n, p in model.named_parameters()},
+                               rtol=0, atol=0)
+
+
+def _plain_state(opt):
+    """The optimizer's state as a plain fp32 AdamW's (moments in fp32, our keys dropped)."""
+    sd = copy.deepcopy(opt.state_dict())
+    sd.pop("master_weights", None)
+    for entry in sd["state"].values():
+        for key in ("compensation", "rounding_generator"):
+            entry.pop(key, None)
+        for key, value in entry.items():
+            if key != "step":
+                entry[key] = value.float()
+    return sd
+
+
+@pytest.mark.parametrize("cast", LOSSY)
+@pytest.mark.parametrize("master", MASTERS)
+def test_lossy_casts_are_refused_and_leave_the_model_as_it_was(master, cast):
+    model, opt = trained(master)
+    params, fp32 = snapshot(model)
+    what = "does not take fp64" if cast == ".double()" else r"would round \d+ parameter"
+    with pytest.raises(RuntimeError, match=rf"{what}.*model\.float\(\)"):
+        LOSSY[cast](model)
+    for name, p in model.named_parameters():
+        assert p.dtype == params[name].dtype and torch.equal(p, params[name]), name
+    torch.testing.assert_close(mp.fp32_state_dict(model), fp32, rtol=0, atol=0)
+    step(model, opt, 3)  # and training goes on
+
+
+@pytest.mark.parametrize("move", MOVES)
+@pytest.mark.parametrize("master", MASTERS)
+def test_moves_pass_through(master, move):
+    model, opt = trained(master)
+    params, fp32 = snapshot(model)
+    MOVES[move](model)
+    for name, p in model.named_parameters():
+        assert p.dtype == params[name].dtype and torch.equal(p, params[name]), name
+    torch.testing.assert_close(mp.fp32_state_dict(model), fp32, rtol=0, atol=0)
+
+
+def test_a_copy_of_a_prepared_model_keeps_its_shadows_through_float():
+    model, _ = trained("fp32")
+    exact = mp.fp32_state_dict(model)
+    clone = copy.deepcopy(model)
+    clone.float()
+    for name, p in clone.named_parameters():
+        assert torch.equal(p.detach(), exact[name]), name
+    with pytest.raises(RuntimeError, match="would round"):
+        copy.deepcopy(model).half()
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_without_masters_casts_are_torchs(level):
+    """Nothing to keep: O1 (fp32 parameters) and O3 (16-bit, no masters) cast as torch does."""
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level=level,
+                            dtype="bf16")
+    model.half()
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    model.float()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# -- module hooks (test_module_hooks.py) --------------------------------------------------------
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_forward_and_backward_hooks_run_once_per_call(master):
+    model, opt = trained(master, steps=0)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append("root pre"))
+    model.register_forward_hook(lambda m, args, out: calls.append(("root", out.dtype)))
+    model[0].register_forward_pre_hook(lambda m, args, kwargs: calls.append("0 pre kw"),
+                                       with_kwargs=True)
+    model[0].register_forward_hook(lambda m, args, kwargs, out: calls.append(("0", out.dtype)),
+                                   with_kwargs=True)
+    model[1].register_full_backward_pre_hook(lambda m, grad_out: calls.append("1 bw pre"))
+    model[1].register_full_backward_hook(lambda m, grad_in, grad_out: calls.append("1 bw"))
+    step(model, opt)
+    assert calls == ["root pre", "0 pre kw", ("0", torch.bfloat16), ("root", torch.float32),
+                     "1 bw pre", "1 bw"]
+
+
+def test_a_forward_pre_hook_may_replace_the_input():
+    model, _ = trained("fp32", steps=0)
+    x = batch()[0]
+    expected = model(x * 2)
+    model.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+def test_global_module_hooks_run_once_per_module_call():
+    model, _ = trained("fp32", steps=0)
+    seen = []
+    handles = [nn.modules.module.register_module_forward_pre_hook(
+                   lambda m, args: seen.append(("pre", type(m).__name__))),
+               nn.modules.module.register_module_forward_hook(
+                   lambda m, args, out: seen.append(("post", type(m).__name__)))]
+    try:
+        model(batch()[0])
+    finally:
+        for h in handles:
+            h.remove()
+    names = ["Sequential", "Linear", "LayerNorm", "ReLU", "Linear"]
+    assert [n for k, n in seen if k == "pre"] == names
+    assert sorted(n for k, n in seen if k == "post") == sorted(names)
+
+
+@pytest.mark.parametrize("master", MASTERS)
+def test_state_dict_and_load_state_dict_hooks(master):
+    """Hooks registered on the prepared model see its fp32 state_dict (the masters) and run
+    once per call; load_state_dict hooks run once and the masters take the loaded values."""
+    model, opt = trained(master)
+    exact = mp.fp32_state_dict(model)
+    calls = []
+    model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: calls.append("pre"))
+    model.register_state_dict_post_hook(
+        lambda m, sd, prefix, local: calls.append(("post", sd["0.weight"].dtype)))
+    model.register_load_state_dict_pre_hook(lambda m, sd, *args: calls.append("load pre"))
+    model.register_load_state_dict_post_hook(lambda m, keys: calls.append("load post"))
+    sd = model.state_dict()
+    torch.testing.assert_close(sd, exact, rtol=0, atol=0)
+    other = {k: v + 0.001 for k, v in sd.items()}
+    model.load_state_dict(other)
+    assert calls == ["pre", ("post", torch.float32), "load pre", "load post"]
+    # fp32 masters take the loaded values exactly; Kahan's bf16 pair holds ~16 bits of them;
+    # stochastic rounding keeps the 16-bit weight, their rounding
+    tol = {"fp32": (0, 0), "kahan": (2.0 ** -14, 1e-7), "stochastic": (2.0 ** -8, 0)}[master]
+    torch.testing.assert_close(mp.fp32_state_dict(model), other, rtol=tol[0], atol=tol[1])
+
+
+def test_apply_zero_grad_and_train_eval_are_torchs():
+    model, opt = trained("fp32", steps=0)
+    x, y = batch()
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    visited = []
+    model.apply(lambda m: visited.append(type(m).__name__))
+    assert visited[-1] == "Sequential" and len(visited) == 5
+    assert not model.eval().training and model.train().training
+
+
+# -- Hugging Face save_pretrained ---------------------------------------------------------------
+@pytest.mark.parametrize("master", MASTERS)
+def test_save_pretrained_loads_back_as_the_exact_masters(master, tmp_path):
+    """0.3 wrote the fp32 masters with config.dtype bfloat16: a plain from_pretrained rounded
+    them (3.9e-3 off)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=2, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(config)
+    gpt, opt = mp.prepare(gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-2), level="O2",
+                          dtype="bf16", master=master)
+    if not isinstance(opt, mp.MasterWeightOptimizer):
+        opt.fused = False
+    ids = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        opt.zero_grad()
+        gpt(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    exact = mp.fp32_state_dict(gpt)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in exact.values()
+               if v.is_floating_point())  # masters that bf16 can't hold
+    gpt.save_pretrained(tmp_path / "o2")
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "o2")
+    assert back.dtype == torch.float32
+    loaded = back.state_dict()
+    for key, value in exact.items():
+        if key in loaded:
+            assert torch.equal(loaded[key], value), key
+    with pytest.raises(ValueError, match="push_to_hub"):
+        gpt.save_pretrained(tmp_path / "hub", push_to_hub=True)

@@ -1,0 +1,564 @@
+"""torch.optim.Optimizer's contract, held by the optimizer ``mp.prepare`` returns at O2.
+
+The cases are ported from PyTorch's own optimizer tests (test/test_optim.py, TestOptimRenewed:
+step hooks, state_dict and load_state_dict hooks, load_state_dict errors, state round trips,
+param groups with LR schedulers; common_optimizers' param-group errors) and run against every
+master kind and state dtype: fp32 masters (MasterWeightOptimizer, stepped a bucket at a time),
+Kahan compensation and stochastic rounding (CompactMasterOptimizer), each with fp32 or bf16
+moments. Hooks are registered on the optimizer ``prepare`` returned (``after``) and on the user's
+optimizer before ``prepare`` (``before``): both must run exactly as torch runs them.
+"""
+
+import copy
+import io
+import itertools
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+KINDS = list(itertools.product(["fp32", "kahan", "stochastic"], ["fp32", "bf16"]))
+KIND_IDS = [f"{m}-{s}" for m, s in KINDS]
+WHEN = ["after", "before"]  # hooks on the returned optimizer, or on the user's before prepare
+NEW_FLAGS = ("foreach", "fused", "maximize", "capturable", "differentiable",
+             "decoupled_weight_decay")
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def make(kind, cls=torch.optim.AdamW, groups=False, register=None, **kwargs):
+    """A prepared model and its optimizer; ``register(user_optimizer)`` runs before prepare."""
+    master, state_dtype = kind
+    model = net()
+    params = ([{"params": model[0].parameters()},
+               {"params": [*model[1].parameters(), *model[3].parameters()], "lr": 5e-3}]
+              if groups else model.parameters())
+    user = cls(params, lr=1e-2, **kwargs)
+    if register is not None:
+        register(user)
+    model, opt = mp.prepare(model, user, level="O2", dtype="bf16", master=master,
+                            state_dtype=state_dtype)
+    if isinstance(opt, mp.MasterWeightOptimizer):
+        opt.bucket_mb = 1e-4  # a bucket per tensor: several inner steps per step()
+    else:
+        opt.fused = False  # eager kernels (the compiled ones are checked in test_compact.py)
+    return model, opt, user
+
+
+def batch(i=0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def loss_of(model, i=0):
+    x, y = batch(i)
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def train(model, opt, steps=3, start=0):
+    for i in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(model, i).backward()
+        opt.step()
+
+
+def hooked(kind, when, hook_kind, hook, **kwargs):
+    """A prepared model and optimizer with ``hook`` registered ``when``; and the handle."""
+    handles = []
+
+    def register(o):
+        handles.append(getattr(o, f"register_{hook_kind}")(hook, **kwargs))
+
+    model, opt, _ = make(kind, register=register if when == "before" else None)
+    if when == "after":
+        register(opt)
+    return model, opt, handles[0]
+
+
+# -- step hooks (test_step_pre_hook, test_step_post_hook, test_step_all_hooks) ------------------
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("hook_kind", ["step_pre_hook", "step_post_hook"])
+def test_step_hooks_run_once_per_step_until_removed(kind, when, hook_kind):
+    data = [5]
+    seen = []
+
+    def hook(o, args, kwargs):
+        data[0] += 2
+        seen.append((o, sum(len(g["params"]) for g in o.param_groups)))
+
+    model, opt, handle = hooked(kind, when, hook_kind, hook)
+    train(model, opt, steps=2)
+    assert data[0] == 9
+    assert all(o is opt and n == 6 for o, n in seen)  # the optimizer held, every parameter
+    handle.remove()
+    train(model, opt, steps=1)
+    assert data[0] == 9
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_global_and_local_step_hooks_run_in_torch_order(kind, when):
+    data = []
+    model, opt, local_pre = hooked(kind, when, "step_pre_hook", lambda o, a, k: data.append(1))
+    local_post = opt.register_step_post_hook(lambda o, a, k: data.append(2))
+    other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    handles = [other.register_step_pre_hook(lambda o, a, k: data.append(1)),
+               other.register_step_post_hook(lambda o, a, k: data.append(2)),
+               register_optimizer_step_pre_hook(lambda o, a, k: data.append(0)),
+               register_optimizer_step_post_hook(lambda o, a, k: data.append(5))]
+    try:
+        train(model, opt, steps=1)
+        assert data == [0, 1, 2, 5]
+        other.step()
+        assert data == [0, 1, 2, 5] * 2
+        train(model, opt, steps=1)
+        assert data == [0, 1, 2, 5] * 3
+    finally:
+        for h in handles:
+            h.remove()
+    local_pre.remove()
+    local_post.remove()
+    train(model, opt, steps=1)
+    other.step()
+    assert data == [0, 1, 2, 5] * 3
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_pre_hook_may_replace_the_step_arguments(kind):
+    """torch: a pre-hook returning (args, kwargs) replaces them; anything else is an error."""
+    model, opt, _ = make(kind)
+    opt.register_step_pre_hook(lambda o, args, kwargs: (args, kwargs))
+    train(model, opt, steps=1)
+    opt.register_step_pre_hook(lambda o, args, kwargs: "nonsense")
+    with pytest.raises(RuntimeError, match="must return None or a tuple"):
+        train(model, opt, steps=1)
+
+
+GLOBAL_NORM = 1e-3
+
+
+def clip_global(o, args, kwargs):
+    torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], GLOBAL_NORM)
+
+
+def _fp32(model, companions):
+    return {n: companions.get(p, p).detach().float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_a_global_norm_clip_in_a_pre_hook_clips_all_parameters_once(when):
+    """A pre-hook clipping the global gradient norm (what training libraries install), on an
+    SGD whose update is lr * grad: the update's norm is lr * max_norm, as in fp32 (0.3 ran it
+    once per bucket over that bucket: sqrt(buckets) times too large)."""
+    torch.manual_seed(0)
+    fp32 = net()
+    opt = torch.optim.SGD(fp32.parameters(), lr=1.0)
+    opt.register_step_pre_hook(clip_global)
+    before = [p.detach().clone() for p in fp32.parameters()]
+    (loss_of(fp32) * 100).backward()
+    opt.step()
+    reference = float(torch.linalg.vector_norm(torch.stack(
+        [(p.detach() - b).norm() for p, b in zip(fp32.parameters(), before)])))
+    assert reference == pytest.approx(GLOBAL_NORM, rel=1e-4)
+    # stochastic rounding moves a weight by a whole ulp with the right probability: at this
+    # size its update norm is rounding noise (its hooks' once-per-step is checked above)
+    for kind in [k for k in KINDS if k[0] != "stochastic"]:
+        norm = _update_norm_sgd(kind, when)
+        assert norm == pytest.approx(GLOBAL_NORM, rel=2e-2), kind  # bf16 rounding of lr*grad
+
+
+def _update_norm_sgd(kind, when):
+    master, state_dtype = kind
+    model = net()
+    user = torch.optim.SGD(model.parameters(), lr=1.0)
+    if when == "before":
+        user.register_step_pre_hook(clip_global)
+    model, opt = mp.prepare(model, user, level="O2", dtype="bf16", master=master,
+                            state_dtype=state_dtype)
+    if when == "after":
+        opt.register_step_pre_hook(clip_global)
+    if isinstance(opt, mp.MasterWeightOptimizer):
+        opt.bucket_mb = 1e-4
+    else:
+        opt.fused = False
+    values = getattr(opt, "fp32_values", opt.masters_by_param)
+    before = [v.clone() for v in _fp32(model, values()).values()]
+    (loss_of(model) * 100).backward()
+    opt.step()
+    after = list(_fp32(model, values()).values())
+    return float(torch.linalg.vector_norm(torch.stack(
+        [(a - b).norm() for a, b in zip(after, before)])))
+
+
+# -- state_dict hooks ---------------------------------------------------------------------------
+def state_dict_pre_hook(optimizer):
+    optimizer.state["test"] = 1
+
+
+def state_dict_post_hook(optimizer, state_dict):
+    state_dict["ran_state_dict_pre_hook"] = "test" in state_dict["state"]
+    state_dict["state"].pop("test", None)
+    return state_dict
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_state_dict_pre_and_post_hooks(kind, when):
+    model, opt, _ = hooked(kind, when, "state_dict_pre_hook", state_dict_pre_hook)
+    train(model, opt, steps=1)
+    assert opt.state_dict()["state"]["test"] == 1
+    opt.register_state_dict_post_hook(state_dict_post_hook)
+    sd = opt.state_dict()
+    assert sd["ran_state_dict_pre_hook"] is True and "test" not in sd["state"]
+    model, opt, _ = hooked(kind, when, "state_dict_post_hook", state_dict_post_hook)
+    assert opt.state_dict()["ran_state_dict_pre_hook"] is False
+
+
+def load_pre_hook1(optimizer, state_dict):
+    state_dict["param_groups"][0]["lr"] = 0.002
+
+
+def load_pre_hook2(optimizer, state_dict):
+    mine = copy.deepcopy(state_dict)
+    mine["param_groups"][0]["lr"] = 0.003
+    return mine
+
+
+def load_post_hook(optimizer):
+    optimizer.ran = (optimizer.param_groups[0]["lr"] == 0.003, True)
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_load_state_dict_pre_hook_and_prepend(kind, when):
+    model, opt, _ = hooked(kind, when, "load_state_dict_pre_hook", load_pre_hook1)
+    train(model, opt, steps=1)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.002
+    opt.register_load_state_dict_pre_hook(load_pre_hook2, prepend=True)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.002  # hook1 runs last and wins
+    train(model, opt, steps=1)
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_load_state_dict_post_hook_and_pre_post(kind, when):
+    model, opt, _ = hooked(kind, when, "load_state_dict_post_hook", load_post_hook)
+    train(model, opt, steps=1)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.ran == (False, True)
+    opt.register_load_state_dict_pre_hook(load_pre_hook2)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.ran == (True, True)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_the_wrapped_optimizer_refuses_direct_calls(kind):
+    """The user's optimizer, once wrapped, refuses step/state_dict/load_state_dict with a
+    message naming the optimizer to call instead (its groups hold what only the wrapper may
+    step); hooks on it are the wrapper's."""
+    model, opt, user = make(kind)
+    sd = opt.state_dict()
+    for call in (user.step, user.state_dict, lambda: user.load_state_dict(sd)):
+        with pytest.raises(RuntimeError, match="prepare returned"):
+            call()
+    calls = []
+    handle = user.register_step_post_hook(lambda o, a, k: calls.append(o))
+    train(model, opt, steps=1)
+    assert calls == [opt]
+    handle.remove()
+    train(model, opt, steps=1)
+    assert calls == [opt]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_hooks_survive_a_deep_copy(kind):
+    calls = []
+    model, opt, user = make(kind, register=lambda o: o.register_step_post_hook(
+        lambda o, a, k: calls.append(1)))
+    clone = copy.deepcopy(opt)
+    with pytest.raises(RuntimeError, match="prepare returned"):
+        clone.inner.step()
+    train(model, opt, steps=1)
+    assert calls == [1]
+
+
+# -- load_state_dict errors ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_load_state_dict_errors_of_torch(kind):
+    """torch's own checks: the number of groups and of parameters per group."""
+    model, opt, _ = make(kind, groups=True)
+    train(model, opt, steps=1)
+    sd = opt.state_dict()
+    fewer = {**sd, "param_groups": sd["param_groups"][:1]}
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict(fewer)
+    short = copy.deepcopy(sd)
+    short["param_groups"][1]["params"] = short["param_groups"][1]["params"][:-1]
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        opt.load_state_dict(short)
+
+
+@pytest.mark.parametrize("cls,kwargs,key", [(torch.optim.AdamW, {}, "exp_avg"),
+                                            (torch.optim.SGD, {"momentum": 0.9},
+                                             "momentum_buffer")])
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_another_models_state_is_refused_naming_the_parameter(kind, cls, kwargs, key):
+    """0.3 stepped a (48, 16) moment on a (32, 16) parameter silently (torch's fused CPU kernel
+    does not check shapes), or failed at step with a long tracing error (kahan/stochastic)."""
+    other = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.ReLU(), nn.Linear(48, 4))
+    theirs = cls(other.parameters(), lr=1e-2, **kwargs)
+    other(batch()[0]).sum().backward()
+    theirs.step()
+    model, opt, _ = make(kind, cls, **kwargs)
+    opt.fused = "auto" if isinstance(opt, mp.MasterWeightOptimizer) else False
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"'{key}' of parameter '0\.weight' .*\(48, 8\).*"
+                                         rf"\(16, 8\)"):
+        opt.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
+    train(model, opt, steps=1)
+
+
+def test_an_unnamed_optimizer_names_the_group_and_index():
+    model = net().to(torch.bfloat16)
+    opt = mp.MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sd = opt.state_dict()
+    sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                       "exp_avg_sq": torch.zeros(3)}}
+    with pytest.raises(ValueError, match=r"parameter param_groups\[0\]\['params'\]\[0\] has "
+                                         r"shape \(3,\)"):
+        opt.load_state_dict(sd)
+
+
+def test_a_kahan_compensation_of_another_dtype_is_refused():
+    model, opt, _ = make(("kahan", "fp32"))
+    train(model, opt, steps=1)
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        if "compensation" in entry:
+            entry["compensation"] = entry["compensation"].to(torch.float16)
+    with pytest.raises(ValueError, match="float16 Kahan compensation for parameter '0.weight'"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan", "stochastic"])
+def test_moments_saved_in_the_other_state_dtype_load_in_this_ones(master):
+    for saved, wanted in (("fp32", "bf16"), ("bf16", "fp32")):
+        model, opt, _ = make((master, saved))
+        train(model, opt, steps=2)
+        model2, opt2, _ = make((master, wanted))
+        opt2.load_state_dict(opt.state_dict())
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[wanted]
+        moments = [v for s in opt2.state.values() if isinstance(s, dict)
+                   for k, v in s.items() if k.startswith("exp_avg")]
+        assert moments and all(v.dtype == dtype for v in moments)
+        train(model2, opt2, steps=1)
+
+
+# -- state round trips (test_state_dict_deterministic, test_load_nontensor_step, ...) ----------
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_state_dict_round_trip_continues_bitwise(kind):
+    model, opt, _ = make(kind, groups=True)
+    train(model, opt, steps=3)
+    model_c, opt_c, _ = make(kind, groups=True)
+    model_c.load_state_dict(model.state_dict())
+    sd = copy.deepcopy(opt.state_dict())
+    opt_c.load_state_dict(copy.deepcopy(sd))
+    train(model, opt, steps=3, start=3)
+    train(model_c, opt_c, steps=3, start=3)
+    for p, q in zip(model.parameters(), model_c.parameters()):
+        assert torch.equal(p, q)
+    torch.testing.assert_close(opt.state_dict(), opt_c.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(model.state_dict(), model_c.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_older_and_nontensor_step_state_dicts_load(kind):
+    model, opt, _ = make(kind)
+    train(model, opt, steps=2)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        for flag in NEW_FLAGS:
+            group.pop(flag, None)
+    for entry in sd["state"].values():
+        if torch.is_tensor(entry.get("step")):
+            entry["step"] = entry["step"].item()
+    opt.load_state_dict(sd)
+    train(model, opt, steps=1, start=2)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_save_load_equality_with_weights_only(kind):
+    model, opt, _ = make(kind)
+    train(model, opt, steps=2)
+    sd = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=True), sd, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_deepcopy_copies_all_public_attrs_and_can_be_printed(kind):
+    model, opt, _ = make(kind)
+    train(model, opt, steps=2)
+    public = {k for k in opt.__dict__ if not k.startswith("_")}
+    assert public == {k for k in copy.deepcopy(opt).__dict__ if not k.startswith("_")}
+    assert type(opt).__name__ in repr(opt)
+
+
+# -- param groups, zero_grad, no-op steps -------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_add_param_group_trains_the_new_group_and_checks_like_torch(kind):
+    master, state_dtype = kind
+    model = net()
+    user = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    model, opt = mp.prepare(model, user, level="O2", dtype="bf16", master=master,
+                            state_dtype=state_dtype)
+    if not isinstance(opt, mp.MasterWeightOptimizer):
+        opt.fused = False
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight]})
+    with pytest.raises(TypeError, match="not a set"):
+        opt.add_param_group({"params": {model[3].weight}})
+    with pytest.raises(ValueError, match="'params' entry"):
+        opt.add_param_group({"lr": 1.0})
+    opt.add_param_group({"params": model[3].parameters(), "lr": 5e-3})
+    assert opt.param_groups[1]["lr"] == 5e-3 and opt.param_groups[1]["weight_decay"] == 1e-2
+    before = model[3].weight.detach().clone()
+    train(model, opt, steps=1)
+    assert not torch.equal(before, model[3].weight)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_zero_grad(kind, set_to_none):
+    model, opt, _ = make(kind)
+    loss_of(model).backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in model.parameters():
+        if set_to_none:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and not p.grad.requires_grad and not p.grad.any()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            assert p.grad is None if set_to_none else not p.grad.any()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_step_is_noop_when_params_have_no_grad(kind):
+    model, opt, _ = make(kind)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# -- LR schedulers ------------------------------------------------------------------------------
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0),
+}
+
+
+SCHEDULER_CELLS = [(name, "returned") for name in SCHEDULERS] + [("StepLR", "user's, before")]
+
+
+@pytest.mark.parametrize("name,on", SCHEDULER_CELLS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_param_groups_with_lr_scheduler_go_the_right_direction(kind, name, on):
+    """A scheduler on the returned optimizer or on the user's one (built before prepare) sees
+    each step (torch warns, an error here, if it steps before its optimizer did) and moves the
+    lr of both groups; the loss goes down."""
+    holder = {}
+
+    def register(o):
+        holder["s"] = SCHEDULERS[name](o)
+
+    model, opt, _ = make(kind, groups=True, register=register if on != "returned" else None)
+    scheduler = holder["s"] if on != "returned" else SCHEDULERS[name](opt)
+    initial = loss_of(model).item()
+    lrs = []
+    for i in range(6):
+        opt.zero_grad()
+        loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        scheduler.step(loss.item()) if name == "ReduceLROnPlateau" else scheduler.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    assert loss_of(model).item() < initial
+    if name in ("StepLR", "ExponentialLR"):
+        assert lrs[-1][0] != 1e-2 and lrs[-1][1] != 5e-3
+        assert lrs[-1][0] / lrs[-1][1] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.ASGD, torch.optim.NAdam, torch.optim.RMSprop,
+                                 torch.optim.Adagrad, torch.optim.Rprop, torch.optim.Adadelta,
+                                 torch.optim.Adamax, torch.optim.RAdam])
+def test_every_elementwise_optimizers_state_round_trips(cls):
+    """Scalar state (ASGD's eta, NAdam's mu_product) is not held to the parameter's shape."""
+    model, opt, _ = make(("fp32", "fp32"), cls)
+    train(model, opt, steps=2)
+    model_c, opt_c, _ = make(("fp32", "fp32"), cls)
+    model_c.load_state_dict(model.state_dict())
+    opt_c.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(model, opt, steps=1, start=2)
+    train(model_c, opt_c, steps=1, start=2)
+    for p, q in zip(model.parameters(), model_c.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_tensor_lr_steps_as_a_float_lr(kind):
+    """test_tensor_lr: an lr given as a 0-d tensor gives the float lr's weights."""
+    runs = []
+    for lr in (1e-2, torch.tensor(1e-2)):
+        model = net()
+        master, state_dtype = kind
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                                level="O2", dtype="bf16", master=master,
+                                state_dtype=state_dtype)
+        if not isinstance(opt, mp.MasterWeightOptimizer):
+            opt.fused = False
+        train(model, opt, steps=2)
+        runs.append(mp.fp32_state_dict(model))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_can_load_from_and_to_a_named_state_dict(kind):
+    """test_can_load_from_to_named_state_dict: an optimizer over named_parameters() keeps the
+    names in its state_dict, and either form loads into the other."""
+    master, state_dtype = kind
+    saved = {}
+    for named in (True, False):
+        model = net()
+        params = model.named_parameters() if named else model.parameters()
+        model, opt = mp.prepare(model, torch.optim.AdamW(params, lr=1e-2), level="O2",
+                                dtype="bf16", master=master, state_dtype=state_dtype)
+        if not isinstance(opt, mp.MasterWeightOptimizer):
+            opt.fused = False
+        train(model, opt, steps=2)
+        saved[named] = (model, opt, copy.deepcopy(opt.state_dict()))
+    assert saved[True][2]["param_groups"][0]["param_names"][:2] == ["0.weight", "0.bias"]
+    for named in (True, False):
+        model, opt, _ = saved[named]
+        opt.load_state_dict(saved[not named][2])
+        train(model, opt, steps=1, start=2)
