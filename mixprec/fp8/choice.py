@@ -17,8 +17,9 @@ Megatron keep those in 16 bits for stability. On CUDA it also applies the format
 filter (FP8: torchao's, which skips layers too small to run faster in FP8). A list of names is
 taken as given (each must be eligible); a callable ``(module, name) -> bool`` picks among the
 eligible layers. Either way the choice is resolved into qualified names, the names
-``named_modules()`` gives, recorded in the prepared model's policy. When the default choice or a callable leaves no layer, ``prepare``
-warns once, naming why each GEMM layer was left out, and the policy records ``fp8_modules=0``.
+``named_modules()`` gives, recorded in the prepared model's policy. When the default choice or
+a callable leaves no layer, ``prepare`` warns once, naming why each GEMM layer was left out,
+and the policy records ``fp8_modules=0``.
 """
 
 from __future__ import annotations

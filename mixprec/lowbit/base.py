@@ -121,6 +121,22 @@ class LowBitFormat:
         return []
 
     # -- measuring -------------------------------------------------------------------------
+    @classmethod
+    def for_advisor(cls, fp8_recipe: str) -> "LowBitFormat":
+        """The format :func:`mixprec.advise` measures under :attr:`advisor_format` (its
+        ``fp8_recipe`` argument picks among Float8's recipes; other formats ignore it)."""
+        return cls()
+
+    def measured_by(self, measured: "LowBitFormat") -> bool:
+        """Whether the advisor's measurement of ``measured`` covers this format (default: the
+        same class: options that make a GEMM more exact, not less)."""
+        return type(measured) is type(self)
+
+    def unmeasured(self, measured: "LowBitFormat") -> str:
+        """Why a policy in this format cannot follow an advice that measured ``measured``."""
+        return (f"fp8={str(self)!r}, but this advice measured {str(measured)!r}: its verdicts "
+                f"do not carry over. Measure {type(self).__name__} with mp.advise")
+
     def recorder(self, module):
         """A :class:`mixprec.fp8.stats.LayerStats` for a converted layer."""
         raise NotImplementedError

@@ -66,20 +66,20 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * (torch.round(a / ulp) * ulp).clamp(max=_E2M1_MAX)
 
 
-def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, tuple]:
-    """``x`` (fp32) with ``axis`` moved last and split into ``(..., n // block, block)``."""
+def _blocks(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """``x`` (fp32) with ``axis`` moved last, padded with zeros to a multiple of ``block``
+    (zeros change no block's scale) and split into ``(..., blocks, block)``."""
     moved = x.float().movedim(axis, -1)
-    n = moved.shape[-1]
-    if n % block:
-        raise ValueError(f"a block-scaled cast needs the reduction dimension to be a multiple "
-                         f"of {block}; got {n}")
-    return moved.reshape(*moved.shape[:-1], n // block, block), moved.shape
+    pad = -moved.shape[-1] % block
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+    return moved.reshape(*moved.shape[:-1], moved.shape[-1] // block, block)
 
 
 def block_scales(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Tensor, ...]:
     """``(blocks, scales)``: ``x`` split into blocks along ``axis`` (fp32) and each block's
     dequantization scale (``value = element * scale``), broadcastable against ``blocks``."""
-    blocks, _ = _blocks(x, axis, cast.block)
+    blocks = _blocks(x, axis, cast.block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if not cast.tensor_scale:
         exponent = torch.ceil(torch.log2(amax / cast.emax)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
@@ -93,9 +93,8 @@ def block_scales(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Ten
 def fake_quant(x: torch.Tensor, cast: BlockCast, axis: int) -> torch.Tensor:
     """``x`` cast to the block format along ``axis`` and back, in fp32 (same shape)."""
     blocks, scales = block_scales(x, cast, axis)
-    q = cast.round(blocks / scales) * scales
-    moved = x.movedim(axis, -1)
-    return q.reshape(moved.shape).movedim(-1, axis)
+    q = (cast.round(blocks / scales) * scales).flatten(-2)
+    return q[..., :x.shape[axis]].movedim(-1, axis)
 
 
 @torch.no_grad()

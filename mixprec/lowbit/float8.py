@@ -107,15 +107,26 @@ class Float8(LowBitFormat):
                            else None for role, c in casts.items()},
                           cfg.round_scales_to_power_of_2)
 
+    @classmethod
+    def for_advisor(cls, fp8_recipe: str) -> Float8:
+        return cls(fp8_recipe)
+
     def measured_by(self, measured: LowBitFormat) -> bool:
         """A measurement of ``measured`` covers this format: the same recipe, or rowwise for
         rowwise_gw_hp (the same forward and input-gradient GEMMs; the weight gradient's GEMM in
         high precision is more exact, not less)."""
         return self == measured or (self.recipe == "rowwise_gw_hp" and measured == "rowwise")
 
+    def unmeasured(self, measured: LowBitFormat) -> str:
+        base = "rowwise" if self.rowwise else "tensorwise"
+        return (f"fp8={self.recipe!r}, but this advice measured the {str(measured)!r} recipe: "
+                f"the two scale differently, so its FP8 verdicts do not carry over. Use "
+                f"fp8={str(measured)!r}, or measure the recipe: mp.advise(..., "
+                f"fp8_recipe={base!r})")
+
     def simulate(self, x, w_t):
-        from ..advisor.fp8sim import fp8_matmul
-        return fp8_matmul(x, w_t, rowwise=self.rowwise, weight_grad_fp8=self.weight_grad_in_fp8)
+        from ..advisor.fp8sim import float8_matmul
+        return float8_matmul(x, w_t, self.rowwise, self.weight_grad_in_fp8)
 
     def ranges(self, x, w_t, grad) -> dict[str, tuple]:
         import torch
