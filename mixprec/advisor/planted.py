@@ -7,6 +7,9 @@
   "massive activation"; its weights on that feature are ~1e-5x the others', so the feature adds
   an ordinary amount to its output): with one FP8 scale for its whole input, the other features
   flush to zero. Its neighbours see ordinary tensors.
+* :func:`block_outlier_case`: the same outlier in a wide layer (2048 input features, 64 blocks
+  of 32): per-tensor FP8 flushes ~29% of the layer's inputs to zero, MXFP8's block scales flush
+  only in the outlier's block (~0.5%): unsafe in ``fp8_e4m3``, safe in ``mxfp8``.
 
 Each returns ``(model, batch, loss_fn)`` with a fixed seed.
 """
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Massive", "overflow_case", "outlier_case", "CASES"]
+__all__ = ["Massive", "overflow_case", "outlier_case", "block_outlier_case", "CASES"]
 
 
 class Massive(nn.Module):
@@ -58,4 +61,16 @@ def outlier_case():
     return model, _batch(32, 10), F.cross_entropy
 
 
-CASES = {"planted-overflow": overflow_case, "planted-outlier": outlier_case}
+def block_outlier_case():
+    """Layer "2" (Linear 2048->64) reads feature 3 at ~1e5 (its weights on it ~1e-5x); "0"
+    (Linear 32->2048), "4" and "6" are ordinary."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 2048), Massive(), nn.Linear(2048, 64), nn.ReLU(),
+                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[2].weight[:, 3].mul_(1e-5)
+    return model, _batch(32, 10), F.cross_entropy
+
+
+CASES = {"planted-overflow": overflow_case, "planted-outlier": outlier_case,
+         "planted-block-outlier": block_outlier_case}

@@ -42,6 +42,11 @@ class BlockCast:
     def __init__(self, block: int, element: str, tensor_scale: bool):
         self.block, self.element, self.tensor_scale = block, element, tensor_scale
         self.emax = _E4M3_MAX if element == "e4m3" else _E2M1_MAX
+        # a value saturates when it lands beyond the element range by more than the rounding
+        # of its block's scale: an e4m3 scale rounds by up to 2^-4 relative, which can put a
+        # block's largest value just past the range (clamped: a rounding error, not overflow);
+        # a power-of-two scale rounded up (RCEIL) never does
+        self.slack = 1 + (2.0 ** -3 if tensor_scale else 2.0 ** -20)
         # the smallest nonzero element: e4m3's smallest subnormal 2^-9; e2m1's 0.5
         self.tiny = 2.0 ** -9 if element == "e4m3" else 0.5
 
@@ -100,14 +105,15 @@ def fake_quant(x: torch.Tensor, cast: BlockCast, axis: int) -> torch.Tensor:
 @torch.no_grad()
 def fractions(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Tensor, ...]:
     """What the cast does to ``x``, as 0-d tensors (no host sync): the amax of the tensor, the
-    fraction of values saturated (beyond the element range after scaling, or inf/NaN), the
+    fraction of values saturated (beyond the element range after scaling by more than the
+    block scale's rounding, or inf/NaN), the
     fraction of nonzero values flushed to zero, the largest block scale (the dequantization
     factor of the block holding the largest value) and its ratio to the smallest (of the blocks
     holding a nonzero value)."""
     blocks, scales = block_scales(x, cast, axis)
     a = blocks.abs()
     scaled = a / scales
-    saturated = ((scaled > cast.emax * (1 + 2.0 ** -20)) | ~torch.isfinite(a)).float().mean()
+    saturated = ((scaled > cast.emax * cast.slack) | ~torch.isfinite(a)).float().mean()
     nonzero = a > 0
     flushed = (cast.round(scaled) == 0) & nonzero
     live = nonzero.any(dim=-1, keepdim=True)
