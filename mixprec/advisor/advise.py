@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..casting import module_device
 from ..fp8.choice import eligible_layers
+from ..lowbit import Float8
 from ..policy import Policy
 from ..prepare import policy_of
 from ..training.batches import to_device
@@ -90,7 +91,7 @@ def _check_batch(split) -> None:
 
 def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
            formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
-           fp8_recipe: str = "tensorwise", layers=None, ablation: bool = False,
+           fp8_recipe: str = Float8.recipe, layers=None, ablation: bool = False,
            thresholds: Thresholds | None = None, seed: int = 0) -> Advice:
     """Measure, layer by layer, what each format does to the model on ``batch``.
 

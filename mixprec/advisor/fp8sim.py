@@ -78,7 +78,7 @@ def float8_matmul(x: torch.Tensor, w_t: torch.Tensor, rowwise: bool = False,
     return out.reshape(*x.shape[:-1], w_t.shape[-1])
 
 
-def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe="tensorwise") -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe=lowbit.Float8.recipe) -> torch.Tensor:
     """``x @ w_t`` as the GEMMs of a low-bit format compute it (fp32, autograd included).
 
     Args:

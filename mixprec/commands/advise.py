@@ -35,7 +35,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
                train_steps: int = 20, seed: int = 0, ablation: bool = False,
-               fp8_recipe: str = "tensorwise", **sizes):
+               fp8_recipe: str = Float8.recipe, **sizes):
     """Build, briefly train and advise a bench model (or build a planted case); returns
     ``(advice, bench model or None)``.
 

@@ -46,6 +46,8 @@ class LowBitFormat:
     block: ClassVar[int] = 16
     advisor_format: ClassVar[str] = ""
     bits_per_value: ClassVar[float] = 8.0
+    #: the advisor's limits on a layer's relative output and weight-gradient errors
+    advisor_limits: ClassVar[tuple[float, float]] = (0.15, 0.25)
 
     # -- identity --------------------------------------------------------------------------
     def options(self) -> dict[str, Any]:
