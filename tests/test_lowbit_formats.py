@@ -84,6 +84,15 @@ def test_nvfp4_is_measured_but_prepare_refuses_it_naming_why():
     assert mp.policy_of(model) is None and not mp.fp8_modules(model)  # left as it was
 
 
+def test_native_mx_kernels_are_refused_off_sm100():
+    pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    with pytest.raises(RuntimeError, match=r"need an sm100 \(Blackwell\) GPU; this model is on "
+                                           r"cpu"):
+        mp.prepare(model, level="O0", fp8=MXFP8(emulate=False))
+    assert not MXFP8().native(torch.device("cpu"))
+
+
 def test_e2m1_rounding_is_round_to_nearest_even_on_its_eight_values():
     values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
     assert torch.equal(blocks.round_e2m1(values), values)

@@ -56,7 +56,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     with torch.autocast(device, enabled=False), torch._C.DisableTorchFunction():
         out = _to_mxfp8_then_scaled_mm(x2, weight.contiguous(), kernels,
                                        ScaleCalculationMode.RCEIL, fmt.wgrad_hp)
-    out = probe(out[:tokens].reshape(*x.shape[:-1], out.shape[-1]), recorders)
+    # the native sm100 GEMM returns bf16: the output comes out in the input's dtype
+    out = probe(out[:tokens].reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype), recorders)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
