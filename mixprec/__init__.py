@@ -4,7 +4,7 @@ Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, 
 and numerics diagnostics. ``import mixprec as mp``.
 """
 
-from . import debug, formats, parallel
+from . import debug, formats, lowbit, parallel
 from .advisor import Advice, advise
 from .autocast import autocast
 from .casting import to_float
@@ -50,6 +50,7 @@ __all__ = [
     "MixedPrecision",
     "to_float",
     "fp8_modules",
+    "lowbit",
     # autocast with custom op lists
     "autocast",
     "op_lists",

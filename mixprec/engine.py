@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, lowbit
 from .fp8.choice import split_spec, with_modules
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
@@ -93,8 +93,7 @@ class MixedPrecision:
                              f"{policy} with level={level!r}, dtype={dtype!r}")
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
-        Policy(fp8=fp8)  # validate the recipe now
-        self._fp8 = fp8
+        self._fp8 = lowbit.resolve(fp8)  # the low-bit format, validated now
         self._fp8_names, self._fp8_filter = split_spec(fp8 or getattr(policy, "fp8", None),
                                                        fp8_modules)
         self._level, self._dtype, self._keep = level, dtype, keep_fp32

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, lowbit
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 
 __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype",
@@ -100,7 +100,7 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
 
 MASTERS = ("fp32", "kahan", "stochastic")
 STATE_DTYPES = ("fp32", "bf16")
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
+FP8_RECIPES = lowbit.shorthands()  # the strings fp8= accepts
 _FP32 = torch.float32
 
 
@@ -228,8 +228,9 @@ class Policy:
         master: "fp32" (fp32 master copies), "kahan" (a 16-bit compensation buffer) or
             "stochastic" (stochastic rounding into the 16-bit weight).
         state_dtype: dtype of the optimizer's moment buffers under masters: "fp32" or "bf16".
-        fp8: None, or the FP8 recipe of the chosen Linear layers: "tensorwise", "rowwise",
-            "rowwise_gw_hp".
+        fp8: None, or the low-bit GEMM format of the chosen Linear layers: a
+            :mod:`mixprec.lowbit` format, or its shorthand ("tensorwise", "rowwise",
+            "rowwise_gw_hp", "mxfp8", "nvfp4"), resolved to the format here.
         fp8_modules: the qualified names of the layers that run in FP8 (None: the default
             choice, see :func:`mixprec.prepare`).
 
@@ -250,7 +251,7 @@ class Policy:
     overrides: tuple = ()
     master: str = "fp32"
     state_dtype: torch.dtype = torch.float32
-    fp8: str | None = None
+    fp8: lowbit.LowBitFormat | None = None
     fp8_modules: tuple | None = None
 
     def __post_init__(self):
@@ -274,9 +275,7 @@ class Policy:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")
         self._check_masters()
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}; "
-                             f"got {self.fp8!r}")
+        object.__setattr__(self, "fp8", lowbit.resolve(self.fp8))
         if self.fp8_modules is not None:
             names = _keys(self.fp8_modules, "fp8_modules")
             if not all(isinstance(n, str) for n in names):
@@ -335,6 +334,8 @@ class Policy:
                 value = [key(k) for k in value]
             elif f.name == "overrides":
                 value = [[key(k), dtype_name(dt)] for k, dt in value]
+            elif isinstance(value, lowbit.LowBitFormat):
+                value = value.to_data()
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import lowbit
 from .autocast import PrecisionContext, autocast
 from .casting import (
     PREPARED_ATTR,
@@ -192,14 +193,16 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
 def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
     """``policy`` with the ``fp8=`` / ``fp8_modules=`` (names) arguments of ``prepare``."""
     if fp8 is not None:
+        fp8 = lowbit.resolve(fp8)
         if policy.fp8 is not None and policy.fp8 != fp8:
-            raise ValueError(f"fp8={fp8!r} disagrees with the policy's fp8={policy.fp8!r}")
+            raise ValueError(f"fp8={str(fp8)!r} disagrees with the policy's "
+                             f"fp8={str(policy.fp8)!r}")
         policy = dataclasses.replace(policy, fp8=fp8)
     if fp8_modules is not None:
         policy = dataclasses.replace(policy, fp8_modules=fp8_modules)
     if policy.fp8_modules is not None and policy.fp8 is None:
-        raise ValueError("fp8_modules chooses the layers that run in FP8: it needs fp8= "
-                         "('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
+        raise ValueError(f"fp8_modules chooses the layers that run in FP8: it needs fp8= "
+                         f"({fp8_choice.FORMATS})")
     return policy
 
 
@@ -251,9 +254,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             both :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype of the optimizer's moment buffers
             under a master-weight policy; None: the policy's.
-        fp8: None, or the FP8 recipe of the chosen layers: "tensorwise" (one scale per tensor),
-            "rowwise" (one per row), "rowwise_gw_hp" (rowwise; the weight gradient's GEMM in
-            high precision).
+        fp8: None, or the low-bit GEMM format of the chosen layers (:mod:`mixprec.lowbit`), or
+            its shorthand: "tensorwise" (FP8, one scale per tensor), "rowwise" (one per row),
+            "rowwise_gw_hp" (rowwise; the weight gradient's GEMM in high precision), "mxfp8"
+            (MXFP8: one power-of-two scale per 32 values); "nvfp4" is measured by
+            :func:`mixprec.advise` only, and refused here.
         fp8_modules: None (the default choice), a list of qualified module names, or a callable
             ``(module, name) -> bool`` choosing among the layers that can take FP8.
 
@@ -267,7 +272,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             ``keep_fp32`` names that match no module; a ``to_float`` mark in another 16-bit
             format than the policy's; a model on the meta device; ``policy`` with ``level``;
             ``fp8_modules`` naming a layer that cannot take FP8 (the reason is given).
-        RuntimeError: the model was already prepared; FP8 on a GPU older than sm89.
+        RuntimeError: the model was already prepared; FP8 on a GPU older than sm89; NVFP4.
         ImportError: ``fp8`` without torchao installed (``pip install mixprec[fp8]``).
 
     Example:

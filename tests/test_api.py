@@ -16,7 +16,7 @@ CONTRACT = [
     "StaticLossScaler", "NoLossScaler", "make_loss_scaler", "NonFiniteGradientsError", "Trainer",
     "History", "debug.trace_nonfinite", "debug.op_stats", "debug.grad_report",
     "parallel.ddp", "parallel.fsdp", "parallel.world_size", "parallel.rank",
-    "parallel.is_main_process",
+    "parallel.is_main_process", "lowbit.Float8", "lowbit.MXFP8", "lowbit.NVFP4",
 ]
 APEX = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
         "register_half_function", "register_float_function", "register_promote_function",

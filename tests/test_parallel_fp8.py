@@ -1,7 +1,9 @@
 """FP8 layers across two gloo ranks: DDP and FSDP2 train like one process (within FP8's error:
 each rank scales its own half of the batch), every rank agrees bitwise, resume is bitwise, the
 fp32 weights stay fp32 and load into a plain model, and FSDP2 all-gathers the tensorwise FP8
-layers' weights in FP8 (torchao's float8 all-gather; it runs on gloo too).
+layers' weights in FP8 (torchao's float8 all-gather; it runs on gloo too). MXFP8 layers shard
+too: FSDP2 gathers their weights in bf16, the layers cast them after; ranks agree, resume is
+bitwise.
 
 One launch runs every case on both ranks (module fixture).
 """
@@ -93,14 +95,14 @@ def fit(strategy, world, fp8="tensorwise"):
                              for n, p in inner.named_parameters() if n.endswith("fc.weight")}}
 
 
-def resume(rank, out, strategy):
-    whole = make_trainer(strategy)
+def resume(rank, out, strategy, fp8="tensorwise"):
+    whole = make_trainer(strategy, fp8=fp8)
     whole.fit(loader(GLOBAL_BATCH // WORLD), epochs=2)
-    first = make_trainer(strategy, [StopAt(6)])
+    first = make_trainer(strategy, [StopAt(6)], fp8=fp8)
     first.fit(loader(GLOBAL_BATCH // WORLD), epochs=2)
-    path = os.path.join(out, f"{strategy}.ckpt")
+    path = os.path.join(out, f"{strategy}-{fp8}.ckpt")
     first.save(path)
-    second = make_trainer(strategy)
+    second = make_trainer(strategy, fp8=fp8)
     second.load(path)
     second.fit(loader(GLOBAL_BATCH // WORLD), epochs=2)
     a = mp.fp32_state_dict(whole.model, whole.optimizer)
@@ -126,7 +128,9 @@ def fsdp_direct(rank):
 def suite(rank, out):
     return {"ddp": fit("ddp", WORLD), "fsdp": fit("fsdp", WORLD), "grads": ddp_grads(rank),
             "direct": fsdp_direct(rank),
-            "resume_ddp": resume(rank, out, "ddp"), "resume_fsdp": resume(rank, out, "fsdp")}
+            "resume_ddp": resume(rank, out, "ddp"), "resume_fsdp": resume(rank, out, "fsdp"),
+            "mx_fsdp": fit("fsdp", WORLD, fp8="mxfp8"),
+            "mx_resume_fsdp": resume(rank, out, "fsdp", fp8="mxfp8")}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +140,8 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    return {"fp8": fit("single", 1), "bf16": fit("single", 1, fp8=None)}
+    return {"fp8": fit("single", 1), "bf16": fit("single", 1, fp8=None),
+            "mxfp8": fit("single", 1, fp8="mxfp8")}
 
 
 def test_ddp_averages_the_ranks_fp8_gradients(ranks):
@@ -185,3 +190,17 @@ def test_fsdp_takes_fp8_arguments_and_a_callable(ranks):
     for r in ranks:
         assert r["direct"]["fp8"] == CHOSEN and r["direct"]["policy"] == tuple(CHOSEN)
         assert r["direct"]["types"] == {"Tensor"}  # rowwise: gathered in bf16, cast after
+
+
+def test_fsdp_shards_mxfp8_layers_which_cast_after_the_gather(ranks, single):
+    """MXFP8 on two FSDP2 ranks against one process (each rank's blocks of 32 run along the
+    features, so the forward casts match; the weight gradient's blocks run along each rank's
+    half of the batch): as far as MXFP8 itself moves the weights from bf16, or less."""
+    a, b = (r["mx_fsdp"] for r in ranks)
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+    assert a["fp8"] == CHOSEN and a["dtypes"] == {torch.float32}
+    assert set(a["weight_types"].values()) == {"Tensor"}  # gathered in bf16, cast after
+    mx_effect = max_diff(single["mxfp8"]["weights"], single["bf16"]["weights"])
+    assert max_diff(a["weights"], single["mxfp8"]["weights"]) < 1.5 * mx_effect
+    for r in ranks:
+        assert r["mx_resume_fsdp"] == {"equal": True, "loss_equal": True}

@@ -15,13 +15,19 @@ from typing import Any
 
 import torch
 
-from ..policy import FP8_RECIPES, Policy
-from .measure import FORMATS, Measurement
+from .. import lowbit
+from ..policy import Policy
+from .measure import SIXTEEN, Measurement, lowbit_formats
 from .report import format_table, plot_advice
 
 __all__ = ["Thresholds", "LayerAdvice", "Advice"]
 
 _FP32 = torch.float32
+
+
+def _lowbit_limits(which: int) -> dict[str, float]:
+    """Each low-bit format's own output (0) or weight-gradient (1) error limit."""
+    return {cls.advisor_format: cls.advisor_limits[which] for cls in lowbit.formats().values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +49,18 @@ class Thresholds:
     ~2-4% in FP8 e4m3 (Hugging Face's GPT-2, a trained small transformer, the demo's CNN);
     weight-gradient errors ~0.2%, ~0.03% and ~2-6% for Linear and conv layers, but up to 13% in
     bf16 (0.4% in fp16) for norm layers' weights, whose gradient is a sum over every token in
-    which the terms largely cancel (O2 keeps norm layers in fp32 for this).
+    which the terms largely cancel (O2 keeps norm layers in fp32 for this). Each low-bit
+    format sets its own limits (:attr:`mixprec.lowbit.LowBitFormat.advisor_limits`): 15% and
+    25% for FP8 and MXFP8 (MXFP8's ordinary layers measure ~2-4%, as FP8's), 40% and 60% for
+    NVFP4 (its e2m1 elements: ordinary layers measure ~8-14% output error).
     """
 
     max_overflow: float = 0.0
     max_underflow: float = 0.01
     max_out_error: dict = dataclasses.field(default_factory=lambda: {
-        "bf16": 0.05, "fp16": 0.02, "fp8_e4m3": 0.15})
+        "bf16": 0.05, "fp16": 0.02, **_lowbit_limits(0)})
     max_grad_error: dict = dataclasses.field(default_factory=lambda: {
-        "bf16": 0.25, "fp16": 0.05, "fp8_e4m3": 0.25})
+        "bf16": 0.25, "fp16": 0.05, **_lowbit_limits(1)})
 
 
 def _pct(x: float) -> str:
@@ -61,8 +70,8 @@ def _pct(x: float) -> str:
 def judge(fmt: str, m: Measurement, th: Thresholds, scale: float) -> list[str]:
     """The reasons ``m`` makes a layer unsafe in ``fmt`` (empty: safe)."""
     reasons = []
-    limit = "the FP8 range after scaling" if fmt == "fp8_e4m3" else \
-        f"{fmt}'s max {torch.finfo(FORMATS[fmt]).max:g}"
+    limit = f"{fmt}'s max {torch.finfo(SIXTEEN[fmt]).max:g}" if fmt in SIXTEEN else \
+        f"the {fmt} range after scaling"
     at = f" at loss scale {scale:g}" if scale != 1.0 else ""
     for role, frac in m.overflow.items():
         if frac > th.max_overflow:
@@ -95,6 +104,8 @@ class LayerAdvice:
             of 16; see :mod:`mixprec.fp8.choice`).
         measurements: ``{format: Measurement}`` for the formats it can run in.
         reasons: ``{format: [reason, ...]}``, empty lists where it is safe.
+        eligible: ``{low-bit format: whether a policy in it can convert the layer}`` (MXFP8:
+            dimensions multiples of 32).
     """
 
     name: str
@@ -102,6 +113,7 @@ class LayerAdvice:
     fp8_eligible: bool
     measurements: dict
     reasons: dict
+    eligible: dict = dataclasses.field(default_factory=dict)
 
     def unsafe(self, fmt: str) -> bool:
         return bool(self.reasons.get(fmt))
@@ -124,7 +136,8 @@ class Advice:
         formats: the formats measured.
         loss: the fp32 loss on the batch.
         loss_scales: ``{format: loss scale}`` used for gradient ranges.
-        fp8_recipe: the FP8 recipe measured ("tensorwise" or "rowwise").
+        fp8_recipe: the FP8 recipe "fp8_e4m3" measured ("tensorwise", "rowwise",
+            "rowwise_gw_hp").
         thresholds: the :class:`Thresholds` applied.
         cost: passes and seconds the measurement took.
         skipped: ``{layer: why}`` for layers not measured (not called, no tensor output).
@@ -176,8 +189,11 @@ class Advice:
         Args:
             level: "O0".."O3".
             dtype: "bf16" or "fp16" (it must have been measured).
-            fp8: None, or an FP8 recipe ("tensorwise", "rowwise", "rowwise_gw_hp"); needs
-                "fp8_e4m3" among the measured formats (measured with ``fp8_recipe``).
+            fp8: None, or a low-bit format (:mod:`mixprec.lowbit`) or its shorthand
+                ("tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "nvfp4"): the layers it can
+                convert that are safe in it (and in the 16-bit format) are named in
+                ``fp8_modules``; it needs its advisor format measured ("fp8_e4m3" with the
+                recipe, "mxfp8", "nvfp4").
 
         Raises:
             ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe
@@ -188,30 +204,19 @@ class Advice:
         if low == _FP32:
             unsafe = []
         else:
-            name = next(k for k, v in FORMATS.items() if v == low)
+            name = next(k for k, v in SIXTEEN.items() if v == low)
             unsafe = self.unsafe(name)
         overrides = base.overrides + tuple((n, _FP32) for n in unsafe)
-        names = None
-        if fp8 is not None:
-            self._check("fp8_e4m3")
-            self._check_recipe(fp8)
-            names = tuple(a.name for a in self.layers if a.fp8_eligible
-                          and not a.unsafe("fp8_e4m3") and a.name not in unsafe)
-        return dataclasses.replace(base, overrides=overrides, fp8=fp8, fp8_modules=names)
-
-    def _check_recipe(self, fp8: str) -> None:
-        """A policy's FP8 recipe must be the one measured (rowwise_gw_hp runs the GEMMs of
-        rowwise, with the weight gradient's in high precision: a rowwise measurement covers
-        it)."""
-        if fp8 not in FP8_RECIPES:
-            return  # the Policy names the valid recipes
-        covered = {"tensorwise": ("tensorwise",), "rowwise": ("rowwise", "rowwise_gw_hp")}
-        allowed = covered.get(self.fp8_recipe, (self.fp8_recipe,))
-        if fp8 not in allowed:
-            raise ValueError(f"fp8={fp8!r}, but this advice measured the {self.fp8_recipe!r} "
-                             f"recipe: the two scale differently, so its FP8 verdicts do not "
-                             f"carry over. Use fp8={allowed[0]!r}, or measure the recipe: "
-                             f"mp.advise(..., fp8_recipe={fp8.replace('_gw_hp', '')!r})")
+        names, fmt = None, lowbit.resolve(fp8)
+        if fmt is not None:
+            measured = fmt.advisor_format
+            self._check(measured)
+            seen = lowbit_formats((measured,), self.fp8_recipe)[measured]
+            if not fmt.measured_by(seen):
+                raise ValueError(fmt.unmeasured(seen))
+            names = tuple(a.name for a in self.layers if a.eligible.get(measured)
+                          and not a.unsafe(measured) and a.name not in unsafe)
+        return dataclasses.replace(base, overrides=overrides, fp8=fmt, fp8_modules=names)
 
     def _sort_format(self, sort_by: str | None) -> str:
         if sort_by is None:
@@ -255,6 +260,7 @@ class Advice:
             "cost": dict(self.cost),
             "thresholds": dataclasses.asdict(self.thresholds), "skipped": dict(self.skipped),
             "layers": [{"name": a.name, "kind": a.kind, "fp8_eligible": a.fp8_eligible,
+                        "eligible": dict(a.eligible),
                         "formats": {f: {**measurement(m), "unsafe": a.unsafe(f),
                                         "reasons": list(a.reasons[f])}
                                     for f, m in a.measurements.items()}}

@@ -11,17 +11,18 @@ from torch.utils._pytree import tree_flatten
 
 from ..casting import module_device
 from ..fp8.choice import eligible_layers
+from ..lowbit import Float8
 from ..policy import Policy
 from ..prepare import policy_of
 from ..training.batches import to_device
 from .advice import Advice, LayerAdvice, Thresholds, judge
 from .capture import as_batch, find_layers, reference_pass
-from .fp8sim import SIM_RECIPES
 from .measure import (
-    FORMATS,
     ablation_loss,
+    format_names,
     gradient_peak,
     loss_scale_for,
+    lowbit_formats,
     measure,
     reference,
 )
@@ -36,12 +37,12 @@ def _check(model, formats, fp8_recipe, thresholds) -> tuple[str, ...]:
         raise ValueError(f"this model was prepared ({policy_of(model)}); advise measures the "
                          f"fp32 model: call it before mp.prepare")
     formats = (formats,) if isinstance(formats, str) else tuple(formats)
-    unknown = [f for f in formats if f not in FORMATS]
+    known = format_names()
+    unknown = [f for f in formats if f not in known]
     if unknown or not formats:
-        raise ValueError(f"formats must be a non-empty list of {list(FORMATS)}; got "
+        raise ValueError(f"formats must be a non-empty list of {list(known)}; got "
                          f"{list(formats)}")
-    if fp8_recipe not in SIM_RECIPES:
-        raise ValueError(f"fp8_recipe must be one of {SIM_RECIPES}; got {fp8_recipe!r}")
+    lowbit_formats(("fp8_e4m3",), fp8_recipe)  # the recipe's own check
     if thresholds is not None and not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds must be a mixprec.advisor.Thresholds; got "
                         f"{type(thresholds).__name__}")
@@ -90,7 +91,7 @@ def _check_batch(split) -> None:
 
 def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
            formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
-           fp8_recipe: str = "tensorwise", layers=None, ablation: bool = False,
+           fp8_recipe: str = Float8.recipe, layers=None, ablation: bool = False,
            thresholds: Thresholds | None = None, seed: int = 0) -> Advice:
     """Measure, layer by layer, what each format does to the model on ``batch``.
 
@@ -111,11 +112,14 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
         batch: one batch, as the Trainer takes it: ``(inputs..., target)`` or a dict of model
             keyword arguments (moved to the model's device).
         loss_fn: ``(output, target) -> scalar``; None takes the output's ``.loss``.
-        formats: any of "bf16", "fp16", "fp8_e4m3" (FP8 for Linear and Conv1D layers).
+        formats: any of "bf16", "fp16", and the low-bit formats, for Linear and Conv1D
+            layers: "fp8_e4m3" (FP8 with ``fp8_recipe``'s scales), "mxfp8" (e4m3 in blocks of
+            32 with power-of-two scales), "nvfp4" (e2m1 in blocks of 16).
         loss_scale: the fp16 loss scale gradients are judged at: "auto" (where dynamic
             scaling settles on this batch: the largest power of two that keeps every measured
             gradient finite in fp16, at most the scaler's max_scale 2^24), a number, or None.
-        fp8_recipe: the FP8 scaling measured: "tensorwise" or "rowwise".
+        fp8_recipe: the FP8 scaling "fp8_e4m3" measures: "tensorwise", "rowwise" or
+            "rowwise_gw_hp".
         layers: qualified names of the layers to measure (default: all).
         ablation: also measure each layer's loss change with a forward pass.
         thresholds: when a measurement makes a layer unsafe (:class:`Thresholds`).
@@ -153,10 +157,12 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
         refs = [(c, reference(c)) for c in done]
         peak = gradient_peak(done, refs)
         scales = {f: loss_scale_for(f, peak, loss_scale) for f in formats}
-        eligible = set(eligible_layers(model, Policy(fp8="tensorwise")))
+        lowbits = lowbit_formats(formats, fp8_recipe)
+        eligible = {f: set(eligible_layers(model, Policy(fp8=low)))
+                    for f, low in lowbit_formats(("fp8_e4m3", *formats), fp8_recipe).items()}
         results, layer_runs, forwards = [], len(refs), 0
         for call, ref in refs:
-            measured, outputs = measure(call, ref, formats, fp8_recipe, scales, loss)
+            measured, outputs = measure(call, ref, formats, lowbits, scales, loss)
             layer_runs += len(measured)
             if ablation:
                 for fmt, out in outputs.items():
@@ -165,7 +171,8 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
                     forwards += 1
             reasons = {f: judge(f, m, thresholds, scales[f]) for f, m in measured.items()}
             results.append(LayerAdvice(call.name, type(call.module).__name__,
-                                       call.name in eligible, measured, reasons))
+                                       call.name in eligible["fp8_e4m3"], measured, reasons,
+                                       {f: call.name in names for f, names in eligible.items()}))
     finished = time.perf_counter()
     skipped = {c.name: ("not called by the forward pass" if c.calls == 0 else
                         "its output is not a tensor") for c in calls.values()

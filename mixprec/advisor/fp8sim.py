@@ -6,16 +6,19 @@ values exactly and accumulates in fp32, and divides by the scales. :func:`fake_q
 ``q / s`` in fp32, so ``fake_quant(a) @ fake_quant(b)`` is that GEMM's result up to the order of
 fp32 accumulation. :func:`fp8_matmul` does this for the forward GEMM and both backward GEMMs
 (the output gradient in e5m2 for the tensorwise recipe, in e4m3 with rowwise scales for the
-rowwise one), with autograd. It needs no torchao and runs on any device.
+rowwise ones), with autograd. It needs no torchao and runs on any device. Block-scaled formats
+(MXFP8, NVFP4) are simulated by :mod:`mixprec.lowbit.blocks`; :func:`fp8_matmul` runs any
+format's simulation.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SIM_RECIPES", "fake_quant", "fp8_matmul"]
+from .. import lowbit
 
-SIM_RECIPES = ("tensorwise", "rowwise")
+__all__ = ["fake_quant", "float8_matmul", "fp8_matmul"]
+
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _EPS = 1e-12
 
@@ -40,9 +43,9 @@ def fake_quant(x: torch.Tensor, dtype: torch.dtype, axis: int | None = None) -> 
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w_t, rowwise: bool):
+    def forward(ctx, x2, w_t, rowwise: bool, weight_grad_fp8: bool):
         ctx.save_for_backward(x2, w_t)
-        ctx.rowwise = rowwise
+        ctx.rowwise, ctx.weight_grad_fp8 = rowwise, weight_grad_fp8
         return fake_quant(x2, _E4M3, -1 if rowwise else None) @ \
             fake_quant(w_t, _E4M3, 0 if rowwise else None)
 
@@ -53,24 +56,38 @@ class _FP8Matmul(torch.autograd.Function):
         g_dtype = _E4M3 if rowwise else _E5M2
         grad_x = fake_quant(grad, g_dtype, -1 if rowwise else None) @ \
             fake_quant(w_t, _E4M3, -1 if rowwise else None).t()
+        if not ctx.weight_grad_fp8:
+            return grad_x, x2.t() @ grad, None, None
         grad_w = fake_quant(x2, _E4M3, 0 if rowwise else None).t() @ \
             fake_quant(grad, g_dtype, 0 if rowwise else None)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
-    """``x @ w_t`` as an FP8 GEMM of ``recipe`` computes it (fp32 result, autograd included).
+def float8_matmul(x: torch.Tensor, w_t: torch.Tensor, rowwise: bool = False,
+                  weight_grad_fp8: bool = True) -> torch.Tensor:
+    """``x @ w_t`` as torchao's FP8 GEMMs compute it (fp32 result, autograd included).
 
     Args:
         x: ``(..., K)``.
         w_t: ``(K, N)`` (a Linear's ``weight.t()``).
-        recipe: "tensorwise" or "rowwise".
+        rowwise: per-row scales (rounded down to powers of two), else one per tensor.
+        weight_grad_fp8: False: the weight gradient's GEMM in high precision.
+    """
+    out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).float(), w_t.float(), rowwise,
+                           weight_grad_fp8)
+    return out.reshape(*x.shape[:-1], w_t.shape[-1])
+
+
+def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe=lowbit.Float8.recipe) -> torch.Tensor:
+    """``x @ w_t`` as the GEMMs of a low-bit format compute it (fp32, autograd included).
+
+    Args:
+        x: ``(..., K)``.
+        w_t: ``(K, N)`` (a Linear's ``weight.t()``).
+        recipe: a :mod:`mixprec.lowbit` format or its shorthand ("tensorwise", "rowwise",
+            "rowwise_gw_hp", "mxfp8", "nvfp4").
 
     Raises:
-        ValueError: another recipe.
+        ValueError: an unknown shorthand.
     """
-    if recipe not in SIM_RECIPES:
-        raise ValueError(f"the advisor measures FP8 with the recipes {SIM_RECIPES}; "
-                         f"got {recipe!r}")
-    out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).float(), w_t.float(), recipe == "rowwise")
-    return out.reshape(*x.shape[:-1], w_t.shape[-1])
+    return lowbit.resolve(recipe).simulate(x, w_t)

@@ -10,8 +10,10 @@ are the same, and so is the gradient that reaches it.
 * 16-bit formats: parameters, floating buffers and inputs are cast to the format and the layer
   runs with autocast off (fp16 GEMMs on a CPU through mixprec's fp16 emulation, the numbers of a
   GPU's fp16 GEMM).
-* ``fp8_e4m3``: Linear and Conv1D layers only, through :func:`~mixprec.advisor.fp8sim.fp8_matmul`
-  (the GEMMs of torchao's recipe, emulated in fp32).
+* low-bit formats (``fp8_e4m3``, ``mxfp8``, ``nvfp4``: each :mod:`mixprec.lowbit` format's
+  :attr:`~mixprec.lowbit.LowBitFormat.advisor_format`): Linear and Conv1D layers only, through
+  the format's simulation (its three GEMMs on operands cast as the format casts them, exactly:
+  per tensor, per row, or per block along the reduction dimension, in fp32).
 
 The loss change is estimated to first order, ``sum(dL/dy * (y_fmt - y))``, from numbers the
 passes already have; ``ablation=True`` measures it with one more forward pass per layer and
@@ -28,19 +30,37 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .. import lowbit
 from ..autocast import PrecisionContext, cast_floating
 from ..fp8.choice import gemm_dims, is_conv1d
-from ..fp8.stats import scaled_fractions
 from ..scaling import DynamicLossScaler
 from .capture import LayerCall, isolated, loss_of
-from .fp8sim import fp8_matmul
 
 __all__ = ["FORMATS", "Measurement", "reference", "measure", "gradient_peak", "loss_scale_for",
-           "describe_scale", "ablation_loss", "supports"]
+           "describe_scale", "ablation_loss", "supports", "format_names", "lowbit_formats"]
 
-#: the formats the advisor measures, and the dtype each runs in (FP8: emulated GEMMs)
-FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
-_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: the 16-bit formats the advisor measures, and the dtype each runs in
+SIXTEEN = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _lowbit_classes() -> dict[str, type]:
+    return {cls.advisor_format: cls for cls in lowbit.formats().values()}
+
+
+#: the formats the advisor measures: the dtype of each 16-bit one, the :mod:`mixprec.lowbit`
+#: class of each low-bit one (its GEMMs simulated)
+FORMATS = {**SIXTEEN, **_lowbit_classes()}
+
+
+def format_names() -> tuple[str, ...]:
+    """The formats :func:`mixprec.advise` measures (registered low-bit formats included)."""
+    return (*SIXTEEN, *_lowbit_classes())
+
+
+def lowbit_formats(formats, fp8_recipe: str) -> dict[str, lowbit.LowBitFormat]:
+    """``{name: format}`` for the low-bit formats among ``formats``."""
+    classes = _lowbit_classes()
+    return {f: classes[f].for_advisor(fp8_recipe) for f in formats if f in classes}
 #: DynamicLossScaler's default max_scale: where dynamic scaling stops growing
 _MAX_SCALE = inspect.signature(DynamicLossScaler).parameters["max_scale"].default
 _MIN_SCALE = 2.0 ** -24
@@ -74,27 +94,32 @@ class Measurement:
 
 
 def supports(fmt: str, module: nn.Module) -> bool:
-    """Can ``module`` run in ``fmt``? (FP8: Linear and Conv1D layers only.)"""
-    return fmt != "fp8_e4m3" or gemm_dims(module) is not None
+    """Can ``module`` run in ``fmt``? (Low-bit formats: Linear and Conv1D layers only.)"""
+    return fmt in SIXTEEN or gemm_dims(module) is not None
 
 
 def _trained(module: nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
-def _run(call: LayerCall, fmt: str | None, recipe: str, scale: float):
-    """The layer's output (fp32) and its parameters' gradients (fp32, unscaled)."""
+def _w_t(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A Linear's or Conv1D's weight as ``(in_features, out_features)``."""
+    return weight if is_conv1d(module) else weight.t()
+
+
+def _run(call: LayerCall, fmt: str | None, low: lowbit.LowBitFormat | None, scale: float):
+    """The layer's output (fp32) and its parameters' gradients (fp32, unscaled); ``low``: the
+    low-bit format ``fmt`` names, if it is one."""
     mod = call.module
     leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in mod.named_parameters()}
     device = call.output.device.type
-    if fmt == "fp8_e4m3":
-        weight = leaves["weight"]
-        out = fp8_matmul(call.args[0], weight if is_conv1d(mod) else weight.t(), recipe)
+    if low is not None:
+        out = low.simulate(call.args[0], _w_t(mod, leaves["weight"]))
         if leaves.get("bias") is not None:
             out = out + leaves["bias"]
         out_dtype = torch.float32
     else:
-        dt = FORMATS.get(fmt, torch.float32)
+        dt = SIXTEEN.get(fmt, torch.float32)
         params = {n: t.to(dt) for n, t in leaves.items()}
         buffers = {n: b.to(dt, copy=True) if b.is_floating_point() else b.clone()
                    for n, b in mod.named_buffers()}
@@ -130,23 +155,17 @@ def _range_16(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     return over / a.numel(), under / max(nonzero, 1), amax * scale
 
 
-def _ranges(call: LayerCall, fmt: str, recipe: str, scale: float, grads) -> tuple:
+def _ranges(call: LayerCall, fmt: str, low, scale: float, grads) -> tuple:
     """(overflow, underflow, amax) dicts of the tensors the layer holds in ``fmt``."""
     over, under, amax = {}, {}, {}
     x = next((a for a in call.args if isinstance(a, torch.Tensor) and a.is_floating_point()),
              None)
-    if fmt == "fp8_e4m3":
-        rowwise = recipe == "rowwise"
-        weight = call.module.weight
-        tensors = {"input": (x, _E4M3, -1), "weight": (weight if is_conv1d(call.module)
-                                                       else weight.t(), _E4M3, 0),
-                   "grad_output": (call.grad, _E4M3 if rowwise else _E5M2, -1)}
-        for role, (t, dtype, axis) in tensors.items():
-            if t is not None:
-                a, sat, flush = scaled_fractions(t, dtype, axis if rowwise else None, rowwise)
-                over[role], under[role], amax[role] = float(sat), float(flush), float(a)
+    if low is not None:
+        ranges = low.ranges(x, _w_t(call.module, call.module.weight.detach()), call.grad)
+        for role, (a, sat, flush) in ranges.items():
+            over[role], under[role], amax[role] = float(sat), float(flush), float(a)
         return over, under, amax
-    dt = FORMATS[fmt]
+    dt = SIXTEEN[fmt]
     tensors = {"input": (x, 1.0), "output": (call.output, 1.0), "grad_output": (call.grad, scale)}
     if grads:
         tensors["weight_grad"] = (torch.cat([g.flatten() for g in grads.values()]), scale)
@@ -158,12 +177,13 @@ def _ranges(call: LayerCall, fmt: str, recipe: str, scale: float, grads) -> tupl
 
 def reference(call: LayerCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The layer's fp32 output and its parameters' gradients, computed alone."""
-    return _run(call, None, "tensorwise", 1.0)
+    return _run(call, None, None, 1.0)
 
 
-def measure(call: LayerCall, ref: tuple, formats, recipe: str, scales: dict, loss: float,
+def measure(call: LayerCall, ref: tuple, formats, lowbits: dict, scales: dict, loss: float,
             ) -> tuple[dict[str, Measurement], dict[str, torch.Tensor]]:
-    """Measure one layer in each format it supports, against ``ref`` (:func:`reference`).
+    """Measure one layer in each format it supports, against ``ref`` (:func:`reference`);
+    ``lowbits``: the low-bit formats among ``formats`` (:func:`lowbit_formats`).
 
     Returns:
         ``{format: Measurement}`` and ``{format: the layer's output in it}`` (for an ablation).
@@ -175,14 +195,14 @@ def measure(call: LayerCall, ref: tuple, formats, recipe: str, scales: dict, los
         if not supports(fmt, call.module):
             continue
         scale = scales.get(fmt, 1.0)
-        out, grads = _run(call, fmt, recipe, scale)
+        out, grads = _run(call, fmt, lowbits.get(fmt), scale)
         grad_error = None
         if ref_flat is not None and grads:
             grad_error = _rel(torch.cat([g.flatten() for g in grads.values()]), ref_flat)
         change = 0.0
         if call.grad is not None:
             change = abs(float((call.grad.float() * (out - ref_out)).sum()))
-        over, under, amax = _ranges(call, fmt, recipe, scale, ref_grads)
+        over, under, amax = _ranges(call, fmt, lowbits.get(fmt), scale, ref_grads)
         results[fmt] = Measurement(_rel(out, ref_out), grad_error,
                                    change / abs(loss) if loss else change, None, over, under,
                                    amax)
@@ -199,7 +219,7 @@ def gradient_peak(calls, refs) -> float:
 
 
 def loss_scale_for(fmt: str, peak: float, loss_scale) -> float:
-    """The loss scale a policy in ``fmt`` would train with: 1 for bf16 and FP8; for fp16
+    """The loss scale a policy in ``fmt`` would train with: 1 for bf16 and low-bit formats; for fp16
     ``"auto"``/``"dynamic"`` gives the scale a dynamic scaler reaches on this batch: it halves
     on overflow and grows while nothing overflows, so it settles at the largest power of two
     that keeps the largest gradient, ``peak``, finite in fp16, capped at the scaler's

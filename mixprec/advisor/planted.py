@@ -7,6 +7,10 @@
   "massive activation"; its weights on that feature are ~1e-5x the others', so the feature adds
   an ordinary amount to its output): with one FP8 scale for its whole input, the other features
   flush to zero. Its neighbours see ordinary tensors.
+* :func:`block_outlier_case`: a massive activation normalised by an RMSNorm before a wide layer
+  (4096 input features, 128 blocks of 32): per-tensor FP8 flushes nearly all the layer's other
+  inputs to zero, MXFP8's block scales only the outlier's block (under 1%): unsafe in
+  ``fp8_e4m3``, safe in ``mxfp8``. It trains (the massive feature reaches the layer at ~64).
 
 Each returns ``(model, batch, loss_fn)`` with a fixed seed.
 """
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Massive", "overflow_case", "outlier_case", "CASES"]
+__all__ = ["Massive", "overflow_case", "outlier_case", "block_outlier_case", "CASES"]
 
 
 class Massive(nn.Module):
@@ -58,4 +62,21 @@ def outlier_case():
     return model, _batch(32, 10), F.cross_entropy
 
 
-CASES = {"planted-overflow": overflow_case, "planted-outlier": outlier_case}
+def block_outlier_case():
+    """Layer "3" (Linear 4096->64) reads, after an RMSNorm, one feature at ~64 and the others
+    at ~4e-5 (the norm of a massive activation, 1e6, at feature 3; the layer's weights on the
+    other features are 1e4x larger, so they carry a fifth of its output). Per-tensor FP8 flushes
+    nearly all of its inputs; MXFP8 flushes only the 31 other values of feature 3's block (under
+    1%). "0", "5" and "7" are ordinary Linear layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 4096), Massive(1e6), nn.RMSNorm(4096),
+                          nn.Linear(4096, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 10))
+    with torch.no_grad():
+        model[3].weight.mul_(1e4)
+        model[3].weight[:, 3].mul_(1e-4)
+    return model, _batch(32, 10), F.cross_entropy
+
+
+CASES = {"planted-overflow": overflow_case, "planted-outlier": outlier_case,
+         "planted-block-outlier": block_outlier_case}

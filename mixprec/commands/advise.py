@@ -18,6 +18,7 @@ import torch
 from .. import benchmodels
 from ..advisor import FORMATS, advise
 from ..advisor.planted import CASES
+from ..lowbit.float8 import RECIPES, Float8
 from .args import add_model_size_options
 
 __all__ = ["run_advise", "register"]
@@ -34,7 +35,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
                train_steps: int = 20, seed: int = 0, ablation: bool = False,
-               fp8_recipe: str = "tensorwise", **sizes):
+               fp8_recipe: str = Float8.recipe, **sizes):
     """Build, briefly train and advise a bench model (or build a planted case); returns
     ``(advice, bench model or None)``.
 
@@ -115,7 +116,7 @@ def register(subparsers) -> None:
                         f"(default %(default)s)")
     p.add_argument("--formats", default="bf16,fp16,fp8_e4m3",
                    help="comma-separated formats (default %(default)s)")
-    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    p.add_argument("--fp8-recipe", default=str(Float8()), choices=tuple(RECIPES))
     p.add_argument("--level", default="O2", help="level of the advised policy (default O2)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp16"),
                    help="16-bit format of the advised policy (default: the first measured)")

@@ -2,7 +2,8 @@
 
 ``stats = mp.debug.fp8_stats(model)`` makes every FP8 layer of a prepared model (see
 :func:`mixprec.fp8_modules`) record, on each call, the amax, scale, saturation and underflow of
-its input, weight and output gradient in their FP8 formats (see :mod:`mixprec.fp8.stats`). The
+its input, weight and output gradient in their FP8 formats (see :mod:`mixprec.fp8.stats`; for
+MXFP8 layers per 32-value block, with the range of the block scales). The
 numbers stay on the device: recording costs a few reductions per layer and call, and no host
 sync. Reading them (:meth:`FP8Stats.summary`, :meth:`table`, :meth:`plot`, :meth:`alerts`) is
 one host sync per layer. :class:`mixprec.FP8Monitor` reads them from a Trainer every so many
@@ -18,6 +19,7 @@ from torch import nn
 from ..fp8.choice import FP8_ATTR
 from ..fp8.convert import fp8_modules, unwrap
 from ..fp8.stats import ROLES, LayerStats, attach, detach
+from ..policy import FP8_RECIPES
 
 __all__ = ["fp8_stats", "FP8Stats", "FP8RangeWarning"]
 
@@ -28,14 +30,8 @@ class FP8RangeWarning(UserWarning):
 
 
 def _recorder(module: nn.Module) -> LayerStats:
-    cfg = module.config
-    casts = {"input": cfg.cast_config_input, "weight": cfg.cast_config_weight,
-             "grad_output": cfg.cast_config_grad_output}
-    axes = {"input": -1, "weight": 0, "grad_output": -1}
-    rowwise = {role: c.scaling_granularity.name == "AXISWISE" for role, c in casts.items()}
-    return LayerStats({role: c.target_dtype for role, c in casts.items()},
-                      {role: axes[role] if rowwise[role] else None for role in ROLES},
-                      cfg.round_scales_to_power_of_2)
+    """The statistics a converted layer's format keeps (per tensor, per row or per block)."""
+    return getattr(module, FP8_ATTR).recorder(module)
 
 
 class FP8Stats:
@@ -52,8 +48,9 @@ class FP8Stats:
         root = unwrap(model)
         self.names = fp8_modules(root)
         if not self.names:
-            raise ValueError("this model has no FP8 layers: prepare it with fp8='tensorwise' "
-                             "(or 'rowwise'), then record their statistics")
+            raise ValueError(f"this model has no FP8 layers: prepare it with fp8= (one of "
+                             f"{', '.join(map(repr, FP8_RECIPES))}), then record their "
+                             f"statistics")
         modules = dict(root.named_modules())
         self._layers = {n: modules[n] for n in self.names}
         self._stats = {n: _recorder(m) for n, m in self._layers.items()}
@@ -83,7 +80,7 @@ class FP8Stats:
 
     def to_dict(self) -> dict:
         """:meth:`summary` plus each layer's recipe (plain data)."""
-        return {n: {"recipe": getattr(self._layers[n], FP8_ATTR), **roles}
+        return {n: {"recipe": str(getattr(self._layers[n], FP8_ATTR)), **roles}
                 for n, roles in self.summary().items()}
 
     def alerts(self, max_saturated: float = 1e-4, max_underflow: float = 0.01) -> list[str]:
@@ -100,15 +97,17 @@ class FP8Stats:
         return lines
 
     def table(self) -> str:
-        """One line per layer and tensor: format, amax (last, largest), scale, saturated and
-        flushed fractions, calls."""
-        header = ("layer", "tensor", "format", "amax", "amax max", "scale", "saturated",
-                  "underflow", "calls")
+        """One line per layer and tensor: format, amax (last, largest), scale (block-scaled
+        formats: of the block with the largest value, and the largest ratio between block
+        scales), saturated and flushed fractions, calls."""
+        header = ("layer", "tensor", "format", "amax", "amax max", "scale", "scale range",
+                  "saturated", "underflow", "calls")
         rows = [header]
         for name, roles in self.summary().items():
             for role, e in roles.items():
                 rows.append((name, role, e["format"], f"{e['amax']:.3g}",
                              f"{e['amax_max']:.3g}", f"{e['scale']:.3g}",
+                             f"{e['scale_range']:.3g}",
                              f"{e['saturated']:.3%}", f"{e['underflow']:.3%}",
                              str(e["calls"])))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -1,15 +1,17 @@
-"""FP8 GEMMs for chosen Linear layers, with torchao as the engine (``pip install mixprec[fp8]``).
+"""Low-bit GEMMs for chosen Linear layers, with torchao as the engine (``pip install
+mixprec[fp8]``); the formats themselves (Float8, MXFP8, NVFP4) are :mod:`mixprec.lowbit`.
 
-* :mod:`.choice`: which layers can run in FP8, the default choice, names and callables;
+* :mod:`.choice`: which layers can run in the format, the default choice, names and callables;
 * :mod:`.convert`: the conversion ``mp.prepare(..., fp8=...)`` runs, :func:`fp8_modules`;
-* :mod:`.layers`: the FP8 layers (imports torchao; loaded only when FP8 is asked for);
+* :mod:`.layers`: the Float8 layers (imports torchao; loaded only when they are asked for);
 * :mod:`.stats`: per-layer FP8 statistics kept on the device (:func:`mixprec.debug.fp8_stats`);
 * :mod:`.backend`: importing torchao, recipes, device checks.
 
 FP8 on a CPU runs (``torch._scaled_mm`` has CPU kernels) for numerics, never speed.
 """
 
-from .backend import EXTRA_HINT, RECIPES, require
+from ..lowbit.float8 import RECIPES
+from .backend import EXTRA_HINT, require
 from .choice import eligible_layers
 from .convert import all_gather_in_fp8, convert, fp8_modules
 

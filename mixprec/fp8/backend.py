@@ -1,4 +1,5 @@
-"""torchao, the engine of mixprec's FP8 layers: imported on first use, recipes, device checks.
+"""torchao, the engine of mixprec's low-bit layers: imported on first use, device checks, and
+torchao's Float8 configs (the :class:`mixprec.lowbit.Float8` format chooses among them).
 
 torchao is an optional dependency (``pip install mixprec[fp8]``). Nothing in mixprec imports it
 until FP8 is asked for; then it must be there: asking for FP8 without it raises an
@@ -16,13 +17,10 @@ import re
 
 import torch
 
-__all__ = ["EXTRA_HINT", "RECIPES", "require", "quiet_import", "float8_config", "check_device",
+__all__ = ["EXTRA_HINT", "require", "quiet_import", "float8_config", "check_device",
            "shape_filter"]
 
 EXTRA_HINT = "pip install mixprec[fp8]"
-#: mixprec's recipe names -> torchao's ``Float8LinearRecipeName`` values.
-RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise",
-           "rowwise_gw_hp": "rowwise_with_gw_hp"}
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
 
 
@@ -62,37 +60,26 @@ def quiet_import():
             logger.removeFilter(drop)
 
 
-def require(what: str = "FP8 layers"):
-    """The ``torchao.float8`` package, imported now (without the import-time messages that
-    concern kernels mixprec never runs, see :func:`quiet_import`).
+def require(what: str = "FP8 layers", module: str = "torchao.float8"):
+    """The torchao ``module`` (``torchao.float8`` unless told), imported now (without the
+    import-time messages that concern kernels mixprec never runs, see :func:`quiet_import`).
 
     Raises:
         ImportError: torchao is not installed (the message names the ``fp8`` extra).
     """
     try:
         with quiet_import():
-            return importlib.import_module("torchao.float8")
+            return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(f"{what} run on torchao, which is not installed: {EXTRA_HINT} "
                           f"(or pip install torchao==0.18.0)") from exc
 
 
 def float8_config(recipe: str, *, all_gather: bool = False):
-    """torchao's ``Float8LinearConfig`` of a mixprec recipe name.
-
-    Args:
-        recipe: "tensorwise", "rowwise" or "rowwise_gw_hp".
-        all_gather: cast weights to FP8 before FSDP2's all-gather (tensorwise only).
-
-    Raises:
-        ValueError: an unknown recipe, or ``all_gather`` with a rowwise recipe.
-    """
-    if recipe not in RECIPES:
-        raise ValueError(f"fp8 must be one of {', '.join(map(repr, RECIPES))}; got {recipe!r}")
-    if all_gather and recipe != "tensorwise":
-        raise ValueError(f"FP8 all-gather needs the 'tensorwise' recipe; got {recipe!r}")
+    """torchao's ``Float8LinearConfig`` of one of its ``Float8LinearRecipeName`` values
+    (``all_gather``: FSDP2 all-gathers the weights in FP8)."""
     f8 = require()
-    config = f8.Float8LinearConfig.from_recipe_name(RECIPES[recipe])
+    config = f8.Float8LinearConfig.from_recipe_name(recipe)
     if all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
@@ -117,8 +104,6 @@ def check_device(device: torch.device) -> None:
 
 
 def shape_filter(recipe: str):
-    """torchao's shape filter for ``recipe``: ``(nn.Linear, name) -> bool``, False for a layer
-    too small to gain from FP8 on an H100 (rowwise_gw_hp uses the rowwise rule)."""
-    f8 = require()
-    name = RECIPES["rowwise" if recipe == "rowwise_gw_hp" else recipe]
-    return f8._auto_filter_for_recipe(name, filter_fqns=[])
+    """torchao's shape filter for its ``recipe``: ``(nn.Linear, name) -> bool``, False for a
+    layer too small to gain from FP8 on an H100."""
+    return require()._auto_filter_for_recipe(recipe, filter_fqns=[])

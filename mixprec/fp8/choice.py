@@ -1,8 +1,11 @@
-"""Which layers of a model run their GEMMs in FP8: eligibility, the default choice, user choices.
+"""Which layers of a model run their GEMMs in a low-bit format: eligibility, the default choice,
+user choices.
 
-A layer can take FP8 when it is an ``nn.Linear`` or a Hugging Face ``Conv1D`` (GPT-2's Linear
-with a transposed weight) whose two dimensions are multiples of 16 (FP8 tensor cores need it; a
-CPU does not enforce it, so mixprec checks it everywhere), that calls its own ``forward`` (not the
+A layer can take the policy's format (:mod:`mixprec.lowbit`) when it is an ``nn.Linear`` or a
+Hugging Face ``Conv1D`` (GPT-2's Linear with a transposed weight) whose dimensions the format
+accepts (:meth:`~mixprec.lowbit.LowBitFormat.why_ineligible`: multiples of 16 for FP8, whose
+tensor cores need it, of 32 for MXFP8's blocks, of 16 for NVFP4's; a CPU does not enforce it,
+so mixprec checks it everywhere), that calls its own ``forward`` (not the
 projections of ``nn.MultiheadAttention``, which reads their weights directly), and that the
 policy does not give a dtype of its own (``keep_fp32``, ``overrides``, ``to_float``, or inside
 such a module).
@@ -10,12 +13,13 @@ such a module).
 The default choice (``fp8_modules=None``) takes every such layer except the first and the last
 GEMM layer of the model (Linear or Conv1D layers that run their own forward, in the order
 ``named_modules()`` lists them, which is the order they were registered in): Accelerate and
-Megatron keep those in 16 bits for stability. On CUDA it also applies torchao's shape filter,
-which skips layers too small to run faster in FP8. A list of names is taken as given (each must
-be eligible); a callable ``(module, name) -> bool`` picks among the eligible layers. Either way
-the choice is resolved into qualified names, the names ``named_modules()`` gives, recorded in
-the prepared model's policy. When the default choice or a callable leaves no layer, ``prepare``
-warns once, naming why each GEMM layer was left out, and the policy records ``fp8_modules=0``.
+Megatron keep those in 16 bits for stability. On CUDA it also applies the format's shape
+filter (FP8: torchao's, which skips layers too small to run faster in FP8). A list of names is
+taken as given (each must be eligible); a callable ``(module, name) -> bool`` picks among the
+eligible layers. Either way the choice is resolved into qualified names, the names
+``named_modules()`` gives, recorded in the prepared model's policy. When the default choice or
+a callable leaves no layer, ``prepare`` warns once, naming why each GEMM layer was left out,
+and the policy records ``fp8_modules=0``.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ import torch
 from torch import nn
 
 from ..casting import float_mark, module_device, module_dtypes
+from ..lowbit import Float8, shorthands
 from ..policy import Policy
-from . import backend
 
 __all__ = ["FP8_ATTR", "is_conv1d", "gemm_dims", "ineligible", "eligible_layers",
            "default_choice", "choose", "with_modules", "split_spec", "why_none_chosen"]
 
-FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its recipe
-_MULTIPLE = 16
+FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its low-bit format
+
+
+FORMATS = "a mixprec.lowbit format, or one of " + ", ".join(map(repr, shorthands()))
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -65,8 +71,9 @@ def _explicit_dtypes(model: nn.Module, policy: Policy) -> dict[nn.Module, torch.
 
 
 def ineligible(model: nn.Module, policy: Policy) -> dict[str, str]:
-    """Qualified name -> why it cannot take FP8, for every module that can't (GEMM layers and
-    others alike)."""
+    """Qualified name -> why it cannot take the policy's low-bit format (FP8 tensorwise when
+    the policy has none), for every module that can't (GEMM layers and others alike)."""
+    fmt = policy.fp8 if policy.fp8 is not None else Float8()
     dtypes = _explicit_dtypes(model, policy)
     modules = dict(model.named_modules())
     reasons = {}
@@ -80,9 +87,8 @@ def ineligible(model: nn.Module, policy: Policy) -> dict[str, str]:
         elif isinstance(parent, nn.MultiheadAttention):
             why = ("is a projection of nn.MultiheadAttention, which reads its weight directly "
                    "(the layer's forward never runs)")
-        elif dims[0] % _MULTIPLE or dims[1] % _MULTIPLE:
-            why = (f"has dimensions {dims[0]} x {dims[1]}: FP8 GEMMs need both to be multiples "
-                   f"of {_MULTIPLE}")
+        elif fmt.why_ineligible(*dims):
+            why = fmt.why_ineligible(*dims)
         elif dtypes.get(mod) is not None:
             why = (f"computes in {dtypes[mod]} by the policy (keep_fp32, overrides or to_float, "
                    f"on it or on a module around it)")
@@ -113,8 +119,8 @@ def default_choice(model: nn.Module, policy: Policy) -> list[str]:
     gemms = _gemm_layers(modules)
     ends = {gemms[0], gemms[-1]} if gemms else set()
     chosen = [n for n in eligible_layers(model, policy) if n not in ends]
-    if module_device(model).type == "cuda":
-        keep = backend.shape_filter(policy.fp8)
+    keep = policy.fp8.shape_filter() if module_device(model).type == "cuda" else None
+    if keep is not None:
         chosen = [n for n in chosen if keep(_as_linear(modules[n]), n)]
     return chosen
 
@@ -174,7 +180,7 @@ def with_modules(policy: Policy, model: nn.Module, chooser: Callable | None = No
     if policy.fp8 is None:
         if policy.fp8_modules is not None:
             raise ValueError(f"{policy} names fp8_modules without fp8: set fp8= "
-                             f"('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
+                             f"({FORMATS})")
         return policy
     names = choose(model, policy, chooser)
     if not names and policy.fp8_modules is None:  # chosen for the user, and nothing was
@@ -187,8 +193,8 @@ def why_none_chosen(model: nn.Module, policy: Policy, chooser: Callable | None =
     """The message of a choice that left no layer: why each GEMM layer was left out."""
     modules = dict(model.named_modules())
     gemms = _gemm_layers(modules)
-    head = (f"fp8={policy.fp8!r} converts no layer of this {type(model).__name__}: every layer "
-            f"computes as without fp8= and the policy records fp8_modules=0. ")
+    head = (f"fp8={str(policy.fp8)!r} converts no layer of this {type(model).__name__}: every "
+            f"layer computes as without fp8= and the policy records fp8_modules=0. ")
     if not gemms:
         kinds = sorted({type(m).__name__ for n, m in modules.items() if n
                         and any(True for _ in m.parameters(recurse=False))})
@@ -223,8 +229,8 @@ def split_spec(fp8, fp8_modules) -> tuple[tuple[str, ...] | None, Callable | Non
     if fp8_modules is None:
         return None, None
     if fp8 is None:
-        raise ValueError("fp8_modules chooses the layers that run in FP8: it needs fp8= "
-                         "('tensorwise', 'rowwise' or 'rowwise_gw_hp')")
+        raise ValueError(f"fp8_modules chooses the layers that run in FP8: it needs fp8= "
+                         f"({FORMATS})")
     if isinstance(fp8_modules, str):
         return (fp8_modules,), None
     if isinstance(fp8_modules, (list, tuple)) and all(isinstance(n, str) for n in fp8_modules):

@@ -1,42 +1,38 @@
-"""Turning a model's chosen layers into FP8 layers, and finding them again.
+"""Turning a model's chosen layers into low-bit layers, and finding them again.
 
-:func:`convert` is what :func:`mixprec.prepare` calls for a policy with ``fp8`` set; it loads
-torchao (through :mod:`mixprec.fp8.layers`) only then. :func:`fp8_modules` needs no torchao.
+:func:`convert` is what :func:`mixprec.prepare` calls for a policy with ``fp8`` set: the
+policy's format (:mod:`mixprec.lowbit`) loads its engine and converts. :func:`fp8_modules`
+needs no torchao.
 """
 
 from __future__ import annotations
-
-import importlib
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..casting import module_device
 from ..policy import Policy
-from . import backend
 from .choice import FP8_ATTR
 
 __all__ = ["convert", "fp8_modules", "all_gather_in_fp8", "unwrap"]
 
 
-def _layers():
-    backend.require()  # the ImportError that names the extra, before torchao's own
-    return importlib.import_module(".layers", __package__)
-
-
 def convert(model: nn.Module, policy: Policy) -> None:
-    """Swap the layers ``policy.fp8_modules`` names (resolved names) for FP8 layers, in place.
+    """Swap the layers ``policy.fp8_modules`` names (resolved names) for layers of the
+    policy's low-bit format, in place.
 
     Raises:
         ImportError: torchao is not installed (the message names ``mixprec[fp8]``).
-        RuntimeError: a CUDA GPU without FP8 GEMMs (compute capability below 8.9).
+        RuntimeError: a device the format cannot run on (FP8: a CUDA GPU of compute capability
+            below 8.9), or a format mixprec does not train in (NVFP4).
     """
-    if policy.fp8 is None or not policy.fp8_modules:
-        if policy.fp8 is not None:
-            backend.require()  # fp8 asked for with nothing chosen: still needs the engine
+    fmt = policy.fp8
+    if fmt is None:
         return
-    backend.check_device(module_device(model))
-    _layers().convert(model, tuple(policy.fp8_modules), policy.fp8)
+    fmt.require()  # even with nothing chosen: the engine must be there
+    if policy.fp8_modules:
+        fmt.check_device(module_device(model))
+        fmt.convert(model, tuple(policy.fp8_modules))
 
 
 def fp8_modules(model: nn.Module) -> list[str]:
@@ -62,8 +58,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def all_gather_in_fp8(model: nn.Module) -> list[str]:
-    """Have FSDP2 all-gather the weights of the model's tensorwise FP8 layers in FP8 (torchao's
-    float8 all-gather); call before ``fully_shard``. Returns the layers' names."""
-    if not any(getattr(m, FP8_ATTR, None) == "tensorwise" for m in model.modules()):
-        return []
-    return _layers().cast_weights_for_all_gather(model)
+    """Prepare the model's low-bit layers for FSDP2 (call before ``fully_shard``): each format
+    adjusts its layers (:meth:`mixprec.lowbit.LowBitFormat.before_sharding`; the tensorwise
+    Float8 recipe has FSDP2 all-gather its weights in FP8). Returns the names of the layers
+    whose weights are gathered in a low-bit format."""
+    by_format: dict = {}
+    for name, mod in model.named_modules():
+        fmt = getattr(mod, FP8_ATTR, None)
+        if fmt is not None:
+            by_format.setdefault(fmt, []).append(name)
+    return [n for fmt, names in by_format.items() for n in fmt.before_sharding(model, names)]

@@ -28,7 +28,7 @@ from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from ..regions import ForwardWrapper
-from . import backend, stats
+from . import stats
 from .choice import FP8_ATTR, is_conv1d
 
 __all__ = ["fp8_linear", "record", "probe", "FP8Forward", "Float8Conv1D", "convert",
@@ -125,13 +125,14 @@ class Float8Conv1D(nn.Module):
         return f"nf={self.nf}, nx={self.nx}"
 
 
-def convert(model: nn.Module, names: tuple[str, ...], recipe: str) -> None:
-    """Swap the named Linear/Conv1D layers of ``model`` for FP8 ones, in place.
+def convert(model: nn.Module, names: tuple[str, ...], fmt) -> None:
+    """Swap the named Linear/Conv1D layers of ``model`` for FP8 ones of the
+    :class:`mixprec.lowbit.Float8` format ``fmt``, in place.
 
     Raises:
         RuntimeError: a named layer was not converted (it is not where its name says).
     """
-    config = backend.float8_config(recipe)
+    config = fmt.config()
     modules = dict(model.named_modules())
     linears = {n for n in names if not is_conv1d(modules[n])}
     # torchao's entry point: it swaps the named Linears (keeping their parameters) and applies
@@ -149,24 +150,21 @@ def convert(model: nn.Module, names: tuple[str, ...], recipe: str) -> None:
             raise RuntimeError(f"torchao did not convert {name!r} ({type(layer).__name__})")
         else:
             layer.forward = FP8Forward(layer)
-        setattr(layer, FP8_ATTR, recipe)
+        setattr(layer, FP8_ATTR, fmt)
 
 
-def cast_weights_for_all_gather(model: nn.Module) -> list[str]:
-    """Give each tensorwise FP8 layer's weight torchao's FSDP2 hooks, so that FSDP2 all-gathers
-    it in FP8 (one byte per value) rather than in 16 bits. Call before ``fully_shard``; the
-    weight becomes a new ``Parameter`` (rebind optimizers by name). Returns the layers' names.
+def cast_weights_for_all_gather(model: nn.Module, names, config) -> list[str]:
+    """Give the named FP8 layers' weights torchao's FSDP2 hooks (``config``: a tensorwise
+    ``Float8LinearConfig`` with the float8 all-gather on), so that FSDP2 all-gathers them in FP8
+    (one byte per value) rather than in 16 bits. Call before ``fully_shard``; each weight
+    becomes a new ``Parameter`` (rebind optimizers by name). Returns the layers' names.
     """
-    done = []
-    for name, mod in model.named_modules():
-        if getattr(mod, FP8_ATTR, None) != "tensorwise":
-            continue
-        config = backend.float8_config("tensorwise", all_gather=True)
+    for name in names:
+        mod = model.get_submodule(name)
         mod.config = config
         weight = mod.weight
         mod.weight = nn.Parameter(
             WeightWithDynamicFloat8CastTensor(weight, mod.linear_mm_config,
                                               config.cast_config_weight.target_dtype),
             requires_grad=weight.requires_grad)
-        done.append(name)
-    return done
+    return list(names)

@@ -11,7 +11,10 @@ in one small tensor on the layer's device (no host sync):
   scaling, or are inf/NaN (with dynamic scaling a tensor's own amax sets its scale, so only
   non-finite values saturate);
 * ``underflow``: the fraction of nonzero values that the scaled cast flushes to zero (below half
-  the format's smallest subnormal): what an outlier does to everything else under one scale.
+  the format's smallest subnormal): what an outlier does to everything else under one scale;
+* ``scale_range``: block-scaled formats (MXFP8): the ratio of the largest block scale to the
+  smallest (1 for one scale per tensor or row); ``scale`` is then the factor of the block with
+  the largest value.
 
 Fractions are averaged over the calls recorded since the last reset. Under ``torch.compile``
 recording runs outside the compiled graph (it breaks the graph at each FP8 layer): a tool to
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from ..lowbit import blocks
+
 __all__ = ["ROLES", "FIELDS", "LayerStats", "STATS_ATTR", "stats_of", "attach", "detach",
            "format_name", "scaled_fractions"]
 
 ROLES = ("input", "weight", "grad_output")
-FIELDS = ("amax", "amax_max", "scale", "saturated", "underflow", "calls")
+FIELDS = ("amax", "amax_max", "scale", "saturated", "underflow", "calls", "scale_range")
 STATS_ATTR = "_mixprec_fp8_stats"
 _EPS = 1e-12  # torchao's floor on amax when it computes a scale
 _ROUNDING = 1 + 2.0 ** -20  # the amax itself may land a rounding error above fmax: not saturated
@@ -62,20 +67,23 @@ def scaled_fractions(tensor: torch.Tensor, dtype: torch.dtype, axis: int | None 
 
 
 class LayerStats:
-    """The statistics of one FP8 layer: a ``(3, 6)`` tensor, one row per role (see
+    """The statistics of one FP8 layer: a ``(3, 7)`` tensor, one row per role (see
     :data:`ROLES`, :data:`FIELDS`).
 
     Args:
         formats: the FP8 dtype each role is cast to.
-        axes: per role, the dimension rowwise scaling reduces over (None: tensorwise).
+        axes: per role, the dimension rowwise scaling reduces over (None: tensorwise), or the
+            dimension blocks run along (with ``block``).
         pow2: scales are rounded down to powers of two (torchao's rowwise recipes).
+        block: a block-scaled cast (:class:`mixprec.lowbit.blocks.BlockCast`), or None.
     """
 
     def __init__(self, formats: dict[str, torch.dtype], axes: dict[str, int | None],
-                 pow2: bool = False):
+                 pow2: bool = False, block=None):
         self.formats = dict(formats)
         self.axes = dict(axes)
         self.pow2 = pow2
+        self.block = block
         self.data: torch.Tensor | None = None
 
     def reset(self) -> None:
@@ -86,14 +94,20 @@ class LayerStats:
     def record(self, role: str, tensor: torch.Tensor) -> None:
         """Add one call's measurements of ``tensor`` cast for ``role`` (no host sync)."""
         dtype = self.formats[role]
-        amax, saturated, underflow = scaled_fractions(tensor, dtype, self.axes[role],
-                                                      self.pow2)
+        if self.block is not None:
+            amax, saturated, underflow, largest, ratio = blocks.fractions(
+                tensor, self.block, self.axes[role])
+            scale = 1 / largest.clamp(min=_EPS)
+        else:
+            amax, saturated, underflow = scaled_fractions(tensor, dtype, self.axes[role],
+                                                          self.pow2)
+            scale = torch.finfo(dtype).max / amax.clamp(min=_EPS)
+            ratio = torch.ones_like(amax)
         if self.data is None or self.data.device != amax.device:
             self.data = torch.zeros(len(ROLES), len(FIELDS), device=amax.device)
         row = self.data[ROLES.index(role)]
-        fmax = torch.finfo(dtype).max
-        row.copy_(torch.stack([amax, torch.maximum(row[1], amax), fmax / amax.clamp(min=_EPS),
-                               row[3] + saturated, row[4] + underflow, row[5] + 1]))
+        row.copy_(torch.stack([amax, torch.maximum(row[1], amax), scale, row[3] + saturated,
+                               row[4] + underflow, row[5] + 1, torch.maximum(row[6], ratio)]))
 
     def read(self) -> dict[str, dict]:
         """``{role: {field: value, "format": name}}`` averaged over the calls (a host sync)."""

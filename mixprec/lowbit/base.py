@@ -1,0 +1,217 @@
+"""What a low-bit GEMM format is to mixprec: :class:`LowBitFormat`, and the registry of formats.
+
+A format (FP8 with torchao's per-tensor or per-row scales, MXFP8, NVFP4, ...) is a frozen
+dataclass: its fields are its options, so equal options give equal formats and equal
+policies. It owns everything that depends on which format it is:
+
+* its validation (``__post_init__``: a clear ``ValueError`` naming what is valid);
+* its eligibility rule (:meth:`LowBitFormat.why_ineligible`: GEMM dimensions that are
+  multiples of its block, or of what its tensor cores need);
+* what ``prepare`` does with it (:meth:`~LowBitFormat.require`,
+  :meth:`~LowBitFormat.check_device`, :meth:`~LowBitFormat.convert`, and FSDP2's
+  :meth:`~LowBitFormat.before_sharding`);
+* its statistics while training (:meth:`~LowBitFormat.recorder`), and its simulation for the
+  advisor (:meth:`~LowBitFormat.simulate`, :meth:`~LowBitFormat.ranges`);
+* its size: :attr:`~LowBitFormat.bits_per_value` (element and scale bits, per GEMM operand
+  value; parameters themselves are stored in their policy's dtype).
+
+:func:`register` adds a format class and its string shorthands; :func:`resolve` turns what a
+user passes as ``fp8=`` (None, a shorthand, a format, or a policy's ``state_dict`` entry) into a
+format, once, where it enters mixprec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+__all__ = ["LowBitFormat", "register", "resolve", "shorthands", "formats"]
+
+_FORMATS: dict[str, type] = {}  # registered name -> class
+_SHORTHANDS: dict[str, tuple[type, dict]] = {}  # shorthand -> (class, options)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowBitFormat:
+    """A low-bit GEMM format for Linear layers (subclass it and :func:`register` the class).
+
+    Class attributes a subclass sets:
+        name: the registered name (``state_dict`` entries carry it).
+        block: GEMM dimensions must be multiples of it.
+        advisor_format: the name :func:`mixprec.advise` measures it under.
+        bits_per_value: bits a GEMM operand takes per value, scales included.
+    """
+
+    name: ClassVar[str] = ""
+    block: ClassVar[int] = 16
+    advisor_format: ClassVar[str] = ""
+    bits_per_value: ClassVar[float] = 8.0
+    #: the advisor's limits on a layer's relative output and weight-gradient errors
+    advisor_limits: ClassVar[tuple[float, float]] = (0.15, 0.25)
+
+    # -- identity --------------------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The format's fields, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def shorthand(self) -> str | None:
+        """The string that resolves to this format, if one does."""
+        for short, (cls, opts) in _SHORTHANDS.items():
+            if cls is type(self) and self.options() == {**cls().options(), **opts}:
+                return short
+        return None
+
+    def __str__(self) -> str:
+        short = self.shorthand()
+        if short is not None:
+            return short
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):  # a shorthand compares equal to its format
+            other = _SHORTHANDS.get(other)
+            other = other[0](**other[1]) if other else None
+        return type(other) is type(self) and other.options() == self.options()
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def state_dict(self) -> dict:
+        """Plain data :func:`resolve` rebuilds the format from."""
+        return {"format": self.name, **self.options()}
+
+    def to_data(self) -> str | dict:
+        """What a policy's ``state_dict`` holds: the shorthand where one stands for the format,
+        else :meth:`state_dict` (:func:`resolve` takes either)."""
+        return self.shorthand() or self.state_dict()
+
+    # -- eligibility -----------------------------------------------------------------------
+    def why_ineligible(self, in_features: int, out_features: int) -> str | None:
+        """Why a GEMM layer of these dimensions cannot take the format, or None."""
+        if in_features % self.block or out_features % self.block:
+            return (f"has dimensions {in_features} x {out_features}: {self.describe()} need "
+                    f"both to be multiples of {self.block}")
+        return None
+
+    def describe(self) -> str:
+        """A few words for messages ("FP8 GEMMs", "MXFP8 GEMMs (blocks of 32)")."""
+        return f"{type(self).__name__} GEMMs"
+
+    # -- preparing a model -----------------------------------------------------------------
+    def require(self) -> None:
+        """Import the engine the format runs on (``ImportError`` naming the extra)."""
+        raise NotImplementedError
+
+    def check_device(self, device) -> None:
+        """Refuse a device the format's GEMMs cannot run on (``RuntimeError``)."""
+
+    def shape_filter(self):
+        """``(nn.Linear, name) -> bool`` keeping the layers worth converting on CUDA, or None
+        (no filter)."""
+        return None
+
+    def convert(self, model, names: tuple[str, ...]) -> None:
+        """Swap the named layers of ``model`` for layers running the format, in place; each is
+        marked with the format (``mixprec.fp8.choice.FP8_ATTR``)."""
+        raise NotImplementedError
+
+    def before_sharding(self, model, names: list[str]) -> list[str]:
+        """Adjust the named converted layers before FSDP2 shards ``model``; returns the names
+        of the layers whose weights FSDP2 then all-gathers in the low-bit format (default:
+        none: weights are gathered in their stored dtype, and the layers quantize after)."""
+        return []
+
+    # -- measuring -------------------------------------------------------------------------
+    @classmethod
+    def for_advisor(cls, fp8_recipe: str) -> "LowBitFormat":
+        """The format :func:`mixprec.advise` measures under :attr:`advisor_format` (its
+        ``fp8_recipe`` argument picks among Float8's recipes; other formats ignore it)."""
+        return cls()
+
+    def measured_by(self, measured: "LowBitFormat") -> bool:
+        """Whether the advisor's measurement of ``measured`` covers this format (default: the
+        same class: options that make a GEMM more exact, not less)."""
+        return type(measured) is type(self)
+
+    def unmeasured(self, measured: "LowBitFormat") -> str:
+        """Why a policy in this format cannot follow an advice that measured ``measured``."""
+        return (f"fp8={str(self)!r}, but this advice measured {str(measured)!r}: its verdicts "
+                f"do not carry over. Measure {type(self).__name__} with mp.advise")
+
+    def recorder(self, module):
+        """A :class:`mixprec.fp8.stats.LayerStats` for a converted layer."""
+        raise NotImplementedError
+
+    def simulate(self, x, w_t):
+        """``x @ w_t`` as the format's GEMMs compute it, in fp32, with autograd (all three
+        GEMMs of a Linear layer); ``x``: ``(M, K)``, ``w_t``: ``(K, N)``."""
+        raise NotImplementedError
+
+    def ranges(self, x, w_t, grad) -> dict[str, tuple]:
+        """``{role: (amax, saturated fraction, flushed fraction)}`` of the GEMM operands the
+        format casts (input, weight, grad_output), as 0-d tensors."""
+        raise NotImplementedError
+
+
+def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:
+    """Register a format class under ``cls.name``, with its string shorthands (shorthand ->
+    the options it stands for).
+
+    Raises:
+        ValueError: the name or a shorthand is taken by another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LowBitFormat) and cls.name):
+        raise TypeError(f"register takes a LowBitFormat subclass with a name; got {cls!r}")
+    if _FORMATS.get(cls.name, cls) is not cls:
+        raise ValueError(f"the low-bit format name {cls.name!r} is taken by "
+                         f"{_FORMATS[cls.name].__name__}")
+    for short in shorthands or {}:
+        if _SHORTHANDS.get(short, (cls,))[0] is not cls:
+            raise ValueError(f"the shorthand {short!r} is taken by "
+                             f"{_SHORTHANDS[short][0].__name__}")
+    _FORMATS[cls.name] = cls
+    for short, opts in (shorthands or {}).items():
+        _SHORTHANDS[short] = (cls, dict(opts))
+    return cls
+
+
+def shorthands() -> tuple[str, ...]:
+    """The strings ``fp8=`` accepts, in registration order."""
+    return tuple(_SHORTHANDS)
+
+
+def formats() -> dict[str, type]:
+    """Registered name -> format class."""
+    return dict(_FORMATS)
+
+
+def resolve(spec: Any) -> LowBitFormat | None:
+    """The format ``spec`` stands for.
+
+    Args:
+        spec: None, a format, a shorthand ("tensorwise", "mxfp8", ...), or a format's
+            :meth:`~LowBitFormat.state_dict`.
+
+    Raises:
+        ValueError: an unknown shorthand or format name.
+        TypeError: anything else.
+    """
+    if spec is None or isinstance(spec, LowBitFormat):
+        return spec
+    if isinstance(spec, str):
+        if spec not in _SHORTHANDS:
+            raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, _SHORTHANDS))} "
+                             f"(or a mixprec.lowbit format); got {spec!r}")
+        cls, opts = _SHORTHANDS[spec]
+        return cls(**opts)
+    if isinstance(spec, dict) and "format" in spec:
+        opts = dict(spec)
+        name = opts.pop("format")
+        if name not in _FORMATS:
+            raise ValueError(f"a policy names the low-bit format {name!r}; known: "
+                             f"{', '.join(map(repr, _FORMATS))}")
+        return _FORMATS[name](**opts)
+    raise TypeError(f"fp8 must be None, a mixprec.lowbit format (Float8, MXFP8, NVFP4) or one "
+                    f"of {', '.join(map(repr, _SHORTHANDS))}; got {type(spec).__name__} "
+                    f"{spec!r}")
