@@ -29,6 +29,7 @@ from torch import nn
 
 from .dtypes import is_low_precision
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
+from .master.compact_kernels import local as _local
 from .parallel.env import is_fsdp, unwrap
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -81,11 +82,12 @@ class Companions:
         self.follow_writes()
         pairs = self.pairs()
         with torch.no_grad():
-            for param, comp in pairs.items():
-                here = comp.to(param.device)  # a model moved (Lightning's teardown) keeps its
-                changed = here.to(param.dtype).ne(param)  # masters where the optimizer has them
+            for param, comp in pairs.items():  # (FSDP: each rank checks its own shards)
+                low = _local(param)  # a model moved (Lightning's teardown) keeps its masters
+                here = _local(comp).to(low.device)  # where the optimizer has them
+                changed = ~rounds_to(here, low)
                 if changed.any():  # the parameter was written directly: it is the truth there
-                    comp.copy_(torch.where(changed, param.to(_FP32), here))
+                    _local(comp).copy_(torch.where(changed, low.to(_FP32), here))
         self._record()
         return pairs
 
@@ -115,6 +117,18 @@ class Companions:
         self._shadows = dict(state["shadows"])
         self._versions = {}
         self._record()
+
+
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
+    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
+    Kahan weight + compensation can sit exactly half an ulp from its weight)."""
+    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(_FP32)
+    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(_FP32)
+    mid = low.to(_FP32)
+    # the midpoints of two adjacent 16-bit values are exact in fp32
+    inside = (value <= (mid + up) / 2) & (value >= (mid + down) / 2)
+    return inside | (value.to(low.dtype) == low)  # == also covers inf
 
 
 def link_masters(model: nn.Module, optimizers: list) -> None:
@@ -206,7 +220,9 @@ def fp32_state_dict(model: nn.Module,
       upcast; integer buffers copied unchanged;
     * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
     * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
-      masters). A collective: call it on every rank; every rank gets the full dict.
+      masters; with ``master="kahan"`` each shard's weight + compensation, from ``optimizer``
+      or the one :func:`mixprec.parallel.fsdp` returned). A collective: call it on every
+      rank; every rank gets the full dict.
 
     The result loads with ``load_state_dict`` into a plain, single-process fp32 copy.
 
@@ -228,10 +244,8 @@ def fp32_state_dict(model: nn.Module,
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be None or a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if is_fsdp(model):
-        return _copy(model.state_dict(), {}, gather=True)
     model = unwrap(model)
-    source = model.state_dict(keep_vars=True)
+    source = model.state_dict(keep_vars=True)  # FSDP: the sharded parameters themselves
     if isinstance(optimizer, (MasterWeightOptimizer, CompactMasterOptimizer)):
         masters = optimizer.masters_by_param()
         if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
@@ -240,7 +254,7 @@ def fp32_state_dict(model: nn.Module,
     else:
         link = companions_of(model)
         masters = link.settle() if link is not None else {}
-    return _copy(source, masters, gather=False)
+    return _copy(source, masters, gather=is_fsdp(model))
 
 
 def _copy(source: dict, masters: dict, gather: bool) -> OrderedDict[str, Any]:

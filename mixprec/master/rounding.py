@@ -1,4 +1,4 @@
-"""Stochastic rounding into bf16, and the generator its random bits come from.
+"""Stochastic rounding into bf16 (and fp16), and the generator its random bits come from.
 
 Rounding an fp32 value to bf16 keeps the top 16 bits of its bit pattern. Stochastic rounding adds
 a uniformly random 16-bit integer to the pattern before dropping the low 16 bits: the magnitude
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RoundingGenerator", "random16", "stochastic_round", "DEFAULT_SEED"]
+__all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
+           "round_stochastically", "DEFAULT_SEED"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
@@ -58,6 +59,34 @@ def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     bits = value.view(torch.int32) + random16(key, value)
     rounded = (bits & -65536).view(torch.float32)
     return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+
+
+def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to fp16 with the random bits of ``key``.
+
+    fp16's exponent range is narrower than fp32's, so the bit-dropping of
+    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
+    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
+    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (16 bits), whose
+    expectation is ``value``. Works eagerly and under ``torch.compile``. Values beyond fp16's
+    range become inf, as a cast would make them.
+    """
+    exponent = ((value.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|value|), normal fp32
+    spacing_exp = torch.clamp(exponent - 10, min=-24)  # fp16: 10 stored mantissa bits
+    q = ((spacing_exp + 127) << 23).view(torch.float32)
+    u = random16(key, value).float() * (1.0 / 65536)
+    rounded = torch.floor(value / q + u) * q
+    return torch.where(value.isfinite(), rounded, value).to(torch.float16)
+
+
+def round_stochastically(value: torch.Tensor, key: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16; fp32: unchanged)."""
+    if dtype == torch.bfloat16:
+        return stochastic_round(value, key)
+    if dtype == torch.float16:
+        return stochastic_round_fp16(value, key)
+    return value.to(dtype)
 
 
 class RoundingGenerator:

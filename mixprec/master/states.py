@@ -153,8 +153,10 @@ def _restore(optimizer) -> None:
 # -- the rounding generator in the state ---------------------------------------------------------
 def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
     """Put the generator's state into the first state entry that holds the inner optimizer's own
-    state (an entry of ours alone would make torch's optimizers skip their state set-up)."""
-    anchor = None
+    state (an entry of ours alone would make torch's optimizers skip their state set-up), else,
+    when the inner optimizer keeps none (SGD without momentum), the first entry of ours (a
+    Kahan compensation's)."""
+    anchor = ours = None
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -163,6 +165,9 @@ def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerat
             state.pop(GENERATOR_KEY, None)
             if anchor is None and any(k not in OWN_KEYS for k in state):
                 anchor = state
+            if ours is None and state:
+                ours = state
+    anchor = anchor if anchor is not None else ours
     if anchor is not None:
         anchor[GENERATOR_KEY] = rounding.state_dict()
 

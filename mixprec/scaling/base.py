@@ -303,7 +303,7 @@ class LossScaler(GradScalerInterface):
         """Clip an owner's gradients by folding the clip factor into the step's grad_scale."""
         record = self._ready_record(optimizer, "clip_grad_norm_()")
         grads = [g for _, g in optimizer.grads_for_step()]
-        total = passes.total_norm(grads, norm_type, self._state.device)
+        total = _replicated(passes.total_norm(grads, norm_type, self._state.device))
         carried = self._state.scale if self._scales else torch.ones_like(total)
         total = total / carried
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -317,6 +317,7 @@ class LossScaler(GradScalerInterface):
         found = record.found_inf
         if found is None:
             return False
+        found = _replicated(found)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
@@ -339,6 +340,13 @@ class LossScaler(GradScalerInterface):
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _replicated(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the global value of ``value`` (a norm or flag computed over
+    FSDP-sharded gradients is a DTensor, partial on each rank: reduced here)."""
+    full = getattr(value, "full_tensor", None)
+    return full() if full is not None else value
 
 
 def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
