@@ -56,7 +56,7 @@ from . import compact_kernels as ck
 from . import states
 from .buckets import is_per_parameter
 from .params import _is_current, _source_key
-from .rounding import DEFAULT_SEED, RoundingGenerator
+from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import COMPENSATION_KEY, OWN_KEYS
 from .wrapper import (
     WrappedOptimizer,
@@ -89,7 +89,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         initial_values: 16-bit parameter -> its exact fp32 value (the weight before the model
             was cast): with ``"kahan"`` the compensation starts as what the cast lost.
         seed: seed of the rounding generator.
-        salt: mixed into the rounding keys (a rank whose shards differ from the others').
+        salt: mixed into the rounding keys (FSDP2 shards need none: each rounds as its part of
+            the full tensor would in one process).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -367,7 +368,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         keys = self.rounding.keys(len(pairs), self.salt)
         with torch.no_grad():
             for i, (p, temp, ours) in enumerate(pairs):
-                key = keys[i].to(p.device)
+                key = shard_key(keys[i], p).to(p.device)
                 comp = ours.get(COMPENSATION_KEY)
                 ck.store(*map(ck.local, (p.detach(), comp, temp.detach())), key)
                 state[p] = {**state.pop(temp, {}), **ours}

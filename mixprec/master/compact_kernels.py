@@ -35,7 +35,7 @@ from .kernels import (
     options_problem,
     sgd_hparams,
 )
-from .rounding import RoundingGenerator, round_stochastically, stochastic_round
+from .rounding import RoundingGenerator, round_stochastically, shard_key, stochastic_round
 from .states import COMPENSATION_KEY
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store", "local",
@@ -202,7 +202,8 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
         rounding: where the rounding keys come from (three per tensor, drawn every step).
         compiled: run the ``torch.compile``-d kernels, else the same functions eagerly.
         state_dtype: dtype new moment buffers are made in.
-        salt: mixed into the keys (a rank under FSDP, whose shards differ).
+        salt: mixed into the keys (DTensor shards need none: their keys are shifted to their
+            place in the full tensor, :func:`.rounding.shard_key`).
     """
     group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
     scale = 1.0 if inv_scale is None else inv_scale
@@ -214,7 +215,8 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
         for group, items in zip(optimizer.param_groups, items_by_group):
             if not items:
                 continue
-            keys = [drawn[start + i].to(p.device) for i, (p, _, _) in enumerate(items)]
+            keys = [shard_key(drawn[start + i], p).to(p.device)
+                    for i, (p, _, _) in enumerate(items)]
             start += len(items)
             group_step(optimizer, group, items, inv, keys, compiled, state_dtype)
 

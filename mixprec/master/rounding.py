@@ -18,9 +18,11 @@ step, which draws nothing, leaves it untouched.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
-           "round_stochastically", "DEFAULT_SEED"]
+           "round_stochastically", "shard_key", "DEFAULT_SEED"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
@@ -59,6 +61,23 @@ def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     bits = value.view(torch.int32) + random16(key, value)
     rounded = (bits & -65536).view(torch.float32)
     return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+
+
+def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The key that gives a DTensor's local shard the random bits the full tensor's elements
+    get with ``key`` (``tensor`` itself otherwise), so sharded training rounds each element as
+    one process does. Exact for shards that are contiguous runs of the flat tensor (FSDP2's
+    row shards); other layouts still get distinct, unbiased bits."""
+    if not isinstance(tensor, DTensor):
+        return key
+    _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                     tensor.placements)
+    strides = torch.empty(tensor.shape, device="meta").stride()
+    offset = sum(i * s for i, s in zip(start, strides))
+    # random16 hashes index * _GOLDEN + key: shifting the index is shifting the key (mod 2**32)
+    shift = (offset * _GOLDEN) % 2 ** 32
+    shift = shift - 2 ** 32 if shift >= 2 ** 31 else shift
+    return key + torch.tensor(shift, dtype=torch.int32, device=key.device)
 
 
 def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

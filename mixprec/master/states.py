@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..dtypes import dtype_name, to_dtype
-from .rounding import RoundingGenerator, stochastic_round
+from .rounding import RoundingGenerator, shard_key, stochastic_round
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "GENERATOR_KEY", "OWN_KEYS", "check_state_dtype",
            "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
@@ -83,8 +83,8 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
         for i, k in enumerate(keys):
             value = state[k]
             if drawn is not None and value.dtype == torch.float32:
-                state[k] = _map_local(value, lambda t: stochastic_round(
-                    t, drawn[i].to(t.device)))
+                key = shard_key(drawn[i], value)
+                state[k] = _map_local(value, lambda t: stochastic_round(t, key.to(t.device)))
             else:
                 state[k] = value.to(dtype)
 

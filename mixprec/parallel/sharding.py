@@ -9,9 +9,9 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
   With ``master="kahan"``/``"stochastic"`` the shards are 16-bit and the optimizer comes back
   wrapped in a :class:`mixprec.master.CompactMasterOptimizer` that steps them (compensation
-  buffers and moments sharded alike; stochastic rounding keys differ per rank, as the shards
-  do); with ``state_dtype="bf16"`` and fp32 masters, in a ``MasterWeightOptimizer`` that only
-  keeps the moments in bf16.
+  buffers and moments sharded alike; each shard rounds stochastically with the random bits
+  its elements get in one process); with ``state_dtype="bf16"`` and fp32 masters, in a
+  ``MasterWeightOptimizer`` that only keeps the moments in bf16.
   Modules that :func:`mixprec.prepare` keeps in fp32 at O2 (norm layers, ``keep_fp32``) become
   sharding units of their own, gathered in fp32, so they still compute in fp32.
 * O3: 16-bit shards, 16-bit compute.
@@ -240,4 +240,4 @@ def _wrap_sharded(optimizer, policy: Policy, initial: dict):
     if policy.master == "fp32":
         return MasterWeightOptimizer(optimizer, fused=False, state_dtype=policy.state_dtype)
     return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
-                                  initial_values=initial, salt=env.rank())
+                                  initial_values=initial)

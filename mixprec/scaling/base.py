@@ -130,10 +130,10 @@ class LossScaler(GradScalerInterface):
         inv_scale = self._inv_scale() if self._scales else None
         if owns_gradients(optimizer):
             found = optimizer.unscale_grads_(inv_scale)
-            record.found_inf = found.to(self._state.device) if self._checks else None
+            record.found_inf = _local(found).to(self._state.device) if self._checks else None
         elif self._scales:
-            record.found_inf = passes.unscale_and_check_(optimizer.param_groups, inv_scale,
-                                                         self._state.device)
+            record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
+                                                                inv_scale, self._state.device))
         record.stage = Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -294,7 +294,7 @@ class LossScaler(GradScalerInterface):
         record = self._ready_record(optimizer, "step()")
         if self._checks:
             grads = [g for _, g in optimizer.grads_for_step()]
-            record.found_inf = passes.found_nonfinite(grads, self._state.device)
+            record.found_inf = _local(passes.found_nonfinite(grads, self._state.device))
         if self._scales:
             record.grad_scale = self._state.scale
         return record
@@ -317,7 +317,6 @@ class LossScaler(GradScalerInterface):
         found = record.found_inf
         if found is None:
             return False
-        found = _replicated(found)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
@@ -343,10 +342,17 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _replicated(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor holding the global value of ``value`` (a norm or flag computed over
+    """A plain tensor holding the global value of ``value`` (a norm computed over
     FSDP-sharded gradients is a DTensor, partial on each rank: reduced here)."""
     full = getattr(value, "full_tensor", None)
     return full() if full is not None else value
+
+
+def _local(flag: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an inf/NaN flag (a DTensor over FSDP-sharded gradients): the
+    overflow check all-reduces the flags with max, which makes them global."""
+    to_local = getattr(flag, "to_local", None)
+    return to_local() if to_local is not None else flag
 
 
 def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
