@@ -220,9 +220,10 @@ def fp32_state_dict(model: nn.Module,
       upcast; integer buffers copied unchanged;
     * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
     * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
-      masters; with ``master="kahan"`` each shard's weight + compensation, from ``optimizer``
-      or the one :func:`mixprec.parallel.fsdp` returned). A collective: call it on every
-      rank; every rank gets the full dict.
+      masters; with ``master="kahan"`` pass the optimizer :func:`mixprec.parallel.fsdp`
+      returned for weight + compensation: the model alone holds the 16-bit weights, which is
+      what its sharded checkpoints save). A collective: call it on every rank; every rank gets
+      the full dict.
 
     The result loads with ``load_state_dict`` into a plain, single-process fp32 copy.
 

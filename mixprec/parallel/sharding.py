@@ -42,7 +42,6 @@ from ..master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_op
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
-from ..statedict import link_masters
 from . import env
 from .ddp import reduce_dtype_of
 from .env import is_fsdp
@@ -214,10 +213,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if optimizer is None:
         return model
     _rebind_optimizer(optimizer, names, model)
-    optimizer = _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
-    if isinstance(optimizer, CompactMasterOptimizer):  # model.state_dict(): weight + compensation
-        link_masters(model, [optimizer])
-    return model, optimizer
+    return model, _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
 
 
 def _sharded_originals(model: nn.Module, originals: dict) -> dict:
