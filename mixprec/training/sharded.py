@@ -126,7 +126,9 @@ def _checkpoint_io(action, what: str, path: Path) -> None:
     try:
         action()
     except CheckpointException as exc:
-        raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed: {exc}") from exc
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"  # (exception, traceback)
+                           for r, (e, _) in sorted(exc.failures.items()))
+        raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed ({causes})") from exc
 
 
 def _sharded_state(trainer) -> tuple[dict, list | None]:
