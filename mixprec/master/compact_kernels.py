@@ -35,7 +35,13 @@ from .kernels import (
     options_problem,
     sgd_hparams,
 )
-from .rounding import RoundingGenerator, round_stochastically, shard_key, stochastic_round
+from .rounding import (
+    RoundingGenerator,
+    round_stochastically,
+    shard_key,
+    stochastic_round,
+    weyl16,
+)
 from .states import COMPENSATION_KEY
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store", "local",
@@ -60,13 +66,14 @@ def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
     lost (exact in fp32), rounded stochastically with ``key``'s bits: rounded to nearest, the
     compensation of a weight receiving many small updates of one sign drifts (an update of
     1/700 of an ulp a step moved bf16 weights 11% too far in 2000 steps); stochastic rounding
-    is unbiased, so weight + compensation follows the fp32 sum in expectation."""
+    is unbiased, so weight + compensation follows the fp32 sum in expectation. Its random
+    numbers are a Weyl sequence (:func:`.rounding.weyl16`: one multiply-add per element)."""
     if comp is None:
         weight.copy_(stochastic_round(new, key))
     else:
         hi = new.to(weight.dtype)
         weight.copy_(hi)
-        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype))
+        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype, weyl16))
 
 
 def _store_state(buf: torch.Tensor, new: torch.Tensor, key: torch.Tensor) -> None:
