@@ -199,6 +199,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         if policy.master == "fp32":  # FSDP casts at gather time; the shards stay fp32
             for name, p in model.named_parameters():  # (compact masters keep 16-bit shards)
                 p.data = originals[name]
+    if not (policy.master_weights and policy.master == "kahan"):
+        originals = {}  # only a Kahan compensation needs the fp32 values again
     all_gather_in_fp8(model)
     if mesh is None:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
