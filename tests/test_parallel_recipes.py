@@ -154,9 +154,12 @@ def _crossing(rank, out, master, state_dtype):
     fsdp.fit(loader(per_rank), epochs=1)
     fsdp.save(directory)
     saved, saved_moments = mp.fp32_state_dict(fsdp.model, fsdp.optimizer), _moments(fsdp.optimizer)
+    ddp = make_trainer("ddp", "O2", **options)
+    ddp.load(directory)  # each DDP rank reads the whole directory
+    into_ddp = max_diff(mp.fp32_state_dict(ddp.model, ddp.optimizer), saved)
     file = os.path.join(out, f"converted-{master}-{rank}.pt")
     mp.convert_checkpoint(directory, file)
-    results = {"whole": mp.fp32_state_dict(whole.model, whole.optimizer)}
+    results = {"whole": mp.fp32_state_dict(whole.model, whole.optimizer), "into_ddp": into_ddp}
     for name, source in (("directory", directory), ("converted", file)):
         single = make_trainer("single", "O2", **options)
         single.load(source)
@@ -261,6 +264,7 @@ def test_checkpoints_move_between_fsdp_directories_and_one_process_files(ranks, 
             assert c[name]["step"] == 8  # saved at step 4 (epoch 1), trained on to step 8
             assert max_diff(c[name]["final"], c["whole"]) <= 1e-2  # as one process vs FSDP
         assert max_diff(c["directory"]["final"], c["converted"]["final"]) == 0
+        assert c["into_ddp"] == 0
 
 
 def test_an_unwritable_fsdp_checkpoint_path_raises_an_exception(ranks):
