@@ -82,4 +82,12 @@ __all__ = [
     "emulate_fp16",
     # beyond one process
     "parallel",
+    "convert_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    if name == "convert_checkpoint":  # deferred: torch.distributed.checkpoint's import cost
+        from .training.portable import convert_checkpoint
+        return convert_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .master.params import held_grad
-from .master.states import COMPENSATION_KEY
+from .master.states import COMPENSATION_KEY, GENERATOR_KEY
 
 __all__ = ["bytes_per_parameter", "tensor_bytes"]
 
@@ -51,7 +51,8 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     Returns:
         A dict with ``weights`` (the model's parameters as stored), ``masters`` (fp32 master
         copies), ``compensation`` (Kahan buffers), ``optimizer_state`` (everything else in
-        ``optimizer.state``), ``gradients`` (those currently held: 0 after
+        ``optimizer.state``, except the rounding generator's state: 5 KB, not per
+        parameter), ``gradients`` (those currently held: 0 after
         ``zero_grad(set_to_none=True)``) and ``total``, each in bytes per parameter.
 
     Raises:
@@ -85,6 +86,8 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
+                if key == GENERATOR_KEY:  # a fixed 5 KB whatever the model's size
+                    continue
                 where = "compensation" if key == COMPENSATION_KEY else "optimizer_state"
                 out[where] += tensor_bytes(value)
     out["total"] = sum(out.values())

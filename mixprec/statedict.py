@@ -29,6 +29,7 @@ from torch import nn
 
 from .dtypes import is_low_precision
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
+from .master.compact_kernels import local as _local
 from .parallel.env import is_fsdp, unwrap
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -85,11 +86,12 @@ class Companions:
         self.follow_writes()
         pairs = self.pairs()
         with torch.no_grad():
-            for param, comp in pairs.items():
-                here = comp.to(param.device)  # a model moved (Lightning's teardown) keeps its
-                changed = _written(here, param)  # masters where the optimizer has them
+            for param, comp in pairs.items():  # (FSDP: each rank checks its own shards)
+                low = _local(param)  # a model moved (Lightning's teardown) keeps its masters
+                here = _local(comp).to(low.device)  # where the optimizer has them
+                changed = ~rounds_to(here, low)
                 if changed.any():  # the parameter was written directly: it is the truth there
-                    comp.copy_(torch.where(changed, param.to(_FP32), here))
+                    _local(comp).copy_(torch.where(changed, low.to(_FP32), here))
         self._record()
         return pairs
 
@@ -121,19 +123,19 @@ class Companions:
         self._record()
 
 
-def _written(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Where ``param`` is not ``value`` rounded: it was written directly. A value exactly half
-    an ulp from ``param`` (a Kahan compensation rounded to 16 bits can reach that tie) may round
-    either way: not a write."""
-    if not is_low_precision(param):
-        return value.to(param.dtype).ne(param)
-    info = torch.finfo(param.dtype)
-    wide = param.to(_FP32)
-    _, exponent = torch.frexp(wide)
-    half_ulp = torch.ldexp(torch.full_like(wide, info.eps / 4), exponent)
-    smallest = info.smallest_normal * info.eps / 2  # half the smallest subnormal
-    half_ulp = torch.where(wide == 0, smallest, half_ulp.clamp_min(smallest))
-    return value.to(param.dtype).ne(param) & (value - wide).abs().gt(half_ulp)
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
+    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
+    Kahan weight + compensation can sit exactly half an ulp from its weight). A parameter
+    stored in fp32 or wider (a prepared model cast with ``.float()``) must equal ``value``."""
+    if not is_low_precision(low):
+        return value.to(low.dtype) == low
+    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(_FP32)
+    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(_FP32)
+    mid = low.to(_FP32)
+    # the midpoints of two adjacent 16-bit values are exact in fp32
+    inside = (value <= (mid + up) / 2) & (value >= (mid + down) / 2)
+    return inside | (value.to(low.dtype) == low)  # == also covers inf
 
 
 def link_masters(model: nn.Module, optimizers: list) -> None:
@@ -225,7 +227,10 @@ def fp32_state_dict(model: nn.Module,
       upcast; integer buffers copied unchanged;
     * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
     * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
-      masters). A collective: call it on every rank; every rank gets the full dict.
+      masters; with ``master="kahan"`` pass the optimizer :func:`mixprec.parallel.fsdp`
+      returned for weight + compensation: the model alone holds the 16-bit weights, which is
+      what its sharded checkpoints save). A collective: call it on every rank; every rank gets
+      the full dict.
 
     The result loads with ``load_state_dict`` into a plain, single-process fp32 copy.
 
@@ -247,10 +252,8 @@ def fp32_state_dict(model: nn.Module,
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be None or a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if is_fsdp(model):
-        return _copy(model.state_dict(), {}, gather=True)
     model = unwrap(model)
-    source = model.state_dict(keep_vars=True)
+    source = model.state_dict(keep_vars=True)  # FSDP: the sharded parameters themselves
     if isinstance(optimizer, (MasterWeightOptimizer, CompactMasterOptimizer)):
         masters = optimizer.masters_by_param()
         if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
@@ -259,7 +262,7 @@ def fp32_state_dict(model: nn.Module,
     else:
         link = companions_of(model)
         masters = link.settle() if link is not None else {}
-    return _copy(source, masters, gather=False)
+    return _copy(source, masters, gather=is_fsdp(model))
 
 
 def _copy(source: dict, masters: dict, gather: bool) -> OrderedDict[str, Any]:

@@ -102,12 +102,12 @@ def loader(batch, shuffle=False, inf_at=None):
 
 
 def make_trainer(strategy, level, *, reduce="fp32", dropout=0.0, accum=1, clip=None, scaler="auto",
-                 callbacks=(), adam=False, master=None, state_dtype=None):
+                 callbacks=(), adam=False, master=None, state_dtype=None, dtype="bf16"):
     torch.manual_seed(0)
     model = Net(dropout=dropout)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else
            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    return mp.Trainer(model, F.cross_entropy, opt, level=level, dtype="bf16", strategy=strategy,
+    return mp.Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, strategy=strategy,
                       reduce_dtype=reduce, metrics="accuracy", progress=False,
                       grad_accum_steps=accum, max_grad_norm=clip, loss_scaler=scaler,
                       callbacks=callbacks, master=master, state_dtype=state_dtype)

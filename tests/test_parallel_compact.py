@@ -3,10 +3,11 @@
 DDP replicas step identical all-reduced gradients with the same rounding keys, so they agree
 bitwise and match one process at the same global batch within the tolerances of O2 (1e-2, see
 parallel_cases.TOLERANCE): batch splitting changes the 16-bit rounding of the forward. FSDP2
-shards are 16-bit and each rank rounds its own shard (keys salted by rank), so FSDP matches one
-process within those tolerances too; its fp32 state dict (weight + compensation, gathered) is
-the same on both ranks. A resumed FSDP run (DCP directory: compensation and moments sharded,
-the rounding generator in the optimizer's state) equals the uninterrupted one bitwise.
+shards are 16-bit and each rank rounds its own shard with the bits one process gives those
+elements, so FSDP matches one process within those tolerances too; its fp32 state dict
+(weight + compensation, gathered) is the same on both ranks. A resumed FSDP run (DCP
+directory: compensation and moments sharded, the rounding generator in the optimizer's state)
+equals the uninterrupted one bitwise.
 """
 
 import pytest

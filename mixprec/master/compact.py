@@ -7,13 +7,16 @@ parameter instead of an fp32 master's 4:
   in "Revisiting BFloat16 Training" and the optimi library) that holds what the last rounding
   of the weight lost; weight + compensation is the value the optimizer steps, so updates far
   below half an ulp accumulate in the compensation until they move the weight. The pair carries
-  about 16 significant bits (a bf16 pair; fp16: 22), so it tracks an fp32 master closely.
+  about 16 significant bits (a bf16 pair; fp16: 22), so it tracks an fp32 master closely. The
+  compensation itself is rounded stochastically (rounded to nearest, it drifts under many
+  small updates of one sign: :func:`.compact_kernels.store`).
 * ``master="stochastic"``: no buffer; the updated fp32 value is written into the bf16 weight
-  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. Its random
-  keys come from a generator whose state travels in ``state_dict()`` (in the first parameter
-  entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it too), so a resumed
-  run continues bitwise. bf16 weights only (fp16 ones
-  use ``"kahan"``).
+  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. bf16
+  weights only (fp16 ones use ``"kahan"``).
+
+Both draw their random keys from a generator whose state travels in ``state_dict()`` (in the
+first parameter entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it
+too), so a resumed run continues bitwise.
 
 The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
 ``state`` is keyed by them, with the compensation under ``state[p]["compensation"]`` (in the
@@ -46,7 +49,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
@@ -54,7 +56,7 @@ from . import compact_kernels as ck
 from . import loadcheck, states
 from .buckets import is_per_parameter
 from .params import _is_current, _source_key
-from .rounding import DEFAULT_SEED, RoundingGenerator
+from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import COMPENSATION_KEY, OWN_KEYS
 from .wrapper import (
     WrappedOptimizer,
@@ -87,7 +89,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         initial_values: 16-bit parameter -> its exact fp32 value (the weight before the model
             was cast): with ``"kahan"`` the compensation starts as what the cast lost.
         seed: seed of the rounding generator.
-        salt: mixed into the rounding keys (a rank whose shards differ from the others').
+        salt: mixed into the rounding keys (FSDP2 shards need none: each rounds as its part of
+            the full tensor would in one process).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -167,7 +170,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     continue
                 comp = torch.zeros_like(p, memory_format=torch.preserve_format)
                 value = initial.get(p)
-                if value is not None and not isinstance(p, DTensor):
+                if value is not None:
                     comp.copy_(value.to(p.device) - p.float())
                 self._pending[p] = comp
         for p in params:  # no empty entries left behind by the reads above
@@ -291,8 +294,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     self._generic_bucket(bucket, inv)
         finally:
             self.drop_master_grads()
-        if self.master == "stochastic" or self.state_dtype != torch.float32:
-            states.record_generator(self.inner, self.rounding)
+        states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return None
 
     def _fast_path(self) -> bool:
@@ -365,10 +367,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     def _write_back(self, pairs: list[tuple]) -> None:
         state = self.inner.state
-        keys = self.rounding.keys(len(pairs), self.salt) if self.master == "stochastic" else None
+        keys = self.rounding.keys(len(pairs), self.salt)
         with torch.no_grad():
             for i, (p, temp, ours) in enumerate(pairs):
-                key = None if keys is None else keys[i].to(p.device)
+                key = shard_key(keys[i], p).to(p.device)
                 comp = ours.get(COMPENSATION_KEY)
                 ck.store(*map(ck.local, (p.detach(), comp, temp.detach())), key)
                 state[p] = {**state.pop(temp, {}), **ours}

@@ -1,4 +1,4 @@
-"""Stochastic rounding into bf16, and the generator its random bits come from.
+"""Stochastic rounding into bf16 (and fp16), and the generator its random bits come from.
 
 Rounding an fp32 value to bf16 keeps the top 16 bits of its bit pattern. Stochastic rounding adds
 a uniformly random 16-bit integer to the pattern before dropping the low 16 bits: the magnitude
@@ -18,8 +18,12 @@ step, which draws nothing, leaves it untouched.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["RoundingGenerator", "random16", "stochastic_round", "DEFAULT_SEED"]
+__all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
+           "round_stochastically", "shard_key", "weyl16",
+           "DEFAULT_SEED"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
@@ -48,16 +52,81 @@ def random16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return ((x >> 16) ^ x) & 0xFFFF
 
 
-def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def weyl16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Integers in [0, 2**16), one per element of ``like``: bits 15-30 of
+    ``index * 0x9E3779B1 + key`` (a Weyl sequence), one multiply-add per element.
+
+    Keys are uniform in [0, 2**31), so bits 15-30 of ``c + key`` run through every 16-bit
+    value equally often (bit 31 would not): for a fresh key each element's number is
+    uniform, which is all an unbiased
+    rounding needs; within one key the numbers are evenly spread rather than independent (the
+    rounding errors of neighbours partly cancel). :func:`random16` mixes further, for roundings
+    whose errors should be independent (the weights of ``master="stochastic"``).
+    """
+    idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
+    return ((idx * _GOLDEN + key) >> 15) & 0xFFFF
+
+
+def stochastic_round(value: torch.Tensor, key: torch.Tensor, noise=random16) -> torch.Tensor:
     """``value`` (fp32) rounded stochastically to bf16 with the random bits of ``key``.
 
     The result holds exact bf16 values in an fp32 tensor's place, returned as bf16 (the final
-    conversion is exact). Works eagerly and under ``torch.compile``.
+    conversion is exact). ``noise``: :func:`random16` or :func:`weyl16`. Works eagerly and under
+    ``torch.compile``.
     """
     # finite patterns never overflow int32 here; inf/NaN are passed through by the where
-    bits = value.view(torch.int32) + random16(key, value)
+    bits = value.view(torch.int32) + noise(key, value)
     rounded = (bits & -65536).view(torch.float32)
     return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+
+
+def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The key that gives a DTensor's local shard the random bits the full tensor's elements
+    get with ``key`` (``tensor`` itself otherwise), so sharded training rounds each element as
+    one process does. Exact for shards that are contiguous runs of the flat tensor (FSDP2's
+    row shards); other layouts still get distinct, unbiased bits."""
+    if not isinstance(tensor, DTensor):
+        return key
+    _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                     tensor.placements)
+    strides = torch.empty(tensor.shape, device="meta").stride()
+    offset = sum(i * s for i, s in zip(start, strides))
+    # random16 hashes index * _GOLDEN + key: shifting the index is shifting the key (mod 2**32)
+    shift = (offset * _GOLDEN) % 2 ** 32
+    shift = shift - 2 ** 32 if shift >= 2 ** 31 else shift
+    return key + torch.tensor(shift, dtype=torch.int32, device=key.device)
+
+
+def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor,
+                          noise=random16) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to fp16 with the random bits of ``key``.
+
+    fp16's exponent range is narrower than fp32's, so the bit-dropping of
+    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
+    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
+    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (13 bits), whose
+    expectation is ``value`` (to 2**-13 of a spacing in fp16's subnormal range). Works eagerly
+    and under ``torch.compile``. Values beyond fp16's range become inf, as a cast would make
+    them.
+    """
+    exponent = ((value.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|value|), normal fp32
+    spacing_exp = torch.clamp(exponent - 10, min=-24)  # fp16: 10 stored mantissa bits
+    q = ((spacing_exp + 127) << 23).view(torch.float32)
+    # 13 random bits: an fp32 value holds 13 bits below the fp16 grid, and value / q + u must
+    # stay exact in fp32 (16 bits could round a sum up to the next integer)
+    u = (noise(key, value) >> 3).float() * (1.0 / 8192)
+    rounded = torch.floor(value / q + u) * q
+    return torch.where(value.isfinite(), rounded, value).to(torch.float16)
+
+
+def round_stochastically(value: torch.Tensor, key: torch.Tensor, dtype: torch.dtype,
+                         noise=random16) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16; fp32: unchanged)."""
+    if dtype == torch.bfloat16:
+        return stochastic_round(value, key, noise)
+    if dtype == torch.float16:
+        return stochastic_round_fp16(value, key, noise)
+    return value.to(dtype)
 
 
 class RoundingGenerator:

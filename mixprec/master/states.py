@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..dtypes import dtype_name, to_dtype
-from .rounding import RoundingGenerator, stochastic_round
+from .rounding import RoundingGenerator, shard_key, stochastic_round
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "GENERATOR_KEY", "OWN_KEYS", "check_state_dtype",
            "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
@@ -85,8 +85,8 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
         for i, k in enumerate(keys):
             value = state[k]
             if drawn is not None and value.dtype == torch.float32:
-                state[k] = _map_local(value, lambda t: stochastic_round(
-                    t, drawn[i].to(t.device)))
+                key = shard_key(drawn[i], value)
+                state[k] = _map_local(value, lambda t: stochastic_round(t, key.to(t.device)))
             else:
                 state[k] = value.to(dtype)
 
@@ -157,8 +157,10 @@ def _restore(optimizer) -> None:
 # -- the rounding generator in the state ---------------------------------------------------------
 def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
     """Put the generator's state into the first state entry that holds the inner optimizer's own
-    state (an entry of ours alone would make torch's optimizers skip their state set-up)."""
-    anchor = None
+    state (an entry of ours alone would make torch's optimizers skip their state set-up), else,
+    when the inner optimizer keeps none (SGD without momentum), the first entry of ours (a
+    Kahan compensation's)."""
+    anchor = ours = None
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -167,6 +169,9 @@ def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerat
             state.pop(GENERATOR_KEY, None)
             if anchor is None and any(k not in OWN_KEYS for k in state):
                 anchor = state
+            if ours is None and state:
+                ours = state
+    anchor = anchor if anchor is not None else ours
     if anchor is not None:
         anchor[GENERATOR_KEY] = rounding.state_dict()
 

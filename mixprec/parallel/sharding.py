@@ -9,9 +9,9 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
   With ``master="kahan"``/``"stochastic"`` the shards are 16-bit and the optimizer comes back
   wrapped in a :class:`mixprec.master.CompactMasterOptimizer` that steps them (compensation
-  buffers and moments sharded alike; stochastic rounding keys differ per rank, as the shards
-  do); with ``state_dtype="bf16"`` and fp32 masters, in a ``MasterWeightOptimizer`` that only
-  keeps the moments in bf16.
+  buffers and moments sharded alike; each shard rounds stochastically with the random bits
+  its elements get in one process); with ``state_dtype="bf16"`` and fp32 masters, in a
+  ``MasterWeightOptimizer`` that only keeps the moments in bf16.
   Modules that :func:`mixprec.prepare` keeps in fp32 at O2 (norm layers, ``keep_fp32``) become
   sharding units of their own, gathered in fp32, so they still compute in fp32.
 * O3: 16-bit shards, 16-bit compute.
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
@@ -130,8 +131,8 @@ def _policies(policy, reduce_dtype: torch.dtype):
 
 def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
-         mesh=None, keep_fp32=None, policy: Policy | None = None, fp8: str | None = None,
-         fp8_modules=None):
+         mesh=None, keep_fp32=None, policy: Policy | None = None, master: str | None = None,
+         state_dtype=None, fp8: str | None = None, fp8_modules=None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -158,6 +159,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        master: ``"fp32"`` (the fp32 shards are the masters), ``"kahan"`` or
+            ``"stochastic"`` (16-bit shards; see :func:`mixprec.prepare`). O2 only.
+        state_dtype: ``"fp32"`` or ``"bf16"``: the optimizer's moment buffers. O2 only.
         fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
 
     Returns:
@@ -165,9 +169,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer.
-        ValueError: an unknown level, dtype or reduce dtype; a unit name that is not a
-            sub-module; an optimizer that stepped, is a MasterWeightOptimizer or holds foreign
-            tensors; no process group and no torchrun environment.
+        ValueError: an unknown level, dtype, reduce dtype, master or state dtype; a unit name
+            that is not a sub-module; an optimizer that stepped, is a MasterWeightOptimizer or
+            holds foreign tensors; no process group and no torchrun environment.
         RuntimeError: the model was already prepared or sharded.
 
     Example:
@@ -183,18 +187,20 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     names = _check_optimizer(model, optimizer)
     unit_names = _unit_names(model, units)
     env.require_group("mp.parallel.fsdp")
-    originals = {p: p.data for p in model.parameters()}
+    originals = {n: p.data for n, p in model.named_parameters()}
     fp8_names, chooser = split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model),
-                                           fp8=fp8, fp8_modules=fp8_names), fp8_filter=chooser)
+                                           master=master, state_dtype=state_dtype, fp8=fp8,
+                                           fp8_modules=fp8_names), fp8_filter=chooser)
     policy = policy_of(model)
     kept_units: list[str] = []
     if policy.master_weights:
         kept_units = _fp32_modules(model, policy.param_dtype)
-        for p, data in originals.items():  # FSDP casts at gather time; the shards stay fp32
-            if policy.master == "fp32":    # (compact masters keep 16-bit shards)
-                p.data = data
-    del originals
+        if policy.master == "fp32":  # FSDP casts at gather time; the shards stay fp32
+            for name, p in model.named_parameters():  # (compact masters keep 16-bit shards)
+                p.data = originals[name]
+    if not (policy.master_weights and policy.master == "kahan"):
+        originals = {}  # only a Kahan compensation needs the fp32 values again
     all_gather_in_fp8(model)
     if mesh is None:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -209,10 +215,22 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if optimizer is None:
         return model
     _rebind_optimizer(optimizer, names, model)
-    return model, _wrap_sharded(optimizer, policy)
+    return model, _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
 
 
-def _wrap_sharded(optimizer, policy: Policy):
+def _sharded_originals(model: nn.Module, originals: dict) -> dict:
+    """Sharded 16-bit parameter -> its fp32 value before the cast, sharded alike (each rank
+    cuts its own shard: every rank holds the same full value, so no communication)."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = originals.get(name)
+        if isinstance(p, DTensor) and value is not None and value.dtype != p.dtype:
+            out[p] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
+                                       src_data_rank=None)
+    return out
+
+
+def _wrap_sharded(optimizer, policy: Policy, initial: dict):
     """The optimizer over the shards: plain at fp32 masters with fp32 moments, else wrapped."""
     if not policy.master_weights or (policy.master, policy.state_dtype) == ("fp32",
                                                                             torch.float32):
@@ -220,4 +238,4 @@ def _wrap_sharded(optimizer, policy: Policy):
     if policy.master == "fp32":
         return MasterWeightOptimizer(optimizer, fused=False, state_dtype=policy.state_dtype)
     return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
-                                  salt=env.rank())
+                                  initial_values=initial)

@@ -130,10 +130,10 @@ class LossScaler(GradScalerInterface):
         inv_scale = self._inv_scale() if self._scales else None
         if owns_gradients(optimizer):
             found = optimizer.unscale_grads_(inv_scale)
-            record.found_inf = found.to(self._state.device) if self._checks else None
+            record.found_inf = _local(found).to(self._state.device) if self._checks else None
         elif self._scales:
-            record.found_inf = passes.unscale_and_check_(optimizer.param_groups, inv_scale,
-                                                         self._state.device)
+            record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
+                                                                inv_scale, self._state.device))
         record.stage = Stage.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -296,7 +296,7 @@ class LossScaler(GradScalerInterface):
         record = self._ready_record(optimizer, "step()")
         if self._checks:
             grads = [g for _, g in optimizer.grads_for_step()]
-            record.found_inf = passes.found_nonfinite(grads, self._state.device)
+            record.found_inf = _local(passes.found_nonfinite(grads, self._state.device))
         if self._scales:
             record.grad_scale = self._state.scale
         return record
@@ -305,7 +305,7 @@ class LossScaler(GradScalerInterface):
         """Clip an owner's gradients by folding the clip factor into the step's grad_scale."""
         record = self._ready_record(optimizer, "clip_grad_norm_()")
         grads = [g for _, g in optimizer.grads_for_step()]
-        total = passes.total_norm(grads, norm_type, self._state.device)
+        total = _replicated(passes.total_norm(grads, norm_type, self._state.device))
         carried = self._state.scale if self._scales else torch.ones_like(total)
         total = total / carried
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -341,6 +341,20 @@ class LossScaler(GradScalerInterface):
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _replicated(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the global value of ``value`` (a norm computed over
+    FSDP-sharded gradients is a DTensor, partial on each rank: reduced here)."""
+    full = getattr(value, "full_tensor", None)
+    return full() if full is not None else value
+
+
+def _local(flag: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an inf/NaN flag (a DTensor over FSDP-sharded gradients): the
+    overflow check all-reduces the flags with max, which makes them global."""
+    to_local = getattr(flag, "to_local", None)
+    return to_local() if to_local is not None else flag
 
 
 def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -4,7 +4,8 @@ A checkpoint is a directory written by every rank through ``torch.distributed.ch
 (model and optimizer shards, loadable at another world size), plus ``trainer.pt`` (scaler,
 scheduler, counters, history; written by rank 0) and ``rank{N}.pt`` (each rank's RNG states). It
 is written under a temporary name and renamed into place when every rank is done, so a failure
-leaves an older checkpoint at ``path`` intact.
+leaves an older checkpoint at ``path`` intact. ``load`` also takes a one-process or DDP file
+(:mod:`mixprec.training.portable`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -26,11 +28,12 @@ from ..parallel import env
 from ..parallel.sharding import fsdp
 from ..policy import Policy
 from . import state as ts
+from .portable import META, load_file_sharded, read_meta
 from .strategy import DistributedStrategy, rank_checkpoint
 
 __all__ = ["FSDPStrategy"]
 
-_META = "trainer.pt"
+_META = META
 
 
 class FSDPStrategy(DistributedStrategy):
@@ -54,7 +57,7 @@ class FSDPStrategy(DistributedStrategy):
             error = _try(lambda: shutil.rmtree(tmp) if tmp.exists() else None)
         self.agree(error, f"preparing {str(tmp)!r}")
         tensors, groups = _sharded_state(trainer)
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        _checkpoint_io(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), "saving", path)
         ranks = self.rank_states(trainer)
         if self.is_main:
             meta = {**ts.trainer_meta(trainer), "world_size": env.world_size(),
@@ -68,9 +71,11 @@ class FSDPStrategy(DistributedStrategy):
 
     def load(self, trainer, path) -> None:
         path = Path(path)
+        if path.is_file():  # a one-process or DDP checkpoint
+            return self._load_file(trainer, path)
         error, meta = None, None
         try:
-            meta = _read_meta(path)
+            meta = read_meta(path)
             ts.check_compatible(trainer, meta, path)
             rank_file = path / f"rank{env.rank() % meta['world_size']}.pt"
             meta["ranks"] = [torch.load(rank_file, map_location="cpu", weights_only=True)]
@@ -81,20 +86,49 @@ class FSDPStrategy(DistributedStrategy):
         if meta["param_groups"] is None:
             state = dict(zip(("model", "optimizer"), get_state_dict(trainer.model,
                                                                     trainer.optimizer)))
-            dcp.load(state, checkpoint_id=str(path))
+            _checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         else:  # saved before the optimizer had state: weights and hyper-parameters only
             state = {"model": get_model_state_dict(trainer.model)}
-            dcp.load(state, checkpoint_id=str(path))
+            _checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
             set_model_state_dict(trainer.model, state["model"])
             trainer.optimizer.state.clear()
             for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
                 group.update(saved)
-        trainer.scaler.load_state_dict(meta["scaler"])
-        if trainer.scheduler is not None:
-            trainer.scheduler.load_state_dict(meta["scheduler"])
-        ts.restore_progress(trainer, meta)
+        _load_rest(trainer, meta)
+
+    def _load_file(self, trainer, path: Path) -> None:
+        """A one-process or DDP checkpoint file: every rank reads it and keeps its shards."""
+        error, ckpt = None, None
+        try:
+            ckpt = ts.read_checkpoint(path)
+            ts.check_compatible(trainer, ckpt, path)
+            ckpt = rank_checkpoint(ckpt, path, env.rank(), env.world_size())
+        except Exception as exc:
+            error = exc
+        self.agree(error, f"loading checkpoint {str(path)!r}")
+        load_file_sharded(trainer, ckpt)
+        _load_rest(trainer, ckpt)
+
+
+def _load_rest(trainer, ckpt: dict) -> None:
+    """Scaler, scheduler, counters, history and RNG states (after the tensors)."""
+    trainer.scaler.load_state_dict(ckpt["scaler"])
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(ckpt["scheduler"])
+    ts.restore_progress(trainer, ckpt)
+
+
+def _checkpoint_io(action, what: str, path: Path) -> None:
+    """Run a DCP save or load; its ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` lets through) becomes a ``RuntimeError`` naming the path."""
+    try:
+        action()
+    except CheckpointException as exc:
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"  # (exception, traceback)
+                           for r, (e, _) in sorted(exc.failures.items()))
+        raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed ({causes})") from exc
 
 
 def _sharded_state(trainer) -> tuple[dict, list | None]:
@@ -132,14 +166,4 @@ def _replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
-def _read_meta(path: Path) -> dict:
-    if path.is_file():
-        raise ValueError(f"{str(path)!r} is a file; an FSDP Trainer checkpoint is the directory "
-                         f"Trainer.save writes under strategy='fsdp'")
-    if not (path / _META).is_file():
-        raise FileNotFoundError(f"no FSDP Trainer checkpoint at {str(path)!r} (no {_META} there)")
-    meta = ts.read_checkpoint(path / _META)
-    if "world_size" not in meta:
-        raise ValueError(f"{str(path / _META)!r} is not an FSDP Trainer checkpoint")
-    return meta
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -148,7 +149,7 @@ class Strategy:
         ts.atomic_save(ts.trainer_state(trainer), path)
 
     def load(self, trainer, path) -> None:
-        ckpt = ts.read_checkpoint(path)
+        ckpt = read_any(path, trainer.optimizer)
         ts.load_trainer_state(trainer, rank_checkpoint(ckpt, path, 0, 1), path)
 
 
@@ -247,6 +248,14 @@ def _collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text)
 
 
+def read_any(path, optimizer) -> dict:
+    """A checkpoint file, or an FSDP checkpoint directory read whole (in this process)."""
+    if Path(path).is_dir():
+        from .portable import fill_fresh_optimizer, read_directory  # DCP: loaded when used
+        return fill_fresh_optimizer(read_directory(path), optimizer)
+    return ts.read_checkpoint(path)
+
+
 def rank_checkpoint(ckpt: dict, path, rank: int, world: int) -> dict:
     """``ckpt`` with this rank's RNG states (a checkpoint saved at another world size only at an
     epoch boundary: mid-epoch, the position refers to another split of the data)."""
@@ -302,7 +311,8 @@ class DDPStrategy(DistributedStrategy):
     def load(self, trainer, path) -> None:
         error = None
         try:
-            ckpt = rank_checkpoint(ts.read_checkpoint(path), path, env.rank(), env.world_size())
+            ckpt = rank_checkpoint(read_any(path, trainer.optimizer), path, env.rank(),
+                                   env.world_size())
             ts.load_trainer_state(trainer, ckpt, path)
         except Exception as exc:
             error = exc

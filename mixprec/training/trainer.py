@@ -414,10 +414,12 @@ class Trainer:
 
         Under ddp/fsdp call it on every rank; a resumed run is bitwise equal to the
         uninterrupted one at the same world size (at another world size, only checkpoints saved
-        at the end of an epoch load).
+        at the end of an epoch load). Either form loads under every strategy: a one-process or
+        DDP file, or an FSDP directory (read whole by each process;
+        :func:`mixprec.convert_checkpoint` writes one as a file).
 
         Raises:
-            FileNotFoundError: no such file.
+            FileNotFoundError: no such file or checkpoint directory.
             ValueError: not a Trainer checkpoint, or one from another model, policy or set-up
                 (scheduler or not); the trainer is left unchanged.
         """

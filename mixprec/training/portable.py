@@ -1,0 +1,145 @@
+"""Trainer checkpoints across strategies: one-process/DDP files and FSDP directories.
+
+The two forms hold the same things in two layouts:
+
+* one process or DDP: one ``torch.save`` file: the model's fp32 ``state_dict``, the optimizer's
+  torch ``state_dict`` (state numbered by the parameter's position in ``param_groups``), the
+  scaler, scheduler, counters, history and RNG states (DDP: every rank's, under ``"ranks"``);
+* FSDP: a directory: ``torch.distributed.checkpoint`` shards of the model and of the optimizer
+  (state keyed by the parameter's qualified name, ``param_groups`` listing those names in
+  order), ``trainer.pt`` (the rest) and ``rank{N}.pt`` (each rank's RNG states).
+
+Both Trainers build their optimizer from the same user optimizer, so position ``i`` in one is
+the ``i``-th name in the other. :meth:`mixprec.Trainer.load` takes either form under every
+strategy; :func:`convert_checkpoint` writes a directory's content as one file.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..master.checkpoint import MASTERS_KEY
+from . import state as ts
+
+__all__ = ["convert_checkpoint", "read_directory", "read_meta", "load_file_sharded", "META"]
+
+META = "trainer.pt"
+
+
+def read_meta(path: Path) -> dict:
+    """``trainer.pt`` of an FSDP checkpoint directory (checked)."""
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"no Trainer checkpoint at {str(path)!r}: a directory checkpoint "
+                                f"(strategy='fsdp') holds {META}, and none is there")
+    meta = ts.read_checkpoint(path / META)
+    if "world_size" not in meta:
+        raise ValueError(f"{str(path / META)!r} is not an FSDP Trainer checkpoint")
+    return meta
+
+
+def read_directory(path) -> dict:
+    """An FSDP checkpoint directory as the dict a one-process checkpoint file holds.
+
+    Reads every shard in this process (no process group needed): the full model and optimizer
+    state must fit in CPU memory. When the optimizer had no state yet at saving time,
+    ``"optimizer"`` is None and ``"param_groups"`` holds the groups' options.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    ranks = [torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=True)
+             for r in range(meta["world_size"])]
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        content = torch.load(whole, map_location="cpu", weights_only=True)
+    ckpt = {**meta, "model": content["model"], "ranks": ranks, "optimizer": None}
+    if meta["param_groups"] is None:
+        ckpt["optimizer"] = _by_position(content["optimizer"])
+    return ckpt
+
+
+def _by_position(osd: dict) -> dict:
+    """An optimizer state dict keyed by qualified names, renumbered by position."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in osd["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: entry for name, entry in osd["state"].items()},
+            "param_groups": groups}
+
+
+def fill_fresh_optimizer(ckpt: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``ckpt`` with an optimizer state dict built from its saved group options when it was
+    saved before the optimizer had state (numbering from ``optimizer``)."""
+    if ckpt["optimizer"] is not None:
+        return ckpt
+    groups = [{**now, **saved} for now, saved in zip(optimizer.state_dict()["param_groups"],
+                                                      ckpt["param_groups"])]
+    return {**ckpt, "optimizer": {"state": {}, "param_groups": groups}}
+
+
+def convert_checkpoint(src, dst) -> None:
+    """Write the FSDP checkpoint directory ``src`` as the one file ``dst`` that a one-process
+    or DDP :class:`mixprec.Trainer` writes and loads (in one process; no process group).
+
+    :meth:`mixprec.Trainer.load` also takes the directory itself under every strategy, and an
+    FSDP Trainer takes a one-process or DDP file: load it there and ``save`` to get the
+    directory form. A checkpoint saved in the middle of an epoch resumes only at the world size
+    that saved it.
+
+    Args:
+        src: an FSDP Trainer checkpoint directory.
+        dst: the file to write (replaced atomically).
+
+    Raises:
+        FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
+        ValueError: ``dst`` is a directory, or ``src`` is not a Trainer checkpoint.
+
+    Example:
+        >>> mp.convert_checkpoint("run/ckpt-step400", "run/step400.pt")  # doctest: +SKIP
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"convert_checkpoint reads an FSDP checkpoint directory; "
+                                f"{str(src)!r} is not a directory (a one-process or DDP file "
+                                f"loads into an FSDP Trainer as it is)")
+    ckpt = read_directory(src)
+    if ckpt["optimizer"] is None:
+        raise ValueError(f"{str(src)!r} was saved before the first step (no optimizer state): "
+                         f"load it with Trainer.load, which takes the directory as it is")
+    del ckpt["param_groups"]
+    ts.atomic_save(ckpt, dst)
+
+
+def load_file_sharded(trainer, ckpt: dict) -> None:
+    """Load a one-process/DDP checkpoint dict into an FSDP Trainer: every rank reads the full
+    tensors and keeps its shard (parameters and state shaped as their parameter)."""
+    set_model_state_dict(trainer.model, ckpt["model"],
+                         options=StateDictOptions(full_state_dict=True))
+    optimizer = trainer.optimizer
+    osd = {k: v for k, v in ckpt["optimizer"].items() if k != MASTERS_KEY}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if sum(len(g["params"]) for g in osd["param_groups"]) != len(params):
+        raise ValueError(f"the checkpoint's optimizer holds "
+                         f"{sum(len(g['params']) for g in osd['param_groups'])} parameters and "
+                         f"this trainer's {len(params)}: build the optimizer the same way")
+    state = {i: {k: _shard_like(v, params[i]) for k, v in entry.items()}
+             for i, entry in osd["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": osd["param_groups"]})
+
+
+def _shard_like(value, param: torch.Tensor):
+    """A full tensor shaped as the sharded ``param``: this rank's shard of it (no
+    communication: every rank holds the full value)."""
+    if (isinstance(param, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor)
+            and value.shape == param.shape):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
