@@ -3,7 +3,7 @@ it so.
 
 A model is divided into regions. The prepared model's root is one (its :class:`Entry` casts the
 model's inputs to the compute dtype, runs the forward under the policy's
-:class:`~mixprec.autocast.PrecisionContext` and casts the outputs); every ``to_float`` module and
+:class:`~mixprec.autocast.PrecisionContext` and casts the outputs, see :mod:`mixprec.outputs`); every ``to_float`` module and
 every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
 parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
 module belongs to the innermost region around it.
@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast import PrecisionContext, cast_floating, context_active
 from .dtypes import TRAINING_DTYPES
+from .outputs import cast_outputs
 
 __all__ = ["Region", "ForwardWrapper", "Entry", "Island", "RegionWrapper", "assign_regions",
            "island_of",
@@ -120,7 +121,7 @@ class Entry(ForwardWrapper):
             out = self.call_inner(*args, **kwargs)
         else:
             out = self.context.run(self.call_inner, args, kwargs)
-        return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
+        return out if self.out_dtype is None else cast_outputs(out, self.out_dtype)
 
 
 class Island(ForwardWrapper):
