@@ -196,13 +196,20 @@ class RegionWrapper(ForwardWrapper):
         super().__init__(module)
         self.region = region
 
+    @property
+    def region(self) -> Region:
+        return self._region
+
+    @region.setter
+    def region(self, region: Region) -> None:  # decided once, not per call
+        self._region, self._cast, self._restore = region, region.cast, region.restore
+
     def __call__(self, *args, **kwargs):
-        region = self.region
-        if region.cast is not None and _needs_cast((args, kwargs), region.cast):
-            args, kwargs = cast_floating((args, kwargs), region.cast)
-        if region.restore and not torch.compiler.is_compiling() and not context_active():
+        if self._cast is not None and _needs_cast((args, kwargs), self._cast):
+            args, kwargs = cast_floating((args, kwargs), self._cast)
+        if self._restore and not torch.compiler.is_compiling() and not context_active():
             with contextlib.ExitStack() as entered:
-                region.context.enter(entered)
+                self._region.context.enter(entered)
                 return self.call_inner(*args, **kwargs)
         return self.call_inner(*args, **kwargs)
 
