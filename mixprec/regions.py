@@ -3,8 +3,8 @@ it so.
 
 A model is divided into regions. The prepared model's root is one (its :class:`Entry` casts the
 model's inputs to the compute dtype, runs the forward under the policy's
-:class:`~mixprec.autocast.PrecisionContext` and casts the outputs, see :mod:`mixprec.outputs`); every ``to_float`` module and
-every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
+:class:`~mixprec.autocast.PrecisionContext` and casts the outputs, see :mod:`mixprec.outputs`);
+every ``to_float`` module and every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
 parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
 module belongs to the innermost region around it.
 

@@ -6,8 +6,8 @@ synthetic batch, loss from the model itself (``labels=``), dropout off (every ro
 function). The rows: ``fp32``; ``autocast``
 (``torch.autocast`` around the forward, what most people write); ``O1``, ``O2``, ``O3``;
 ``compact`` (O2 with Kahan-compensated 16-bit masters and bf16 moments); ``fp8`` (O2 with the
-Linear layers' GEMMs in FP8, tensorwise). Every row runs the same loop: forward, ``loss.backward()``,
-``opt.step()``, ``opt.zero_grad()``.
+Linear layers' GEMMs in FP8, tensorwise). Every row runs the same loop: forward,
+``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``.
 
 Columns, each measured with the rows interleaved in one process (a loaded machine slows them
 alike) and repeated, medians:
