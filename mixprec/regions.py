@@ -4,9 +4,9 @@ it so.
 A model is divided into regions. The prepared model's root is one (its :class:`Entry` casts the
 model's inputs to the compute dtype, runs the forward under the policy's
 :class:`~mixprec.autocast.PrecisionContext` and casts the outputs, see :mod:`mixprec.outputs`);
-every ``to_float`` module and every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
-parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
-module belongs to the innermost region around it.
+every ``to_float`` module and every module kept in fp32 starts another (its :class:`Island` casts
+its floating inputs, and its parameters when they are stored in another dtype, to its dtype and
+runs with autocast off). A module belongs to the innermost region around it.
 
 Outputs are never cast on the way out of an island: an fp32 layer's output is fp32 (MindSpore's
 rule, and torch's ``autocast(enabled=False)`` idiom). Its consumers compute in their own dtype:
