@@ -9,10 +9,11 @@ like the mode does and runs the op with autocast off. Every other op dispatches 
 ``torch.autocast``.
 
 Only ops torch's autocast has no kernel for on that device are handled here (:func:`split`):
-their Autocast slot is a fallthrough, so a kernel there replaces nothing of torch's. The
-kernels are registered while a block that needs them runs (:class:`active`; a library
-registered for one block costs ~60 us) and read the innermost block's targets from
-thread-local state: any other thread, and code outside such blocks, dispatches as before.
+their Autocast slot is a fallthrough, so a kernel there replaces nothing of torch's. A kernel
+is registered the first time a block needs it (:class:`active`) and stays; it reads the
+innermost block's targets from thread-local state, so any other thread, and code outside such
+blocks, computes as before. What they pay once a kernel is registered: a call of that op under
+plain ``torch.autocast`` passes through the kernel (a Python call, ~5 us) on its way on.
 
 Traced code (``torch.compile``) keeps the mode: dynamo inlines it into the graph as explicit
 casts, so a compiled forward is one graph with the same casts as before.
@@ -93,38 +94,30 @@ def _kernel(name: str, op, device_type: str):
 
 
 class _Registry:
-    """The library holding the kernels, registered while any block on any thread needs them."""
+    """The library holding the kernels: each op's kernel registered the first time a block
+    needs it, and kept (registering costs milliseconds inside a deep call stack; a kernel
+    outside any block passes its op on, as the fallthrough it replaced would)."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.users: dict[tuple[str, str], int] = {}
+        self.registered: set[tuple[str, str]] = set()
         self.library: torch.library.Library | None = None
 
     def acquire(self, device_type: str, names) -> None:
+        if all((device_type, n) in self.registered for n in names):
+            return
         with self.lock:
-            fresh = [n for n in names if (device_type, n) not in self.users]
-            for n in names:
-                self.users[(device_type, n)] = self.users.get((device_type, n), 0) + 1
-            if not fresh:
-                return
             if self.library is None:
                 self.library = torch.library.Library("aten", "IMPL")
-            for n in fresh:
+            for n in names:
+                if (device_type, n) in self.registered:
+                    continue
                 for overload in ATEN_OVERLOADS[n]:
                     base, _, variant = overload.partition(".")
                     op = getattr(getattr(torch.ops.aten, base), variant)
                     self.library.impl(base if variant == "default" else overload,
                                       _kernel(n, op, device_type), _KEYS[device_type])
-
-    def release(self, device_type: str, names) -> None:
-        with self.lock:
-            for n in names:
-                self.users[(device_type, n)] -= 1
-                if not self.users[(device_type, n)]:
-                    del self.users[(device_type, n)]
-            if not self.users and self.library is not None:
-                self.library._destroy()
-                self.library = None
+                self.registered.add((device_type, n))
 
 
 _registry = _Registry()
@@ -149,5 +142,4 @@ class active:
 
     def __exit__(self, *exc):
         _state.stack.pop()
-        _registry.release(self.device_type, self.targets)
         return False
