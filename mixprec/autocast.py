@@ -17,15 +17,16 @@ import copy
 import dataclasses
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import oplists
 from .dtypes import CASTABLE_DTYPES
 from .emulation import Fp16EmulationMode, should_emulate
+from .oplists import kernels
 from .policy import resolve_dtype
 
-__all__ = ["autocast", "cast_floating", "PrecisionContext", "is_mixprec_mode"]
+__all__ = ["autocast", "cast_floating", "PrecisionContext", "is_mixprec_mode", "context_active"]
 
 _LOW = "low"  # marker: "the autocast dtype in force at call time"
 _PROMOTE = "promote"  # marker: "the widest floating dtype among the inputs"
@@ -73,6 +74,12 @@ def is_mixprec_mode(mode) -> bool:
     return isinstance(mode, (_OpListMode, Fp16EmulationMode))
 
 
+def context_active() -> bool:
+    """True inside a block that casts ops with mixprec's kernels or modes (this thread)."""
+    return (kernels.targets_in_force() is not None
+            or any(is_mixprec_mode(m) for m in _get_current_function_mode_stack()))
+
+
 def _widest(tree, device_type: str) -> torch.dtype | None:
     """fp32 when the fp32/fp16/bf16 tensors of ``device_type`` in ``tree`` mix dtypes, else None."""
     dtypes = {t.dtype for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
@@ -117,7 +124,11 @@ class PrecisionContext:
             to, ``"low"`` (the autocast dtype) or ``"promote"`` (the widest input dtype).
         emulate: run fp16 GEMM/conv through the fp16 emulation (see :mod:`mixprec.emulation`).
         targets: the Python callables the op names stand for, resolved once (not pickled: a
-            context pickles by op names and resolves them again when loaded).
+            context pickles by op names and resolves them again when loaded): what traced code
+            (``torch.compile``) intercepts.
+        kernels: op name -> target for the ops cast at the dispatcher in eager code (see
+            :mod:`mixprec.oplists.kernels`); ``mode_targets``: the callables of the others, the
+            only ones the eager mode intercepts (empty: no mode at all).
     """
 
     device_type: str
@@ -127,9 +138,14 @@ class PrecisionContext:
     ops: tuple = ()
     emulate: bool = False
     targets: dict = dataclasses.field(init=False, repr=False)
+    kernels: dict = dataclasses.field(init=False, repr=False)
+    mode_targets: dict = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "targets", _resolve(self.ops))
+        here, rest = kernels.split(self.device_type, self.ops)
+        object.__setattr__(self, "kernels", dict(here))
+        object.__setattr__(self, "mode_targets", _resolve(rest))
 
     def __reduce__(self):
         return (PrecisionContext, (self.device_type, self.dtype, self.autocast,
@@ -143,20 +159,23 @@ class PrecisionContext:
 
     def run(self, fn, args: tuple, kwargs: dict):
         """``fn(*args, **kwargs)`` under this context."""
-        if self.autocast:
-            with torch.autocast(self.device_type, dtype=self.dtype,
-                                cache_enabled=self.cache_enabled):
-                return self._with_modes(fn, args, kwargs)
-        with torch.autocast(self.device_type, enabled=False):
-            return self._with_modes(fn, args, kwargs)
+        with self._autocast():
+            if self._eager_kernels():
+                with kernels.active(self.device_type, self.kernels):
+                    return self._with_modes(self.mode_targets, fn, args, kwargs)
+            return self._with_modes(self.targets, fn, args, kwargs)
 
-    def _with_modes(self, fn, args, kwargs):
-        if self.targets and self.emulate:  # the op lists innermost: they see each call first
-            with Fp16EmulationMode(self.device_type), \
-                    _OpListMode(self.device_type, self.targets):
+    def _eager_kernels(self) -> bool:
+        # eager code casts these ops at the dispatcher and intercepts only the others in
+        # Python; traced code intercepts them all (dynamo inlines the mode into the graph)
+        return bool(self.kernels) and self.autocast and not torch.compiler.is_compiling()
+
+    def _with_modes(self, targets: dict, fn, args, kwargs):
+        if targets and self.emulate:  # the op lists innermost: they see each call first
+            with Fp16EmulationMode(self.device_type), _OpListMode(self.device_type, targets):
                 return fn(*args, **kwargs)
-        if self.targets:
-            with _OpListMode(self.device_type, self.targets):
+        if targets:
+            with _OpListMode(self.device_type, targets):
                 return fn(*args, **kwargs)
         if self.emulate:
             with Fp16EmulationMode(self.device_type):
@@ -165,15 +184,21 @@ class PrecisionContext:
 
     def enter(self, stack: contextlib.ExitStack) -> None:
         """Enter this context on ``stack`` (for code that is not one function call)."""
-        if self.autocast:
-            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype,
-                                               cache_enabled=self.cache_enabled))
-        else:
-            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        stack.enter_context(self._autocast())
+        targets = self.targets
+        if self._eager_kernels():
+            stack.enter_context(kernels.active(self.device_type, self.kernels))
+            targets = self.mode_targets
         if self.emulate:
             stack.enter_context(Fp16EmulationMode(self.device_type))
-        if self.targets:
-            stack.enter_context(_OpListMode(self.device_type, self.targets))
+        if targets:
+            stack.enter_context(_OpListMode(self.device_type, targets))
+
+    def _autocast(self) -> torch.autocast:
+        if self.autocast:
+            return torch.autocast(self.device_type, dtype=self.dtype,
+                                  cache_enabled=self.cache_enabled)
+        return torch.autocast(self.device_type, enabled=False)
 
 
 class autocast(contextlib.ContextDecorator):

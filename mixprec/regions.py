@@ -1,29 +1,29 @@
-"""Precision regions: where each module of a model computes, and the wrappers and hooks that
-make it so.
+"""Precision regions: where each module of a model computes, and the forward wrappers that make
+it so.
 
 A model is divided into regions. The prepared model's root is one (its :class:`Entry` casts the
 model's inputs to the compute dtype, runs the forward under the policy's
-:class:`~mixprec.autocast.PrecisionContext` and casts the outputs); every ``to_float`` module and
-every module kept in fp32 starts another (its :class:`Island` casts its floating inputs, and its
-parameters when they are stored in another dtype, to its dtype and runs with autocast off). A
-module belongs to the innermost region around it.
+:class:`~mixprec.autocast.PrecisionContext` and casts the outputs, see :mod:`mixprec.outputs`);
+every ``to_float`` module and every module kept in fp32 starts another (its :class:`Island` casts
+its floating inputs, and its parameters when they are stored in another dtype, to its dtype and
+runs with autocast off). A module belongs to the innermost region around it.
 
 Outputs are never rounded on the way out of an island: an fp32 layer's output is fp32
 (MindSpore's rule, and torch's ``autocast(enabled=False)`` idiom). Its consumers compute in their
 own dtype: under autocast (O1/O2) by autocast's casts and type promotion; in a region of one
-fixed dtype that holds islands of another (O3 with fp32 modules, ``to_float`` regions) a forward
-pre-hook on each of its modules casts that module's floating inputs to the region's dtype. A
+fixed dtype that holds islands of another (O3 with fp32 modules, ``to_float`` regions) the forward
+wrapper of each of its modules casts that module's floating inputs to the region's dtype. A
 low-precision island inside wider code that has neither (a plain fp32 model, the default until a
 region says otherwise) widens its floating outputs to that code's dtype, losslessly, so the fp32
 layers after it can consume them.
 
 Recomputation (activation checkpointing) runs a module's forward again during backward, outside
 the prepared model's forward. torch restores the autocast state there, but not the op-list and
-fp16-emulation modes a region may need; a forward pre-hook on each module of such a region enters
+fp16-emulation modes a region may need; the forward wrapper of each module of such a region enters
 the region's context when no mixprec mode is active, so the recomputed forward computes exactly
 as the first one did.
 
-Every wrapper and hook is a small picklable object owned by its module: a prepared or marked
+Every wrapper is a small picklable object owned by its module: a prepared or marked
 model pickles, deep-copies and compiles into one ``torch.compile`` graph.
 """
 
@@ -36,17 +36,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.overrides import _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from .autocast import PrecisionContext, cast_floating, is_mixprec_mode
+from .autocast import PrecisionContext, cast_floating, context_active
 from .dtypes import TRAINING_DTYPES
+from .outputs import cast_outputs
 
-__all__ = ["Region", "ForwardWrapper", "Entry", "Island", "assign_regions", "island_of",
+__all__ = ["Region", "ForwardWrapper", "Entry", "Island", "RegionWrapper", "assign_regions",
+           "island_of",
            "region_modules", "island_region", "structure_changed",
            "refresh_island", "outer_dtype"]
 
-_HOOK_ATTR = "_mixprec_region_hook"
 _generation = itertools.count(1)
 _current = [next(_generation)]  # bumped whenever islands are added: islands re-derive their slots
 
@@ -77,17 +77,13 @@ class Region:
         return c is not None and bool(c.targets or c.emulate)
 
     @property
-    def needs_hooks(self) -> bool:
+    def needs_wrapper(self) -> bool:
         return self.restore or self.cast is not None
 
 
 def _needs_cast(tree, dtype: torch.dtype) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in TRAINING_DTYPES and t.dtype != dtype
                for t in tree_flatten(tree)[0])
-
-
-def _mode_active() -> bool:
-    return any(is_mixprec_mode(m) for m in _get_current_function_mode_stack())
 
 
 # -- forward wrappers ------------------------------------------------------------------------------
@@ -128,7 +124,7 @@ class Entry(ForwardWrapper):
             out = self.call_inner(*args, **kwargs)
         else:
             out = self.context.run(self.call_inner, args, kwargs)
-        return out if self.out_dtype is None else cast_floating(out, self.out_dtype)
+        return out if self.out_dtype is None else cast_outputs(out, self.out_dtype)
 
 
 class Island(ForwardWrapper):
@@ -206,67 +202,80 @@ def region_modules(root: nn.Module):
             yield from region_modules(child)
 
 
-# -- per-module hooks ------------------------------------------------------------------------------
-class _RegionHook:
-    """Forward pre-hook and hook of one module: re-enter its region's context when none is
-    active (recomputation), and cast its floating inputs in a fixed-dtype region."""
+# -- per-module region wrappers --------------------------------------------------------------------
+class RegionWrapper(ForwardWrapper):
+    """The forward of one module of a region: re-enters the region's context when none is
+    active (recomputation), and casts its floating inputs in a fixed-dtype region. A forward
+    wrapper rather than forward hooks: a module call costs one Python call more, not torch's
+    hook path."""
 
-    def __init__(self, region: Region):
+    def __init__(self, module: nn.Module, region: Region):
+        super().__init__(module)
         self.region = region
-        self.handles: list = []
-        self._entered: list[contextlib.ExitStack | None] = []
 
-    def __getstate__(self) -> dict:
-        return {"region": self.region, "handles": [], "_entered": []}
+    @property
+    def region(self) -> Region:
+        return self._region
 
-    def pre(self, module, args, kwargs):
-        region = self.region
-        if not torch.compiler.is_compiling():
-            entered = None
-            if region.restore and not _mode_active():
-                entered = contextlib.ExitStack()
-                region.context.enter(entered)
-            self._entered.append(entered)
-        if region.cast is not None and _needs_cast((args, kwargs), region.cast):
-            return cast_floating((args, kwargs), region.cast)
-        return None
+    @region.setter
+    def region(self, region: Region) -> None:  # decided once, not per call
+        self._region, self._cast, self._restore = region, region.cast, region.restore
 
-    def post(self, module, args, kwargs, output):
-        if not torch.compiler.is_compiling() and self._entered:
-            entered = self._entered.pop()
-            if entered is not None:
-                entered.close()
-        return None
+    def __call__(self, *args, **kwargs):
+        if self._cast is not None and _needs_cast((args, kwargs), self._cast):
+            args, kwargs = cast_floating((args, kwargs), self._cast)
+        if self._restore and not torch.compiler.is_compiling() and not context_active():
+            with contextlib.ExitStack() as entered:
+                self._region.context.enter(entered)
+                return self.call_inner(*args, **kwargs)
+        return self.call_inner(*args, **kwargs)
 
 
-def _set_hook(module: nn.Module, region: Region | None) -> None:
-    hook = module.__dict__.get(_HOOK_ATTR)
-    if region is None or not region.needs_hooks:
-        if hook is not None:
-            for handle in hook.handles:
-                handle.remove()
-            del module.__dict__[_HOOK_ATTR]
+def _region_wrapper(module: nn.Module) -> RegionWrapper | None:
+    wrapper = module.__dict__.get("forward")
+    while wrapper is not None and not isinstance(wrapper, RegionWrapper):
+        wrapper = getattr(wrapper, "inner", None)
+    return wrapper
+
+
+def _unlink(module: nn.Module, wrapper: ForwardWrapper) -> None:
+    """Take ``wrapper`` out of ``module``'s chain of forward wrappers."""
+    outer = module.__dict__.get("forward")
+    if outer is wrapper:
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = wrapper.inner
         return
-    if hook is not None and hook.handles:
-        hook.region = region
+    while outer.inner is not wrapper:
+        outer = outer.inner
+    outer.inner = wrapper.inner
+
+
+def _set_wrapper(module: nn.Module, region: Region | None) -> None:
+    """Give ``module`` the region wrapper of ``region`` (or none, when it needs none)."""
+    wrapper = _region_wrapper(module)
+    if region is None or not region.needs_wrapper:
+        if wrapper is not None:
+            _unlink(module, wrapper)
         return
-    hook = _RegionHook(region)
-    hook.handles = [module.register_forward_pre_hook(hook.pre, with_kwargs=True),
-                    module.register_forward_hook(hook.post, with_kwargs=True, always_call=True)]
-    module.__dict__[_HOOK_ATTR] = hook
+    if wrapper is not None:
+        wrapper.region = region
+        return
+    module.forward = RegionWrapper(module, region)
 
 
 def assign_regions(root: nn.Module, region: Region | None) -> None:
-    """Give every module under ``root`` the hooks of its region: ``region`` for the modules
+    """Give every module under ``root`` the wrapper of its region: ``region`` for the modules
     outside nested islands, each island's own for the modules inside it."""
     for child in root.children():
         island = island_of(child)
         if island is not None:
-            _set_hook(child, None)  # the island's wrapper enters its context and casts inputs
+            _set_wrapper(child, None)  # the island's wrapper enters its context and casts inputs
             island.place(outer_dtype(region))
             assign_regions(child, island_region(child, island))
         else:
-            _set_hook(child, region)
+            _set_wrapper(child, region)
             assign_regions(child, region)
 
 
@@ -280,14 +289,14 @@ def outer_dtype(region: Region | None) -> torch.dtype | None:
 
 
 def refresh_island(module: nn.Module) -> None:
-    """``module`` just became an island (or changed dtype): it drops the hooks of the region
+    """``module`` just became an island (or changed dtype): it drops the wrapper of the region
     around it and its sub-modules take its region."""
     structure_changed()
     island = island_of(module)
-    hook = module.__dict__.get(_HOOK_ATTR)
-    if hook is not None:  # it sat in a region: the code around it computes in that region's dtype
-        island.place(outer_dtype(hook.region))
-    _set_hook(module, None)
+    wrapper = _region_wrapper(module)
+    if wrapper is not None:  # it sat in a region: the code around it computes in its dtype
+        island.place(outer_dtype(wrapper.region))
+    _set_wrapper(module, None)
     assign_regions(module, island_region(module, island))
 
 

@@ -41,6 +41,7 @@ from ..dtypes import dtype_name
 from ..hardware import SlowDtypeWarning
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
+from . import hfbench
 from .args import add_model_size_options, comma_list
 from .memory import peak_mb, reset_peak
 from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
@@ -348,12 +349,23 @@ def _peak_remark(probe: dict) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _run_hf(args) -> int:
+    sizes = {k: getattr(args, a) for k, a in (("width", "width"), ("batch", "batch"),
+                                              ("seq", "seq_len")) if getattr(args, a) is not None}
+    dtype = "bf16" if args.dtype == "auto" else args.dtype
+    rep = hfbench.run_hf_bench(args.model, rounds=max(args.repeat, 5), dtype=dtype, **sizes)
+    print(json.dumps(rep, indent=2) if args.json else hfbench.format_hf_table(rep))
+    return 0
+
+
 def _run(args) -> int:
+    if args.model in hfbench.HF_MODELS:
+        return _run_hf(args)
     sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
              if getattr(args, k) is not None}
     if args.model not in benchmodels.MODELS:
-        raise ValueError(f"unknown model {args.model!r}; "
-                         f"choose one of {', '.join(benchmodels.MODELS)}")
+        raise ValueError(f"unknown model {args.model!r}; choose one of "
+                         f"{', '.join([*benchmodels.MODELS, *hfbench.HF_MODELS])}")
     levels = _parse_levels(",".join(args.levels or LEVELS))
     rep = run_bench(args.model, levels, args.dtype, args.steps, args.warmup,
                     args.repeat, not args.no_reference, not args.in_process, args.device,
@@ -365,7 +377,10 @@ def _run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time a model at each level vs fp32 and torch.autocast",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="nine-linear", help=f"one of {', '.join(benchmodels.MODELS)}")
+    p.add_argument("--model", default="nine-linear",
+                   help=f"one of {', '.join([*benchmodels.MODELS, *hfbench.HF_MODELS])} (the hf- "
+                        f"models: fp32, autocast, O1-O3, compact masters and FP8 side by side, "
+                        f"see mixprec.commands.hfbench)")
     p.add_argument("--levels", action="extend", type=comma_list, default=None,
                    help=f"levels, comma-separated or repeated (default {','.join(LEVELS)})")
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")

@@ -1,0 +1,60 @@
+"""A prepared model's outputs: fp32 where read, and no copy of a field nobody reads when the model
+computed its own loss."""
+
+import pickle
+
+import pytest
+import torch
+
+import mixprec as mp
+from mixprec.autocast import cast_floating
+from mixprec.outputs import cast_outputs
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_logits_stay_uncast_until_read_and_read_as_fp32():
+    model = mp.prepare(_gpt2(), level="O2", dtype="bf16")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    assert out.loss.dtype == torch.float32
+    assert out.__dict__["logits"].dtype == torch.bfloat16  # not copied yet
+    logits = out.logits
+    assert logits.dtype == torch.float32 and out.logits is logits  # cast once
+    assert out["logits"] is logits and out[1] is logits and out.to_tuple()[1] is logits
+    assert out.get("logits") is logits and dict(out.items())["logits"] is logits
+    assert all(v.dtype == torch.float32 for v in out.values() if isinstance(v, torch.Tensor))
+    torch.testing.assert_close(logits, out.__dict__["logits"].float(), rtol=0, atol=0)
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
+    loaded = pickle.loads(pickle.dumps(out))
+    assert type(loaded) is transformers.modeling_outputs.CausalLMOutputWithCrossAttentions
+    assert loaded.logits.dtype == torch.float32
+    out.loss.backward()  # the loss is the model's own, unchanged
+
+
+def test_the_loss_and_logits_match_the_eager_cast():
+    model = mp.prepare(_gpt2(), level="O2", dtype="bf16")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, labels=ids)
+    raw = transformers.modeling_outputs.CausalLMOutputWithCrossAttentions(
+        loss=out.__dict__["loss"], logits=out.__dict__["logits"])
+    eager = cast_floating(raw, torch.float32)
+    torch.testing.assert_close(out.loss, eager.loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=0)
+
+
+def test_outputs_without_a_loss_are_cast_at_once():
+    model = mp.prepare(_gpt2(), level="O2", dtype="bf16")
+    out = model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert out.__dict__["logits"].dtype == torch.float32
+    plain = cast_outputs((torch.ones(2, dtype=torch.bfloat16),), torch.float32)
+    assert plain[0].dtype == torch.float32
