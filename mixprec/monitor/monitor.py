@@ -22,7 +22,6 @@ update) and reads everything with one host sync.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Iterable
 
 import torch
@@ -209,8 +208,6 @@ class PrecisionMonitor:
                                for v in values]).tolist()  # the one host sync
         scalars = {"step": self.step, **dict(zip(names, numbers))}
         scalars["mixprec/skipped_steps"] = self._engine.scaler.skipped_steps
-        scalars = {k: v for k, v in scalars.items() if not (isinstance(v, float)
-                                                            and math.isnan(v))}
         self.records.append(scalars)
         if is_main_process():
             plain = {k: v for k, v in scalars.items() if k != "step"}

@@ -21,7 +21,8 @@ __all__ = ["JSONLWriter", "TensorBoardWriter", "CallbackWriter", "read_run"]
 class JSONLWriter:
     """Append one JSON object per recorded step to ``path``: ``{"step": n, name: value, ...}``.
 
-    Each line is flushed as it is written, so a run that dies keeps every recorded step.
+    The file is opened for each line and closed after it, so a run that dies keeps every
+    recorded step and nothing is left open.
     Non-finite values (an inf gradient norm) are written as the strings "inf", "-inf", "nan".
 
     Args:
@@ -31,17 +32,15 @@ class JSONLWriter:
     def __init__(self, path):
         self.path = pathlib.Path(os.fspath(path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, step: int, scalars: dict) -> None:
         """Append ``{"step": step, **scalars}`` as one line."""
         row = {"step": int(step), **{k: _finite_or_text(v) for k, v in scalars.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+        """Nothing is held open."""
 
     def __repr__(self) -> str:
         return f"JSONLWriter({str(self.path)!r})"
