@@ -161,7 +161,7 @@ def test_activation_amax_and_headroom_are_the_largest_output_and_its_binades_to_
     assert monitor.layer_names == ["0"]
 
 
-# -- cadence, skips, cost shape ----------------------------------------------------------------------
+# -- cadence, skips, cost shape --------------------------------------------------------------------
 def test_records_every_nth_step_with_the_skips_and_the_window_mean_loss():
     monitor = mp.PrecisionMonitor(every=2)
     amp, _, _ = run("O2", "fp16", monitor, n=6, nan_at=2)
@@ -215,7 +215,7 @@ def test_one_host_sync_per_recorded_step_and_none_between(monkeypatch):
         assert calls == ([1] if i == 3 else []), i
 
 
-# -- writers ---------------------------------------------------------------------------------------------
+# -- writers ---------------------------------------------------------------------------------------
 def test_jsonl_writer_writes_one_object_per_recorded_step(tmp_path):
     path = tmp_path / "run" / "precision.jsonl"
     monitor = mp.PrecisionMonitor(every=2, writers=[JSONLWriter(path)])
@@ -267,7 +267,7 @@ def test_any_object_with_write_and_close_is_a_writer():
     assert "step" not in seen[0][1] and seen[0][1]["mixprec/loss_scale"] == 1.0
 
 
-# -- through mp.Trainer ----------------------------------------------------------------------------------
+# -- through mp.Trainer ----------------------------------------------------------------------------
 def test_trainer_records_through_its_engine_with_accumulation(tmp_path):
     monitor = mp.PrecisionMonitor(every=2, writers=[JSONLWriter(tmp_path / "p.jsonl")])
     model = net()
@@ -283,7 +283,7 @@ def test_trainer_records_through_its_engine_with_accumulation(tmp_path):
         (history.loss[1] + history.loss[2]) / 2, rel=1e-5)
 
 
-# -- bad input --------------------------------------------------------------------------------------------
+# -- bad input -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "50"])
 def test_bad_every_is_refused(every):
     with pytest.raises(ValueError, match="every must be a positive integer"):
