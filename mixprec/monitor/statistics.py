@@ -50,12 +50,16 @@ def underflow_counts(grads: Iterable[torch.Tensor], carried: torch.Tensor | None
         smallest_normal: the training format's smallest normal number.
     """
     counts = torch.zeros(2, dtype=torch.float32, device=scale.device)
-    factor = scale if carried is None else scale / carried.to(scale.device)
+    # held * scale / carried < smallest_normal  <=>  held < smallest_normal * carried / scale
+    limit = smallest_normal / scale.double()
+    if carried is not None:
+        limit = limit * carried.to(scale.device).double()
     for grad in grads:
-        magnitude = grad.detach().abs().float() * factor.to(grad.device)
-        nonzero = magnitude > 0
-        below = nonzero & (magnitude < smallest_normal)
-        counts += torch.stack([below.sum(), nonzero.sum()]).float().to(counts.device)
+        magnitude = grad.detach().to(torch.float32, copy=True).abs_()  # one exact fp32 copy
+        nonzero = torch.count_nonzero(magnitude)
+        zeros = magnitude.numel() - nonzero
+        below = torch.count_nonzero(magnitude < limit.float().to(grad.device)) - zeros
+        counts += torch.stack([below, nonzero]).float().to(counts.device)
     return counts
 
 
@@ -64,7 +68,8 @@ def output_amax(output) -> torch.Tensor | None:
     """The largest magnitude among a module output's floating-point values (float32), or None."""
     if isinstance(output, torch.Tensor):
         if output.is_floating_point() and output.numel():
-            return output.detach().abs().amax().float()
+            low, high = torch.aminmax(output.detach())  # one pass, no copy of the output
+            return torch.maximum(-low, high).float()
         return None
     if isinstance(output, (tuple, list)):
         found = [a for a in (output_amax(o) for o in output) if a is not None]
@@ -76,13 +81,14 @@ def _stepped(optimizer) -> torch.optim.Optimizer:
     return optimizer.inner if is_wrapped(optimizer) else optimizer
 
 
-def kept_values(optimizer, params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
-    """Model parameter -> a float32 copy of the value the run keeps for it (its master, weight
-    plus compensation, or the weight)."""
+def kept_values(optimizer, params: Iterable[torch.Tensor],
+                copy: bool = True) -> dict[torch.Tensor, torch.Tensor]:
+    """Model parameter -> the value the run keeps for it (its master, weight plus compensation,
+    or the weight) in float32: a copy, or with ``copy=False`` the master itself where it is one."""
     held = optimizer.masters_by_param() if callable(getattr(optimizer, "masters_by_param",
                                                             None)) else {}
     with torch.no_grad():
-        return {p: held.get(p, p).detach().to(torch.float32, copy=True) for p in params}
+        return {p: held.get(p, p).detach().to(torch.float32, copy=copy) for p in params}
 
 
 class UpdateProbe:
@@ -128,7 +134,7 @@ class UpdateProbe:
                 params.append(copy)
             if params:
                 groups.append({**{k: v for k, v in group.items() if k != "params"},
-                               "params": params})
+                               **_fused_options(inner, group), "params": params})
         if not groups:
             return
         probe = type(inner)(groups)
@@ -140,7 +146,7 @@ class UpdateProbe:
     @torch.no_grad()
     def lost(self) -> dict[str, torch.Tensor]:
         """Layer name -> the fraction of its intended update the real step did not keep."""
-        now = kept_values(self.optimizer, self.copies)
+        now = kept_values(self.optimizer, self.copies, copy=False)
         out = {}
         for name, params in self.layers.items():
             params = [p for p in params if p in self.copies]
@@ -148,13 +154,28 @@ class UpdateProbe:
                 continue
             sums = torch.zeros(2, dtype=torch.float64, device=self.copies[params[0]].device)
             for p in params:
-                intended = (self.copies[p] - self.start[p]).double()
-                taken = (now[p] - self.start[p]).double()
-                sums += torch.stack([(taken * intended).sum(), (intended * intended).sum()])
+                intended = self.copies[p].sub_(self.start[p]).flatten()  # the probe is done
+                taken = now[p].sub(self.start[p]).flatten()
+                sums += torch.stack([torch.dot(taken, intended),
+                                     torch.dot(intended, intended)]).double()
             ratio = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1e-300),
                                 torch.ones_like(sums[0]))
             out[name] = (1 - ratio).float()
         return out
+
+
+_FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_NOT_FUSED = ("differentiable", "capturable")
+
+
+def _fused_options(inner, group: dict) -> dict:
+    """torch's fused fp32 kernel for the probe where it exists (one pass per tensor, as the master
+    step of a MasterWeightOptimizer runs it), else the group's own options."""
+    if type(inner) not in _FUSED or any(group.get(k) for k in _NOT_FUSED):
+        return {}
+    if not all(p.device.type in ("cpu", "cuda") for p in group["params"]):
+        return {}
+    return {"fused": True, "foreach": False}
 
 
 def _fp32_copy(value):
