@@ -310,3 +310,25 @@ def test_read_run_refuses_what_is_not_a_run(tmp_path):
     bad.write_text('{"loss": 1}\n')
     with pytest.raises(ValueError, match="not a JSON object with a 'step'"):
         read_run(bad)
+
+
+def test_fp8_layers_record_the_tensorwise_scales_of_their_input_and_weight():
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 10))
+    monitor = mp.PrecisionMonitor(every=1)
+    amp = mp.MixedPrecision("O2", "bf16", fp8="tensorwise", monitor=monitor)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mp.fp8_modules(model) == ["2"]  # first and last stay in 16 bits
+    inputs = []
+    model[2].register_forward_hook(lambda m, args, out: inputs.append(args[0].detach()))
+    amp.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    weight = model[2].weight.detach().clone()
+    amp.step(opt)
+    record, fmax = monitor.records[0], torch.finfo(torch.float8_e4m3fn).max
+    assert record["mixprec/2/fp8_input_scale"] == pytest.approx(
+        fmax / inputs[0].abs().max().item(), rel=1e-6)
+    assert record["mixprec/2/fp8_weight_scale"] == pytest.approx(
+        fmax / weight.abs().max().item(), rel=1e-6)
+    assert not any("fp8" in k for k in record if k.startswith(("mixprec/0/", "mixprec/4/")))

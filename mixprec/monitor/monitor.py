@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..fp8.convert import fp8_modules
 from ..parallel.env import is_main_process
 from ..scaling.unscale import total_norm
 from .statistics import UpdateProbe, gradient_pairs, output_amax, underflow_counts
@@ -116,7 +117,8 @@ class PrecisionMonitor:
         found = _select(model, self._patterns)
         self._layers.update({prefix + name: m for name, m in found.items()})
         self._params.update({prefix + name: _own_parameters(m) for name, m in found.items()})
-        self._fp8.update(prefix + name for name, m in found.items() if _is_fp8(m))
+        fp8 = set(fp8_modules(model))
+        self._fp8.update(prefix + name for name in found if name in fp8)
         self._disarm()
         if self.recording:
             self._arm()
@@ -265,10 +267,6 @@ def _own_parameters(module: nn.Module) -> list[torch.Tensor]:
     """The parameters a layer holds itself, or, for a container, all of its parameters."""
     own = list(module.parameters(recurse=False))
     return own or list(module.parameters())
-
-
-def _is_fp8(module: nn.Module) -> bool:
-    return type(module).__name__ == "Float8Linear" or getattr(module, "_mixprec_fp8", False)
 
 
 def _check_layers(layers) -> list | None:
