@@ -179,15 +179,21 @@ class PrecisionMonitor:
     # -- recording -------------------------------------------------------------------------------
     def _record(self) -> None:
         self._disarm()
+        scalars: dict = {"step": self.step}
         names, values = [], []
 
         def put(name: str, value) -> None:
-            names.append(name)
-            values.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+            scalars[name] = None  # keeps the order; device values are filled in below
+            if isinstance(value, torch.Tensor):
+                names.append(name)
+                values.append(value)
+            else:
+                scalars[name] = float(value)
 
         if self._loss is not None:
             put("mixprec/loss", self._loss / self._window)
         put("mixprec/loss_scale", self._scale if self._scale is not None else 1.0)
+        put("mixprec/skipped_steps", self._engine.scaler.skipped_steps)
         if self._norm_sq:
             put("mixprec/grad_norm", torch.stack([n.to(self._norm_sq[0].device)
                                                   for n in self._norm_sq]).sum().sqrt())
@@ -205,11 +211,11 @@ class PrecisionMonitor:
                 put(f"mixprec/{name}/weight_update_lost", self._lost[name])
             for key, value in self._fp8_scales.get(name, {}).items():
                 put(f"mixprec/{name}/fp8_{key}_scale", value)
-        device = values[0].device if values else torch.device("cpu")
-        numbers = torch.stack([v.detach().to(device, torch.float64).reshape(())
-                               for v in values]).tolist()  # the one host sync
-        scalars = {"step": self.step, **dict(zip(names, numbers))}
-        scalars["mixprec/skipped_steps"] = self._engine.scaler.skipped_steps
+        if values:
+            device = values[0].device
+            numbers = torch.stack([v.detach().to(device, torch.float64).reshape(())
+                                   for v in values]).tolist()  # the one host sync
+            scalars.update(zip(names, numbers))
         self.records.append(scalars)
         if is_main_process():
             plain = {k: v for k, v in scalars.items() if k != "step"}
