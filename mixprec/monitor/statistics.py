@@ -16,6 +16,8 @@
   layer's parameters, ``lost = 1 - <taken, intended> / <intended, intended>``: 0 when the
   update landed exactly, 1 when it rounded away, a little off 0 (either sign) for stochastic
   rounding, which is exact only on average.
+
+Sharded parameters (FSDP) are measured on this rank's shards (the gradient norm too).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..master.compact_kernels import local
 from ..master.states import COMPENSATION_KEY
 from ..master.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
@@ -32,10 +35,14 @@ __all__ = ["gradient_pairs", "underflow_counts", "output_amax", "UpdateProbe"]
 
 
 def gradient_pairs(optimizer) -> dict[torch.Tensor, torch.Tensor]:
-    """Model parameter -> the gradient the next step reads, in its own dtype."""
+    """Model parameter -> the gradient the next step reads, in its own dtype (this rank's shard
+    of a sharded one)."""
     if owns_gradients(optimizer):
-        return dict(optimizer.grads_for_step())
-    return {p: p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        pairs = optimizer.grads_for_step()
+    else:
+        pairs = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+    return {p: local(g) for p, g in pairs}
 
 
 @torch.no_grad()
@@ -88,7 +95,7 @@ def kept_values(optimizer, params: Iterable[torch.Tensor],
     held = optimizer.masters_by_param() if callable(getattr(optimizer, "masters_by_param",
                                                             None)) else {}
     with torch.no_grad():
-        return {p: held.get(p, p).detach().to(torch.float32, copy=copy) for p in params}
+        return {p: local(held.get(p, p).detach()).to(torch.float32, copy=copy) for p in params}
 
 
 class UpdateProbe:
@@ -181,6 +188,6 @@ def _fused_options(inner, group: dict) -> dict:
 def _fp32_copy(value):
     if not isinstance(value, torch.Tensor):
         return value
-    value = value.detach()
+    value = local(value.detach())
     return value.float() if value.is_floating_point() and value.dtype != torch.float32 \
         else value.clone()
