@@ -332,3 +332,18 @@ def test_fp8_layers_record_the_tensorwise_scales_of_their_input_and_weight():
     assert record["mixprec/2/fp8_weight_scale"] == pytest.approx(
         fmax / weight.abs().max().item(), rel=1e-6)
     assert not any("fp8" in k for k in record if k.startswith(("mixprec/0/", "mixprec/4/")))
+
+
+def test_a_tied_weight_is_measured_once_and_reported_for_both_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT-2's lm_head and wte
+    monitor = mp.PrecisionMonitor(every=1)
+    amp = mp.MixedPrecision("O2", "bf16", monitor=monitor)
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 16, (4, 5))
+    amp.backward(F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten()))
+    amp.step(opt)
+    record = monitor.records[0]
+    assert record["mixprec/0/weight_update_lost"] == pytest.approx(0.0, abs=1e-6)
+    assert record["mixprec/1/weight_update_lost"] == pytest.approx(0.0, abs=1e-6)

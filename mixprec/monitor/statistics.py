@@ -154,19 +154,20 @@ class UpdateProbe:
     def lost(self) -> dict[str, torch.Tensor]:
         """Layer name -> the fraction of its intended update the real step did not keep."""
         now = kept_values(self.optimizer, self.copies, copy=False)
+        sums = {}  # per parameter, once (a tied weight belongs to two layers)
+        for p, copy in self.copies.items():
+            intended = copy.sub_(self.start[p]).flatten()  # the probe is done with its copy
+            taken = now[p].sub(self.start[p]).flatten()
+            sums[p] = torch.stack([torch.dot(taken, intended), torch.dot(intended, intended)])
         out = {}
         for name, params in self.layers.items():
-            params = [p for p in params if p in self.copies]
+            params = [p for p in params if p in sums]
             if not params:
                 continue
-            sums = torch.zeros(2, dtype=torch.float64, device=self.copies[params[0]].device)
-            for p in params:
-                intended = self.copies[p].sub_(self.start[p]).flatten()  # the probe is done
-                taken = now[p].sub(self.start[p]).flatten()
-                sums += torch.stack([torch.dot(taken, intended),
-                                     torch.dot(intended, intended)]).double()
-            ratio = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1e-300),
-                                torch.ones_like(sums[0]))
+            total = torch.stack([sums[p].double().to(sums[params[0]].device)
+                                 for p in params]).sum(0)
+            ratio = torch.where(total[1] > 0, total[0] / total[1].clamp(min=1e-300),
+                                torch.ones_like(total[0]))
             out[name] = (1 - ratio).float()
         return out
 
