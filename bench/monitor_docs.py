@@ -84,7 +84,8 @@ def main() -> None:
         record = out / f"gpt2-{level}.jsonl"
         train(level, args.steps, record)
         page = write_report(record, out / f"gpt2-{level}.html",
-                            f"GPT-2 (config-built, {SIZE}) at {level} bf16, AdamW 3e-4")
+                            f"GPT-2 ({SIZE['n_layer']} layers, width {SIZE['n_embd']}, config-"
+                            f"built) at {level} bf16, AdamW 3e-4")
         print(f"{level}: {page}")
         for line in advice(Run(read_run(record))):
             print(f"  - {line}")
