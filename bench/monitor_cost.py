@@ -7,7 +7,9 @@ Three copies of the same seeded model train side by side on the same batches: ea
 ``--steps`` steps of each (the monitored ones include their recorded steps, so the mean step
 time carries the recording's amortised cost), in rotating order so drift and neighbours' load
 fall on all three alike. Printed per run: the mean ms/step of each round and the median over
-rounds of the ratio to the unmonitored run of the same round.
+rounds of the ratio to the unmonitored run of the same round. ``--clock cpu`` times the
+process's CPU time (all threads) instead of the wall clock: on a machine shared with other
+work that is the steadier measure of what the step itself costs.
 
 ``--size cpu`` (default without CUDA): 4 layers, width 256, 8192 tokens, sequence 128, batch 8.
 ``--size gpt2`` (default on CUDA): the 124M config (12 layers, width 768, 50257 tokens),
@@ -51,19 +53,19 @@ def batches(size: dict, device: torch.device, count: int) -> list[torch.Tensor]:
             .to(device) for _ in range(count)]
 
 
-def train(run, data: list[torch.Tensor], device: torch.device) -> float:
-    """Train on ``data``; seconds per step."""
+def train(run, data: list[torch.Tensor], device: torch.device, clock=time.perf_counter) -> float:
+    """Train on ``data``; seconds per step (of ``clock``)."""
     amp, model, opt = run
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     for ids in data:
         amp.backward(model(input_ids=ids, labels=ids).loss)
         amp.step(opt)
         opt.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / len(data)
+    return (clock() - start) / len(data)
 
 
 def main() -> None:
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--size", choices=sorted(SIZES), default=None)
     parser.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
     warnings.simplefilter("ignore", mp.SlowDtypeWarning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,15 +83,16 @@ def main() -> None:
     names = [n.strip() for n in args.runs.split(",")]
     runs = {name: build(size, device, RUNS[name]) for name in names}
     data = batches(size, device, args.steps)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for run in runs.values():  # warm up; the monitored ones record their step 0 here
         train(run, data[:args.warmup], device)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            times[name].append(train(runs[name], data, device))
+            times[name].append(train(runs[name], data, device, clock))
     print(f"GPT-2 {size} at O2 bf16 (AdamW) on {device.type}, torch {torch.__version__}, "
-          f"{args.rounds} rounds of {args.steps} steps")
+          f"{args.rounds} rounds of {args.steps} steps, {args.clock} clock")
     base = times[names[0]]
     for name in names:
         ratios = [t / b for t, b in zip(times[name], base)]
