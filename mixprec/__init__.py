@@ -4,7 +4,7 @@ Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, 
 and numerics diagnostics. ``import mixprec as mp``.
 """
 
-from . import debug, formats, lowbit, parallel
+from . import debug, formats, lowbit, monitor, parallel
 from .advisor import Advice, advise
 from .autocast import autocast
 from .casting import to_float
@@ -14,6 +14,7 @@ from .footprint import bytes_per_parameter
 from .fp8 import fp8_modules
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
+from .monitor import PrecisionMonitor
 from .oplists import OpListWarning, op_lists
 from .policy import NormLayer, Policy, is_norm_layer
 from .prepare import policy_of, prepare
@@ -79,6 +80,9 @@ __all__ = [
     "Advice",
     "formats",
     "debug",
+    # seeing a run
+    "PrecisionMonitor",
+    "monitor",
     "emulate_fp16",
     # beyond one process
     "parallel",

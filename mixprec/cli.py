@@ -29,6 +29,7 @@ COMMANDS = (
     "demo",
     "plan",
     "advise",
+    "report",
 )
 
 

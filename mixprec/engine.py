@@ -35,6 +35,7 @@ from torch import nn
 
 from . import hardware, lowbit
 from .fp8.choice import split_spec, with_modules
+from .monitor import PrecisionMonitor
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
@@ -70,6 +71,9 @@ class MixedPrecision:
         master, state_dtype: how 16-bit parameters are updated and the optimizer moments'
             dtype (see :func:`mixprec.prepare`); None: the policy's.
         fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
+        monitor: a :class:`mixprec.PrecisionMonitor` that records the run (loss scale, skipped
+            steps, gradient norm and per-layer statistics every few steps); None: nothing is
+            recorded and the step runs exactly as without one.
 
     Attributes:
         policy: the resolved :class:`mixprec.Policy` (None until ``dtype="auto"`` is resolved
@@ -84,7 +88,7 @@ class MixedPrecision:
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
                  policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
                  fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
-                 fp8: str | None = None, fp8_modules=None):
+                 fp8: str | None = None, fp8_modules=None, monitor=None):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         if policy is not None and (level != "O1" or not (isinstance(dtype, str)
@@ -107,6 +111,7 @@ class MixedPrecision:
         if policy is not None or not (isinstance(dtype, str) and dtype.lower() == "auto"):
             self._resolve(None)
         self.models: list[nn.Module] = []
+        self.monitor = check_monitor(monitor)
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
@@ -162,6 +167,8 @@ class MixedPrecision:
             self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared)
         self.scaler.attach(model)
         self.models.append(model)
+        if self.monitor is not None:
+            self.monitor.watch(model, self)
 
     def resolve_policy(self, device, model: nn.Module | None = None) -> Policy:
         """The run's policy, resolving ``dtype="auto"`` on ``device`` (what a strategy
@@ -172,6 +179,8 @@ class MixedPrecision:
     # -- the step --------------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (no host sync)."""
+        if self.monitor is not None:
+            self.monitor.observe_loss(loss)
         return self._ready().scale(loss)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -262,12 +271,19 @@ class MixedPrecision:
             raise ValueError("step() needs the optimizer(s) to step, e.g. amp.step(optimizer)")
         check_max_norm(max_grad_norm)
         scaler = self._ready()
+        watch = self.monitor is not None and self.monitor.recording
         applied = True
         for opt in optimizers:
-            if max_grad_norm is not None:
-                scaler.clip_grad_norm_(opt, max_grad_norm)
-            applied = bool(scaler.step(opt)) and applied
+            norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
+            if watch:
+                self.monitor.before_step(opt, norm)
+            stepped = bool(scaler.step(opt))
+            if watch:
+                self.monitor.after_step(opt, stepped)
+            applied = stepped and applied
         scaler.update()
+        if self.monitor is not None:
+            self.monitor.end_step(applied)
         return applied
 
     def _ready(self) -> LossScaler:
@@ -304,6 +320,14 @@ def check_policy(saved: dict | None, policy: Policy | None, where: str = "this c
         shown = "none" if saved is None else str(Policy.from_state_dict(saved))
         raise ValueError(f"{where} was made under the policy {shown}, but this run uses "
                          f"{policy}: load it into a run with the same policy")
+
+
+def check_monitor(monitor):
+    """``monitor`` itself when it is None or a :class:`mixprec.PrecisionMonitor`."""
+    if monitor is not None and not isinstance(monitor, PrecisionMonitor):
+        raise TypeError(f"monitor must be a mixprec.PrecisionMonitor or None; "
+                        f"got {type(monitor).__name__}")
+    return monitor
 
 
 def _same_apart_from_marks(prepared: Policy, policy: Policy) -> bool:

@@ -102,6 +102,11 @@ def test_demo_runs_and_writes_the_plot(capsys, tmp_path):
     assert all(0 <= r["test_accuracy"] <= 1 and len(r["loss"]) == 6 for r in rep["runs"])
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert rep["plot"] == str(tmp_path / "demo.png")
+    assert rep["report"] == str(tmp_path / "demo-report.html")  # the fp16 run's, beside it
+    page = (tmp_path / "demo-report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3 and "What to do" in page
+    records = (tmp_path / "demo-precision.jsonl").read_text().splitlines()
+    assert len(records) == 1 and '"mixprec/loss_scale": 16777216.0' in records[0]
 
 
 def test_bench_repeat_pools_the_steps_of_all_rounds(capsys):

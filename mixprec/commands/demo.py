@@ -2,7 +2,8 @@
 
 Five runs of the same seeded model on the same seeded data order: O0 (fp32), O1, O2 and O3 with
 the auto dtype, and O2 in fp16 with dynamic loss scaling. Prints one comparison table and writes
-a PNG with the loss curves and the loss-scale history.
+a PNG with the loss curves and the loss-scale history, and beside it the fp16 run's precision
+record (a :class:`mixprec.PrecisionMonitor` JSONL) and its ``mixprec report`` page.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..dtypes import dtype_name
 from ..hardware import SlowDtypeWarning
+from ..monitor import JSONLWriter, PrecisionMonitor
+from ..monitor.report import write_report
 from ..policy import resolve_dtype
 from ..scaling import DynamicLossScaler
 from ..training import Callback, Trainer
@@ -79,7 +82,7 @@ class _StepTimer(Callback):
 RUNS = (("O0", "auto"), ("O1", "auto"), ("O2", "auto"), ("O3", "auto"), ("O2", "fp16"))
 
 
-def _train_one(level: str, dtype: str, data, args) -> dict:
+def _train_one(level: str, dtype: str, data, args, monitor=None) -> dict:
     train, test = data
     torch.manual_seed(args.seed)
     model = DigitsCNN(args.width)
@@ -93,7 +96,8 @@ def _train_one(level: str, dtype: str, data, args) -> dict:
     scaler = (DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16"
               else "auto")
     trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scaler=scaler,
-                      metrics="accuracy", scheduler=sched, callbacks=[timer], progress=False)
+                      metrics="accuracy", scheduler=sched, callbacks=[timer], progress=False,
+                      monitor=monitor)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True,
                         generator=torch.Generator().manual_seed(args.seed))
     start = time.perf_counter()
@@ -113,15 +117,20 @@ def _warm_up() -> None:
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)  # imports torch._dynamo
 
 
-def run_demo(args) -> list[dict]:
-    """Train every run of :data:`RUNS`; returns one dict per run."""
+def run_demo(args, record: Path | None = None) -> list[dict]:
+    """Train every run of :data:`RUNS`; returns one dict per run. With ``record``, the fp16 run
+    is recorded there by a :class:`mixprec.PrecisionMonitor` (every 10 steps, as JSONL)."""
     data = digits_data(args.seed)
     _warm_up()
     rows = []
     for level, dtype in RUNS:
+        monitor = None
+        if record is not None and dtype == "fp16":
+            record.unlink(missing_ok=True)
+            monitor = PrecisionMonitor(every=10, writers=[JSONLWriter(record)])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SlowDtypeWarning)  # fp16 on a CPU: noted in the table
-            row = _train_one(level, dtype, data, args)
+            row = _train_one(level, dtype, data, args, monitor)
         if not args.json:
             print(f"  trained {row['level']} {row['dtype']:<4} in {row['seconds']:5.1f} s",
                   flush=True)
@@ -176,11 +185,15 @@ def _run(args) -> int:
     if not args.json:
         print(f"mixprec demo: DigitsCNN(width={args.width}) on scikit-learn digits, {args.epochs} "
               f"epochs, batch {args.batch}; dtype 'auto' -> {caps_dtype}")
-    rows = run_demo(args)
     out = Path(args.out)
+    record = None if args.no_plot else out / "demo-precision.jsonl"
+    rows = run_demo(args, record)
     png = None if args.no_plot else plot(rows, out / "demo.png")
+    report = None if args.no_plot else write_report(record, out / "demo-report.html",
+                                                    "mixprec demo: the O2 fp16 run")
     if args.json:
-        print(json.dumps({"runs": rows, "plot": str(png) if png else None}))
+        print(json.dumps({"runs": rows, "plot": str(png) if png else None,
+                          "report": str(report) if report else None}))
         return 0
     print()
     print(format_table(rows))
@@ -190,6 +203,7 @@ def _run(args) -> int:
           "grows every 50 clean steps: 'skipped' counts the overflowing steps it skipped.")
     if png:
         print(f"loss curves and loss-scale history: {png.resolve()}")
+        print(f"the fp16 run's precision report: {report.resolve()}")
     return 0
 
 
@@ -203,8 +217,8 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="mixprec-out",
-                   help="directory for the PNG (default %(default)s)")
-    p.add_argument("--no-plot", action="store_true")
+                   help="directory for the PNG and the report (default %(default)s)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG and no report")
     p.add_argument("--json", action="store_true",
                    help="machine-readable output (includes the curves)")
     p.set_defaults(func=_run)

@@ -23,6 +23,8 @@ of Lightning's precision hooks lands on the engine:
 * ``clip_gradients``: ``gradient_clip_val`` clips the true gradients: by norm through
   ``engine.clip_grad_norm_`` (folded into the master step when nothing was unscaled), by value
   through ``engine.clip_grad_value_``.
+* ``monitor=``: a :class:`mixprec.PrecisionMonitor` records the run; its scalars also go to
+  the trainer's loggers (``logger.log_metrics``), TensorBoard, CSV or W&B alike.
 * ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
   masters travel in the optimizer's state, and the model's ``state_dict`` is fp32.
 
@@ -41,6 +43,7 @@ from torch import nn
 
 from ..engine import MixedPrecision
 from ..master.wrapper import is_wrapped
+from ..monitor import CallbackWriter
 from ..policy import Policy
 from ..prepare import policy_of
 from ..regions import Entry
@@ -105,6 +108,8 @@ class MixprecPrecision(Precision):
             O1/O2, none otherwise; "dynamic"; a number; None) or a scaler. A scaler that checks
             for overflow (any but none) makes an update with inf/NaN gradients a skipped step.
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        monitor: a :class:`mixprec.PrecisionMonitor`; what it records is also logged through
+            the trainer's loggers.
         engine_options: ``keep_fp32``, ``low_precision_ops``, ``fp32_ops``, ``emulate_fp16``
             (see :class:`mixprec.MixedPrecision`).
 
@@ -131,8 +136,9 @@ class MixprecPrecision(Precision):
     """
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, **engine_options):
-        self.engine = MixedPrecision(level, dtype, loss_scale, policy, **engine_options)
+                 policy: Policy | None = None, monitor=None, **engine_options):
+        self.engine = MixedPrecision(level, dtype, loss_scale, policy, monitor=monitor,
+                                     **engine_options)
         self.applied: dict[int, bool] = {}
         self._context = None
 
@@ -165,6 +171,7 @@ class MixprecPrecision(Precision):
                 f"mp.Trainer(strategy='ddp' or 'fsdp')")
         optimizers = self._setup(model, list(optimizers))
         self._context = _entry_context(model)
+        _log_to_loggers(self.engine.monitor, model)
         configs = [self._skip_aware(config, optimizers) for config in lr_schedulers]
         return model, optimizers, configs
 
@@ -252,6 +259,23 @@ class MixprecPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the engine's state; a checkpoint made under another policy is refused."""
         self.engine.load_state_dict(state_dict)
+
+
+def _log_to_loggers(monitor, model: pl.LightningModule) -> None:
+    """Send what ``monitor`` records to the loggers of ``model``'s trainer too (once)."""
+    if monitor is None or any(getattr(w, "lightning", False) for w in monitor.writers):
+        return
+
+    def log(step: int, scalars: dict) -> None:
+        try:
+            loggers = model.trainer.loggers
+        except RuntimeError:  # the module left its trainer
+            return
+        for logger in loggers:
+            logger.log_metrics(scalars, step)
+    writer = CallbackWriter(log)
+    writer.lightning = True
+    monitor.writers.append(writer)
 
 
 def _entry_context(model: nn.Module):

@@ -32,6 +32,9 @@ order. How the Trainer's loop lands on the engine, in the order it runs:
   ``train(resume_from_checkpoint=...)`` (a checkpoint made under another policy is refused).
   ``save_model`` writes the fp32 weights (the masters) and a config that says float32.
 
+An engine built with ``monitor=mp.PrecisionMonitor(...)`` records the run; its scalars also go
+through ``Trainer.log``, so every ``report_to`` integration (TensorBoard, W&B, ...) receives them.
+
 The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
 fp32 model. One process only (no DDP, FSDP or DeepSpeed: ``mp.Trainer(strategy=...)`` covers
 those); ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
@@ -46,6 +49,7 @@ import torch
 
 from ..engine import MixedPrecision
 from ..fp8.backend import quiet_import
+from ..monitor import CallbackWriter
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -162,6 +166,12 @@ class MixprecTrainer(transformers.Trainer):
         self.mixed_precision = mixed_precision
         self._engine_optimizer = None
         super().__init__(*args, **kwargs)
+        if mixed_precision.monitor is not None:
+            mixed_precision.monitor.writers.append(CallbackWriter(self._log_monitored))
+
+    def _log_monitored(self, step: int, scalars: dict) -> None:
+        """What the engine's monitor records, through ``self.log`` (and so ``report_to``)."""
+        self.log(dict(scalars))
 
     # -- set-up ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

@@ -77,6 +77,15 @@ class LossScaler(GradScalerInterface):
             return "folded"
         return record.stage.value
 
+    def carried_factor(self, optimizer) -> torch.Tensor | None:
+        """The factor ``optimizer``'s gradients still carry before its step, as a 0-d tensor (no
+        host sync): the loss scale while ``"ready"`` (when scaling), the scale over the clip
+        coefficient once a clip is ``"folded"``; None when they read as the true ones."""
+        record = self._stages.get(optimizer)
+        if record is None or record.stage is Stage.READY:
+            return self._state.scale if self._scales else None
+        return record.grad_scale if record.stage is Stage.UNSCALED else None
+
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
         return self._scales

@@ -79,6 +79,8 @@ class Trainer:
             :func:`mixprec.prepare`. None: the policy's.
         fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`);
             the names chosen are in ``trainer.policy.fp8_modules``.
+        monitor: a :class:`mixprec.PrecisionMonitor` recording the run every few steps (loss
+            scale, skipped steps, gradient norm, per-layer precision statistics) to its writers.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
@@ -115,11 +117,11 @@ class Trainer:
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None,
                  master: str | None = None, state_dtype=None, fp8: str | None = None,
-                 fp8_modules=None):
+                 fp8_modules=None, monitor=None):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy,
                                      master=master, state_dtype=state_dtype, fp8=fp8,
-                                     fp8_modules=fp8_modules)
+                                     fp8_modules=fp8_modules, monitor=monitor)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):

@@ -1,0 +1,314 @@
+"""``mp.PrecisionMonitor``: a precision run recorded over time.
+
+Given as ``monitor=`` to :class:`mixprec.MixedPrecision` (and so to ``mp.Trainer``, the
+Lightning plugin and ``MixprecTrainer``'s engine), it records every ``every``-th optimizer step
+(the first included) and hands the scalars to its writers:
+
+* ``mixprec/loss`` (the mean loss over the steps since the last record), ``mixprec/loss_scale``
+  (the scale the recorded step ran at), ``mixprec/skipped_steps`` (steps skipped so far for
+  inf/NaN gradients), ``mixprec/grad_norm`` (the true, unscaled, pre-clip gradient norm);
+* per watched layer N: ``mixprec/N/grad_underflow``, ``mixprec/N/act_amax``,
+  ``mixprec/N/act_headroom`` and ``mixprec/N/weight_update_lost`` (see
+  :mod:`mixprec.monitor.statistics` for what each measures), and for an FP8 layer
+  ``mixprec/N/fp8_input_scale`` and ``mixprec/N/fp8_weight_scale`` (``fmax / amax``: the
+  tensorwise scale its casts use).
+
+Cost: between recorded steps, one device add per loss (no host sync) and no hooks at all; the
+forward hooks that read activations exist only during a recorded step. A recorded step measures
+the gradients, steps an fp32 copy of the optimizer over the watched parameters (the intended
+update) and reads everything with one host sync.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .. import formats
+from ..fp8.convert import fp8_modules
+from ..parallel.env import is_main_process
+from ..scaling.unscale import total_norm
+from .statistics import UpdateProbe, gradient_pairs, output_amax, underflow_counts
+
+__all__ = ["PrecisionMonitor"]
+
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+class PrecisionMonitor:
+    """Record a mixed-precision run every few steps: loss scale, skips, gradient norm, and per
+    layer gradient underflow, activation range and the update lost to rounding.
+
+    Args:
+        every: record every ``every``-th optimizer step (steps 0, every, 2*every, ...).
+        layers: which modules to watch: None (every module that holds parameters itself), or
+            qualified names, ``fnmatch`` patterns (``"h.*.mlp.c_proj"``) and module types.
+        writers: where the scalars go: :class:`mixprec.monitor.TensorBoardWriter`,
+            :class:`mixprec.monitor.JSONLWriter`, or any object with ``write(step, scalars)``
+            and ``close()``. Only the main process writes.
+
+    Attributes:
+        records: every recorded step's scalars (a dict with ``"step"``), in order.
+        step: the index of the next optimizer step.
+
+    Raises:
+        ValueError: ``every`` is not a positive integer; a name or pattern in ``layers``
+            matches no module (raised when the model is set up).
+        TypeError: a writer without ``write``/``close``; a bad ``layers`` entry.
+
+    Example:
+        >>> import torch, mixprec as mp
+        >>> model = torch.nn.Linear(4, 2)
+        >>> amp = mp.MixedPrecision("O2", "bf16", monitor=mp.PrecisionMonitor(every=1))
+        >>> model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> amp.backward(model(torch.randn(8, 4)).float().pow(2).mean())
+        >>> amp.step(opt)
+        True
+        >>> amp.monitor.records[0]["mixprec/model/weight_update_lost"]
+        0.0
+    """
+
+    def __init__(self, every: int = 50, layers=None, writers: Iterable = ()):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive integer; got {every!r}")
+        self.every = every
+        self._patterns = _check_layers(layers)
+        self.writers = list(writers)
+        for w in self.writers:
+            if not (callable(getattr(w, "write", None)) and callable(getattr(w, "close", None))):
+                raise TypeError(f"a writer needs write(step, scalars) and close() methods; got "
+                                f"{type(w).__name__}")
+        self.records: list[dict] = []
+        self.step = 0
+        self._engine = None
+        self._layers: dict[str, nn.Module] = {}
+        self._params: dict[str, list[torch.Tensor]] = {}
+        self._fp8: set[str] = set()
+        self._hooks: list = []
+        self._loss: torch.Tensor | None = None
+        self._window = 0
+        self._reset_step()
+
+    def __repr__(self) -> str:
+        return (f"PrecisionMonitor(every={self.every}, layers={len(self._layers)}, "
+                f"writers={self.writers!r})")
+
+    @property
+    def recording(self) -> bool:
+        """True while the current step is one that is recorded."""
+        return self.step % self.every == 0
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The qualified names of the watched layers."""
+        return list(self._layers)
+
+    # -- what the engine calls -------------------------------------------------------------------
+    def watch(self, model: nn.Module, engine) -> None:
+        """Watch ``model``'s layers for ``engine`` (called by the engine's ``setup``/``adopt``)."""
+        if self._engine is not None and engine is not self._engine:
+            raise RuntimeError("this PrecisionMonitor already records another MixedPrecision "
+                               "run; give each run its own monitor")
+        self._engine = engine
+        prefix = f"model{len(engine.models) - 1}." if len(engine.models) > 1 else ""
+        found = _select(model, self._patterns)
+        self._layers.update({prefix + name: m for name, m in found.items()})
+        self._params.update({prefix + name: _own_parameters(m) for name, m in found.items()})
+        fp8 = set(fp8_modules(model))
+        self._fp8.update(prefix + name for name in found if name in fp8)
+        self._disarm()
+        if self.recording:
+            self._arm()
+
+    def observe_loss(self, loss) -> None:
+        """Add a loss to the window's sum (on the device; no host sync)."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+            value = loss.detach().float().reshape(())
+            self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+
+    def before_step(self, optimizer, norm: torch.Tensor | None) -> None:
+        """Measure ``optimizer``'s gradients and step an fp32 probe (a recorded step only)."""
+        scaler = self._engine.scaler
+        carried = scaler.carried_factor(optimizer)
+        self._scale = scaler.scale_tensor.detach().clone() if scaler.is_enabled() else None
+        grads = gradient_pairs(optimizer)
+        dense = [g for g in grads.values() if not g.is_sparse]
+        if norm is None:
+            norm = total_norm(dense, 2.0, scaler.scale_tensor.device)
+            if carried is not None:
+                norm = norm / carried.to(norm.device)
+        self._norm_sq.append(norm.float().pow(2))
+        smallest = formats.get(self._engine.policy.compute_dtype).min_normal
+        scale = scaler.scale_tensor if scaler.is_enabled() else torch.ones(
+            (), device=scaler.scale_tensor.device)
+        mine = {}
+        for name, held in self._params.items():
+            params = [p for p in held if p in grads]
+            if not params:
+                continue
+            mine[name] = params
+            counts = underflow_counts([grads[p] for p in params if not grads[p].is_sparse],
+                                      carried, scale, smallest)
+            self._underflow[name] = self._underflow.get(name, 0) + counts
+        self._probes[id(optimizer)] = UpdateProbe(optimizer, mine, carried)
+
+    def after_step(self, optimizer, stepped: bool) -> None:
+        """The update each layer lost, when ``optimizer`` stepped (a recorded step only)."""
+        probe = self._probes.pop(id(optimizer), None)
+        if probe is not None and stepped:
+            self._lost.update(probe.lost())
+
+    def end_step(self, applied: bool) -> None:
+        """Close the step: record it when it is a recorded one, then move on."""
+        self._window += 1
+        if self.recording and self._engine is not None:
+            self._record()
+        self.step += 1
+        if self.recording:
+            self._arm()
+
+    def close(self) -> None:
+        """Remove the hooks and close the writers."""
+        self._disarm()
+        for w in self.writers:
+            w.close()
+
+    # -- recording -------------------------------------------------------------------------------
+    def _record(self) -> None:
+        self._disarm()
+        scalars: dict = {"step": self.step}
+        names, values = [], []
+
+        def put(name: str, value) -> None:
+            scalars[name] = None  # keeps the order; device values are filled in below
+            if isinstance(value, torch.Tensor):
+                names.append(name)
+                values.append(value)
+            else:
+                scalars[name] = float(value)
+
+        if self._loss is not None:
+            put("mixprec/loss", self._loss / self._window)
+        put("mixprec/loss_scale", self._scale if self._scale is not None else 1.0)
+        put("mixprec/skipped_steps", self._engine.scaler.skipped_steps)
+        if self._norm_sq:
+            put("mixprec/grad_norm", torch.stack([n.to(self._norm_sq[0].device)
+                                                  for n in self._norm_sq]).sum().sqrt())
+        fmax = formats.get(self._engine.policy.compute_dtype).max
+        for name in self._layers:
+            counts = self._underflow.get(name)
+            if counts is not None:
+                put(f"mixprec/{name}/grad_underflow", counts[0] / counts[1].clamp(min=1))
+            amax = self._amax.get(name)
+            if amax is not None:
+                put(f"mixprec/{name}/act_amax", amax)
+                put(f"mixprec/{name}/act_headroom",
+                    torch.log2(fmax / amax.double().clamp(min=1e-300)).float())
+            if name in self._lost:
+                put(f"mixprec/{name}/weight_update_lost", self._lost[name])
+            for key, value in self._fp8_scales.get(name, {}).items():
+                put(f"mixprec/{name}/fp8_{key}_scale", value)
+        if values:
+            device = values[0].device
+            numbers = torch.stack([v.detach().to(device, torch.float64).reshape(())
+                                   for v in values]).tolist()  # the one host sync
+            scalars.update(zip(names, numbers))
+        self.records.append(scalars)
+        if is_main_process():
+            plain = {k: v for k, v in scalars.items() if k != "step"}
+            for w in self.writers:
+                w.write(self.step, plain)
+        self._loss, self._window = None, 0
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._norm_sq: list[torch.Tensor] = []
+        self._underflow: dict[str, torch.Tensor] = {}
+        self._amax: dict[str, torch.Tensor] = {}
+        self._lost: dict[str, torch.Tensor] = {}
+        self._fp8_scales: dict[str, dict[str, torch.Tensor]] = {}
+        self._probes: dict[int, UpdateProbe] = {}
+        self._scale = None
+
+    # -- forward hooks, only during a recorded step ----------------------------------------------
+    def _arm(self) -> None:
+        if self._hooks:
+            return
+        for name, module in self._layers.items():
+            self._hooks.append(module.register_forward_hook(self._hook(name)))
+
+    def _disarm(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, name: str):
+        fp8 = name in self._fp8
+
+        def hook(module, args, output):
+            amax = output_amax(output)
+            if amax is not None:
+                prev = self._amax.get(name)
+                self._amax[name] = amax if prev is None else torch.maximum(prev, amax)
+            if fp8:
+                self._fp8_scales[name] = _fp8_scales(module, args)
+        return hook
+
+
+def _fp8_scales(module: nn.Module, args) -> dict[str, torch.Tensor]:
+    out = {}
+    inputs = output_amax(args[0]) if args else None
+    if inputs is not None:
+        out["input"] = _FP8_MAX / inputs.clamp(min=1e-12)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        out["weight"] = _FP8_MAX / weight.detach().abs().amax().float().clamp(min=1e-12)
+    return out
+
+
+def _own_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters a layer holds itself, or, for a container, all of its parameters."""
+    own = list(module.parameters(recurse=False))
+    return own or list(module.parameters())
+
+
+def _check_layers(layers) -> list | None:
+    if layers is None:
+        return None
+    if isinstance(layers, str) or isinstance(layers, type):
+        layers = [layers]
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise TypeError(f"layers must be None or a list of qualified names, patterns and module "
+                        f"types; got {type(layers).__name__}") from None
+    for entry in layers:
+        if not (isinstance(entry, str) or (isinstance(entry, type)
+                                           and issubclass(entry, nn.Module))):
+            raise TypeError(f"layers holds qualified names, patterns and nn.Module types; got "
+                            f"{entry!r}")
+    return layers
+
+
+def _select(model: nn.Module, patterns: list | None) -> dict[str, nn.Module]:
+    """The watched modules of ``model``: those holding parameters themselves, filtered."""
+    owners = {name or "model": m for name, m in model.named_modules()
+              if any(True for _ in m.parameters(recurse=False))}
+    if patterns is None:
+        return owners
+    chosen = {}
+    named = {name or "model": m for name, m in model.named_modules()}
+    for entry in patterns:
+        if isinstance(entry, str):
+            hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
+        else:
+            hits = {n: m for n, m in owners.items() if isinstance(m, entry)}
+        if not hits:
+            shown = ", ".join(list(owners)[:8])
+            raise ValueError(f"layers entry {entry!r} matches no module of this model; its "
+                             f"layers with parameters include: {shown}")
+        chosen.update(hits)
+    return chosen

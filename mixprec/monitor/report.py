@@ -1,0 +1,355 @@
+"""``mixprec report``: one static HTML page from a recorded run.
+
+The page is self-contained (plots are PNGs inlined as base64, drawn with matplotlib; no script,
+no external file): loss and loss scale with skipped steps marked, the gradient norm, layer x step
+heatmaps of gradient underflow, update lost and activation headroom, and a short list of what to
+do, in words, derived from the same numbers (:func:`advice`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import pathlib
+
+from .writers import read_run
+
+__all__ = ["write_report", "render", "advice", "Run"]
+
+# what the advice calls a problem
+LOST_LIMIT = 0.25         # a layer losing this much of its updates, on average from some step on
+UNDERFLOW_LIMIT = 0.01    # of its nonzero gradients below the smallest normal
+HEADROOM_LIMIT = 2.0      # binades between the largest activation and the format's max
+SCALE_DROP = 2.0 ** 8     # the loss scale falling this far below its largest value
+_FORMAT_MAX = {"fp16": 65504.0, "bf16": 3.3895313892515355e38, "fp32": 3.4028234663852886e38}
+_STATS = ("grad_underflow", "weight_update_lost", "act_headroom", "act_amax")
+
+
+class Run:
+    """A recorded run split into its global series and its per-layer ones.
+
+    Args:
+        series: scalar name -> ``[(step, value), ...]`` (what :func:`read_run` returns).
+    """
+
+    def __init__(self, series: dict[str, list[tuple[int, float]]]):
+        self.series = series
+        self.layers: list[str] = []
+        for name in series:
+            parts = name.split("/")
+            if len(parts) >= 3 and parts[0] == "mixprec" and parts[-1] in _STATS:
+                layer = "/".join(parts[1:-1])
+                if layer not in self.layers:
+                    self.layers.append(layer)
+        self.steps = sorted({s for points in series.values() for s, _ in points})
+
+    def get(self, name: str) -> list[tuple[int, float]]:
+        """The points of ``mixprec/<name>`` (empty when not recorded)."""
+        return self.series.get(f"mixprec/{name}", [])
+
+    def layer(self, layer: str, stat: str) -> list[tuple[int, float]]:
+        """The points of one layer's statistic."""
+        return self.get(f"{layer}/{stat}")
+
+    def matrix(self, stat: str) -> tuple[list[str], list[list[float]]]:
+        """Layers that have ``stat``, and their values on :attr:`steps` (NaN where missing)."""
+        index = {s: i for i, s in enumerate(self.steps)}
+        names, rows = [], []
+        for layer in self.layers:
+            points = self.layer(layer, stat)
+            if not points:
+                continue
+            row = [math.nan] * len(self.steps)
+            for s, v in points:
+                row[index[s]] = v
+            names.append(layer)
+            rows.append(row)
+        return names, rows
+
+    def skip_steps(self) -> list[int]:
+        """Recorded steps whose window held a skipped step (the skip count rose)."""
+        points, out, before = self.get("skipped_steps"), [], 0.0
+        for s, v in points:
+            if v > before:
+                out.append(s)
+            before = v
+        return out
+
+    def format_name(self) -> str | None:
+        """The training format, from an activation's amax and headroom (None when unknown)."""
+        for layer in self.layers:
+            amax, room = dict(self.layer(layer, "act_amax")), self.layer(layer, "act_headroom")
+            for s, h in room:
+                if s in amax and amax[s] > 0 and math.isfinite(h):
+                    fmax = amax[s] * 2.0 ** h
+                    return min(_FORMAT_MAX, key=lambda k: abs(math.log2(_FORMAT_MAX[k] / fmax)))
+        return None
+
+
+# -- advice in words -------------------------------------------------------------------------------
+def advice(run: Run) -> list[str]:
+    """What to do, in words, one line per finding (a line saying nothing was found otherwise)."""
+    found = _scale_advice(run) + _lost_advice(run) + _underflow_advice(run) + _range_advice(run)
+    if not found:
+        found.append("No precision problem was seen in the recorded steps: no layer lost more "
+                     f"than {LOST_LIMIT:.0%} of its updates, no gradient underflow above "
+                     f"{UNDERFLOW_LIMIT:.0%}, activations at least {HEADROOM_LIMIT:g} binades "
+                     "below the format's largest value.")
+    return found
+
+
+def _scale_advice(run: Run) -> list[str]:
+    out = []
+    scale = [(s, v) for s, v in run.get("loss_scale") if math.isfinite(v)]
+    skips = run.get("skipped_steps")
+    if scale:
+        peak_step, peak = max(scale, key=lambda p: p[1])
+        low_step, low = min(((s, v) for s, v in scale if s >= peak_step), key=lambda p: p[1])
+        if peak / low >= SCALE_DROP:
+            out.append(f"The loss scale collapsed from {peak:g} (step {peak_step}) to {low:g} "
+                       f"(step {low_step}): some op overflows in the training format. Find it "
+                       "with mp.debug.trace_nonfinite and keep it in fp32 (keep_fp32=, "
+                       "fp32_ops=), or train in bf16.")
+    if skips and run.steps:
+        total, last = skips[-1][1], max(run.steps) + 1
+        if total > max(2, 0.02 * last):
+            out.append(f"{total:g} of {last} steps were skipped for inf/NaN gradients "
+                       f"({total / last:.0%}): each is a batch the model did not learn from. "
+                       "A scale that backs off more slowly (hysteresis=) or bf16 avoids them.")
+    return out
+
+
+def _onset(points: list[tuple[int, float]], limit: float) -> tuple[int, float] | None:
+    """The first step at or above ``limit`` from which the mean of the rest stays there too,
+    with that mean."""
+    values = [(s, v) for s, v in points if math.isfinite(v)]
+    for i, (s, v) in enumerate(values):
+        rest = [v for _, v in values[i:]]
+        if v >= limit and sum(rest) / len(rest) >= limit:
+            return s, sum(rest) / len(rest)
+    return None
+
+
+def _lost_advice(run: Run) -> list[str]:
+    hits = []
+    for layer in run.layers:
+        onset = _onset(run.layer(layer, "weight_update_lost"), LOST_LIMIT)
+        if onset is not None:
+            hits.append((layer, *onset))
+    return [f"Layer {layer} lost {mean:.0%} of its updates from step {step} (its 16-bit "
+            f"weights round the updates away): keep fp32 master weights (level O2) or "
+            f"master='kahan' for it, or raise its learning rate." for layer, step, mean in
+            _worst(hits)]
+
+
+def _underflow_advice(run: Run) -> list[str]:
+    hits = []
+    for layer in run.layers:
+        onset = _onset(run.layer(layer, "grad_underflow"), UNDERFLOW_LIMIT)
+        if onset is not None:
+            hits.append((layer, *onset))
+    fmt = run.format_name() or "the training format"
+    return [f"Layer {layer}: {mean:.1%} of its nonzero gradients fall below {fmt}'s smallest "
+            f"normal number from step {step} (they lose bits or flush to zero): a larger loss "
+            f"scale (init_scale=, or a static scale), or bf16." for layer, step, mean in
+            _worst(hits)]
+
+
+def _range_advice(run: Run) -> list[str]:
+    hits = []
+    for layer in run.layers:
+        room = [(s, v) for s, v in run.layer(layer, "act_headroom") if math.isfinite(v)]
+        if room:
+            step, least = min(room, key=lambda p: p[1])
+            if least < HEADROOM_LIMIT:
+                hits.append((layer, step, least))
+    fmt = run.format_name() or "the training format"
+    return [f"Layer {layer}'s outputs came within {least:.1f} binades of {fmt}'s largest "
+            f"value at step {step}: keep it in fp32 (keep_fp32=['{layer}']) before they "
+            f"overflow, or train in bf16." for layer, step, least in
+            sorted(hits, key=lambda h: h[2])[:5]]
+
+
+def _worst(hits: list[tuple[str, int, float]], most: int = 5) -> list[tuple[str, int, float]]:
+    return sorted(hits, key=lambda h: -h[2])[:most]
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _loss_plot(run: Run) -> str | None:
+    loss, scale = run.get("loss"), run.get("loss_scale")
+    if not loss and not scale:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    if loss:
+        ax.plot(*zip(*loss), color="tab:blue", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    for i, s in enumerate(run.skip_steps()):
+        ax.axvline(s, color="tab:red", alpha=0.5, linewidth=1,
+                   label="skipped step(s) since the last record" if i == 0 else None)
+    if scale:
+        twin = ax.twinx()
+        twin.step(*zip(*scale), where="post", color="tab:orange", label="loss scale")
+        twin.set_yscale("log", base=2)
+        twin.set_ylabel("loss scale", color="tab:orange")
+    handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
+    ax.set_title("Loss and loss scale")
+    return _png(fig)
+
+
+def _norm_plot(run: Run) -> str | None:
+    norm = [(s, v) for s, v in run.get("grad_norm") if math.isfinite(v) and v > 0]
+    if not norm:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    ax.plot(*zip(*norm), color="tab:green")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title("True gradient norm (unscaled, before clipping)")
+    return _png(fig)
+
+
+def _heatmap(run: Run, stat: str, title: str, cmap: str, vmin=None, vmax=None,
+             label: str = "") -> str | None:
+    names, rows = run.matrix(stat)
+    if not names:
+        return None
+    import numpy as np
+    plt = _pyplot()
+    data = np.ma.masked_invalid(np.array(rows, dtype=float))
+    if vmax is None:  # a scale that shows small fractions, and all-zero rows as zero
+        vmax = max(float(data.max()) if data.count() else 0.0, 0.05)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.16 * len(names)))
+    steps = run.steps
+    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
+    # grey: not measured (a skipped step, or no gradient)
+    colors = plt.get_cmap(cmap).with_extremes(bad="#d0d0d0")
+    image = ax.imshow(data, aspect="auto", cmap=colors, vmin=vmin, vmax=vmax,
+                      interpolation="nearest",
+                      extent=(steps[0] - half, steps[-1] + half, len(names) - 0.5, -0.5))
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=max(4, min(8, 400 // max(len(names), 1))))
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label=label, fraction=0.03, pad=0.01)
+    return _png(fig)
+
+
+def _fp8_plot(run: Run) -> str | None:
+    names = [n for n in run.series if n.endswith("_scale") and "/fp8_" in n]
+    if not names:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3))
+    for n in names[:12]:
+        ax.plot(*zip(*run.series[n]), label=n.removeprefix("mixprec/"), linewidth=1)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("FP8 scales (fmax / amax)")
+    return _png(fig)
+
+
+# -- the page --------------------------------------------------------------------------------------
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:1080px;margin:2em auto;padding:0 1em;
+color:#222}h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em}figure{margin:0.5em 0}
+img{max-width:100%}li{margin:0.3em 0}table{border-collapse:collapse}td,th{padding:2px 10px;
+text-align:left;border-bottom:1px solid #ddd}.note{color:#555;font-size:0.9em}"""
+
+
+def render(series: dict[str, list[tuple[int, float]]], title: str = "mixprec run") -> str:
+    """The report page for a run's series (see :func:`mixprec.monitor.read_run`), as HTML."""
+    run = Run(series)
+    fmt = run.format_name() or "the training format"
+    sections = [
+        ("What to do", None, "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in advice(run))
+         + "</ul>"),
+        ("Loss and loss scale", _loss_plot(run),
+         "Red lines: a step was skipped (inf/NaN gradients) since the previous record."
+         if run.skip_steps() else "No step was skipped."),
+        ("Gradient norm", _norm_plot(run), ""),
+        ("Gradient underflow", _heatmap(run, "grad_underflow", "Gradient underflow (layer x step)",
+                                        "magma_r", 0.0, None, "fraction"),
+         f"Fraction of each layer's nonzero gradient values below {fmt}'s smallest normal number "
+         "at the loss scale of the step: they keep fewer bits, or flush to zero."),
+        ("Update lost", _heatmap(run, "weight_update_lost", "Update lost (layer x step)",
+                                 "Reds", 0.0, 1.0, "fraction"),
+         "Fraction of each step's intended (fp32) update that the weights the run keeps did not "
+         "take: 0 with fp32 master weights, 1 when 16-bit weights round every update away. "
+         "Grey: not measured (a skipped step)."),
+        ("Activation headroom", _heatmap(run, "act_headroom", "Activation headroom "
+                                         "(layer x step)", "RdYlGn", 0.0, 16.0, "binades"),
+         f"log2({fmt} max / the layer's largest output): how many doublings its activations can "
+         "still take before they overflow (red: few)."),
+        ("FP8 scales", _fp8_plot(run), ""),
+    ]
+    body = [f"<h1>{html.escape(title)}</h1>", _summary(run)]
+    for heading, png, text in sections:
+        if png is None and heading != "What to do":
+            continue
+        body.append(f"<h2>{html.escape(heading)}</h2>")
+        if png is not None:
+            body.append(f'<figure><img alt="{html.escape(heading)}" '
+                        f'src="data:image/png;base64,{png}"></figure>')
+        if text:
+            body.append(text if text.startswith("<") else
+                        f'<p class="note">{html.escape(text)}</p>')
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _summary(run: Run) -> str:
+    rows = [("recorded steps", f"{len(run.steps)} (steps {run.steps[0]} to {run.steps[-1]})"
+             if run.steps else "none"), ("layers watched", str(len(run.layers)))]
+    if run.format_name():
+        rows.append(("training format", run.format_name()))
+    loss = run.get("loss")
+    if loss:
+        rows.append(("loss", f"{loss[0][1]:.4g} at step {loss[0][0]}, {loss[-1][1]:.4g} at "
+                             f"step {loss[-1][0]}"))
+    scale = [v for _, v in run.get("loss_scale")]
+    if scale:
+        rows.append(("loss scale", f"{min(scale):g} to {max(scale):g}"))
+    skips = run.get("skipped_steps")
+    if skips:
+        rows.append(("skipped steps", f"{skips[-1][1]:g}"))
+    return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                               for k, v in rows) + "</table>"
+
+
+def write_report(run_path, out_path, title: str | None = None) -> pathlib.Path:
+    """Read a run (a JSONL file or a TensorBoard folder) and write its report page.
+
+    Returns:
+        The path written.
+
+    Raises:
+        FileNotFoundError, ValueError: what :func:`mixprec.monitor.read_run` refuses.
+    """
+    series = read_run(run_path)
+    out = pathlib.Path(os.fspath(out_path))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = title or f"mixprec run: {pathlib.Path(os.fspath(run_path)).name}"
+    out.write_text(render(series, name), encoding="utf-8")
+    return out

@@ -1,0 +1,148 @@
+"""`mixprec report`: the page from a real recorded run, its advice in words, the command line, and
+the page opened in a real browser (headless Chromium through Selenium; skipped without one)."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.monitor import JSONLWriter, TensorBoardWriter, read_run
+from mixprec.monitor.report import Run, advice, render, write_report
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+pytest.importorskip("matplotlib")
+
+
+def record(writer, level="O3", steps=60, every=5, lr=1e-4):
+    """A small run whose middle layer holds weights in [1.5, 2.5): at O3 its updates round away."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.add_(2.0)
+    monitor = mp.PrecisionMonitor(every=every, writers=[writer])
+    amp = mp.MixedPrecision(level, "bf16", monitor=monitor)
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=lr))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+        amp.backward(F.mse_loss(model(x).float(), y))
+        amp.step(opt)
+        opt.zero_grad()
+    monitor.close()
+    return monitor
+
+
+@pytest.fixture(scope="module")
+def o3_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "precision.jsonl"
+    record(JSONLWriter(path))
+    return path
+
+
+def test_advice_names_the_layer_that_loses_its_updates_at_o3_and_none_at_o2(o3_run, tmp_path):
+    lines = advice(Run(read_run(o3_run)))
+    assert lines[0].startswith("Layer 2 lost 9") and "from step 0" in lines[0]
+    assert "master weights" in lines[0]
+    o2 = tmp_path / "o2.jsonl"
+    record(JSONLWriter(o2), level="O2", steps=20)
+    assert advice(Run(read_run(o2)))[0].startswith("No precision problem was seen")
+
+
+def test_advice_on_a_collapsing_loss_scale_skips_underflow_and_headroom():
+    steps = list(range(0, 100, 10))
+    series = {
+        "mixprec/loss_scale": [(s, 2.0 ** 16 / 2 ** (s // 10)) for s in steps],
+        "mixprec/skipped_steps": [(s, s // 10) for s in steps],
+        "mixprec/h.3.mlp/grad_underflow": [(s, 0.0 if s < 50 else 0.2) for s in steps],
+        "mixprec/h.3.mlp/act_amax": [(s, 700.0 * (s + 1)) for s in steps],
+        "mixprec/h.3.mlp/act_headroom": [(s, math.log2(65504 / (700.0 * (s + 1))))
+                                         for s in steps],
+    }
+    lines = advice(Run(series))
+    assert any(line.startswith("The loss scale collapsed from 65536 (step 0) to 128 (step 90)")
+               for line in lines)
+    assert any(line.startswith("9 of 91 steps were skipped") for line in lines)
+    assert any(line.startswith("Layer h.3.mlp: 20.0% of its nonzero gradients fall below fp16's "
+                               "smallest normal number from step 50") for line in lines)
+    assert any(line.startswith("Layer h.3.mlp's outputs came within 0.0 binades of fp16's "
+                               "largest value at step 90") for line in lines)
+
+
+def test_the_page_is_self_contained_with_every_plot(o3_run, tmp_path):
+    page = write_report(o3_run, tmp_path / "r.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 5  # loss, norm, three heatmaps
+    assert "<script" not in page and "http" not in page.replace("http-equiv", "")
+    assert "Layer 2 lost" in page and "What to do" in page
+
+
+def test_a_tensorboard_folder_gives_the_same_page_as_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    record(TensorBoardWriter(tmp_path / "tb"), steps=20)
+    record(JSONLWriter(tmp_path / "p.jsonl"), steps=20)
+    tb, jl = Run(read_run(tmp_path / "tb")), Run(read_run(tmp_path / "p.jsonl"))
+    assert tb.layers == jl.layers and tb.steps == jl.steps
+    assert advice(tb) == advice(jl)
+    assert render(tb.series).count("data:image/png") == 5
+
+
+def test_the_command_writes_the_page_and_refuses_a_missing_run(o3_run, tmp_path):
+    env_cmd = [sys.executable, "-m", "mixprec", "report"]
+    out = subprocess.run([*env_cmd, str(o3_run), "-o", str(tmp_path / "x" / "r.html")],
+                         capture_output=True, text=True, check=True)
+    assert "report:" in out.stdout and (tmp_path / "x" / "r.html").exists()
+    shown = json.loads(subprocess.run([*env_cmd, str(o3_run), "--json"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert shown["layers"] == ["0", "2", "4"] and shown["format"] == "bf16"
+    bad = subprocess.run([*env_cmd, str(tmp_path / "none.jsonl")], capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "no run at" in bad.stderr
+
+
+# -- in a real browser -----------------------------------------------------------------------------
+def _chrome():
+    webdriver = pytest.importorskip("selenium.webdriver")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("no chromium and chromedriver installed (Debian: apt-get install chromium "
+                    "chromium-driver)")
+    return webdriver, browser, driver
+
+
+def test_the_page_renders_in_headless_chromium(o3_run, tmp_path):
+    webdriver, browser, driver_path = _chrome()
+    from selenium.webdriver.chrome.service import Service
+    page = write_report(o3_run, tmp_path / "report.html")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        driver.get(page.resolve().as_uri())
+        images = driver.find_elements("tag name", "img")
+        assert len(images) == 5
+        sizes = [driver.execute_script("return [arguments[0].complete, "
+                                       "arguments[0].naturalWidth, arguments[0].naturalHeight]",
+                                       img) for img in images]
+        assert all(done and w > 300 and h > 100 for done, w, h in sizes), sizes
+        assert "Layer 2 lost" in driver.find_element("tag name", "ul").text
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == []
+        height = driver.execute_script("return document.body.scrollHeight")
+        driver.set_window_size(1200, height + 100)  # the whole page in the screenshot
+        shot = tmp_path / "report.png"
+        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    finally:
+        driver.quit()
