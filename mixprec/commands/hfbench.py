@@ -83,7 +83,7 @@ def _setup(model_name: str, row: str, sizes: dict):
     dtype = sizes.get("dtype", "bf16")
     options = {"O1": {"level": "O1"}, "O2": {"level": "O2"}, "O3": {"level": "O3"},
                "compact": {"level": "O2", "master": "kahan", "state_dtype": "bf16"},
-               "fp8": {"level": "O2", "fp8": "tensorwise"}}
+               "fp8": {"level": "O2", "fp8": mp.lowbit.Float8()}}
     if row in options:
         model, opt = mp.prepare(model, opt, dtype=dtype, **options[row])
     low = torch.bfloat16 if dtype == "bf16" else torch.float16
