@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from ..fp8.backend import quiet_import
+
 __all__ = ["HF_MODELS", "ROWS", "run_hf_bench", "format_hf_table"]
 
 ROWS = ("fp32", "autocast", "O1", "O2", "O3", "compact", "fp8")
@@ -77,7 +79,9 @@ def _setup(model_name: str, row: str, sizes: dict):
     """(model, optimizer, step) for one row, the model built from the same seed."""
     import mixprec as mp
     torch.manual_seed(0)
-    model = HF_MODELS[model_name][0](sizes["width"], sizes["seq"], sizes["batch"], sizes["vocab"])
+    with quiet_import():  # transformers' model modules import torchao when it is installed
+        model = HF_MODELS[model_name][0](sizes["width"], sizes["seq"], sizes["batch"],
+                                         sizes["vocab"])
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dtype = sizes.get("dtype", "bf16")
