@@ -617,3 +617,47 @@ def test_o2_model_state_dict_holds_the_exact_fp32_masters():
     assert state["0.weight"].dtype == torch.float32
     assert torch.equal(state["0.weight"], masters[0])
     assert not torch.equal(state["0.weight"], model[0].weight.float())  # finer than bf16
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_optimizer_hooks_run_once_per_step_as_torch_runs_them(level):
+    """torch's global step hooks, a hook on the user's optimizer before initialize and one on
+    the returned optimizer each run once per step(), over every parameter (one step per
+    iteration, as torch runs them on a plain optimizer); an LR scheduler still steps."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n_params = len(list(model.parameters()))
+    calls = {"global pre": 0, "global post": 0, "user": 0, "returned": 0}
+    seen = []
+
+    def count(name):
+        def hook(optimizer, args, kwargs):
+            calls[name] += 1
+            seen.append(sum(len(g["params"]) for g in optimizer.param_groups))
+        return hook
+
+    opt.register_step_pre_hook(count("user"))
+    handles = [register_optimizer_step_pre_hook(count("global pre")),
+               register_optimizer_step_post_hook(count("global post"))]
+    try:
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=1.0)
+        opt.register_step_pre_hook(count("returned"))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            sched.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {"global pre": 3, "global post": 3, "user": 3, "returned": 3}
+    assert set(seen) == {n_params}
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)

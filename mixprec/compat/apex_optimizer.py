@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..master import MasterWeightOptimizer
+from ..master.hooks import raw_step, share_hooks
 from ..scaling import owns_gradients
 from ..scaling.unscale import unscale_and_check_
 
@@ -60,6 +61,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         # state and defaults
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self._share()
+        # one set of hook dicts with the inner optimizer: a hook registered on either (or
+        # torch's global ones) runs once per step(), here; the inner one is stepped raw
+        share_hooks(self, inner, refuse=False)
         self._set_up = True
         self._live = False            # param_groups' gradients are unscaled ones since step()
         self.scaled_pending = False   # a delay_unscale block left scaled model gradients
@@ -170,7 +174,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 print(f"apex_amp: gradient overflow, skipping this step; loss scaler {loss_id} "
                       f"reduced the loss scale to {scale}")
             return None
-        return self.inner.step() if closure is None else self.inner.step(closure)
+        return raw_step(self.inner, closure)
 
     def _read_overflow(self) -> tuple[int, float] | None:
         """(loss_id, its scale now) of the first overflowing block since step(), or None."""
