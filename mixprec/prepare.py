@@ -18,14 +18,13 @@ dtype their module computes in.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import lowbit
+from . import prepare_checks as checks
 from .autocast import PrecisionContext, autocast
 from .casting import (
     PREPARED_ATTR,
@@ -63,25 +62,11 @@ __all__ = ["prepare", "prepare_many", "resolve_policy", "to_float", "policy_of",
 
 _POLICY_ATTR = "_mixprec_policy"
 _FP32 = torch.float32
-_FP16_MIN_SUBNORMAL = 2.0 ** -24
-_FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def policy_of(model: nn.Module) -> Policy | None:
     """The :class:`Policy` a model was prepared with, or None."""
     return getattr(model, _POLICY_ATTR, None)
-
-
-def _check_names(model: nn.Module, policy: Policy) -> None:
-    names = {name for name, _ in model.named_modules() if name}
-    unknown = [k for k in policy.named_keys() if k not in names]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, names, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"keep_fp32/overrides name no module of the model: {', '.join(hints)}; "
-                         f"qualified names look like {sorted(names)[:4]}")
 
 
 def _module_dtype(policy: Policy):
@@ -116,56 +101,6 @@ def _recorded(model: nn.Module, policy: Policy) -> Policy:
     if not marks:
         return policy
     return dataclasses.replace(policy, overrides=policy.overrides + marks)
-
-
-def _check_optimizer(model: nn.Module, optimizer) -> None:
-    if optimizer is None:
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; "
-                        f"got {type(optimizer).__name__}")
-    owned = {id(p) for p in model.parameters()}
-    params = ([optimizer.model_param(p) for g in optimizer.param_groups for p in g["params"]]
-              if is_master_optimizer(optimizer) else
-              [p for g in optimizer.param_groups for p in g["params"]])
-    foreign = [p for p in params if id(p) not in owned]
-    if foreign:
-        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
-        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters "
-                         f"of the model (shapes {shapes}{', ...' if len(foreign) > 3 else ''}); "
-                         f"build it from model.parameters() of the model you prepare")
-
-
-def _check_fp16_state(optimizer, policy: Policy) -> None:
-    """Without masters, an fp16 model's Adam-style state is fp16 too: (1 - beta2) * g^2
-    underflows for small gradients. With an eps below fp16's smallest normal the update then
-    divides by (almost) zero: refused. With a larger eps it stays finite but loses Adam's
-    normalisation there: said once, as a warning."""
-    if optimizer is None or policy.master_weights or policy.param_dtype != torch.float16:
-        return
-    for i, group in enumerate(optimizer.param_groups):
-        if not ("betas" in group and "eps" in group):
-            continue
-        beta2, eps = float(group["betas"][1]), float(group["eps"])
-        smallest = (_FP16_MIN_SUBNORMAL / max(1.0 - beta2, 1e-12)) ** 0.5
-        what = (f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
-                f"eps={eps:g}) keeps its moment estimates in fp16 under {policy} (no master "
-                f"weights): (1 - beta2) * grad^2 underflows to 0 in fp16 for every |grad| < "
-                f"{smallest:.1e}, and the update there is m / eps")
-        if eps < _FP16_MIN_NORMAL:
-            raise ValueError(
-                f"{what}, with an eps below fp16's smallest normal 6.1e-05: inf/NaN weights. "
-                f"Use level='O2' (fp32 masters and optimizer state), dtype='bf16' (fp32's "
-                f"exponent range), an SGD-style optimizer, or eps >= 6.1e-05")
-        warnings.warn(f"{what}: Adam's normalisation is lost for those gradients. Level 'O2' "
-                      f"(fp32 masters and state) or dtype='bf16' keep it", UserWarning,
-                      stacklevel=4)
-
-
-def _check_one_of(policy, level, dtype) -> None:
-    if policy is not None and (level != "O1" or not (isinstance(dtype, str) and dtype == "auto")):
-        raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
-                         f"{policy} with level={level!r}, dtype={dtype!r}")
 
 
 def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True, master=None,
@@ -284,7 +219,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
-    _check_one_of(policy, level, dtype)
+    checks.check_one_of(policy, level, dtype)
     names, chooser = fp8_choice.split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     model, optimizers = prepare_many(
         model, [] if optimizer is None else [optimizer],
@@ -307,11 +242,11 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")
     check_materialised(model)
-    _check_names(model, policy)
+    checks.check_names(model, policy)
     _check_marks(model, policy)
     for optimizer in optimizers:
-        _check_optimizer(model, optimizer)
-        _check_fp16_state(optimizer, policy)
+        checks.check_optimizer(model, optimizer)
+        checks.check_fp16_state(optimizer, policy)
     policy = fp8_choice.with_modules(policy, model, fp8_filter)  # names, recorded below
     convert_fp8(model, policy)
     device_type = module_device(model).type

@@ -29,8 +29,8 @@ from torch import nn
 
 from .dtypes import is_low_precision
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
-from .master.compact_kernels import local as _local
 from .parallel.env import is_fsdp, unwrap
+from .shards import local as _local
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
            "fp32_state_dict"]

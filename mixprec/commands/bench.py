@@ -349,18 +349,9 @@ def _peak_remark(probe: dict) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def _run_hf(args) -> int:
-    sizes = {k: getattr(args, a) for k, a in (("width", "width"), ("batch", "batch"),
-                                              ("seq", "seq_len")) if getattr(args, a) is not None}
-    dtype = "bf16" if args.dtype == "auto" else args.dtype
-    rep = hfbench.run_hf_bench(args.model, rounds=max(args.repeat, 5), dtype=dtype, **sizes)
-    print(json.dumps(rep, indent=2) if args.json else hfbench.format_hf_table(rep))
-    return 0
-
-
 def _run(args) -> int:
     if args.model in hfbench.HF_MODELS:
-        return _run_hf(args)
+        return hfbench.run_from_args(args)
     sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
              if getattr(args, k) is not None}
     if args.model not in benchmodels.MODELS:

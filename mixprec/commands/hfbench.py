@@ -25,6 +25,7 @@ alike) and repeated, medians:
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import time
 
@@ -32,7 +33,7 @@ import torch
 
 from ..fp8.backend import quiet_import
 
-__all__ = ["HF_MODELS", "ROWS", "run_hf_bench", "format_hf_table"]
+__all__ = ["HF_MODELS", "ROWS", "run_hf_bench", "format_hf_table", "run_from_args"]
 
 ROWS = ("fp32", "autocast", "O1", "O2", "O3", "compact", "fp8")
 _HOST = {"width": 32, "seq": 16, "batch": 1}
@@ -193,3 +194,13 @@ def format_hf_table(rep: dict) -> str:
                      f"{r['host_us_per_step']} | {rel('host_us_per_step')} | {r['peak_mb']} | "
                      f"{rel('peak_mb')} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
+
+
+def run_from_args(args) -> int:
+    """``mixprec bench --model hf-*``: the table (or ``--json``) for the parsed arguments."""
+    sizes = {k: getattr(args, a) for k, a in (("width", "width"), ("batch", "batch"),
+                                              ("seq", "seq_len")) if getattr(args, a) is not None}
+    dtype = "bf16" if args.dtype == "auto" else args.dtype
+    rep = run_hf_bench(args.model, rounds=max(args.repeat, 5), dtype=dtype, **sizes)
+    print(json.dumps(rep, indent=2) if args.json else format_hf_table(rep))
+    return 0

@@ -14,15 +14,7 @@ parameter instead of an fp32 master's 4:
   with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. bf16
   weights only (fp16 ones use ``"kahan"``).
 
-Both draw their random keys from a generator whose state travels in ``state_dict()`` (in the
-first parameter entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it
-too), so a resumed run continues bitwise.
-
-The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
-``state`` is keyed by them, with the compensation under ``state[p]["compensation"]`` (in the
-weight's dtype), so torch's, DCP's and FSDP2's state-dict machinery carry it like any moment.
-fp32 parameters in the groups (norm layers kept in fp32) are stepped by the inner optimizer as
-they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.master.states`).
+What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
 **Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
 ``capturable``, ``differentiable``) run one pass per tensor (:mod:`.compact_kernels`): compiled
@@ -52,9 +44,11 @@ import torch
 
 from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
+from ..shards import local
 from . import compact_kernels as ck
 from . import loadcheck, states
 from .buckets import is_per_parameter
+from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import COMPENSATION_KEY, OWN_KEYS
@@ -125,10 +119,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
-        self.register_load_state_dict_post_hook(_share_with_inner)
-        self.register_state_dict_post_hook(_save_pending)
+        self.register_load_state_dict_post_hook(share_with_inner)
+        self.register_state_dict_post_hook(save_pending)
         states.register(self)
-        self.register_load_state_dict_post_hook(_load_generator)
+        self.register_load_state_dict_post_hook(load_generator)
         if master == "kahan":
             loadcheck.register_kahan(self)
 
@@ -372,7 +366,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             for i, (p, temp, ours) in enumerate(pairs):
                 key = shard_key(keys[i], p).to(p.device)
                 comp = ours.get(COMPENSATION_KEY)
-                ck.store(*map(ck.local, (p.detach(), comp, temp.detach())), key)
+                ck.store(*map(local, (p.detach(), comp, temp.detach())), key)
                 state[p] = {**state.pop(temp, {}), **ours}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -403,33 +397,3 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def per_parameter(self) -> bool:
         """True when the generic path steps a bucket at a time."""
         return is_per_parameter(self.inner)
-
-
-def _save_pending(optimizer: CompactMasterOptimizer, state: dict) -> dict:
-    """state_dict post-hook: compensations not yet in the state (no step taken) are saved too,
-    so a checkpoint taken before the first step resumes exactly."""
-    if not optimizer._pending:
-        return state
-    index, start = {}, 0
-    for group in optimizer.param_groups:  # torch's numbering: first occurrence, group by group
-        for i, p in enumerate(group["params"], start):
-            index.setdefault(id(p), i)
-        start += len(group["params"])
-    for p, comp in optimizer._pending.items():
-        entry = state["state"].setdefault(index[id(p)], {})
-        entry.setdefault(COMPENSATION_KEY, comp)
-    return state
-
-
-def _load_generator(optimizer: CompactMasterOptimizer) -> None:
-    """load_state_dict post-hook: the rounding generator continues from the saved state."""
-    states.restore_generator(optimizer, optimizer.rounding)
-
-
-def _share_with_inner(optimizer: CompactMasterOptimizer) -> None:
-    """load_state_dict post-hook: torch made new groups and state; the inner optimizer shares
-    them again."""
-    optimizer.inner.param_groups = optimizer.param_groups
-    optimizer.inner.state = optimizer.state
-    optimizer._rebuild()
-    optimizer.drop_master_grads()

@@ -24,8 +24,8 @@ import shutil
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..shards import local
 from .kernels import (
     PerDevice,
     adam_hparams,
@@ -44,7 +44,7 @@ from .rounding import (
 )
 from .states import COMPENSATION_KEY
 
-__all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store", "local",
+__all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
            "compensation"]
 
 FAST_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -149,11 +149,6 @@ def can_compile(device_type: str) -> bool:
 
 
 # -- stepping the groups --------------------------------------------------------------------------
-def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor's local shard (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 

@@ -133,12 +133,18 @@ def _onset(points: list[tuple[int, float]], limit: float) -> tuple[int, float] |
     return None
 
 
-def _lost_advice(run: Run) -> list[str]:
+def _onsets(run: Run, name: str, limit: float) -> list[tuple[str, int, float]]:
+    """(layer, onset step, mean from there) of every layer whose ``name`` stays at ``limit``."""
     hits = []
     for layer in run.layers:
-        onset = _onset(run.layer(layer, "weight_update_lost"), LOST_LIMIT)
+        onset = _onset(run.layer(layer, name), limit)
         if onset is not None:
             hits.append((layer, *onset))
+    return hits
+
+
+def _lost_advice(run: Run) -> list[str]:
+    hits = _onsets(run, "weight_update_lost", LOST_LIMIT)
     return [f"Layer {layer} lost {mean:.0%} of its updates from step {step} (its 16-bit "
             f"weights round the updates away): keep fp32 master weights (level O2) or "
             f"master='kahan' for it, or raise its learning rate." for layer, step, mean in
@@ -146,11 +152,7 @@ def _lost_advice(run: Run) -> list[str]:
 
 
 def _underflow_advice(run: Run) -> list[str]:
-    hits = []
-    for layer in run.layers:
-        onset = _onset(run.layer(layer, "grad_underflow"), UNDERFLOW_LIMIT)
-        if onset is not None:
-            hits.append((layer, *onset))
+    hits = _onsets(run, "grad_underflow", UNDERFLOW_LIMIT)
     fmt = run.format_name() or "the training format"
     return [f"Layer {layer}: {mean:.1%} of its nonzero gradients fall below {fmt}'s smallest "
             f"normal number from step {step} (they lose bits or flush to zero): a larger loss "

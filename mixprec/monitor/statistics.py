@@ -26,10 +26,10 @@ from collections.abc import Iterable
 
 import torch
 
-from ..master.compact_kernels import local
 from ..master.states import COMPENSATION_KEY
 from ..master.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
+from ..shards import local
 
 __all__ = ["gradient_pairs", "underflow_counts", "output_amax", "UpdateProbe"]
 

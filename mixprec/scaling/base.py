@@ -23,6 +23,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..shards import local as _local
+from ..shards import replicated as _replicated
 from . import unscale as passes
 from .gradscaler import GradScalerInterface
 from .protocol import owns_gradients
@@ -350,20 +352,6 @@ class LossScaler(GradScalerInterface):
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _replicated(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor holding the global value of ``value`` (a norm computed over
-    FSDP-sharded gradients is a DTensor, partial on each rank: reduced here)."""
-    full = getattr(value, "full_tensor", None)
-    return full() if full is not None else value
-
-
-def _local(flag: torch.Tensor) -> torch.Tensor:
-    """This rank's part of an inf/NaN flag (a DTensor over FSDP-sharded gradients): the
-    overflow check all-reduces the flags with max, which makes them global."""
-    to_local = getattr(flag, "to_local", None)
-    return to_local() if to_local is not None else flag
 
 
 def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

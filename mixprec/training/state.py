@@ -249,3 +249,22 @@ def load_trainer_state(trainer, ckpt: dict, path) -> None:
         raise ValueError(f"could not load checkpoint {str(path)!r} ({exc}); the trainer is "
                          f"unchanged") from exc
     restore_progress(trainer, ckpt)
+
+
+def epoch_iterator(st: TrainState, data):
+    """``iter(data)``, positioned where the epoch of ``st`` left off (replaying its shuffle)."""
+    if st.batch_in_epoch == 0:
+        if st.pending_loader_rng is not None:
+            restore_rng(st.pending_loader_rng, data, globals_=False)
+        st.pending_loader_rng = None
+        st.epoch_start_rng = capture_rng(data)
+        return iter(data)
+    now, st.pending_loader_rng = capture_rng(), None
+    restore_rng(st.epoch_start_rng, data)
+    it = iter(data)
+    for i in range(st.batch_in_epoch):
+        if next(it, None) is None:
+            raise ValueError(f"train_data has only {i} batches but the run stopped after batch "
+                             f"{st.batch_in_epoch} of this epoch: resume on the same data")
+    restore_rng(now, loader=False)
+    return it

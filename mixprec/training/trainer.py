@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..engine import MixedPrecision
-from ..master import is_master_optimizer, kernels
+from ..master import kernels
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts
@@ -138,8 +138,8 @@ class Trainer:
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
-        if compile:
-            self._enable_fused_master_step()
+        if compile and self.device.type == "cpu":  # on CUDA torch's fused kernels measured
+            kernels.compile_master_step(self.optimizer)  # faster (see compile_master_step)
         self.history = History()
         self.state = ts.TrainState()
         self.stop_training = False
@@ -155,15 +155,6 @@ class Trainer:
     def epoch(self) -> int:
         """Epochs completed."""
         return self.state.epoch
-
-    def _enable_fused_master_step(self) -> None:
-        """The compiled master step, on a CPU only: on CUDA torch's fused multi-tensor kernels
-        (the default) measured faster, since the compiled step launches one kernel per
-        parameter (nine-linear on an H100: 1.8 vs 2.9 ms per update)."""
-        opt = self.optimizer
-        if (is_master_optimizer(opt) and kernels.is_compilable(opt.inner)
-                and self.device.type == "cpu" and opt.state_dtype == torch.float32):
-            opt.fused = "compile"
 
     # ----------------------------------------------------------------- the step
     def forward_loss(self, batch):
@@ -314,30 +305,11 @@ class Trainer:
                 self.strategy.finish()  # e.g. let gloo's threads finish before the script ends
         return self.history
 
-    def _epoch_iterator(self, data):
-        """``iter(data)``, positioned where the epoch left off (replaying its shuffle)."""
-        st = self.state
-        self.strategy.begin_epoch(data, st.epoch)
-        if st.batch_in_epoch == 0:
-            if st.pending_loader_rng is not None:
-                ts.restore_rng(st.pending_loader_rng, data, globals_=False)
-            st.pending_loader_rng = None
-            st.epoch_start_rng = ts.capture_rng(data)
-            return iter(data)
-        now, st.pending_loader_rng = ts.capture_rng(), None
-        ts.restore_rng(st.epoch_start_rng, data)
-        it = iter(data)
-        for i in range(st.batch_in_epoch):
-            if next(it, None) is None:
-                raise ValueError(f"train_data has only {i} batches but the run stopped after batch "
-                                 f"{st.batch_in_epoch} of this epoch: resume on the same data")
-        ts.restore_rng(now, loader=False)
-        return it
-
     def _run_epoch(self, data, callbacks) -> bool:
         """Train one (rest of an) epoch; False when a callback stopped training mid-epoch."""
         n, accum = length(data), self.grad_accum_steps
-        it = self._epoch_iterator(data)
+        self.strategy.begin_epoch(data, self.epoch)
+        it = ts.epoch_iterator(self.state, data)
         for cb in callbacks:
             cb.on_epoch_begin(self, self.epoch + 1)
         self.model.train()
