@@ -4,7 +4,7 @@ Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, 
 and numerics diagnostics. ``import mixprec as mp``.
 """
 
-from . import debug, formats, lowbit, monitor, parallel
+from . import debug, formats, lowbit, masters, monitor, parallel
 from .advisor import Advice, advise
 from .autocast import autocast
 from .casting import to_float
@@ -52,6 +52,7 @@ __all__ = [
     "to_float",
     "fp8_modules",
     "lowbit",
+    "masters",
     # autocast with custom op lists
     "autocast",
     "op_lists",

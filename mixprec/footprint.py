@@ -2,7 +2,8 @@
 
 Every figure is counted from the tensors the model and its optimizer hold right now, not from a
 table: the model's weights as stored, fp32 masters (:class:`mixprec.MasterWeightOptimizer`),
-Kahan compensation buffers (:class:`mixprec.master.CompactMasterOptimizer`), the optimizer's
+the 16-bit buffers of compact masters (:class:`mixprec.master.CompactMasterOptimizer`: Kahan
+compensations, split remainders), the optimizer's
 state (moments in their dtype; quantized states of torchao's and bitsandbytes' low-bit
 optimizers by their codes, scales and maps; step counters), and the gradients currently held
 (the model's, plus fp32 gradient copies a master optimizer holds at that moment). A DTensor
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .master.params import held_grad
-from .master.states import COMPENSATION_KEY, GENERATOR_KEY
+from .master.states import BUFFER_KEYS, GENERATOR_KEY
 
 __all__ = ["bytes_per_parameter", "tensor_bytes"]
 
@@ -50,7 +51,8 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
 
     Returns:
         A dict with ``weights`` (the model's parameters as stored), ``masters`` (fp32 master
-        copies), ``compensation`` (Kahan buffers), ``optimizer_state`` (everything else in
+        copies), ``compensation`` (the buffers of compact masters: Kahan compensations, split
+        remainders), ``optimizer_state`` (everything else in
         ``optimizer.state``, except the rounding generator's state: 5 KB, not per
         parameter), ``gradients`` (those currently held: 0 after
         ``zero_grad(set_to_none=True)``) and ``total``, each in bytes per parameter.
@@ -88,7 +90,7 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
             for key, value in state.items():
                 if key == GENERATOR_KEY:  # a fixed 5 KB whatever the model's size
                     continue
-                where = "compensation" if key == COMPENSATION_KEY else "optimizer_state"
+                where = "compensation" if key in BUFFER_KEYS else "optimizer_state"
                 out[where] += tensor_bytes(value)
     out["total"] = sum(out.values())
     return {k: v / count for k, v in out.items()}

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, lowbit
+from . import hardware, lowbit, masters
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 from .norms import NORM_LAYERS, NormLayer, is_norm_layer
 
@@ -43,7 +43,7 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
     return resolved
 
 
-MASTERS = ("fp32", "kahan", "stochastic")
+MASTERS = masters.shorthands()  # the strings master= accepts
 STATE_DTYPES = ("fp32", "bf16")
 FP8_RECIPES = lowbit.shorthands()  # the strings fp8= accepts
 _FP32 = torch.float32
@@ -170,8 +170,10 @@ class Policy:
         level: the level this policy came from ("O0".."O3"), or None for a custom one.
         overrides: module type or qualified name -> dtype ("fp32", "bf16", "fp16"): those
             modules compute in that dtype (a dict, or pairs; names win over types).
-        master: "fp32" (fp32 master copies), "kahan" (a 16-bit compensation buffer) or
-            "stochastic" (stochastic rounding into the 16-bit weight).
+        master: a :mod:`mixprec.masters` method, or its shorthand: "fp32" (fp32 master
+            copies), "split" (an exact fp32 master as the bf16 weight plus an int16
+            remainder), "kahan" (a 16-bit compensation buffer) or "stochastic" (stochastic
+            rounding into the bf16 weight); resolved to the method here.
         state_dtype: dtype of the optimizer's moment buffers under masters: "fp32" or "bf16".
         fp8: None, or the low-bit GEMM format of the chosen Linear layers: a
             :mod:`mixprec.lowbit` format, or its shorthand ("tensorwise", "rowwise",
@@ -194,7 +196,7 @@ class Policy:
     cast_inputs: bool = False
     level: str | None = None
     overrides: tuple = ()
-    master: str = "fp32"
+    master: masters.MasterMethod = masters.FP32()
     state_dtype: torch.dtype = torch.float32
     fp8: lowbit.LowBitFormat | None = None
     fp8_modules: tuple | None = None
@@ -229,18 +231,15 @@ class Policy:
             object.__setattr__(self, "fp8_modules", names)
 
     def _check_masters(self) -> None:
-        if self.master not in MASTERS:
-            raise ValueError(f"master must be one of {', '.join(map(repr, MASTERS))}; "
-                             f"got {self.master!r}")
+        object.__setattr__(self, "master", masters.resolve(self.master))
         if dtype_name(self.state_dtype) not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}; "
                              f"got {dtype_name(self.state_dtype)!r}")
-        if self.master == "stochastic" and self.param_dtype == torch.float16:
-            raise ValueError("master='stochastic' rounds into bf16 weights; with fp16 "
-                             "parameters use master='kahan' or 'fp32'")
-        compact = self.master != "fp32" or self.state_dtype != _FP32
+        if self.param_dtype != _FP32:
+            self.master.check_dtype(self.param_dtype)
+        compact = self.master.compact or self.state_dtype != _FP32
         if compact and not self.master_weights:
-            raise ValueError(f"master={self.master!r} and state_dtype="
+            raise ValueError(f"master={str(self.master)!r} and state_dtype="
                              f"{dtype_name(self.state_dtype)!r} describe how an optimizer "
                              f"updates 16-bit parameters: they need master_weights=True")
 
@@ -279,7 +278,7 @@ class Policy:
                 value = [key(k) for k in value]
             elif f.name == "overrides":
                 value = [[key(k), dtype_name(dt)] for k, dt in value]
-            elif isinstance(value, lowbit.LowBitFormat):
+            elif isinstance(value, (lowbit.LowBitFormat, masters.MasterMethod)):
                 value = value.to_data()
             elif isinstance(value, tuple):
                 value = list(value)

@@ -40,7 +40,7 @@ from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
 from .hfsave import fp32_save_pretrained
-from .master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
+from .master import is_master_optimizer
 from .master.wrapper import WrappedOptimizer
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
@@ -184,9 +184,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
         emulate_fp16: see :class:`mixprec.autocast`.
         master: how 16-bit parameters keep small updates (a master-weight policy, O2):
-            ``"fp32"`` (fp32 masters, :class:`mixprec.MasterWeightOptimizer`), ``"kahan"`` (a
-            16-bit compensation buffer) or ``"stochastic"`` (stochastic rounding, bf16 only;
-            both :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
+            a :mod:`mixprec.masters` method or its shorthand: ``"fp32"`` (fp32 masters,
+            :class:`mixprec.MasterWeightOptimizer`), ``"split"`` (exact fp32 masters as the
+            bf16 weight plus an int16 remainder), ``"kahan"`` (a 16-bit compensation buffer) or
+            ``"stochastic"`` (stochastic rounding, bf16 only; the last three
+            :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype of the optimizer's moment buffers
             under a master-weight policy; None: the policy's.
         fp8: None, or the low-bit GEMM format of the chosen layers (:mod:`mixprec.lowbit`), or
@@ -340,13 +342,11 @@ def _cast_model(model: nn.Module, policy: Policy, device_type: str,
 
 
 def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor], policy: Policy):
-    """Wrap in a MasterWeightOptimizer whose masters are the exact fp32 originals (their
-    storage: the cast kept no second fp32 copy of the weights), or in a CompactMasterOptimizer
-    whose Kahan compensation starts as what the cast lost."""
+    """Wrap as the policy's master method does: a MasterWeightOptimizer whose masters are the
+    exact fp32 originals (their storage: the cast kept no second fp32 copy of the weights), or
+    a CompactMasterOptimizer whose buffers start from them (a Kahan compensation holds what the
+    cast lost, a split remainder the rest of the exact value)."""
     if isinstance(optimizer, WrappedOptimizer):
         return optimizer
-    if policy.master == "fp32":
-        return MasterWeightOptimizer(optimizer, initial_masters=originals,
-                                     state_dtype=policy.state_dtype)
-    return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
-                                  initial_values=originals)
+    return policy.master.wrap(optimizer, state_dtype=policy.state_dtype,
+                              initial_values=originals)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from .. import masters
 from ..parallel.plan import OPTIMIZER_MOMENTS, STRATEGIES, MemoryPlan, parse_count, plan, plan_table
 from ..policy import LEVELS
 
@@ -36,7 +37,7 @@ def _count(n: int) -> str:
 
 def _level(p: MemoryPlan) -> str:
     """The level, with the master kind and moment dtype when they are not the default."""
-    if (p.master, p.state_dtype) == ("fp32", "fp32"):
+    if p.is_default_recipe:
         return p.level
     return f"{p.level} {p.master}/{p.state_dtype}"
 
@@ -58,7 +59,7 @@ def plan_report(params, *, level="O2", dtype="bf16", strategy="fsdp", world=8, o
                   optimizer=optimizer, reduce_dtype=reduce_dtype, master=master,
                   state_dtype=state_dtype)
     others_world = world if strategy != "single" else 8
-    compact = (chosen.master, chosen.state_dtype) != ("fp32", "fp32")
+    compact = not chosen.is_default_recipe
     rows = plan_table(params, dtype=dtype, world=others_world, optimizer=optimizer,
                       reduce_dtype=reduce_dtype, compact=compact)
     width = 19 if compact else 5
@@ -124,7 +125,7 @@ def register(subparsers) -> None:
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MOMENTS))
     p.add_argument("--reduce-dtype", default="fp32",
                    help="gradient reduction dtype: fp32 (default), bf16, fp16")
-    p.add_argument("--master", default="fp32", choices=("fp32", "kahan", "stochastic"),
+    p.add_argument("--master", default="fp32", choices=masters.shorthands(),
                    help="O2: fp32 masters (default), kahan (16-bit compensation) or stochastic "
                         "(stochastic rounding, no extra bytes)")
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),

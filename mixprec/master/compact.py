@@ -1,7 +1,12 @@
 """``CompactMasterOptimizer``: 16-bit weights that train like fp32 ones, without fp32 masters.
 
-Two ways to keep the updates a 16-bit weight would round away, at 2 or 0 extra bytes per
-parameter instead of an fp32 master's 4:
+Three ways to keep the updates a 16-bit weight would round away, at 2 or 0 extra bytes per
+parameter instead of an fp32 master's 4 (each a :mod:`mixprec.masters` method, which makes the
+per-parameter buffer):
+
+* ``master="split"``: each bf16 weight has an int16 remainder: the pair holds an fp32 master
+  exactly (the weight its high half, rounded to nearest with ties away from zero; the remainder
+  the rest: :mod:`.split_bits`), so the masters evolve bit for bit as fp32 ones.
 
 * ``master="kahan"``: each 16-bit weight has a 16-bit compensation buffer (Kahan summation, as
   in "Revisiting BFloat16 Training" and the optimi library) that holds what the last rounding
@@ -46,12 +51,12 @@ from ..dtypes import is_low_precision
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import local
 from . import compact_kernels as ck
-from . import loadcheck, states
+from . import states
 from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
-from .states import COMPENSATION_KEY, OWN_KEYS
+from .states import OWN_KEYS
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -60,9 +65,7 @@ from .wrapper import (
     stale_fp16_error,
 )
 
-__all__ = ["CompactMasterOptimizer", "COMPACT_MASTERS", "is_compact_optimizer"]
-
-COMPACT_MASTERS = ("kahan", "stochastic")
+__all__ = ["CompactMasterOptimizer", "is_compact_optimizer"]
 
 
 def is_compact_optimizer(optimizer: Any) -> bool:
@@ -71,25 +74,28 @@ def is_compact_optimizer(optimizer: Any) -> bool:
 
 
 class CompactMasterOptimizer(WrappedOptimizer):
-    """Steps 16-bit parameters with Kahan compensation or stochastic rounding (see the module
-    docstring).
+    """Steps 16-bit parameters with a split remainder, Kahan compensation or stochastic
+    rounding (see the module docstring).
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (16-bit and fp32).
-        master: ``"kahan"`` or ``"stochastic"``.
+        master: a compact :mod:`mixprec.masters` method (``Split()``, ``Kahan()``,
+            ``Stochastic()``) or its shorthand ``"split"``, ``"kahan"``, ``"stochastic"``.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
         bucket_mb: MiB of transient fp32 copies per bucket on the generic path (None: auto).
         initial_values: 16-bit parameter -> its exact fp32 value (the weight before the model
-            was cast): with ``"kahan"`` the compensation starts as what the cast lost.
+            was cast): with ``"kahan"`` the compensation starts as what the cast lost; with
+            ``"split"`` the pair holds it exactly (the weight re-derived by the split).
         seed: seed of the rounding generator.
         salt: mixed into the rounding keys (FSDP2 shards need none: each rounds as its part of
             the full tensor would in one process).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        ValueError: already wrapped; an unknown ``master`` or ``state_dtype``;
-            ``"stochastic"`` with fp16 parameters; a bad ``fused`` or ``bucket_mb``.
+        ValueError: already wrapped; an unknown or non-compact ``master``; an unknown
+            ``state_dtype``; ``"stochastic"`` or ``"split"`` with fp16 parameters; a bad
+            ``fused`` or ``bucket_mb``.
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)
@@ -100,16 +106,22 @@ class CompactMasterOptimizer(WrappedOptimizer):
         torch.bfloat16
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, master: str = "kahan", *,
+    def __init__(self, optimizer: torch.optim.Optimizer, master="kahan", *,
                  state_dtype="fp32", fused: bool | str = "auto", bucket_mb: float | None = None,
                  initial_values: Mapping[torch.Tensor, torch.Tensor] | None = None,
                  seed: int = DEFAULT_SEED, salt: int = 0) -> None:
+        from .. import masters  # the methods wrap optimizers with this class
+
         check_inner(optimizer, CompactMasterOptimizer)
         check_bucket_mb(bucket_mb)
-        if master not in COMPACT_MASTERS:
-            raise ValueError(f"master must be one of {', '.join(map(repr, COMPACT_MASTERS))}; "
-                             f"got {master!r}")
-        self.master = master
+        method = masters.resolve(master)
+        if not method.compact:
+            compact = [s for s in masters.shorthands() if masters.resolve(s).compact]
+            raise ValueError(f"CompactMasterOptimizer steps 16-bit weights without fp32 masters: "
+                             f"master must be one of {', '.join(map(repr, compact))}; got "
+                             f"{master!r} (fp32 masters: mixprec.MasterWeightOptimizer)")
+        self.master = method
+        self._buffer_key = method.buffer_key
         self.state_dtype = states.check_state_dtype(state_dtype)
         self.rounding = RoundingGenerator(seed)
         self.salt = int(salt)
@@ -123,11 +135,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.register_state_dict_post_hook(save_pending)
         states.register(self)
         self.register_load_state_dict_post_hook(load_generator)
-        if master == "kahan":
-            loadcheck.register_kahan(self)
+        method.register_load_hooks(self)
 
     def __repr__(self) -> str:
-        return (f"CompactMasterOptimizer(master={self.master!r}, state_dtype="
+        return (f"CompactMasterOptimizer(master={str(self.master)!r}, state_dtype="
                 f"{str(self.state_dtype).replace('torch.', '')}, {len(self._low)} 16-bit "
                 f"parameters, fused={self.fused!r}, {self.inner!r})")
 
@@ -148,55 +159,50 @@ class CompactMasterOptimizer(WrappedOptimizer):
             if not p.is_leaf:
                 raise ValueError(f"can't step a non-leaf {p.dtype} tensor of shape "
                                  f"{tuple(p.shape)}; pass the model's parameters (leaf tensors)")
-            if self.master == "stochastic" and p.dtype != torch.bfloat16:
-                raise ValueError(
-                    f"master='stochastic' rounds into bf16 weights; got a {p.dtype} parameter "
-                    f"of shape {tuple(p.shape)}. Use master='kahan' (or 'fp32') for fp16")
+            self.master.check_dtype(p.dtype, f"parameter of shape {tuple(p.shape)}")
 
     def _init_state(self, params: list[torch.Tensor], initial: Mapping) -> None:
-        """Moments in the state dtype; Kahan compensations made, held aside until the first
-        step (an optimizer whose state is empty counts as fresh to torch's distributed
-        checkpointing, which then steps it once at lr 0 to lay its state out)."""
+        """Moments in the state dtype; buffers (compensations, remainders) made, held aside
+        until the first step (an optimizer whose state is empty counts as fresh to torch's
+        distributed checkpointing, which then steps it once at lr 0 to lay its state out)."""
         with torch.no_grad():
             for p in params:
                 states.cast_moments(self.state[p], p, self.state_dtype, self.rounding)
-                if self.master != "kahan" or COMPENSATION_KEY in self.state[p]:
+                if self._buffer_key is None or self._buffer_key in self.state[p]:
                     continue
-                comp = torch.zeros_like(p, memory_format=torch.preserve_format)
-                value = initial.get(p)
-                if value is not None:
-                    comp.copy_(value.to(p.device) - p.float())
-                self._pending[p] = comp
+                self._pending[p] = self.master.make_buffer(p, initial.get(p))
         for p in params:  # no empty entries left behind by the reads above
             if not self.state[p]:
                 del self.state[p]
 
     def _settle_pending(self) -> None:
-        """Move the compensations held aside into the state (first step)."""
-        if self.master != "kahan":
+        """Move the buffers held aside into the state (first step)."""
+        key = self._buffer_key
+        if key is None:
             return
         for p in self._low:
             state = self.state[p]
-            if COMPENSATION_KEY not in state:
-                comp = self._pending.pop(p, None)
-                state[COMPENSATION_KEY] = (comp if comp is not None else torch.zeros_like(
-                    p, memory_format=torch.preserve_format))
+            if key not in state:
+                buf = self._pending.pop(p, None)
+                state[key] = buf if buf is not None else self.master.make_buffer(p, None)
 
     # -- what it holds -------------------------------------------------------------------------
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
-        """``param``'s Kahan compensation buffer (None for ``"stochastic"`` or fp32 params)."""
-        comp = ck.compensation(self, param)
+        """``param``'s buffer: its Kahan compensation (``"kahan"``) or int16 remainder
+        (``"split"``); None for ``"stochastic"`` or fp32 params."""
+        comp = ck.compensation(self, param, self._buffer_key)
         return self._pending.get(param) if comp is None else comp
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this optimizer holds besides its ``state``: the fp32 gradients made for the
-        step (``"gradients"``) and compensations not yet in the state (``"compensation"``)."""
+        step (``"gradients"``) and buffers not yet in the state (``"compensation"``)."""
         return {"gradients": [g for g, _ in self._grads32.values()],
                 "compensation": list(self._pending.values())}
 
     def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
-        """16-bit parameter -> the best fp32 estimate of its value (new tensors): weight +
-        compensation for ``"kahan"``, the weight's upcast for ``"stochastic"``."""
+        """16-bit parameter -> the best fp32 estimate of its value (new tensors): the exact
+        master for ``"split"``, weight + compensation for ``"kahan"``, the weight's upcast for
+        ``"stochastic"``."""
         with torch.no_grad():
             return {p: ck.load(p.detach(), self.compensation(p)) for p in self._low}
 
@@ -206,11 +212,14 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     def load_fp32_(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``param`` from an fp32 ``value``: rounded to nearest, the compensation taking
-        what the rounding lost (``"kahan"``)."""
+        what the rounding lost (``"kahan"``); split exactly (``"split"``)."""
         with torch.no_grad():
             value = value.to(device=param.device, dtype=torch.float32)
-            param.copy_(value)
             comp = self.compensation(param)
+            if comp is not None and comp.dtype == torch.int16:
+                ck.store(*map(local, (param.detach(), comp, value)), None)
+                return
+            param.copy_(value)
             if comp is not None:
                 comp.copy_(value - param.float())
 
@@ -365,12 +374,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         with torch.no_grad():
             for i, (p, temp, ours) in enumerate(pairs):
                 key = shard_key(keys[i], p).to(p.device)
-                comp = ours.get(COMPENSATION_KEY)
+                comp = ours.get(self._buffer_key)
                 ck.store(*map(local, (p.detach(), comp, temp.detach())), key)
                 state[p] = {**state.pop(temp, {}), **ours}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (its 16-bit parameters get compensation buffers under kahan).
+        """Add a param group (its 16-bit parameters get their buffers under kahan/split).
 
         Raises:
             TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
@@ -386,11 +395,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._init_state([p for p in params if is_low_precision(p)], {})
 
     def params_widened(self, params: list[torch.Tensor]) -> None:
-        """Parameters now stored wide hold weight + compensation: they are stepped as fp32
-        parameters from now on, without compensation."""
+        """Parameters now stored wide hold weight + compensation (or the split master): they
+        are stepped as fp32 parameters from now on, without a buffer."""
         for p in params:
             self._pending.pop(p, None)
-            self.state.get(p, {}).pop(COMPENSATION_KEY, None)
+            if self._buffer_key is not None:
+                self.state.get(p, {}).pop(self._buffer_key, None)
         super().params_widened(params)
 
     @property

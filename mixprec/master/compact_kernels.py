@@ -4,8 +4,9 @@ Each kernel reads a 16-bit weight (plus its Kahan compensation), its gradient in
 its moments (fp32 or bf16); computes the update in fp32 with torch's single-tensor arithmetic
 (as :mod:`mixprec.master.kernels`); and writes the weight back either compensated (``"kahan"``:
 the weight takes the fp32 result rounded to nearest, the compensation what that rounding lost,
-itself rounded stochastically)
-or stochastically rounded (``"stochastic"``), and bf16 moments stochastically rounded
+itself rounded stochastically), split exactly into the weight and an int16 remainder
+(``"split"``), or stochastically rounded (``"stochastic"``), and bf16 moments stochastically
+rounded
 (:mod:`mixprec.master.states` says why).
 
 The same Python functions run eagerly (``fused=False``) or compiled by ``torch.compile``
@@ -24,6 +25,7 @@ import shutil
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..shards import local
 from .kernels import (
@@ -42,7 +44,7 @@ from .rounding import (
     stochastic_round,
     weyl16,
 )
-from .states import COMPENSATION_KEY
+from .split_bits import split_load, split_store
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
            "compensation"]
@@ -53,8 +55,23 @@ _OFF = ("maximize", "differentiable", "capturable", "amsgrad")
 
 # -- the arithmetic (eager or compiled) -----------------------------------------------------------
 def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
-    """The fp32 value a compact weight stands for: weight + compensation (or the weight)."""
-    return weight.float() if comp is None else weight.float() + comp.float()
+    """The fp32 value a compact weight stands for: weight + compensation, the exact master of a
+    weight and its int16 remainder (``master="split"``), or the weight."""
+    if comp is None:
+        return weight.float()
+    if comp.dtype == torch.int16:
+        return _on_local(split_load, weight, comp)
+    return weight.float() + comp.float()
+
+
+def _on_local(fn, weight: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` of plain tensors, or of FSDP2 shards (re-wrapped like ``weight``: bitcasts need
+    this rank's own tensor)."""
+    if not isinstance(weight, DTensor):
+        return fn(weight, *tensors)
+    out = fn(weight.to_local(), *map(local, tensors))
+    return DTensor.from_local(out, weight.device_mesh, weight.placements, shape=weight.shape,
+                              stride=weight.stride())
 
 
 def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
@@ -67,9 +84,14 @@ def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
     compensation of a weight receiving many small updates of one sign drifts (an update of
     1/700 of an ulp a step moved bf16 weights 11% too far in 2000 steps); stochastic rounding
     is unbiased, so weight + compensation follows the fp32 sum in expectation. Its random
-    numbers are a Weyl sequence (:func:`.rounding.weyl16`: one multiply-add per element)."""
+    numbers are a Weyl sequence (:func:`.rounding.weyl16`: one multiply-add per element).
+
+    With an int16 ``comp`` (``master="split"``) the pair takes ``new`` exactly
+    (:mod:`.split_bits`: the weight is ``new`` rounded to nearest, ties away from zero)."""
     if comp is None:
         weight.copy_(stochastic_round(new, key))
+    elif comp.dtype == torch.int16:  # exact: no rounding bits needed
+        split_store(weight, comp, new)
     else:
         hi = new.to(weight.dtype)
         weight.copy_(hi)
@@ -223,6 +245,8 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
             group_step(optimizer, group, items, inv, keys, compiled, state_dtype)
 
 
-def compensation(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
-    """``param``'s Kahan compensation buffer, or None."""
-    return optimizer.state.get(param, {}).get(COMPENSATION_KEY)
+def compensation(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+                 key: str | None) -> torch.Tensor | None:
+    """``param``'s buffer under the state ``key`` (a Kahan compensation, a split remainder), or
+    None."""
+    return None if key is None else optimizer.state.get(param, {}).get(key)

@@ -1,13 +1,15 @@
 """The state of a :class:`~mixprec.master.compact.CompactMasterOptimizer` and its
 ``state_dict()`` hooks.
 
-Kahan and stochastic masters both draw their random keys from a generator whose state
-travels in ``state_dict()`` (in the first parameter entry of ``state``, key
-``"rounding_generator"``, so DCP and FSDP2 carry it too), so a resumed run continues bitwise.
+Compact masters draw the keys of their stochastic roundings (Kahan compensations, stochastic
+weights, bf16 moments) from a generator whose state travels in ``state_dict()`` (in the first
+parameter entry of ``state``, key ``"rounding_generator"``, so DCP and FSDP2 carry it too), so
+a resumed run continues bitwise.
 
 The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
-``state`` is keyed by them, with the compensation under ``state[p]["compensation"]`` (in the
-weight's dtype), so torch's, DCP's and FSDP2's state-dict machinery carry it like any moment.
+``state`` is keyed by them, with the Kahan compensation under ``state[p]["compensation"]`` (in
+the weight's dtype) or the split remainder under ``state[p]["remainder"]`` (int16), so torch's,
+DCP's and FSDP2's state-dict machinery carry it like any moment.
 fp32 parameters in the groups (norm layers kept in fp32) are stepped by the inner optimizer as
 they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.master.states`).
 """
@@ -15,14 +17,13 @@ they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.maste
 from __future__ import annotations
 
 from . import states
-from .states import COMPENSATION_KEY
 
 __all__ = ["save_pending", "load_generator", "share_with_inner"]
 
 
 def save_pending(optimizer, state: dict) -> dict:
-    """state_dict post-hook: compensations not yet in the state (no step taken) are saved too,
-    so a checkpoint taken before the first step resumes exactly."""
+    """state_dict post-hook: buffers not yet in the state (no step taken) are saved too, so a
+    checkpoint taken before the first step resumes exactly."""
     if not optimizer._pending:
         return state
     index, start = {}, 0
@@ -32,7 +33,7 @@ def save_pending(optimizer, state: dict) -> dict:
         start += len(group["params"])
     for p, comp in optimizer._pending.items():
         entry = state["state"].setdefault(index[id(p)], {})
-        entry.setdefault(COMPENSATION_KEY, comp)
+        entry.setdefault(optimizer._buffer_key, comp)
     return state
 
 

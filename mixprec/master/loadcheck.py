@@ -14,11 +14,14 @@ What is checked, per parameter with saved state:
 * every floating state tensor of torch's elementwise optimizers (SGD's ``momentum_buffer``,
   Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...), except
   scalars (``step``, ASGD's ``eta``, NAdam's ``mu_product``), and the Kahan ``compensation``
-  must have the parameter's shape;
+  or split ``remainder`` must have the parameter's shape;
 * any other optimizer's state tensors must have the shape of the state it holds now under the
   same key, where it holds one (a state laid out otherwise, e.g. Adafactor's factored moments,
   is its own business);
-* the Kahan compensation must be in the weight's dtype (it is added to it, bit for bit).
+* the Kahan compensation must be in the weight's dtype (it is added to it, bit for bit), the
+  split remainder an int16;
+* a buffer of another master method is refused (a Kahan compensation loaded into a split
+  optimizer, or the reverse, would be read as the wrong half of a different number).
 
 A mismatch is a ``ValueError`` naming the parameter (its qualified name when ``prepare`` made
 the optimizer, else its group and index), the state key and both shapes. Moments saved in
@@ -43,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .buckets import PER_PARAMETER_OPTIMIZERS
-from .states import COMPENSATION_KEY, GENERATOR_KEY
+from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state", "register_kahan"]
 
@@ -82,10 +85,19 @@ def check_state(optimizer, state_dict: Mapping) -> None:
 def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bool,
                  where: str) -> None:
     current = optimizer.state.get(param, {})
+    mine = getattr(optimizer, "_buffer_key", None)
     for key, value in entry.items():
         if not isinstance(value, torch.Tensor) or key in ("step", GENERATOR_KEY):
             continue
-        if key == COMPENSATION_KEY or (elementwise and value.is_floating_point()
+        if key in BUFFER_KEYS and key != mine:
+            method = getattr(optimizer, "master", "fp32")
+            raise ValueError(
+                f"optimizer state_dict holds a {key!r} buffer for "
+                f"{optimizer.describe(param, where)}, which a master method other than this "
+                f"optimizer's master={str(method)!r} keeps "
+                f"({'its buffer is ' + repr(mine) if mine else 'it keeps no buffer'}). Load a "
+                "state_dict saved with the same master method")
+        if key in BUFFER_KEYS or (elementwise and value.is_floating_point()
                                         and value.dim() > 0):  # ASGD's eta, NAdam's mu_product
             expected = tuple(param.shape)
         else:
@@ -99,6 +111,15 @@ def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bo
                 f"{optimizer.describe(param, where)} has shape {tuple(value.shape)}, but the "
                 f"parameter needs shape {expected}. Load a state_dict saved from an optimizer "
                 "over the same model, with the same param groups in the same order")
+        if key in BUFFER_KEYS and key != COMPENSATION_KEY:
+            weight = optimizer._model_side(param)
+            want = optimizer.master.buffer_dtype(weight.dtype)
+            if value.dtype != want:
+                raise ValueError(
+                    f"optimizer state_dict holds a {value.dtype} {key!r} buffer for "
+                    f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; "
+                    f"master={str(optimizer.master)!r} keeps it in {want}: load a state_dict "
+                    "saved with the same dtype and master method")
         if key == COMPENSATION_KEY:
             weight = optimizer._model_side(param)
             if value.dtype != weight.dtype:

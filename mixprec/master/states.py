@@ -32,21 +32,26 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import masters
 from ..dtypes import dtype_name, to_dtype
+from ..masters.kahan import COMPENSATION_KEY
+from ..masters.split import REMAINDER_KEY
 from .rounding import RoundingGenerator, shard_key, stochastic_round
 
-__all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "GENERATOR_KEY", "OWN_KEYS", "check_state_dtype",
+__all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
+           "OWN_KEYS", "check_state_dtype",
            "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
            "restore_generator"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-#: The state key of a parameter's Kahan compensation buffer (not a moment: never cast).
-COMPENSATION_KEY = "compensation"
+#: The state keys of the per-parameter buffers of compact master methods (not moments: never
+#: cast): a Kahan compensation, a split remainder.
+BUFFER_KEYS = tuple(m.buffer_key for m in masters.methods().values() if m.buffer_key)
 #: The state key under which the rounding generator's state travels (in one parameter's entry,
 #: so torch's, DCP's and FSDP2's optimizer state dicts carry it like any other state).
 GENERATOR_KEY = "rounding_generator"
 #: State keys a master optimizer adds beside the inner optimizer's own.
-OWN_KEYS = (COMPENSATION_KEY, GENERATOR_KEY)
+OWN_KEYS = (*BUFFER_KEYS, GENERATOR_KEY)
 
 
 def check_state_dtype(state_dtype) -> torch.dtype:

@@ -4,9 +4,10 @@ The model counts what stays allocated through a training step, per rank:
 
 * parameters: the model's weights as stored (FSDP: this rank's shard);
 * masters: fp32 master copies of 16-bit weights (:class:`mixprec.MasterWeightOptimizer`, O2 in
-  one process or under DDP); none under FSDP, whose fp32 shards are the masters; with
-  ``master="kahan"`` the 16-bit compensation buffers instead (2 bytes, sharded under FSDP, whose
-  shards are then 16-bit), with ``"stochastic"`` nothing;
+  one process or under DDP); none under FSDP, whose fp32 shards are the masters; with a compact
+  master method its buffers instead (:meth:`mixprec.masters.MasterMethod.master_bytes`:
+  ``"split"``'s int16 remainders and ``"kahan"``'s 16-bit compensations, 2 bytes, sharded
+  under FSDP, whose shards are then 16-bit; ``"stochastic"`` nothing);
 * gradients: one per parameter in the parameter's dtype (FSDP: the reduce-scattered fp32 or
   16-bit shard);
 * optimizer state: the optimizer's moments, in the dtype it steps in (fp32 at O0-O2, or the
@@ -28,6 +29,9 @@ import dataclasses
 import math
 import re
 
+import torch
+
+from .. import masters
 from ..dtypes import dtype_name, to_dtype
 from ..policy import LEVELS, Policy
 from .ddp import reduce_dtype_of
@@ -40,7 +44,7 @@ OPTIMIZER_MOMENTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1, "lion"
                      "adam": 2, "adamw": 2}
 STRATEGIES = ("single", "ddp", "fsdp")
 #: (master, state_dtype) pairs of O2 that ``plan_table(compact=True)`` lists.
-COMPACT_OPTIONS = tuple((m, s) for m in ("fp32", "kahan", "stochastic") for s in ("fp32", "bf16"))
+COMPACT_OPTIONS = tuple((m, s) for m in masters.shorthands() for s in ("fp32", "bf16"))
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
@@ -71,7 +75,7 @@ class MemoryPlan:
         params: number of parameters of the model.
         level, dtype, strategy, world, optimizer, reduce_dtype, master, state_dtype: the set-up.
         parameters, masters, gradients, optimizer_state: bytes per rank (``masters`` holds the
-            Kahan compensation under ``master="kahan"``).
+            buffers of a compact master method: the split remainder, the Kahan compensation).
         traffic: bytes one rank sends per optimizer step.
     """
 
@@ -89,6 +93,11 @@ class MemoryPlan:
     traffic: float
     master: str = "fp32"
     state_dtype: str = "fp32"
+
+    @property
+    def is_default_recipe(self) -> bool:
+        """True for fp32 masters (or none) with fp32 moments: the levels' own set-up."""
+        return not masters.resolve(self.master).compact and self.state_dtype == "fp32"
 
     @property
     def total(self) -> float:
@@ -136,7 +145,8 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
         world: number of ranks (1 for "single").
         optimizer: one of :data:`OPTIMIZER_MOMENTS`.
         reduce_dtype: dtype of the gradient reduction ("fp32", "bf16", "fp16").
-        master: "fp32", "kahan" or "stochastic" (O2 only; see :func:`mixprec.prepare`).
+        master: a :mod:`mixprec.masters` method or its shorthand, "fp32", "split", "kahan" or
+            "stochastic" (O2 only; see :func:`mixprec.prepare`).
         state_dtype: "fp32" or "bf16": the moments' dtype (O2 only).
 
     Returns:
@@ -158,28 +168,28 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
     reduce = reduce_dtype_of(reduce_dtype)
     shard = world if strategy == "fsdp" else 1
     policy = Policy.from_level(level, low_dt, warn=False)
-    if (master, dtype_name(to_dtype(state_dtype))) != ("fp32", "fp32"):
+    method = masters.resolve(master)
+    if method.compact or to_dtype(state_dtype) != torch.float32:
         if not policy.master_weights:
-            raise ValueError(f"master={master!r} and state_dtype={state_dtype!r} apply to a "
+            raise ValueError(f"master={str(method)!r} and state_dtype={state_dtype!r} apply to a "
                              f"master-weight level with a 16-bit dtype (O2); got {level} with "
                              f"{dtype_name(low_dt)}")
-        policy = policy.replace(master=master, state_dtype=state_dtype, level=level)
+        policy = policy.replace(master=method, state_dtype=state_dtype, level=level)
     gather = policy.param_dtype.itemsize            # what the forward reads
-    masters = {"fp32": 4, "kahan": gather, "stochastic": 0}[policy.master] \
-        if policy.master_weights else 0
+    kept = policy.master.master_bytes(gather) if policy.master_weights else 0
     stored = gather
-    if strategy == "fsdp" and policy.master_weights and policy.master == "fp32":
-        stored, masters = 4, 0                       # fp32 shards, gathered in the 16-bit dtype
+    if strategy == "fsdp" and policy.master_weights and not policy.master.compact:
+        stored, kept = 4, 0                          # fp32 shards, gathered in the 16-bit dtype
     step_bytes = (policy.state_dtype.itemsize if policy.master_weights
                   else gather)                       # the optimizer state's dtype
-    per_param = {"parameters": stored, "masters": masters, "gradients": stored,
+    per_param = {"parameters": stored, "masters": kept, "gradients": stored,
                  "optimizer_state": OPTIMIZER_MOMENTS[opt] * step_bytes}
     ring = (world - 1) / world
     traffic = {"single": 0.0, "ddp": 2 * ring * n * reduce.itemsize,
                "fsdp": ring * n * (2 * gather + reduce.itemsize)}[strategy]
     return MemoryPlan(n, level, dtype_name(low_dt), strategy, world, opt, dtype_name(reduce),
                       **{k: v * n / shard for k, v in per_param.items()}, traffic=traffic,
-                      master=policy.master, state_dtype=dtype_name(policy.state_dtype))
+                      master=str(policy.master), state_dtype=dtype_name(policy.state_dtype))
 
 
 def plan_table(params, *, dtype="bf16", world: int = 8, optimizer: str = "adamw",

@@ -7,8 +7,9 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   :func:`mixprec.prepare` at O1).
 * O2: fp32 shards gathered in the compute dtype (``param_dtype``): the fp32 shards *are* the
   master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
-  With ``master="kahan"``/``"stochastic"`` the shards are 16-bit and the optimizer comes back
-  wrapped in a :class:`mixprec.master.CompactMasterOptimizer` that steps them (compensation
+  With a compact master method (``"split"``, ``"kahan"``, ``"stochastic"``: the method's
+  ``compact``) the shards are 16-bit and the optimizer comes back wrapped in a
+  :class:`mixprec.master.CompactMasterOptimizer` that steps them (remainder or compensation
   buffers and moments sharded alike; each shard rounds stochastically with the random bits
   its elements get in one process); with ``state_dtype="bf16"`` and fp32 masters, in a
   ``MasterWeightOptimizer`` that only keeps the moments in bf16.
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
-from ..master import CompactMasterOptimizer, MasterWeightOptimizer, is_master_optimizer
+from ..master import is_master_optimizer
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
@@ -159,8 +160,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
-        master: ``"fp32"`` (the fp32 shards are the masters), ``"kahan"`` or
-            ``"stochastic"`` (16-bit shards; see :func:`mixprec.prepare`). O2 only.
+        master: ``"fp32"`` (the fp32 shards are the masters), ``"split"``, ``"kahan"`` or
+            ``"stochastic"`` (16-bit shards; see :func:`mixprec.prepare`), or a
+            :mod:`mixprec.masters` method. O2 only.
         state_dtype: ``"fp32"`` or ``"bf16"``: the optimizer's moment buffers. O2 only.
         fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
 
@@ -196,11 +198,12 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     kept_units: list[str] = []
     if policy.master_weights:
         kept_units = _fp32_modules(model, policy.param_dtype)
-        if policy.master == "fp32":  # FSDP casts at gather time; the shards stay fp32
+        if not policy.master.compact:  # FSDP casts at gather time; the shards stay fp32
             for name, p in model.named_parameters():  # (compact masters keep 16-bit shards)
                 p.data = originals[name]
-    if not (policy.master_weights and policy.master == "kahan"):
-        originals = {}  # only a Kahan compensation needs the fp32 values again
+    if not (policy.master_weights and policy.master.compact
+            and policy.master.needs_initial_values):
+        originals = {}  # only a compact method's buffer needs the fp32 values again
     all_gather_in_fp8(model)
     if mesh is None:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -231,11 +234,9 @@ def _sharded_originals(model: nn.Module, originals: dict) -> dict:
 
 
 def _wrap_sharded(optimizer, policy: Policy, initial: dict):
-    """The optimizer over the shards: plain at fp32 masters with fp32 moments, else wrapped."""
-    if not policy.master_weights or (policy.master, policy.state_dtype) == ("fp32",
-                                                                            torch.float32):
+    """The optimizer over the shards, wrapped as the policy's master method does (plain at fp32
+    masters with fp32 moments: the fp32 shards are the masters)."""
+    if not policy.master_weights:
         return optimizer
-    if policy.master == "fp32":
-        return MasterWeightOptimizer(optimizer, fused=False, state_dtype=policy.state_dtype)
-    return CompactMasterOptimizer(optimizer, policy.master, state_dtype=policy.state_dtype,
-                                  initial_values=initial)
+    return policy.master.wrap(optimizer, state_dtype=policy.state_dtype, initial_values=initial,
+                              sharded=True)

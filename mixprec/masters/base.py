@@ -1,0 +1,212 @@
+"""What a master method is to mixprec: :class:`MasterMethod`, and the registry of methods.
+
+A master method says how a 16-bit parameter keeps the updates its own rounding would lose: an
+fp32 copy (:class:`~mixprec.masters.FP32`), the 16-bit weight plus an exact 16-bit remainder
+(:class:`~mixprec.masters.Split`), a 16-bit Kahan compensation
+(:class:`~mixprec.masters.Kahan`), or stochastic rounding into the weight
+(:class:`~mixprec.masters.Stochastic`). It is a frozen dataclass (equal methods give equal
+policies) that owns everything depending on which method it is:
+
+* its validation: the 16-bit dtypes it can hold (:meth:`MasterMethod.check_dtype`);
+* how it wraps an optimizer (:meth:`~MasterMethod.wrap`: a
+  :class:`mixprec.MasterWeightOptimizer`, or a :class:`mixprec.master.CompactMasterOptimizer`
+  stepping the weights in place) and, for a compact method, its per-parameter buffer
+  (:attr:`~MasterMethod.buffer_key`, :meth:`~MasterMethod.make_buffer`) and its load hooks;
+* its size: :meth:`~MasterMethod.master_bytes` per 16-bit parameter;
+* what FSDP2 needs: whether the shards stay fp32 (:attr:`~MasterMethod.compact` is False:
+  the fp32 shards are the masters) and whether the wrapped optimizer needs the fp32 values
+  from before the cast (:attr:`~MasterMethod.needs_initial_values`).
+
+:func:`register` adds a method class and its string shorthand; :func:`resolve` turns what a user
+passes as ``master=`` (a shorthand, a method, or a policy's ``state_dict`` entry) into a method,
+once, where it enters mixprec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from ..dtypes import dtype_name
+
+__all__ = ["MasterMethod", "register", "resolve", "shorthands", "methods"]
+
+_METHODS: dict[str, type] = {}  # registered name -> class
+_SHORTHANDS: dict[str, tuple[type, dict]] = {}  # shorthand -> (class, options)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MasterMethod:
+    """How 16-bit parameters keep fp32-quality updates (subclass it and :func:`register` it).
+
+    Class attributes a subclass sets:
+        name: the registered name (a policy's ``state_dict`` carries it).
+        dtypes: the 16-bit parameter dtypes it can hold (empty: any).
+        compact: True when there is no fp32 copy: the optimizer steps the 16-bit weights in
+            place (:class:`mixprec.master.CompactMasterOptimizer`).
+        buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
+    """
+
+    name: ClassVar[str] = ""
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    compact: ClassVar[bool] = True
+    buffer_key: ClassVar[str | None] = None
+
+    # -- identity --------------------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The method's fields, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def shorthand(self) -> str | None:
+        """The string that resolves to this method, if one does."""
+        for short, (cls, opts) in _SHORTHANDS.items():
+            if cls is type(self) and self.options() == {**cls().options(), **opts}:
+                return short
+        return None
+
+    def __str__(self) -> str:
+        short = self.shorthand()
+        if short is not None:
+            return short
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):  # a shorthand compares equal to its method
+            other = _SHORTHANDS.get(other)
+            other = other[0](**other[1]) if other else None
+        return type(other) is type(self) and other.options() == self.options()
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def state_dict(self) -> dict:
+        """Plain data :func:`resolve` rebuilds the method from."""
+        return {"method": self.name, **self.options()}
+
+    def to_data(self) -> str | dict:
+        """What a policy's ``state_dict`` holds: the shorthand where one stands for the
+        method, else :meth:`state_dict` (:func:`resolve` takes either)."""
+        return self.shorthand() or self.state_dict()
+
+    # -- validation ------------------------------------------------------------------------
+    def check_dtype(self, dtype: torch.dtype, what: str = "parameters") -> None:
+        """Refuse 16-bit ``what`` of a ``dtype`` the method cannot hold (``ValueError`` naming
+        the methods that can)."""
+        if self.dtypes and dtype not in self.dtypes:
+            held = " or ".join(dtype_name(d) for d in self.dtypes)
+            able = [s for s, (cls, _) in _SHORTHANDS.items()
+                    if not cls.dtypes or dtype in cls.dtypes]
+            raise ValueError(
+                f"master={str(self)!r} {self.holds()} {held} weights; got {dtype_name(dtype)} "
+                f"{what}. Use master={' or '.join(map(repr, able))} for {dtype_name(dtype)}")
+
+    def holds(self) -> str:
+        """A few words for messages: what the method does to the weights."""
+        return "holds"
+
+    # -- what it costs ---------------------------------------------------------------------
+    def master_bytes(self, param_bytes: int) -> int:
+        """Bytes it keeps per 16-bit parameter of ``param_bytes`` bytes, besides the weight."""
+        return 0
+
+    @property
+    def needs_initial_values(self) -> bool:
+        """True when the wrapped optimizer starts from the fp32 values before the cast."""
+        return self.buffer_key is not None
+
+    # -- the optimizer ---------------------------------------------------------------------
+    def buffer_dtype(self, param_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype of the per-parameter buffer (None: the method keeps none)."""
+        return None
+
+    def make_buffer(self, param: torch.Tensor, initial: torch.Tensor | None
+                    ) -> torch.Tensor | None:
+        """A new buffer for the 16-bit ``param``, set so that the pair holds ``initial`` (its
+        fp32 value before the cast; None: the weight as it is); may rewrite ``param``."""
+        return None
+
+    def wrap(self, optimizer: torch.optim.Optimizer, *, state_dtype, initial_values=None,
+             sharded: bool = False) -> torch.optim.Optimizer:
+        """``optimizer`` wrapped to step 16-bit parameters with this method.
+
+        Args:
+            optimizer: a torch optimizer over the model's parameters.
+            state_dtype: the moments' dtype (fp32 or bf16).
+            initial_values: 16-bit parameter -> its fp32 value before the cast.
+            sharded: the parameters are FSDP2 shards (fp32 ones when not :attr:`compact`).
+        """
+        from ..master import CompactMasterOptimizer
+
+        return CompactMasterOptimizer(optimizer, self, state_dtype=state_dtype,
+                                      initial_values=initial_values)
+
+    def register_load_hooks(self, optimizer) -> None:
+        """Install the method's own ``load_state_dict`` hooks on a compact optimizer (after
+        its others); default: none."""
+
+
+def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:
+    """Register a method class under ``cls.name``, with its string shorthands (shorthand ->
+    the options it stands for).
+
+    Raises:
+        TypeError: not a named :class:`MasterMethod` subclass.
+        ValueError: the name or a shorthand is taken by another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, MasterMethod) and cls.name):
+        raise TypeError(f"register takes a MasterMethod subclass with a name; got {cls!r}")
+    if _METHODS.get(cls.name, cls) is not cls:
+        raise ValueError(f"the master method name {cls.name!r} is taken by "
+                         f"{_METHODS[cls.name].__name__}")
+    for short in shorthands or {}:
+        if _SHORTHANDS.get(short, (cls,))[0] is not cls:
+            raise ValueError(f"the shorthand {short!r} is taken by "
+                             f"{_SHORTHANDS[short][0].__name__}")
+    _METHODS[cls.name] = cls
+    for short, opts in (shorthands or {}).items():
+        _SHORTHANDS[short] = (cls, dict(opts))
+    return cls
+
+
+def shorthands() -> tuple[str, ...]:
+    """The strings ``master=`` accepts, in registration order."""
+    return tuple(_SHORTHANDS)
+
+
+def methods() -> dict[str, type]:
+    """Registered name -> method class."""
+    return dict(_METHODS)
+
+
+def resolve(spec: Any) -> MasterMethod:
+    """The master method ``spec`` stands for.
+
+    Args:
+        spec: a method, a shorthand ("fp32", "split", "kahan", "stochastic"), or a method's
+            :meth:`~MasterMethod.state_dict`.
+
+    Raises:
+        ValueError: an unknown shorthand or method name.
+        TypeError: anything else.
+    """
+    if isinstance(spec, MasterMethod):
+        return spec
+    if isinstance(spec, str):
+        if spec not in _SHORTHANDS:
+            raise ValueError(f"master must be one of {', '.join(map(repr, _SHORTHANDS))} (or a "
+                             f"mixprec.masters method); got {spec!r}")
+        cls, opts = _SHORTHANDS[spec]
+        return cls(**opts)
+    if isinstance(spec, dict) and "method" in spec:
+        opts = dict(spec)
+        name = opts.pop("method")
+        if name not in _METHODS:
+            raise ValueError(f"a policy names the master method {name!r}; known: "
+                             f"{', '.join(map(repr, _METHODS))}")
+        return _METHODS[name](**opts)
+    raise TypeError(f"master must be a mixprec.masters method (FP32, Split, Kahan, Stochastic) "
+                    f"or one of {', '.join(map(repr, _SHORTHANDS))}; got {type(spec).__name__} "
+                    f"{spec!r}")

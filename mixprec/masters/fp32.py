@@ -1,0 +1,51 @@
+"""``FP32``: an fp32 master copy of every 16-bit parameter (4 bytes each), stepped by the
+optimizer; the 16-bit weight is its round-to-nearest copy (:class:`mixprec.MasterWeightOptimizer`).
+
+Under FSDP2 the fp32 shards are the masters (FSDP casts them to 16 bits when it gathers), so
+the optimizer over them is plain, or wrapped only to keep bf16 moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from .base import MasterMethod, register
+
+__all__ = ["FP32"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FP32(MasterMethod):
+    """fp32 master weights: any 16-bit dtype, 4 bytes per parameter.
+
+    Example:
+        >>> FP32() == "fp32", FP32().master_bytes(2)
+        (True, 4)
+    """
+
+    name: ClassVar[str] = "fp32"
+    compact: ClassVar[bool] = False
+
+    def master_bytes(self, param_bytes: int) -> int:
+        return 4
+
+    @property
+    def needs_initial_values(self) -> bool:
+        return not self.compact  # the masters are the fp32 originals
+
+    def wrap(self, optimizer: torch.optim.Optimizer, *, state_dtype, initial_values=None,
+             sharded: bool = False) -> torch.optim.Optimizer:
+        from ..master import MasterWeightOptimizer
+
+        if not sharded:
+            return MasterWeightOptimizer(optimizer, initial_masters=initial_values,
+                                         state_dtype=state_dtype)
+        if state_dtype == torch.float32:  # the fp32 shards are the masters
+            return optimizer
+        return MasterWeightOptimizer(optimizer, fused=False, state_dtype=state_dtype)
+
+
+register(FP32, {"fp32": {}})

@@ -1,0 +1,61 @@
+"""``Split``: an exact fp32 master for 2 extra bytes: the bf16 weight holds the high half of
+its bits (rounded), an int16 remainder the rest.
+
+The optimizer reconstructs the fp32 master from the pair bit for bit before each update and
+splits the result again after it (:mod:`mixprec.master.split_bits`), so the masters evolve
+exactly as fp32 masters would; only the forward weight differs from ``master="fp32"``'s: it is
+the master rounded to nearest bf16 with **exact ties rounded away from zero** (torch's cast
+rounds them to even). The idea is Transformer Engine's ``FusedAdam(store_param_remainders=
+True)``, the default of Megatron-LM's precision-aware optimizer. bf16 weights only: an fp16
+number is not the high half of an fp32 one (use ``"kahan"`` or ``"fp32"`` for fp16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..shards import local
+from .base import MasterMethod, register
+
+__all__ = ["Split", "REMAINDER_KEY"]
+
+#: The optimizer ``state`` key of a parameter's int16 remainder.
+REMAINDER_KEY = "remainder"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split(MasterMethod):
+    """Exact fp32 masters as bf16 weight + int16 remainder (2 bytes per parameter).
+
+    Example:
+        >>> Split() == "split", Split().master_bytes(2), Split().buffer_dtype(torch.bfloat16)
+        (True, 2, torch.int16)
+    """
+
+    name: ClassVar[str] = "split"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
+    buffer_key: ClassVar[str | None] = REMAINDER_KEY
+
+    def holds(self) -> str:
+        return "holds the high half of the master in"
+
+    def master_bytes(self, param_bytes: int) -> int:
+        return 2
+
+    def buffer_dtype(self, param_dtype: torch.dtype) -> torch.dtype | None:
+        return torch.int16
+
+    def make_buffer(self, param, initial):
+        from ..master.split_bits import split_store
+
+        rem = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
+        if initial is not None:  # the weight re-derived from the exact original
+            weight, value = local(param.detach()), local(initial.detach())
+            split_store(weight, local(rem), value.to(device=weight.device, dtype=torch.float32))
+        return rem
+
+
+register(Split, {"split": {}})
