@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::mixprec.hardware.SlowDtypeWarning",
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
 
-MASTERS = ["fp32", "kahan", "stochastic"]
+MASTERS = ["fp32", "split", "kahan", "stochastic"]
 
 
 def net():
@@ -119,7 +119,7 @@ def _plain_state(opt):
     sd = copy.deepcopy(opt.state_dict())
     sd.pop("master_weights", None)
     for entry in sd["state"].values():
-        for key in ("compensation", "rounding_generator"):
+        for key in ("compensation", "remainder", "rounding_generator"):
             entry.pop(key, None)
         for key, value in entry.items():
             if key != "step":
@@ -176,7 +176,7 @@ def test_without_masters_casts_are_torchs(level):
 
 
 # -- module hooks (test_module_hooks.py) --------------------------------------------------------
-@pytest.mark.parametrize("master", ["fp32", "kahan"])
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
 def test_forward_and_backward_hooks_run_once_per_call(master):
     model, opt = trained(master, steps=0)
     calls = []
@@ -235,9 +235,10 @@ def test_state_dict_and_load_state_dict_hooks(master):
     other = {k: v + 0.001 for k, v in sd.items()}
     model.load_state_dict(other)
     assert calls == ["pre", ("post", torch.float32), "load pre", "load post"]
-    # fp32 masters take the loaded values exactly; Kahan's bf16 pair holds ~16 bits of them;
-    # stochastic rounding keeps the 16-bit weight, their rounding
-    tol = {"fp32": (0, 0), "kahan": (2.0 ** -14, 1e-7), "stochastic": (2.0 ** -8, 0)}[master]
+    # fp32 and split masters take the loaded values exactly; Kahan's bf16 pair holds ~16 bits
+    # of them; stochastic rounding keeps the 16-bit weight, their rounding
+    tol = {"fp32": (0, 0), "split": (0, 0), "kahan": (2.0 ** -14, 1e-7),
+           "stochastic": (2.0 ** -8, 0)}[master]
     torch.testing.assert_close(mp.fp32_state_dict(model), other, rtol=tol[0], atol=tol[1])
 
 

@@ -25,7 +25,7 @@ import mixprec as mp
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
-KINDS = list(itertools.product(["fp32", "kahan", "stochastic"], ["fp32", "bf16"]))
+KINDS = list(itertools.product(["fp32", "split", "kahan", "stochastic"], ["fp32", "bf16"]))
 KIND_IDS = [f"{m}-{s}" for m, s in KINDS]
 WHEN = ["after", "before"]  # hooks on the returned optimizer, or on the user's before prepare
 NEW_FLAGS = ("foreach", "fused", "maximize", "capturable", "differentiable",
@@ -356,7 +356,7 @@ def test_a_kahan_compensation_of_another_dtype_is_refused():
         opt.load_state_dict(sd)
 
 
-@pytest.mark.parametrize("master", ["fp32", "kahan", "stochastic"])
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan", "stochastic"])
 def test_moments_saved_in_the_other_state_dtype_load_in_this_ones(master):
     for saved, wanted in (("fp32", "bf16"), ("bf16", "fp32")):
         model, opt, _ = make((master, saved))

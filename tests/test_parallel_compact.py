@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="needs torch.distributed with gloo")]
 
-CASES = [("kahan", "bf16"), ("stochastic", "bf16")]
+CASES = [("split", "bf16"), ("kahan", "bf16"), ("stochastic", "bf16")]
 
 
 def _all_cases(rank, out):
@@ -37,7 +37,7 @@ def _all_cases(rank, out):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return launch(_all_cases, tmp_path_factory.mktemp("compact"), timeout=300.0)
+    return launch(_all_cases, tmp_path_factory.mktemp("compact"), timeout=450.0)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

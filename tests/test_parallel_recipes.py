@@ -37,9 +37,9 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="needs torch.distributed with gloo")]
 
-RECIPES = [r for r in itertools.product(["fp32", "kahan", "stochastic"], ["fp32", "bf16"],
+RECIPES = [r for r in itertools.product(["fp32", "split", "kahan", "stochastic"], ["fp32", "bf16"],
                                         ["bf16", "fp16"], [None, 0.05])
-           if not (r[0] == "stochastic" and r[2] == "fp16")]  # refused: bf16 weights only
+           if not (r[0] in ("split", "stochastic") and r[2] == "fp16")]  # bf16 weights only
 LR = 1e-2
 MAX_NORM = 0.05
 STEPS = 3
@@ -64,7 +64,7 @@ def _fit(strategy, recipe, world):
 # -- the differential cells: one FSDP step against an fp32 step on the gathered values ----------
 def _tolerance(master, state_dtype, dtype):
     """As test_differential's compact cells; fp32 masters: the fp32 arithmetic of one process."""
-    if master == "fp32":
+    if master in ("fp32", "split"):  # split: exact fp32 masters
         tol = {"rtol": 1e-5, "atol": 1e-7}
     elif master == "kahan":
         tol = {"rtol": STEPS * 2.0 ** -15, "atol": 1e-7}
@@ -111,19 +111,20 @@ def _differential_cell(rank, master, state_dtype, dtype, opt_name, clip):
     return worst
 
 
-DIFFERENTIAL = [c for c in itertools.product(["fp32", "kahan", "stochastic"], ["fp32", "bf16"],
-                                             ["bf16", "fp16"], ["sgd", "adamw"], [False, True])
-                if not (c[0] == "stochastic" and c[2] == "fp16")]
+DIFFERENTIAL = [c for c in itertools.product(["fp32", "split", "kahan", "stochastic"],
+                                             ["fp32", "bf16"], ["bf16", "fp16"], ["sgd", "adamw"],
+                                             [False, True])
+                if not (c[0] in ("split", "stochastic") and c[2] == "fp16")]
 
 
 # -- the Kahan compensation across sharding -------------------------------------------------------
-def _kahan_from_the_first_step():
+def _kahan_from_the_first_step(master="kahan"):
     torch.manual_seed(0)
     initial = Net().state_dict()
     torch.manual_seed(0)
     model = Net()
     model, opt = mp.parallel.fsdp(model, torch.optim.AdamW(model.parameters(), lr=LR),
-                                  level="O2", dtype="bf16", master="kahan")
+                                  level="O2", dtype="bf16", master=master)
     before = mp.fp32_state_dict(model, opt)
     weights_only = mp.fp32_state_dict(model)
     return {"before": max_diff(before, initial), "weights_only": max_diff(weights_only, initial),
@@ -216,7 +217,9 @@ def suite(rank, out):
                for r in RECIPES for strategy in ("ddp", "fsdp")}
     results["differential"] = {c: _differential_cell(rank, *c) for c in DIFFERENTIAL}
     results["kahan"] = _kahan_from_the_first_step()
+    results["split"] = _kahan_from_the_first_step("split")
     results["crossing"] = {m: _crossing(rank, out, m, s) for m, s in (("kahan", "bf16"),
+                                                                      ("split", "bf16"),
                                                                       ("fp32", "fp32"))}
     results["unwritable"] = _unwritable(rank, out)
     return results
@@ -255,7 +258,13 @@ def test_kahan_compensation_holds_what_the_cast_lost_from_the_first_step(ranks):
         assert "master='stochastic' rounds into bf16 weights" in k["refused"]
 
 
-@pytest.mark.parametrize("master", ["kahan", "fp32"])
+def test_split_shards_hold_the_exact_originals_from_the_first_step(ranks):
+    for r in ranks:
+        assert r["split"]["before"] == 0  # the pair starts from the exact fp32 original
+        assert r["split"]["weights_only"] > 1e-4  # the model alone holds its 16-bit weights
+
+
+@pytest.mark.parametrize("master", ["kahan", "split", "fp32"])
 def test_checkpoints_move_between_fsdp_directories_and_one_process_files(ranks, master):
     for r in ranks:
         c = r["crossing"][master]
