@@ -74,7 +74,7 @@ class Trainer:
             :mod:`mixprec.training.strategy`.
         reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
             "bf16" or "fp16" (half the traffic).
-        master, state_dtype: at O2, how 16-bit weights keep small updates ("fp32" masters,
+        master, state_dtype: at O2, how 16-bit weights keep small updates ("fp32" masters, "split",
             "kahan", "stochastic") and the optimizer moments' dtype ("fp32", "bf16"); see
             :func:`mixprec.prepare`. None: the policy's.
         fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`);
