@@ -25,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ..components import Component, Registry
+
 __all__ = ["LowBitFormat", "register", "resolve", "shorthands", "formats"]
 
-_FORMATS: dict[str, type] = {}  # registered name -> class
-_SHORTHANDS: dict[str, tuple[type, dict]] = {}  # shorthand -> (class, options)
+_REGISTRY = Registry("low-bit format", "format")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class LowBitFormat:
+class LowBitFormat(Component):
     """A low-bit GEMM format for Linear layers (subclass it and :func:`register` the class).
 
     Class attributes a subclass sets:
@@ -42,49 +43,13 @@ class LowBitFormat:
         bits_per_value: bits a GEMM operand takes per value, scales included.
     """
 
+    registry: ClassVar[Registry] = _REGISTRY
     name: ClassVar[str] = ""
     block: ClassVar[int] = 16
     advisor_format: ClassVar[str] = ""
     bits_per_value: ClassVar[float] = 8.0
     #: the advisor's limits on a layer's relative output and weight-gradient errors
     advisor_limits: ClassVar[tuple[float, float]] = (0.15, 0.25)
-
-    # -- identity --------------------------------------------------------------------------
-    def options(self) -> dict[str, Any]:
-        """The format's fields, by name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def shorthand(self) -> str | None:
-        """The string that resolves to this format, if one does."""
-        for short, (cls, opts) in _SHORTHANDS.items():
-            if cls is type(self) and self.options() == {**cls().options(), **opts}:
-                return short
-        return None
-
-    def __str__(self) -> str:
-        short = self.shorthand()
-        if short is not None:
-            return short
-        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, str):  # a shorthand compares equal to its format
-            other = _SHORTHANDS.get(other)
-            other = other[0](**other[1]) if other else None
-        return type(other) is type(self) and other.options() == self.options()
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
-    def state_dict(self) -> dict:
-        """Plain data :func:`resolve` rebuilds the format from."""
-        return {"format": self.name, **self.options()}
-
-    def to_data(self) -> str | dict:
-        """What a policy's ``state_dict`` holds: the shorthand where one stands for the format,
-        else :meth:`state_dict` (:func:`resolve` takes either)."""
-        return self.shorthand() or self.state_dict()
 
     # -- eligibility -----------------------------------------------------------------------
     def why_ineligible(self, in_features: int, out_features: int) -> str | None:
@@ -161,29 +126,17 @@ def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:
     Raises:
         ValueError: the name or a shorthand is taken by another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, LowBitFormat) and cls.name):
-        raise TypeError(f"register takes a LowBitFormat subclass with a name; got {cls!r}")
-    if _FORMATS.get(cls.name, cls) is not cls:
-        raise ValueError(f"the low-bit format name {cls.name!r} is taken by "
-                         f"{_FORMATS[cls.name].__name__}")
-    for short in shorthands or {}:
-        if _SHORTHANDS.get(short, (cls,))[0] is not cls:
-            raise ValueError(f"the shorthand {short!r} is taken by "
-                             f"{_SHORTHANDS[short][0].__name__}")
-    _FORMATS[cls.name] = cls
-    for short, opts in (shorthands or {}).items():
-        _SHORTHANDS[short] = (cls, dict(opts))
-    return cls
+    return _REGISTRY.register(cls, LowBitFormat, shorthands)
 
 
 def shorthands() -> tuple[str, ...]:
     """The strings ``fp8=`` accepts, in registration order."""
-    return tuple(_SHORTHANDS)
+    return tuple(_REGISTRY.shorthands)
 
 
 def formats() -> dict[str, type]:
     """Registered name -> format class."""
-    return dict(_FORMATS)
+    return dict(_REGISTRY.classes)
 
 
 def resolve(spec: Any) -> LowBitFormat | None:
@@ -200,18 +153,12 @@ def resolve(spec: Any) -> LowBitFormat | None:
     if spec is None or isinstance(spec, LowBitFormat):
         return spec
     if isinstance(spec, str):
-        if spec not in _SHORTHANDS:
-            raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, _SHORTHANDS))} "
+        fmt = _REGISTRY.from_shorthand(spec)
+        if fmt is None:
+            raise ValueError(f"fp8 must be None or one of {_REGISTRY.choices()} "
                              f"(or a mixprec.lowbit format); got {spec!r}")
-        cls, opts = _SHORTHANDS[spec]
-        return cls(**opts)
+        return fmt
     if isinstance(spec, dict) and "format" in spec:
-        opts = dict(spec)
-        name = opts.pop("format")
-        if name not in _FORMATS:
-            raise ValueError(f"a policy names the low-bit format {name!r}; known: "
-                             f"{', '.join(map(repr, _FORMATS))}")
-        return _FORMATS[name](**opts)
+        return _REGISTRY.from_state(spec)
     raise TypeError(f"fp8 must be None, a mixprec.lowbit format (Float8, MXFP8, NVFP4) or one "
-                    f"of {', '.join(map(repr, _SHORTHANDS))}; got {type(spec).__name__} "
-                    f"{spec!r}")
+                    f"of {_REGISTRY.choices()}; got {type(spec).__name__} {spec!r}")

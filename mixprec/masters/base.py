@@ -29,16 +29,16 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..components import Component, Registry
 from ..dtypes import dtype_name
 
 __all__ = ["MasterMethod", "register", "resolve", "shorthands", "methods"]
 
-_METHODS: dict[str, type] = {}  # registered name -> class
-_SHORTHANDS: dict[str, tuple[type, dict]] = {}  # shorthand -> (class, options)
+_REGISTRY = Registry("master method", "method")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MasterMethod:
+class MasterMethod(Component):
     """How 16-bit parameters keep fp32-quality updates (subclass it and :func:`register` it).
 
     Class attributes a subclass sets:
@@ -49,47 +49,10 @@ class MasterMethod:
         buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
     """
 
-    name: ClassVar[str] = ""
+    registry: ClassVar[Registry] = _REGISTRY
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
     compact: ClassVar[bool] = True
     buffer_key: ClassVar[str | None] = None
-
-    # -- identity --------------------------------------------------------------------------
-    def options(self) -> dict[str, Any]:
-        """The method's fields, by name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def shorthand(self) -> str | None:
-        """The string that resolves to this method, if one does."""
-        for short, (cls, opts) in _SHORTHANDS.items():
-            if cls is type(self) and self.options() == {**cls().options(), **opts}:
-                return short
-        return None
-
-    def __str__(self) -> str:
-        short = self.shorthand()
-        if short is not None:
-            return short
-        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, str):  # a shorthand compares equal to its method
-            other = _SHORTHANDS.get(other)
-            other = other[0](**other[1]) if other else None
-        return type(other) is type(self) and other.options() == self.options()
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
-    def state_dict(self) -> dict:
-        """Plain data :func:`resolve` rebuilds the method from."""
-        return {"method": self.name, **self.options()}
-
-    def to_data(self) -> str | dict:
-        """What a policy's ``state_dict`` holds: the shorthand where one stands for the
-        method, else :meth:`state_dict` (:func:`resolve` takes either)."""
-        return self.shorthand() or self.state_dict()
 
     # -- validation ------------------------------------------------------------------------
     def check_dtype(self, dtype: torch.dtype, what: str = "parameters") -> None:
@@ -97,7 +60,7 @@ class MasterMethod:
         the methods that can)."""
         if self.dtypes and dtype not in self.dtypes:
             held = " or ".join(dtype_name(d) for d in self.dtypes)
-            able = [s for s, (cls, _) in _SHORTHANDS.items()
+            able = [s for s, (cls, _) in _REGISTRY.shorthands.items()
                     if not cls.dtypes or dtype in cls.dtypes]
             raise ValueError(
                 f"master={str(self)!r} {self.holds()} {held} weights; got {dtype_name(dtype)} "
@@ -156,29 +119,17 @@ def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:
         TypeError: not a named :class:`MasterMethod` subclass.
         ValueError: the name or a shorthand is taken by another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, MasterMethod) and cls.name):
-        raise TypeError(f"register takes a MasterMethod subclass with a name; got {cls!r}")
-    if _METHODS.get(cls.name, cls) is not cls:
-        raise ValueError(f"the master method name {cls.name!r} is taken by "
-                         f"{_METHODS[cls.name].__name__}")
-    for short in shorthands or {}:
-        if _SHORTHANDS.get(short, (cls,))[0] is not cls:
-            raise ValueError(f"the shorthand {short!r} is taken by "
-                             f"{_SHORTHANDS[short][0].__name__}")
-    _METHODS[cls.name] = cls
-    for short, opts in (shorthands or {}).items():
-        _SHORTHANDS[short] = (cls, dict(opts))
-    return cls
+    return _REGISTRY.register(cls, MasterMethod, shorthands)
 
 
 def shorthands() -> tuple[str, ...]:
     """The strings ``master=`` accepts, in registration order."""
-    return tuple(_SHORTHANDS)
+    return tuple(_REGISTRY.shorthands)
 
 
 def methods() -> dict[str, type]:
     """Registered name -> method class."""
-    return dict(_METHODS)
+    return dict(_REGISTRY.classes)
 
 
 def resolve(spec: Any) -> MasterMethod:
@@ -186,7 +137,7 @@ def resolve(spec: Any) -> MasterMethod:
 
     Args:
         spec: a method, a shorthand ("fp32", "split", "kahan", "stochastic"), or a method's
-            :meth:`~MasterMethod.state_dict`.
+            :meth:`~mixprec.components.Component.state_dict`.
 
     Raises:
         ValueError: an unknown shorthand or method name.
@@ -195,18 +146,12 @@ def resolve(spec: Any) -> MasterMethod:
     if isinstance(spec, MasterMethod):
         return spec
     if isinstance(spec, str):
-        if spec not in _SHORTHANDS:
-            raise ValueError(f"master must be one of {', '.join(map(repr, _SHORTHANDS))} (or a "
+        method = _REGISTRY.from_shorthand(spec)
+        if method is None:
+            raise ValueError(f"master must be one of {_REGISTRY.choices()} (or a "
                              f"mixprec.masters method); got {spec!r}")
-        cls, opts = _SHORTHANDS[spec]
-        return cls(**opts)
+        return method
     if isinstance(spec, dict) and "method" in spec:
-        opts = dict(spec)
-        name = opts.pop("method")
-        if name not in _METHODS:
-            raise ValueError(f"a policy names the master method {name!r}; known: "
-                             f"{', '.join(map(repr, _METHODS))}")
-        return _METHODS[name](**opts)
+        return _REGISTRY.from_state(spec)
     raise TypeError(f"master must be a mixprec.masters method (FP32, Split, Kahan, Stochastic) "
-                    f"or one of {', '.join(map(repr, _SHORTHANDS))}; got {type(spec).__name__} "
-                    f"{spec!r}")
+                    f"or one of {_REGISTRY.choices()}; got {type(spec).__name__} {spec!r}")
