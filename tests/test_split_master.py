@@ -233,3 +233,18 @@ def test_bytes_per_parameter_with_8bit_adamw():
     assert got["compensation"] == 2 and got["masters"] == 0
     assert 6 <= got["total"] < 6.2
     assert mp.parallel.plan(1e6, level="O2", strategy="single", master="split").masters == 2e6
+
+
+def test_a_remainder_of_another_dtype_is_refused():
+    net = nn.Linear(8, 8)
+    net, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
+                          dtype="bf16", master="split")
+    net(torch.randn(2, 8)).float().sum().backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        if "remainder" in entry:
+            entry["remainder"] = entry["remainder"].to(torch.int32)
+    with pytest.raises(ValueError, match="torch.int32 'remainder' buffer .*keeps it in "
+                                         "torch.int16"):
+        opt.load_state_dict(sd)

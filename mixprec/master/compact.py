@@ -4,20 +4,15 @@ Three ways to keep the updates a 16-bit weight would round away, at 2 or 0 extra
 parameter instead of an fp32 master's 4 (each a :mod:`mixprec.masters` method, which makes the
 per-parameter buffer):
 
-* ``master="split"``: each bf16 weight has an int16 remainder: the pair holds an fp32 master
-  exactly (the weight its high half, rounded to nearest with ties away from zero; the remainder
-  the rest: :mod:`.split_bits`), so the masters evolve bit for bit as fp32 ones.
-
-* ``master="kahan"``: each 16-bit weight has a 16-bit compensation buffer (Kahan summation, as
-  in "Revisiting BFloat16 Training" and the optimi library) that holds what the last rounding
-  of the weight lost; weight + compensation is the value the optimizer steps, so updates far
-  below half an ulp accumulate in the compensation until they move the weight. The pair carries
-  about 16 significant bits (a bf16 pair; fp16: 22), so it tracks an fp32 master closely. The
-  compensation itself is rounded stochastically (rounded to nearest, it drifts under many
-  small updates of one sign: :func:`.compact_kernels.store`).
+* ``master="split"``: an int16 remainder beside each bf16 weight; the pair is an exact fp32
+  master (:mod:`.split_bits`), so the masters evolve bit for bit as fp32 ones.
+* ``master="kahan"``: a 16-bit compensation buffer (Kahan summation, as in "Revisiting
+  BFloat16 Training" and the optimi library) holds what the last rounding of the weight lost;
+  weight + compensation is the value stepped (about 16 significant bits for a bf16 pair, 22
+  for fp16). The compensation itself is rounded stochastically (to nearest, it drifts under
+  many small updates of one sign: :func:`.compact_kernels.store`).
 * ``master="stochastic"``: no buffer; the updated fp32 value is written into the bf16 weight
-  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation. bf16
-  weights only (fp16 ones use ``"kahan"``).
+  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation.
 
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
@@ -27,9 +22,10 @@ by ``torch.compile`` with ``fused="auto"`` where a compiler is available (the fi
 each kind compiles, seconds) or with ``fused="compile"``; eagerly with ``fused=False`` or
 without a compiler (same arithmetic and rounding bits). Any other torch optimizer (``RMSprop``,
 ``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient
-fp32 copies (weight + compensation, gradient, moments), a bucket at a time for torch's
-per-parameter optimizers, all at once otherwise; the results are written back compensated or
-rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
+fp32 copies (the compact value, gradient, moments), a bucket at a time for torch's
+per-parameter optimizers, all at once otherwise; the results are written back split,
+compensated or rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32
+masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
@@ -214,14 +210,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         """Set ``param`` from an fp32 ``value``: rounded to nearest, the compensation taking
         what the rounding lost (``"kahan"``); split exactly (``"split"``)."""
         with torch.no_grad():
-            value = value.to(device=param.device, dtype=torch.float32)
-            comp = self.compensation(param)
-            if comp is not None and comp.dtype == torch.int16:
-                ck.store(*map(local, (param.detach(), comp, value)), None)
-                return
-            param.copy_(value)
-            if comp is not None:
-                comp.copy_(value - param.float())
+            ck.assign(param, self.compensation(param), value)
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

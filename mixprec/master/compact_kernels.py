@@ -47,7 +47,7 @@ from .rounding import (
 from .split_bits import split_load, split_store
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
-           "compensation"]
+           "assign", "compensation"]
 
 FAST_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _OFF = ("maximize", "differentiable", "capturable", "amsgrad")
@@ -96,6 +96,19 @@ def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
         hi = new.to(weight.dtype)
         weight.copy_(hi)
         comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype, weyl16))
+
+
+def assign(weight: torch.Tensor, comp: torch.Tensor | None, value: torch.Tensor) -> None:
+    """Set a compact weight to the fp32 ``value``, exactly where its buffer can hold it: split
+    (int16 ``comp``), or rounded to nearest with the compensation taking what that lost (to
+    nearest: no rounding bits are drawn), or rounded to nearest (no buffer)."""
+    value = value.to(device=weight.device, dtype=torch.float32)
+    if comp is not None and comp.dtype == torch.int16:
+        split_store(*map(local, (weight.detach(), comp, value)))
+        return
+    weight.copy_(value)
+    if comp is not None:
+        comp.copy_(value - weight.float())
 
 
 def _store_state(buf: torch.Tensor, new: torch.Tensor, key: torch.Tensor) -> None:
