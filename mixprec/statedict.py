@@ -1,8 +1,9 @@
 """fp32 weights: a prepared model's ``state_dict()``, and :func:`fp32_state_dict` for any model.
 
 At O2 each trained low-precision parameter has an fp32 companion: its master in the optimizer
-``prepare`` wrapped; under ``master="kahan"`` the weight plus its compensation (the best fp32
-estimate), under ``"stochastic"`` the weight's upcast (both computed when read, so an in-place
+``prepare`` wrapped; under ``master="split"`` the exact master the weight and its remainder
+hold, under ``"kahan"`` the weight plus its compensation (the best fp32 estimate), under
+``"stochastic"`` the weight's upcast (computed when read, so an in-place
 write into a ``state_dict()`` value does not reach the model there). ``state_dict()``
 returns the companions themselves (detached), so it holds
 the exact fp32 values, loads into a plain fp32 model, and an in-place write into a value (an EMA
@@ -227,10 +228,10 @@ def fp32_state_dict(model: nn.Module,
       upcast; integer buffers copied unchanged;
     * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
     * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
-      masters; with ``master="kahan"`` pass the optimizer :func:`mixprec.parallel.fsdp`
-      returned for weight + compensation: the model alone holds the 16-bit weights, which is
-      what its sharded checkpoints save). A collective: call it on every rank; every rank gets
-      the full dict.
+      masters; with ``master="split"`` or ``"kahan"`` pass the optimizer
+      :func:`mixprec.parallel.fsdp` returned for the value the pairs hold: the model alone
+      holds the 16-bit weights, which is what its sharded checkpoints save). A collective:
+      call it on every rank; every rank gets the full dict.
 
     The result loads with ``load_state_dict`` into a plain, single-process fp32 copy.
 
