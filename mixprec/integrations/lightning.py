@@ -126,6 +126,8 @@ class MixprecPrecision(Precision):
 
     Raises:
         ValueError, TypeError: what :class:`mixprec.MixedPrecision` refuses.
+        TypeError: ``mixed_precision`` that is not a :class:`mixprec.MixedPrecision`, or that
+            comes with other keywords.
 
     Example:
         >>> import lightning.pytorch as L

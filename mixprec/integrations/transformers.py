@@ -1,9 +1,10 @@
 """``MixprecTrainer``: a Hugging Face ``transformers.Trainer`` that runs on
 :class:`mixprec.MixedPrecision`.
 
-``MixprecTrainer(model, args, train_dataset=..., mixed_precision=mp.MixedPrecision("O2",
-"bf16"))`` trains with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step
-order. How the Trainer's loop lands on the engine, in the order it runs:
+``MixprecTrainer(model, args, train_dataset=..., level="O2", dtype="bf16")`` (the precision
+keywords of :func:`mixprec.prepare`, or ``mixed_precision=mp.MixedPrecision(...)`` instead)
+trains with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step order.
+How the Trainer's loop lands on the engine, in the order it runs:
 
 * ``create_optimizer``: the optimizer the Trainer builds from its ``TrainingArguments`` (or the
   one passed as ``optimizers=(opt, sched)``) and the model go through ``engine.setup``: the model
