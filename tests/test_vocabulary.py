@@ -165,9 +165,10 @@ def build(name, model, opt, tmp_path, **kw):
     if name == "MixedPrecision":
         engine = mp.MixedPrecision(**kw)
         return (*engine.setup(model, opt), engine)
-    if name == "Trainer":
-        trainer = mp.Trainer(model, F.mse_loss, opt, progress=False, **kw)
-        return trainer.model, trainer.optimizer, trainer.engine
+    if name.startswith("Trainer"):  # "Trainer[fsdp]": under that strategy
+        strategy = name.partition("[")[2].rstrip("]") or "single"
+        trainer = mp.Trainer(model, F.mse_loss, opt, progress=False, strategy=strategy, **kw)
+        return mp.parallel.unwrap(trainer.model), trainer.optimizer, trainer.engine
     if name == "parallel.fsdp":
         return (*fsdp(model, opt, **kw), None)
     if name == "MixprecPrecision":
@@ -178,13 +179,15 @@ def build(name, model, opt, tmp_path, **kw):
 
 
 PREPARING = [n for n, (_, names, _) in ENTRY_POINTS.items() if "keep_fp32" in names]
+PREPARING += ["Trainer[ddp]", "Trainer[fsdp]"]  # the strategies prepare the model themselves
+IN_A_GROUP = ("parallel.fsdp", "Trainer[ddp]", "Trainer[fsdp]")
 LOOPING = [n for n, (_, names, _) in ENTRY_POINTS.items()
            if "loss_scale" in names and n != "advise"]
 
 
 @pytest.fixture(params=PREPARING)
 def entry(request):
-    if request.param == "parallel.fsdp":
+    if request.param in IN_A_GROUP:
         request.getfixturevalue("group")
     return request.param
 
@@ -197,8 +200,7 @@ def test_keep_fp32_master_and_state_dtype_reach_the_policy_and_the_optimizer(ent
     policy = mp.policy_of(model)
     assert "4" in policy.keep_fp32 and policy.master == "kahan"
     assert policy.state_dtype == torch.bfloat16
-    inner = getattr(model, "module", model)
-    dtypes = {name: p.dtype for name, p in inner.named_parameters()}
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["4.weight"] == torch.float32 and dtypes["0.weight"] == torch.bfloat16
     assert isinstance(opt, mp.CompactMasterOptimizer)
 
@@ -259,7 +261,7 @@ def test_fp8_and_fp8_modules_reach_the_policy(entry, tmp_path):
                         fp8="rowwise", fp8_modules=["2"])
     policy = mp.policy_of(model)
     assert policy.fp8 == mp.lowbit.Float8("rowwise") and policy.fp8_modules == ("2",)
-    assert list(mp.fp8_modules(getattr(model, "module", model))) == ["2"]
+    assert list(mp.fp8_modules(model)) == ["2"]
 
 
 @pytest.mark.parametrize("name", LOOPING)
@@ -286,10 +288,20 @@ def test_trainer_loss_scaler_is_a_deprecated_alias():
                    loss_scale=8.0, progress=False)
 
 
-@pytest.mark.parametrize("cls", ["MixprecPrecision", "MixprecTrainer"])
-def test_integrations_take_an_engine_or_the_keywords_not_both(cls, tmp_path):
+@pytest.mark.parametrize("cls", ["Trainer", "MixprecPrecision", "MixprecTrainer"])
+def test_the_loops_take_an_engine_or_the_keywords_not_both(cls, tmp_path):
     engine = mp.MixedPrecision(level="O2", dtype="bf16")
-    if cls == "MixprecPrecision":
+    if cls == "Trainer":
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = mp.Trainer(model, F.mse_loss, opt, mixed_precision=engine, progress=False)
+        assert trainer.engine is engine and trainer.policy.level == "O2"
+        with pytest.raises(TypeError, match="got mixed_precision= and loss_scale"):
+            mp.Trainer(net(), F.mse_loss, opt, mixed_precision=engine, loss_scale=8.0)
+        with pytest.raises(TypeError, match="got mixed_precision= and loss_scale"):
+            with pytest.warns(DeprecationWarning):
+                mp.Trainer(net(), F.mse_loss, opt, mixed_precision=engine, loss_scaler=8.0)
+    elif cls == "MixprecPrecision":
         assert lightning.MixprecPrecision(mixed_precision=engine).engine is engine
         with pytest.raises(TypeError, match="got mixed_precision= and level, master"):
             lightning.MixprecPrecision(level="O2", master="kahan", mixed_precision=engine)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import vocabulary
-from ..engine import MixedPrecision
+from ..engine import MixedPrecision, engine_for
 from ..master import kernels
 from ..policy import Policy
 from ..prepare import policy_of
@@ -76,20 +76,21 @@ class Trainer:
             "bf16" or "fp16" (half the traffic).
         monitor: a :class:`mixprec.PrecisionMonitor` recording the run every few steps (loss
             scale, skipped steps, gradient norm, per-layer precision statistics) to its writers.
+        mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the precision
+            keywords, ``loss_scale`` and ``monitor``.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
     :mod:`mixprec.training.batches`.
 
-    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the
-    :class:`mixprec.MixedPrecision`), ``scaler``, ``policy``, ``scheduler``, ``history``,
-    ``state`` (a :class:`mixprec.training.state.TrainState`: steps, epochs, position).
+    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the MixedPrecision),
+    ``scaler``, ``policy``, ``scheduler``, ``history``, ``state`` (a :class:`TrainState`).
 
     Raises:
         ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
             strategy or reduce dtype; ``strategy="ddp"``/``"fsdp"`` with neither a process group
             nor torchrun's environment.
-        TypeError: a non-callable ``loss_fn`` or a bad callback.
+        TypeError: a non-callable ``loss_fn``, a bad callback, ``mixed_precision`` with keywords.
         RuntimeError: ``device`` is a CUDA device but CUDA is not available.
 
     Example:
@@ -112,13 +113,14 @@ class Trainer:
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
-                 fp8_modules=None, monitor=None, loss_scaler: Any = vocabulary.UNSET):
+                 fp8_modules=None, monitor=None, mixed_precision: MixedPrecision | None = None,
+                 loss_scaler: Any = vocabulary.UNSET):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
-        self.engine = MixedPrecision(
-            level, dtype, vocabulary.alias(loss_scale, loss_scaler=loss_scaler), policy,
-            keep_fp32=keep_fp32, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
-            master=master, state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules,
-            monitor=monitor)
+        self.engine = engine_for(
+            type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
+            loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, master=master,
+            state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
