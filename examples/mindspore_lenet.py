@@ -7,13 +7,13 @@ once per epoch through ``LossMonitor``. Here the same network and data run throu
 ``mp.Trainer`` with the guide's settings:
 
 * ``amp_level="O2"``, ``FixedLossScaleManager(1024.0, False)`` (apply the update even on
-  overflow): ``level="O2"``, ``loss_scaler=mp.StaticLossScaler(1024.0, skip_on_overflow=False)``
+  overflow): ``level="O2"``, ``loss_scale=mp.StaticLossScaler(1024.0, skip_on_overflow=False)``
 * ``amp_level="O2"``, ``DynamicLossScaleManager()`` (2**24, factor 2, window 2000, floor 1, no
-  ceiling below fp32's range): ``level="O2"``, ``loss_scaler=mp.DynamicLossScaler(
+  ceiling below fp32's range): ``level="O2"``, ``loss_scale=mp.DynamicLossScaler(
   init_scale=2**24, growth_factor=2, backoff_factor=0.5, growth_interval=2000,
   max_scale=2**127)`` (the largest power of two in fp32; the default ``max_scale`` of ``2**24``
   would keep the scale from ever growing)
-* ``amp_level="O3"``, ``loss_scale_manager=None``: ``level="O3"``, ``loss_scaler=None``
+* ``amp_level="O3"``, ``loss_scale_manager=None``: ``level="O3"``, ``loss_scale=None``
 * ``network.conv1.to_float(mstype.float16)``: ``mp.to_float(network.conv1, "fp16")``,
   ``level="O0"``
 
@@ -90,15 +90,15 @@ def softmax_cross_entropy_with_logits(logits, onehot):
 
 RUNS = {
     "O2 + FixedLossScaleManager(1024.0, drop_overflow_update=False)":
-        dict(level="O2", loss_scaler=lambda: mp.StaticLossScaler(1024.0, skip_on_overflow=False)),
+        dict(level="O2", loss_scale=lambda: mp.StaticLossScaler(1024.0, skip_on_overflow=False)),
     "O2 + DynamicLossScaleManager()":
-        dict(level="O2", loss_scaler=lambda: mp.DynamicLossScaler(
+        dict(level="O2", loss_scale=lambda: mp.DynamicLossScaler(
             init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
             max_scale=2.0 ** 127)),
     "O3, loss_scale_manager=None":
-        dict(level="O3", loss_scaler=lambda: None),
+        dict(level="O3", loss_scale=lambda: None),
     "manual: conv1.to_float(float16), the rest fp32":
-        dict(level="O0", loss_scaler=lambda: None, conv1_fp16=True),
+        dict(level="O0", loss_scale=lambda: None, conv1_fp16=True),
 }
 
 
@@ -109,7 +109,7 @@ def train(name: str, run: dict, data, epochs: int, dtype: str) -> dict:
         mp.to_float(network.conv1, dtype)
     net_opt = torch.optim.SGD(network.parameters(), lr=0.01, momentum=0.9)
     trainer = mp.Trainer(network, softmax_cross_entropy_with_logits, net_opt, level=run["level"],
-                         dtype=dtype, loss_scaler=run["loss_scaler"](), metrics="accuracy",
+                         dtype=dtype, loss_scale=run["loss_scale"](), metrics="accuracy",
                          callbacks=[mp.LossMonitor(per_print_times=len(data))], progress=False)
     print(f"== {name} ({trainer.policy})")
     start = time.perf_counter()

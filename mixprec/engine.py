@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, lowbit
+from . import hardware, lowbit, vocabulary
 from .fp8.choice import split_spec, with_modules
 from .monitor import PrecisionMonitor
 from .policy import Policy
@@ -41,7 +41,7 @@ from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.unscale import total_norm
 
-__all__ = ["MixedPrecision", "check_max_norm"]
+__all__ = ["MixedPrecision", "check_max_norm", "engine_for"]
 
 
 def check_max_norm(max_grad_norm) -> None:
@@ -56,21 +56,14 @@ def _positive_finite(value) -> bool:
             and 0 < value < math.inf)
 
 
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, notes={
+    "dtype": 'Here "auto" is resolved on the first model :meth:`setup` is given.'})
 class MixedPrecision:
     """A precision run: the policy, model preparation, the loss scaler and the step order.
 
     Args:
-        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
-        dtype: the low-precision dtype or "auto" (resolved on the first model's device).
-        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": the policy's, dynamic
-            for fp16 at O1/O2, none otherwise; "dynamic"; a number; None) or a scaler.
-        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
-        keep_fp32: extra module types or qualified names kept in fp32.
-        low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
+        {precision keywords}
         emulate_fp16: see :class:`mixprec.autocast`.
-        master, state_dtype: how 16-bit parameters are updated and the optimizer moments'
-            dtype (see :func:`mixprec.prepare`); None: the policy's.
-        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
         monitor: a :class:`mixprec.PrecisionMonitor` that records the run (loss scale, skipped
             steps, gradient norm and per-layer statistics every few steps); None: nothing is
             recorded and the step runs exactly as without one.
@@ -169,6 +162,12 @@ class MixedPrecision:
         self.models.append(model)
         if self.monitor is not None:
             self.monitor.watch(model, self)
+
+    @property
+    def op_lists(self) -> dict:
+        """The autocast options models are prepared with: ``low_precision_ops``, ``fp32_ops``
+        and ``emulate_fp16`` (what a strategy passes to its ``prepare``)."""
+        return dict(self._ops)
 
     def resolve_policy(self, device, model: nn.Module | None = None) -> Policy:
         """The run's policy, resolving ``dtype="auto"`` on ``device`` (what a strategy
@@ -311,6 +310,24 @@ class MixedPrecision:
         self._ready()
         check_policy(state["policy"], self.policy)
         self.scaler.load_state_dict(state["scaler"])
+
+
+def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -> MixedPrecision:
+    """The engine an integration runs on: ``mixed_precision`` itself (then every other option of
+    ``entry_point`` must be at its default), or one built from ``options`` (the precision
+    keywords, ``loss_scale``, ``emulate_fp16``, ``monitor``).
+
+    Raises:
+        TypeError: ``mixed_precision`` is not a :class:`MixedPrecision`, or comes with options.
+    """
+    if mixed_precision is None:
+        return MixedPrecision(**options)
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a mixprec.MixedPrecision, e.g. "
+                        f"mp.MixedPrecision(level='O2', dtype='bf16'), or None (then the "
+                        f"precision keywords build one); got {type(mixed_precision).__name__}")
+    vocabulary.check_engine_alone(mixed_precision, options, entry_point)
+    return mixed_precision
 
 
 def check_policy(saved: dict | None, policy: Policy | None, where: str = "this checkpoint"):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import lowbit
+from . import lowbit, vocabulary
 from . import prepare_checks as checks
 from .autocast import PrecisionContext, autocast
 from .casting import (
@@ -141,6 +141,7 @@ def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
     return policy
 
 
+@vocabulary.takes(*vocabulary.PRECISION)
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O1",
             dtype: Any = "auto", keep_fp32=None, policy: Policy | None = None,
             low_precision_ops=(), fp32_ops=(), emulate_fp16="auto", master: str | None = None,
@@ -176,28 +177,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     Args:
         model: the model (prepared in place; the same object is returned).
         optimizer: an optimizer over ``model``'s parameters, or None.
-        level: "O0", "O1", "O2" or "O3".
-        dtype: "bf16", "fp16", a torch dtype, or "auto" (the fast 16-bit type of the model's
-            device).
-        keep_fp32: extra module types or qualified module names kept in fp32.
-        policy: a :class:`mixprec.Policy`, instead of ``level``/``dtype``.
-        low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
+        {precision keywords}
         emulate_fp16: see :class:`mixprec.autocast`.
-        master: how 16-bit parameters keep small updates (a master-weight policy, O2):
-            a :mod:`mixprec.masters` method or its shorthand: ``"fp32"`` (fp32 masters,
-            :class:`mixprec.MasterWeightOptimizer`), ``"split"`` (exact fp32 masters as the
-            bf16 weight plus an int16 remainder), ``"kahan"`` (a 16-bit compensation buffer) or
-            ``"stochastic"`` (stochastic rounding, bf16 only; the last three
-            :class:`mixprec.master.CompactMasterOptimizer`); None: the policy's.
-        state_dtype: ``"fp32"`` or ``"bf16"``: the dtype of the optimizer's moment buffers
-            under a master-weight policy; None: the policy's.
-        fp8: None, or the low-bit GEMM format of the chosen layers (:mod:`mixprec.lowbit`), or
-            its shorthand: "tensorwise" (FP8, one scale per tensor), "rowwise" (one per row),
-            "rowwise_gw_hp" (rowwise; the weight gradient's GEMM in high precision), "mxfp8"
-            (MXFP8: one power-of-two scale per 32 values); "nvfp4" is measured by
-            :func:`mixprec.advise` only, and refused here.
-        fp8_modules: None (the default choice), a list of qualified module names, or a callable
-            ``(module, name) -> bool`` choosing among the layers that can take FP8.
 
     Returns:
         ``model``, or ``(model, optimizer)`` when an optimizer is given.

@@ -109,7 +109,7 @@ def make_trainer(strategy, level, *, reduce="fp32", dropout=0.0, accum=1, clip=N
            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     return mp.Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, strategy=strategy,
                       reduce_dtype=reduce, metrics="accuracy", progress=False,
-                      grad_accum_steps=accum, max_grad_norm=clip, loss_scaler=scaler,
+                      grad_accum_steps=accum, max_grad_norm=clip, loss_scale=scaler,
                       callbacks=callbacks, master=master, state_dtype=state_dtype)
 
 

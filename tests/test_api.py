@@ -71,7 +71,7 @@ def test_apex_initialize_and_scale_loss_keep_apex_signatures():
                             "hysteresis", "min_scale", "max_scale", "max_skips_at_min",
                             "process_group", "enabled"]),
     (mp.StaticLossScaler, ["scale", "skip_on_overflow"]),
-    (mp.Trainer, ["model", "loss_fn", "optimizer", "level", "dtype", "loss_scaler", "metrics",
+    (mp.Trainer, ["model", "loss_fn", "optimizer", "level", "dtype", "loss_scale", "metrics",
                   "scheduler", "grad_accum_steps", "max_grad_norm", "device", "callbacks"]),
 ])
 def test_contract_signatures(cls, params):

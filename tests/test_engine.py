@@ -34,7 +34,7 @@ def test_a_manual_loop_on_the_engine_is_bitwise_the_trainer(level, dtype):
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    trainer = mp.Trainer(model, F.mse_loss, opt, level=level, dtype=dtype, loss_scaler="dynamic",
+    trainer = mp.Trainer(model, F.mse_loss, opt, level=level, dtype=dtype, loss_scale="dynamic",
                          scheduler=sched, max_grad_norm=0.5, progress=False)
     history = trainer.fit(batches)
 

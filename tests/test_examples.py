@@ -36,7 +36,7 @@ def test_mindspore_lenet(capsys):
     dynamic = results["O2 + DynamicLossScaleManager()"]
     assert dynamic["scale"] == 2.0 ** 24 / 2 ** dynamic["skipped"]  # backs off from 2**24
     # and may grow past it: MindSpore's manager has no ceiling below fp32's range
-    manager = _load("mindspore_lenet").RUNS["O2 + DynamicLossScaleManager()"]["loss_scaler"]()
+    manager = _load("mindspore_lenet").RUNS["O2 + DynamicLossScaleManager()"]["loss_scale"]()
     assert manager.get_scale() == 2.0 ** 24 and manager.config.max_scale == 2.0 ** 127
     assert "O2(params=fp16,compute=fp16,output=fp32,master=fp32)" in out
 

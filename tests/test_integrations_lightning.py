@@ -73,7 +73,7 @@ def reference(batches, level, dtype, **kwargs):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     ref = mp.Trainer(model, F.mse_loss, opt, level=level, dtype=dtype, scheduler=sched,
-                     loss_scaler=LOSS_SCALES[dtype], progress=False, **kwargs)
+                     loss_scale=LOSS_SCALES[dtype], progress=False, **kwargs)
     return ref, ref.fit(batches)
 
 

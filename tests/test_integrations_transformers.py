@@ -103,7 +103,7 @@ def test_skipped_steps_match_mp_trainer_and_leave_the_scheduler_alone(accumulate
     collate = transformers.default_data_collator
     batches = [collate(data[i:i + BATCH]) for i in range(0, len(data), BATCH)]
     ref = mp.Trainer(ref_model, None, ref_opt, level="O2", dtype="fp16", scheduler=ref_sched,
-                     loss_scaler=mp.DynamicLossScaler(**scaler), max_grad_norm=1.0,
+                     loss_scale=mp.DynamicLossScaler(**scaler), max_grad_norm=1.0,
                      grad_accum_steps=accumulate, progress=False)
     history = ref.fit(batches)
 

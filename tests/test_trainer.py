@@ -200,7 +200,7 @@ def test_scheduler_does_not_step_on_skipped_steps(digits, level):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     trainer = Trainer(model, InfAt({3, 4}), opt, level=level, dtype="bf16", scheduler=sched,
-                      loss_scaler=mp.DynamicLossScaler(init_scale=1024.0), progress=False)
+                      loss_scale=mp.DynamicLossScaler(init_scale=1024.0), progress=False)
     data = loader(torch.utils.data.Subset(digits[0], range(6 * 32)), 32, shuffle=False)
     history = trainer.fit(data, epochs=1)
     assert history.skipped == [False, False, True, True, False, False]
@@ -214,7 +214,7 @@ def test_skipped_step_leaves_parameters_unchanged(digits):
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model, InfAt({1}), opt, level="O0", loss_scaler=8.0, progress=False)
+    trainer = Trainer(model, InfAt({1}), opt, level="O0", loss_scale=8.0, progress=False)
     before = params(trainer)
     x, y = digits[0][:32]
     log = trainer.train_step([(x, y)])
@@ -247,7 +247,7 @@ def test_clipping_acts_on_unscaled_gradients(digits):
     torch.manual_seed(0)
     model = mlp()
     trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=1.0),
-                      level="O0", loss_scaler=1024.0, max_grad_norm=0.01, progress=False)
+                      level="O0", loss_scale=1024.0, max_grad_norm=0.01, progress=False)
     before = params(trainer)
     trainer.train_step([digits[0][:64]])
     delta = torch.cat([(a - b).flatten() for a, b in zip(params(trainer), before)])
@@ -333,7 +333,7 @@ def test_diagnose_overflow_reports_and_changes_nothing(digits):
         torch.manual_seed(0)
         model = mlp(dropout=0.3)  # dropout: the re-run must not shift the RNG stream
         t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
-                    loss_scaler=4.0, diagnose_overflow=diagnose, progress=False)
+                    loss_scale=4.0, diagnose_overflow=diagnose, progress=False)
         for b in batches:
             t.train_step([b])
         return t
@@ -354,7 +354,7 @@ def test_persistent_overflow_is_reported_once_then_counted(digits, caplog):
     torch.manual_seed(0)
     model = mlp()
     t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), level="O0",
-                loss_scaler=4.0, diagnose_overflow=True, progress=False)
+                loss_scale=4.0, diagnose_overflow=True, progress=False)
     with caplog.at_level("INFO", logger="mixprec"):
         for _ in range(5):
             t.train_step([bad])

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .. import vocabulary
 from ..casting import module_device
 from ..fp8.choice import eligible_layers
 from ..lowbit import Float8
@@ -89,6 +90,11 @@ def _check_batch(split) -> None:
                          f"would read as overflowing; advise measures on finite data")
 
 
+@vocabulary.takes("loss_scale", notes={"loss_scale": (
+    'Here it is the scale fp16 gradients are judged at: "auto" or "dynamic" is where dynamic '
+    "scaling settles on this batch (the largest power of two that keeps every measured gradient "
+    "finite in fp16, at most the scaler's max_scale 2^24); a number is itself; None is 1. A "
+    "scaler object has no use here: no loop runs.")})
 def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
            formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
            fp8_recipe: str = Float8.recipe, layers=None, ablation: bool = False,
@@ -106,6 +112,13 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
     The model is left as it was: no parameter changes, gradients and buffers (BatchNorm
     statistics) are restored, and every pass draws the same dropout masks.
 
+    Of the precision keywords, ``advise`` takes ``loss_scale``, the one that changes what it
+    measures. It measures every layer in every format of ``formats`` whatever the precision
+    would be, so the others (``level``, ``dtype``, ``policy``, ``keep_fp32``, the op lists,
+    ``master``, ``state_dtype``, ``fp8``, ``fp8_modules``) choose among its results instead:
+    :meth:`Advice.policy` takes ``level``, ``dtype`` and ``fp8``; ``fp8_recipe`` is the
+    scaling its "fp8_e4m3" row measures.
+
     Args:
         model: the fp32 model (before :func:`mixprec.prepare`), in the mode to measure
             (``train()``: dropout and batch statistics as in training).
@@ -115,9 +128,7 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
         formats: any of "bf16", "fp16", and the low-bit formats, for Linear and Conv1D
             layers: "fp8_e4m3" (FP8 with ``fp8_recipe``'s scales), "mxfp8" (e4m3 in blocks of
             32 with power-of-two scales), "nvfp4" (e2m1 in blocks of 16).
-        loss_scale: the fp16 loss scale gradients are judged at: "auto" (where dynamic
-            scaling settles on this batch: the largest power of two that keeps every measured
-            gradient finite in fp16, at most the scaler's max_scale 2^24), a number, or None.
+        {precision keywords}
         fp8_recipe: the FP8 scaling "fp8_e4m3" measures: "tensorwise", "rowwise" or
             "rowwise_gw_hp".
         layers: qualified names of the layers to measure (default: all).

@@ -95,7 +95,7 @@ def _train_one(level: str, dtype: str, data, args, monitor=None) -> dict:
     # fp16: a dynamic scaler that starts too high and grows often, so the plot shows it at work
     scaler = (DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16"
               else "auto")
-    trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scaler=scaler,
+    trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scale=scaler,
                       metrics="accuracy", scheduler=sched, callbacks=[timer], progress=False,
                       monitor=monitor)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True,

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import MixedPrecision
+from .. import vocabulary
+from ..engine import MixedPrecision, engine_for
 from ..master.wrapper import is_wrapped
 from ..monitor import CallbackWriter
 from ..policy import Policy
@@ -98,20 +99,18 @@ class SkipAwareScheduler:
         return f"SkipAwareScheduler({self.scheduler!r})"
 
 
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP)
 class MixprecPrecision(Precision):
     """A Lightning precision plugin on a :class:`mixprec.MixedPrecision` engine.
 
     Args:
-        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
-        dtype: the low-precision dtype, or "auto" (resolved on the model's device).
-        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
-            O1/O2, none otherwise; "dynamic"; a number; None) or a scaler. A scaler that checks
-            for overflow (any but none) makes an update with inf/NaN gradients a skipped step.
-        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        {precision keywords}
+        emulate_fp16: see :class:`mixprec.autocast`.
         monitor: a :class:`mixprec.PrecisionMonitor`; what it records is also logged through
             the trainer's loggers.
-        engine_options: ``keep_fp32``, ``low_precision_ops``, ``fp32_ops``, ``emulate_fp16``
-            (see :class:`mixprec.MixedPrecision`).
+        mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the keywords above
+            (the shape ``MixprecTrainer`` takes too); with it, the others stay at their
+            defaults.
 
     Attributes:
         engine: the :class:`mixprec.MixedPrecision`.
@@ -127,6 +126,8 @@ class MixprecPrecision(Precision):
 
     Raises:
         ValueError, TypeError: what :class:`mixprec.MixedPrecision` refuses.
+        TypeError: ``mixed_precision`` that is not a :class:`mixprec.MixedPrecision`, or that
+            comes with other keywords.
 
     Example:
         >>> import lightning.pytorch as L
@@ -136,9 +137,15 @@ class MixprecPrecision(Precision):
     """
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, monitor=None, **engine_options):
-        self.engine = MixedPrecision(level, dtype, loss_scale, policy, monitor=monitor,
-                                     **engine_options)
+                 policy: Policy | None = None, monitor=None, *, keep_fp32=None,
+                 low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
+                 fp8_modules=None, emulate_fp16="auto",
+                 mixed_precision: MixedPrecision | None = None):
+        self.engine = engine_for(
+            type(self), mixed_precision, level=level, dtype=dtype, loss_scale=loss_scale,
+            policy=policy, keep_fp32=keep_fp32, low_precision_ops=low_precision_ops,
+            fp32_ops=fp32_ops, master=master, state_dtype=state_dtype, fp8=fp8,
+            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
         self.applied: dict[int, bool] = {}
         self._context = None
 

@@ -1,9 +1,10 @@
 """``MixprecTrainer``: a Hugging Face ``transformers.Trainer`` that runs on
 :class:`mixprec.MixedPrecision`.
 
-``MixprecTrainer(model, args, train_dataset=..., mixed_precision=mp.MixedPrecision("O2",
-"bf16"))`` trains with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step
-order. How the Trainer's loop lands on the engine, in the order it runs:
+``MixprecTrainer(model, args, train_dataset=..., level="O2", dtype="bf16")`` (the precision
+keywords of :func:`mixprec.prepare`, or ``mixed_precision=mp.MixedPrecision(...)`` instead)
+trains with mixprec's policy, fp32 master weights and loss scaling, in mixprec's step order.
+How the Trainer's loop lands on the engine, in the order it runs:
 
 * ``create_optimizer``: the optimizer the Trainer builds from its ``TrainingArguments`` (or the
   one passed as ``optimizers=(opt, sched)``) and the model go through ``engine.setup``: the model
@@ -47,9 +48,11 @@ from typing import Any
 
 import torch
 
-from ..engine import MixedPrecision
+from .. import vocabulary
+from ..engine import MixedPrecision, engine_for
 from ..fp8.backend import quiet_import
 from ..monitor import CallbackWriter
+from ..policy import Policy
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -123,21 +126,29 @@ class EngineGradScaler:
         self.engine.load_state_dict(state_dict)
 
 
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP)
 class MixprecTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose precision is a :class:`mixprec.MixedPrecision`.
 
     Takes every argument of ``transformers.Trainer`` (``TrainingArguments``,
-    ``optimizers=(optimizer, scheduler)``, ``optimizer_cls_and_kwargs``, callbacks, ...), plus:
+    ``optimizers=(optimizer, scheduler)``, ``optimizer_cls_and_kwargs``, callbacks, ...), plus
+    the precision keywords (keyword only), or a ready engine:
 
     Args:
-        mixed_precision: the engine (keyword only), e.g.
-            ``mp.MixedPrecision(level="O2", dtype="bf16")``.
+        mixed_precision: a :class:`mixprec.MixedPrecision`, e.g.
+            ``mp.MixedPrecision(level="O2", dtype="bf16")``, instead of the keywords below
+            (with it, they stay at their defaults); None: one built from them.
+        {precision keywords}
+        emulate_fp16: see :class:`mixprec.autocast`.
+        monitor: a :class:`mixprec.PrecisionMonitor`; its scalars also go through
+            ``Trainer.log``.
 
     Attributes:
         mixed_precision: the engine; ``.policy`` and ``.scaler`` are its.
 
     Raises:
-        TypeError: ``mixed_precision`` is not a :class:`mixprec.MixedPrecision`.
+        TypeError: ``mixed_precision`` is not a :class:`mixprec.MixedPrecision`, or comes with
+            precision keywords.
         ValueError: ``TrainingArguments(fp16=True)``, ``bf16=True``, ``fp16_full_eval`` or
             ``bf16_full_eval``, an accelerator configured for mixed precision, or a run over
             several processes or devices (DDP, FSDP, DeepSpeed, DataParallel).
@@ -152,11 +163,16 @@ class MixprecTrainer(transformers.Trainer):
         ...                          mixed_precision=mp.MixedPrecision("O2", "bf16"))
     """
 
-    def __init__(self, *args: Any, mixed_precision: MixedPrecision, **kwargs: Any):
-        if not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"mixed_precision must be a mixprec.MixedPrecision, e.g. "
-                            f"mp.MixedPrecision(level='O2', dtype='bf16'); "
-                            f"got {type(mixed_precision).__name__}")
+    def __init__(self, *args: Any, mixed_precision: MixedPrecision | None = None,
+                 level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
+                 policy: Policy | None = None, keep_fp32=None, low_precision_ops=(), fp32_ops=(),
+                 master=None, state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
+                 monitor=None, **kwargs: Any):
+        mixed_precision = engine_for(
+            type(self), mixed_precision, level=level, dtype=dtype, loss_scale=loss_scale,
+            policy=policy, keep_fp32=keep_fp32, low_precision_ops=low_precision_ops,
+            fp32_ops=fp32_ops, master=master, state_dtype=state_dtype, fp8=fp8,
+            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
         missing = [name for name in _LOOP_HOOKS if not hasattr(transformers.Trainer, name)]
         if missing:
             raise RuntimeError(f"transformers {transformers.__version__}'s Trainer has no "

@@ -29,9 +29,7 @@ import dataclasses
 import math
 import re
 
-import torch
-
-from .. import masters
+from .. import masters, vocabulary
 from ..dtypes import dtype_name, to_dtype
 from ..policy import LEVELS, Policy
 from .ddp import reduce_dtype_of
@@ -114,8 +112,18 @@ class MemoryPlan:
         return self.total / self.params
 
 
-def _check(level: str, strategy: str, world: int, optimizer: str) -> tuple[str, str, str]:
-    if not isinstance(level, str) or level.upper() not in LEVELS:
+def _given(policy, level, dtype) -> Policy:
+    """``policy=``, which comes instead of ``level``/``dtype``."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
+    if (level, dtype) != ("O2", "bf16"):
+        raise ValueError(f"pass either policy= or level=/dtype=, not both; got policy={policy} "
+                         f"with level={level!r}, dtype={dtype!r}")
+    return policy
+
+
+def _check(level, strategy: str, world: int, optimizer: str) -> tuple:
+    if level is not None and (not isinstance(level, str) or level.upper() not in LEVELS):
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}; got {level!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; "
@@ -129,25 +137,31 @@ def _check(level: str, strategy: str, world: int, optimizer: str) -> tuple[str, 
     if opt not in OPTIMIZER_MOMENTS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_MOMENTS)}; "
                          f"got {optimizer!r}")
-    return level.upper(), strategy, opt
+    return level and level.upper(), strategy, opt
 
 
+@vocabulary.takes("level", "dtype", "policy", "master", "state_dtype", differs={
+    "level": ("O2", "the level a memory plan is usually asked about: 16-bit weights with masters"),
+    "dtype": ("bf16", '"auto" has no device to resolve on: a plan is for the cluster you name, '
+                      "not this machine")})
 def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", world: int = 1,
-         optimizer: str = "adamw", reduce_dtype="fp32", master: str = "fp32",
-         state_dtype="fp32") -> MemoryPlan:
+         optimizer: str = "adamw", reduce_dtype="fp32", policy: Policy | None = None,
+         master=None, state_dtype=None) -> MemoryPlan:
     """Bytes per rank and gradient traffic per step of one set-up, on paper.
+
+    Of the precision keywords, ``plan`` takes those that change the bytes it counts: ``level``,
+    ``dtype`` ("fp32" makes every level fp32), ``policy``, ``master`` and ``state_dtype``
+    (master-weight levels only). It counts every parameter alike, so the per-layer ones
+    (``keep_fp32``, ``fp8``, ``fp8_modules``), which need the model, and those that change no
+    stored tensor (the op lists, ``loss_scale``) are absent.
 
     Args:
         params: the parameter count (an int or ``"7B"``-style text).
-        level: "O0".."O3".
-        dtype: the 16-bit dtype of O1-O3 ("bf16" or "fp16"; "fp32" makes every level fp32).
+        {precision keywords}
         strategy: "single", "ddp" or "fsdp".
         world: number of ranks (1 for "single").
         optimizer: one of :data:`OPTIMIZER_MOMENTS`.
         reduce_dtype: dtype of the gradient reduction ("fp32", "bf16", "fp16").
-        master: a :mod:`mixprec.masters` method or its shorthand, "fp32", "split", "kahan" or
-            "stochastic" (O2 only; see :func:`mixprec.prepare`).
-        state_dtype: "fp32" or "bf16": the moments' dtype (O2 only).
 
     Returns:
         A :class:`MemoryPlan`.
@@ -161,20 +175,29 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
         1.63
     """
     n = parse_count(params)
-    level, strategy, opt = _check(level, strategy, world, optimizer)
-    low_dt = to_dtype(dtype)
-    if low_dt not in (to_dtype("fp32"), to_dtype("bf16"), to_dtype("fp16")):
-        raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {dtype!r}")
+    if policy is None:
+        level, strategy, opt = _check(level, strategy, world, optimizer)
+        low_dt = to_dtype(dtype)
+        if low_dt not in (to_dtype("fp32"), to_dtype("bf16"), to_dtype("fp16")):
+            raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {dtype!r}")
+        policy = Policy.from_level(level, low_dt, warn=False)
+    else:
+        _, strategy, opt = _check(None, strategy, world, optimizer)
+        policy = _given(policy, level, dtype)
+        level, low_dt = policy.level or "custom", policy.compute_dtype
     reduce = reduce_dtype_of(reduce_dtype)
     shard = world if strategy == "fsdp" else 1
-    policy = Policy.from_level(level, low_dt, warn=False)
-    method = masters.resolve(master)
-    if method.compact or to_dtype(state_dtype) != torch.float32:
-        if not policy.master_weights:
-            raise ValueError(f"master={str(method)!r} and state_dtype={state_dtype!r} apply to a "
+    changes = {k: v for k, v in (("master", master), ("state_dtype", state_dtype))
+               if v is not None}
+    if changes:
+        try:
+            policy = policy.replace(**changes, level=policy.level)
+        except ValueError as exc:
+            if policy.master_weights:
+                raise
+            raise ValueError(f"master={master!r} and state_dtype={state_dtype!r} apply to a "
                              f"master-weight level with a 16-bit dtype (O2); got {level} with "
-                             f"{dtype_name(low_dt)}")
-        policy = policy.replace(master=method, state_dtype=state_dtype, level=level)
+                             f"{dtype_name(low_dt)}") from exc
     gather = policy.param_dtype.itemsize            # what the forward reads
     kept = policy.master.master_bytes(gather) if policy.master_weights else 0
     stored = gather

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .. import vocabulary
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
 from ..master import is_master_optimizer
@@ -130,10 +131,16 @@ def _policies(policy, reduce_dtype: torch.dtype):
     return main, main
 
 
+@vocabulary.takes(*vocabulary.PRECISION, differs={"level": (
+    "O2", "the level FSDP2 is for: its fp32 shards are the masters, so 16-bit compute costs no "
+          "second fp32 copy")}, notes={
+    "master": 'Under FSDP2 "fp32" means the fp32 shards are the masters; the others keep '
+              "16-bit shards (see the module docstring).",
+    "state_dtype": "O2 only."})
 def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
-         mesh=None, keep_fp32=None, policy: Policy | None = None, master: str | None = None,
-         state_dtype=None, fp8: str | None = None, fp8_modules=None):
+         mesh=None, keep_fp32=None, policy: Policy | None = None, low_precision_ops=(),
+         fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -152,19 +159,11 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     Args:
         model: the fp32 model (not yet prepared), on its device.
         optimizer: a torch optimizer over ``model.parameters()``, or None.
-        level: "O0", "O1", "O2" or "O3".
-        dtype: the low-precision dtype or "auto".
+        {precision keywords}
         reduce_dtype: precision of the gradient reduce-scatter: "fp32" (default), "bf16", "fp16".
         units: module classes and/or qualified module names to shard as units (default: every
             module held in an ``nn.ModuleList``); the root is always a unit.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
-        keep_fp32: extra module types or names kept in fp32 (as :func:`mixprec.prepare`).
-        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
-        master: ``"fp32"`` (the fp32 shards are the masters), ``"split"``, ``"kahan"`` or
-            ``"stochastic"`` (16-bit shards; see :func:`mixprec.prepare`), or a
-            :mod:`mixprec.masters` method. O2 only.
-        state_dtype: ``"fp32"`` or ``"bf16"``: the optimizer's moment buffers. O2 only.
-        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`).
 
     Returns:
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
@@ -193,7 +192,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     fp8_names, chooser = split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model),
                                            master=master, state_dtype=state_dtype, fp8=fp8,
-                                           fp8_modules=fp8_names), fp8_filter=chooser)
+                                           fp8_modules=fp8_names), fp8_filter=chooser,
+                 low_precision_ops=low_precision_ops, fp32_ops=fp32_ops)
     policy = policy_of(model)
     kept_units: list[str] = []
     if policy.master_weights:

@@ -42,9 +42,10 @@ class FSDPStrategy(DistributedStrategy):
     name = "fsdp"
     checkpoint_suffix = ""
 
-    def setup(self, model: nn.Module, optimizer, policy: Policy):
+    def setup(self, model: nn.Module, optimizer, policy: Policy, ops: dict | None = None):
         env.require_group("Trainer(strategy='fsdp')")
-        return fsdp(model, optimizer, policy=policy, reduce_dtype=self.reduce_dtype)
+        lists = {k: v for k, v in (ops or {}).items() if k in ("low_precision_ops", "fp32_ops")}
+        return fsdp(model, optimizer, policy=policy, reduce_dtype=self.reduce_dtype, **lists)
 
     def save(self, trainer, path) -> None:
         path = Path(path)

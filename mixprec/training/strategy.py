@@ -100,9 +100,10 @@ class Strategy:
         """Where to train when the Trainer is given no ``device``."""
         return module_device(model)
 
-    def setup(self, model: nn.Module, optimizer, policy: Policy):
-        """Prepare (and wrap) the model for ``policy``; returns ``(model, optimizer)``."""
-        model, (optimizer,) = prepare_many(model, [optimizer], policy)
+    def setup(self, model: nn.Module, optimizer, policy: Policy, ops: dict | None = None):
+        """Prepare (and wrap) the model for ``policy`` (``ops``: the autocast options of
+        :func:`mixprec.prepare`); returns ``(model, optimizer)``."""
+        model, (optimizer,) = prepare_many(model, [optimizer], policy, **(ops or {}))
         return model, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -282,12 +283,12 @@ class DDPStrategy(DistributedStrategy):
 
     name = "ddp"
 
-    def setup(self, model: nn.Module, optimizer, policy: Policy):
+    def setup(self, model: nn.Module, optimizer, policy: Policy, ops: dict | None = None):
         env.require_group("Trainer(strategy='ddp')")
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
-        model, (optimizer,) = prepare_many(model, [optimizer], policy)
+        model, (optimizer,) = prepare_many(model, [optimizer], policy, **(ops or {}))
         return ddp(model, reduce_dtype=self.reduce_dtype), optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from ..engine import MixedPrecision
+from .. import vocabulary
+from ..engine import MixedPrecision, engine_for
 from ..master import kernels
 from ..policy import Policy
 from ..prepare import policy_of
@@ -35,6 +36,8 @@ from .metrics import make_metrics
 __all__ = ["Trainer", "History"]
 
 
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, notes={
+    "fp8_modules": "The names chosen are in ``trainer.policy.fp8_modules``."})
 class Trainer:
     """Train a model at an optimisation level with loss scaling, accumulation, clipping and resume.
 
@@ -47,11 +50,8 @@ class Trainer:
             (Hugging Face models compute it when the batch holds ``labels``).
         optimizer: an optimizer over ``model``'s parameters (wrapped in a
             :class:`mixprec.MasterWeightOptimizer` at O2).
-        level: "O0", "O1", "O2" or "O3".
-        dtype: the low-precision dtype or "auto".
-        loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
-            O1/O2, none otherwise) or a scaler.
-        policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
+        {precision keywords}
+        loss_scaler: deprecated alias of ``loss_scale`` (a ``DeprecationWarning``).
         metrics: None, "accuracy", a :class:`mixprec.training.Metric`, or a list of them.
         scheduler: an LR scheduler over ``optimizer``; stepped after every applied update.
         grad_accum_steps: micro-batches per optimizer step (each loss is divided by the number of
@@ -74,27 +74,23 @@ class Trainer:
             :mod:`mixprec.training.strategy`.
         reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
             "bf16" or "fp16" (half the traffic).
-        master, state_dtype: at O2, how 16-bit weights keep small updates ("fp32" masters, "split",
-            "kahan", "stochastic") and the optimizer moments' dtype ("fp32", "bf16"); see
-            :func:`mixprec.prepare`. None: the policy's.
-        fp8, fp8_modules: FP8 GEMMs for chosen Linear layers (see :func:`mixprec.prepare`);
-            the names chosen are in ``trainer.policy.fp8_modules``.
         monitor: a :class:`mixprec.PrecisionMonitor` recording the run every few steps (loss
             scale, skipped steps, gradient norm, per-layer precision statistics) to its writers.
+        mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the precision
+            keywords, ``loss_scale`` and ``monitor``.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
     :mod:`mixprec.training.batches`.
 
-    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the
-    :class:`mixprec.MixedPrecision`), ``scaler``, ``policy``, ``scheduler``, ``history``,
-    ``state`` (a :class:`mixprec.training.state.TrainState`: steps, epochs, position).
+    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the MixedPrecision),
+    ``scaler``, ``policy``, ``scheduler``, ``history``, ``state`` (a :class:`TrainState`).
 
     Raises:
         ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
             strategy or reduce dtype; ``strategy="ddp"``/``"fsdp"`` with neither a process group
             nor torchrun's environment.
-        TypeError: a non-callable ``loss_fn`` or a bad callback.
+        TypeError: a non-callable ``loss_fn``, a bad callback, ``mixed_precision`` with keywords.
         RuntimeError: ``device`` is a CUDA device but CUDA is not available.
 
     Example:
@@ -111,17 +107,20 @@ class Trainer:
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None,
                  optimizer: torch.optim.Optimizer, *,
-                 level: str = "O1", dtype: Any = "auto", loss_scaler: Any = "auto", metrics=None,
+                 level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto", metrics=None,
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
-                 reduce_dtype: Any = "fp32", policy: Policy | None = None,
-                 master: str | None = None, state_dtype=None, fp8: str | None = None,
-                 fp8_modules=None, monitor=None):
+                 reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
+                 low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
+                 fp8_modules=None, monitor=None, mixed_precision: MixedPrecision | None = None,
+                 loss_scaler: Any = vocabulary.UNSET):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
-        self.engine = MixedPrecision(level, dtype, loss_scale=loss_scaler, policy=policy,
-                                     master=master, state_dtype=state_dtype, fp8=fp8,
-                                     fp8_modules=fp8_modules, monitor=monitor)
+        self.engine = engine_for(
+            type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
+            loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, master=master,
+            state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
@@ -130,7 +129,8 @@ class Trainer:
         self.device = check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(
-            model, optimizer, self.engine.resolve_policy(self.device, model))
+            model, optimizer, self.engine.resolve_policy(self.device, model),
+            ops=self.engine.op_lists)
         self.engine.adopt(self.strategy.unwrap(self.model))
         self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = self.engine.scaler

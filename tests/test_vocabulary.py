@@ -1,0 +1,337 @@
+"""One vocabulary of precision keywords: every entry point takes the declared names with the
+declared defaults (read through ``inspect.signature``), its docstring carries the declared text,
+and a value other than the default reaches what the entry point builds (the policy of the
+prepared model, the optimizer, the loss scaler, the autocast's op lists, the plan, the advice).
+"""
+
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec import vocabulary
+from mixprec.parallel.sharding import fsdp
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::mixprec.hardware.SlowDtypeWarning",
+    # torch's own, from importing transformers first in a process
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+
+lightning = pytest.importorskip("mixprec.integrations.lightning")
+hf = pytest.importorskip("mixprec.integrations.transformers")
+transformers = pytest.importorskip("transformers")
+
+PRECISION, LOOP = vocabulary.PRECISION, vocabulary.LOOP
+#: entry point -> (the keywords it takes, the defaults it documents as different)
+ENTRY_POINTS = {
+    "prepare": (mp.prepare, PRECISION, {}),
+    "MixedPrecision": (mp.MixedPrecision, PRECISION + LOOP, {}),
+    "Trainer": (mp.Trainer, PRECISION + LOOP, {}),
+    "parallel.fsdp": (fsdp, PRECISION, {"level": "O2"}),
+    "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP, {}),
+    "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP, {}),
+    "plan": (mp.parallel.plan, ("level", "dtype", "policy", "master", "state_dtype"),
+             {"level": "O2", "dtype": "bf16"}),
+    "advise": (mp.advise, ("loss_scale",), {}),
+}
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_each_entry_point_takes_the_declared_keywords_and_defaults(name):
+    entry, names, differs = ENTRY_POINTS[name]
+    params = inspect.signature(entry).parameters
+    assert vocabulary.keywords_of(entry) == names
+    for keyword in names:
+        param = params[keyword]
+        assert param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD), keyword
+        expected = differs.get(keyword, vocabulary.KEYWORDS[keyword].default)
+        assert type(param.default) is type(expected) and param.default == expected, keyword
+    assert not any(p.kind == p.VAR_KEYWORD and p.name in vocabulary.KEYWORDS
+                   for p in params.values())
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_each_docstring_carries_the_declared_text(name):
+    entry, names, differs = ENTRY_POINTS[name]
+    doc = flat(entry.__doc__)
+    assert vocabulary.MARKER not in entry.__doc__
+    for keyword in names:
+        assert flat(vocabulary.KEYWORDS[keyword].doc) in doc, keyword
+    for keyword, default in differs.items():  # a different default says so, and why
+        assert f"Default here: {default!r} (" in doc
+    assert max(len(line) for line in entry.__doc__.splitlines()) <= 100
+
+
+def test_what_is_absent_is_explained():
+    for entry in (mp.parallel.plan, mp.advise):
+        doc = flat(entry.__doc__)
+        absent = [k for k in PRECISION + LOOP if k not in vocabulary.keywords_of(entry)]
+        assert absent and all(f"``{k}``" in doc or k in ("low_precision_ops", "fp32_ops")
+                              for k in absent)
+        assert "op lists" in doc
+
+
+def test_setup_and_the_apex_layer_take_none_of_the_keywords():
+    """``MixedPrecision.setup`` takes the model and its optimizers only; apex's ``initialize``
+    keeps apex's own names (its point is running apex code unchanged)."""
+    from mixprec.compat import apex_amp
+
+    assert list(inspect.signature(mp.MixedPrecision.setup).parameters) == [
+        "self", "model", "optimizers"]
+    params = inspect.signature(apex_amp.initialize).parameters
+    # apex's loss_scale (None, a number or "dynamic") and fp16 default, as apex has them
+    assert set(params) & set(vocabulary.KEYWORDS) == {"loss_scale", "dtype"}
+    assert (params["loss_scale"].default, params["dtype"].default) == (None, "fp16")
+
+
+def test_the_declaration_checks_signatures_and_docstrings():
+    def good(*, level="O1", dtype="auto"):
+        """Doc.
+
+        Args:
+            {precision keywords}
+        """
+
+    assert "level: \"O0\"" in vocabulary.takes("level", "dtype")(good).__doc__
+
+    def other_default(*, level="O2"):
+        """{precision keywords}"""
+
+    with pytest.raises(TypeError, match=r"other_default's level= defaults to 'O2'; the "
+                                        r"vocabulary declares 'O1'"):
+        vocabulary.takes("level")(other_default)
+    assert vocabulary.takes("level", differs={"level": ("O2", "why")})(other_default)
+
+    def missing(*, level="O1"):
+        """{precision keywords}"""
+
+    with pytest.raises(TypeError, match="must take the keyword 'dtype'"):
+        vocabulary.takes("level", "dtype")(missing)
+
+    def unmarked(*, level="O1"):
+        """No marker."""
+
+    with pytest.raises(TypeError, match="needs one"):
+        vocabulary.takes("level")(unmarked)
+    with pytest.raises(TypeError, match="unknown precision keywords"):
+        vocabulary.takes("levels")
+
+
+def test_the_docs_table_lists_the_declared_defaults():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", text, flags=re.M))
+    for keyword in vocabulary.KEYWORDS.values():
+        assert rows[keyword.name] == repr(keyword.default).replace("'", '"'), keyword.name
+
+
+# -- values reach what each entry point builds -----------------------------------------------
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 16))
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo process group (what ``parallel.fsdp`` shards over), torn down after."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def hf_args(tmp_path):
+    return transformers.TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to=[],
+                                          disable_tqdm=True)
+
+
+def build(name, model, opt, tmp_path, **kw):
+    """(prepared model, optimizer, engine or None) from one entry point."""
+    if name == "prepare":
+        model, opt = mp.prepare(model, opt, **kw)
+        return model, opt, None
+    if name == "MixedPrecision":
+        engine = mp.MixedPrecision(**kw)
+        return (*engine.setup(model, opt), engine)
+    if name.startswith("Trainer"):  # "Trainer[fsdp]": under that strategy
+        strategy = name.partition("[")[2].rstrip("]") or "single"
+        trainer = mp.Trainer(model, F.mse_loss, opt, progress=False, strategy=strategy, **kw)
+        return mp.parallel.unwrap(trainer.model), trainer.optimizer, trainer.engine
+    if name == "parallel.fsdp":
+        return (*fsdp(model, opt, **kw), None)
+    if name == "MixprecPrecision":
+        engine = lightning.MixprecPrecision(**kw).engine
+        return (*engine.setup(model, opt), engine)
+    trainer = hf.MixprecTrainer(model, hf_args(tmp_path), optimizers=(opt, None), **kw)
+    return trainer.model, trainer.create_optimizer(), trainer.mixed_precision
+
+
+PREPARING = [n for n, (_, names, _) in ENTRY_POINTS.items() if "keep_fp32" in names]
+PREPARING += ["Trainer[ddp]", "Trainer[fsdp]"]  # the strategies prepare the model themselves
+IN_A_GROUP = ("parallel.fsdp", "Trainer[ddp]", "Trainer[fsdp]")
+LOOPING = [n for n, (_, names, _) in ENTRY_POINTS.items()
+           if "loss_scale" in names and n != "advise"]
+
+
+@pytest.fixture(params=PREPARING)
+def entry(request):
+    if request.param in IN_A_GROUP:
+        request.getfixturevalue("group")
+    return request.param
+
+
+def test_keep_fp32_master_and_state_dtype_reach_the_policy_and_the_optimizer(entry, tmp_path):
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = build(entry, model, opt, tmp_path, level="O2", dtype="bf16",
+                          keep_fp32=["4"], master="kahan", state_dtype="bf16")
+    policy = mp.policy_of(model)
+    assert "4" in policy.keep_fp32 and policy.master == "kahan"
+    assert policy.state_dtype == torch.bfloat16
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["4.weight"] == torch.float32 and dtypes["0.weight"] == torch.bfloat16
+    assert isinstance(opt, mp.CompactMasterOptimizer)
+
+
+def test_a_policy_is_used_as_given(entry, tmp_path):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = mp.Policy.from_level("O3", "bf16")
+    model, _, _ = build(entry, model, opt, tmp_path, policy=given)
+    assert mp.policy_of(model) == given
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_fp32_ops_reach_the_autocast(entry, tmp_path):
+    """At O1 bf16 a Linear computes in bf16 (its output differs from fp32's); listed in
+    ``fp32_ops`` it computes in fp32, bitwise as the fp32 model does."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    reference = net()(x)
+    outputs = {}
+    for ops in ((), ("linear",)):
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, _, _ = build(entry, model, opt, tmp_path / str(len(ops)), level="O1",
+                            dtype="bf16", fp32_ops=ops)
+        outputs[ops] = model(x)
+    assert not torch.equal(outputs[()], reference)
+    torch.testing.assert_close(outputs[("linear",)], reference, rtol=0, atol=0)
+
+
+def test_low_precision_ops_reach_the_autocast(entry, tmp_path):
+    """Softmax runs in fp32 at O1; listed in ``low_precision_ops`` it runs in bf16, so every
+    value of the (fp32) output is a bf16 value."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def representable(out):
+        return torch.equal(out, out.bfloat16().float())
+
+    results = {}
+    for ops in ((), ("softmax",)):
+        model = nn.Sequential(net(), nn.Softmax(dim=-1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, _, _ = build(entry, model, opt, tmp_path / str(len(ops)), level="O1",
+                            dtype="bf16", low_precision_ops=ops)
+        out = model(x)
+        assert out.dtype == torch.float32
+        results[ops] = representable(out)
+    assert results == {(): False, ("softmax",): True}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:torchao.*",
+                            "ignore::DeprecationWarning:torchao.*",
+                            "ignore::FutureWarning:torchao.*")
+def test_fp8_and_fp8_modules_reach_the_policy(entry, tmp_path):
+    pytest.importorskip("torchao.float8")
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _, _ = build(entry, model, opt, tmp_path, level="O1", dtype="bf16",
+                        fp8="rowwise", fp8_modules=["2"])
+    policy = mp.policy_of(model)
+    assert policy.fp8 == mp.lowbit.Float8("rowwise") and policy.fp8_modules == ("2",)
+    assert list(mp.fp8_modules(model)) == ["2"]
+
+
+@pytest.mark.parametrize("name", LOOPING)
+def test_loss_scale_reaches_the_scaler(name, tmp_path):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, _, engine = build(name, model, opt, tmp_path, level="O2", dtype="fp16", loss_scale=8.0)
+    assert isinstance(engine.scaler, mp.StaticLossScaler) and engine.scaler.get_scale() == 8.0
+
+
+def test_trainer_loss_scaler_is_a_deprecated_alias():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(DeprecationWarning, match=r"loss_scaler= is deprecated; pass loss_scale="):
+        trainer = mp.Trainer(model, F.mse_loss, opt, level="O2", dtype="fp16", loss_scaler=8.0,
+                             progress=False)
+    assert trainer.scaler.get_scale() == 8.0
+    with pytest.raises(TypeError, match="both loss_scale= and its deprecated alias loss_scaler="):
+        mp.Trainer(net(), F.mse_loss, opt, loss_scale=4.0, loss_scaler=8.0, progress=False)
+    with warnings.catch_warnings():  # the new spelling warns about nothing
+        warnings.simplefilter("error", DeprecationWarning)
+        model = net()
+        mp.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                   loss_scale=8.0, progress=False)
+
+
+@pytest.mark.parametrize("cls", ["Trainer", "MixprecPrecision", "MixprecTrainer"])
+def test_the_loops_take_an_engine_or_the_keywords_not_both(cls, tmp_path):
+    engine = mp.MixedPrecision(level="O2", dtype="bf16")
+    if cls == "Trainer":
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = mp.Trainer(model, F.mse_loss, opt, mixed_precision=engine, progress=False)
+        assert trainer.engine is engine and trainer.policy.level == "O2"
+        with pytest.raises(TypeError, match="got mixed_precision= and loss_scale"):
+            mp.Trainer(net(), F.mse_loss, opt, mixed_precision=engine, loss_scale=8.0)
+        with pytest.raises(TypeError, match="got mixed_precision= and loss_scale"):
+            with pytest.warns(DeprecationWarning):
+                mp.Trainer(net(), F.mse_loss, opt, mixed_precision=engine, loss_scaler=8.0)
+    elif cls == "MixprecPrecision":
+        assert lightning.MixprecPrecision(mixed_precision=engine).engine is engine
+        with pytest.raises(TypeError, match="got mixed_precision= and level, master"):
+            lightning.MixprecPrecision(level="O2", master="kahan", mixed_precision=engine)
+    else:
+        trainer = hf.MixprecTrainer(net(), hf_args(tmp_path), mixed_precision=engine)
+        assert trainer.mixed_precision is engine
+        with pytest.raises(TypeError, match="got mixed_precision= and keep_fp32"):
+            hf.MixprecTrainer(net(), hf_args(tmp_path), mixed_precision=engine,
+                              keep_fp32=[nn.Linear])
+
+
+def test_plan_counts_master_state_dtype_and_policy():
+    n = 10 ** 6
+    fp32 = mp.parallel.plan(n, strategy="single")
+    kahan = mp.parallel.plan(n, strategy="single", master="kahan", state_dtype="bf16")
+    assert (fp32.masters, fp32.optimizer_state) == (4 * n, 8 * n)
+    assert (kahan.masters, kahan.optimizer_state) == (2 * n, 4 * n)
+    given = mp.parallel.plan(n, strategy="single", master="kahan", state_dtype="bf16",
+                             policy=mp.Policy.from_level("O2", "bf16"))
+    assert given == kahan
+    o3 = mp.parallel.plan(n, strategy="single", policy=mp.Policy.from_level("O3", "fp16"))
+    assert (o3.level, o3.dtype, o3.masters, o3.optimizer_state) == ("O3", "fp16", 0, 4 * n)
+    with pytest.raises(ValueError, match="pass either policy= or level=/dtype="):
+        mp.parallel.plan(n, level="O1", policy=mp.Policy.from_level("O3", "fp16"))
+    with pytest.raises(ValueError, match="apply to a master-weight level"):
+        mp.parallel.plan(n, level="O1", master="kahan")
+
+
+def test_advise_judges_fp16_gradients_at_the_loss_scale_given():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    advice = mp.advise(model, batch, F.cross_entropy, formats=("fp16",), loss_scale=8.0)
+    assert advice.loss_scales == {"fp16": 8.0} and advice.loss_scale == 8.0
