@@ -146,7 +146,7 @@ class Precision:
             parts.append(f"gemm={self.gemm}")
         if self.params is not None:
             parts.append(f"params={dtype_name(self.params)}")
-        return ",".join(parts) or "inherit"
+        return "+".join(parts) or "inherit"
 
     def to_data(self) -> dict:
         """Plain data (dtype names; a format's ``to_data``)."""
