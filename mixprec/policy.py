@@ -282,7 +282,11 @@ class Policy:
         return cls(low, low, None, cast_inputs=True, level="O3")
 
     def replace(self, **changes) -> "Policy":
-        """A copy with some fields changed (the level becomes None unless given)."""
+        """A copy with some fields changed (the level becomes None unless given).
+
+        ``modules=`` replaces the map; ``keep_fp32=`` and ``overrides=`` add entries to it
+        (``modules=`` given too: to that one); ``fp8_modules=`` replaces its low-bit choice.
+        """
         changes.setdefault("level", None)
         return dataclasses.replace(self, **changes)
 

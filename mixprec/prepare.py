@@ -67,7 +67,9 @@ _FP32 = torch.float32
 
 
 def policy_of(model: nn.Module) -> Policy | None:
-    """The :class:`Policy` a model was prepared with, or None."""
+    """The :class:`Policy` a model was prepared with, or None. Its ``modules`` map holds what
+    single modules compute in as prepared: the policy's entries, the model's ``to_float``
+    marks, and the low-bit layers chosen, by qualified name (``str()`` shows them)."""
     return getattr(model, _POLICY_ATTR, None)
 
 
