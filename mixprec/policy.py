@@ -140,7 +140,7 @@ class Policy:
         pmap = modules if isinstance(modules, PrecisionMap) else PrecisionMap(modules)
         pmap = with_legacy(pmap, keep_fp32, overrides)
         if fp8_modules is not None:
-            pmap = with_names(pmap, fp8_modules, fmt)
+            pmap = with_names(pmap, fp8_modules, one_format(pmap, fmt))
         object.__setattr__(self, "modules", pmap)
         object.__setattr__(self, "fp8", one_format(pmap, fmt))
         self.__post_init__()

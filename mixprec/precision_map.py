@@ -321,6 +321,11 @@ def with_names(pmap: PrecisionMap, names, fmt) -> PrecisionMap:
     if names and fmt is None:
         raise ValueError(f"fp8_modules={list(names)} names the layers that run in the low-bit "
                          f"format fp8=, which this policy does not set")
+    own = [n for n in names if pmap.get(n) is not None and pmap[n].compute is not None]
+    if own:
+        raise ValueError(f"fp8_modules names {own}, which the policy's modules map gives a "
+                         f"compute dtype of their own ({', '.join(str(pmap[n]) for n in own)}): "
+                         f"a low-bit layer computes in the dtype of the code around it")
     pmap = pmap.without(lambda k, v: v.gemm is not None and v.compute is None)
     if not names:  # no layer: every module's GEMMs stay in its compute dtype
         return pmap.updated({nn.Module: Precision(gemm=OFF)})

@@ -102,6 +102,11 @@ def _recorded(model: nn.Module, policy: Policy) -> Policy:
     marks = marks_map(model)
     if not len(marks):
         return policy
+    lowbit_too = [n for n in marks if (policy.modules.get(n) or marks[n]).lowbit is not None]
+    if lowbit_too:
+        raise ValueError(f"modules {lowbit_too} are marked to_float and given a low-bit GEMM "
+                         f"format by the policy: a low-bit layer computes in the dtype of the "
+                         f"code around it; drop one of the two")
     return dataclasses.replace(policy, modules=policy.modules.updated(marks))
 
 

@@ -66,6 +66,8 @@ def data(n=12):
      r"gives tensorwise, mxfp8"),
     (lambda: mp.Policy(fp8_modules=["a"]), ValueError, r"fp8_modules=\['a'\] names the layers "
                                                        r"that run in the low-bit format fp8="),
+    (lambda: mp.Policy(keep_fp32="2", fp8="tensorwise", fp8_modules=["2"]), ValueError,
+     r"fp8_modules names \['2'\], which the policy's modules map gives a compute dtype"),
     (lambda: mp.Policy(fp8="tensorwise", fp8_modules=[3]), TypeError,
      r"fp8_modules in a Policy must be qualified module names; got list \[3\]"),
 ])
@@ -203,6 +205,12 @@ def test_fp8_modules_and_gemm_entries_convert_the_same_layers_bitwise():
     assert mp.policy_of(typed).modules == {"0": "tensorwise", "2": "tensorwise"}
 
 
+def _marked():
+    model = mlp()
+    mp.to_float(model[2], "fp32")
+    return model
+
+
 def test_to_float_is_recorded_as_an_entry_and_replays_bitwise():
     x, y = data()
     marked = mlp()
@@ -211,6 +219,9 @@ def test_to_float_is_recorded_as_an_entry_and_replays_bitwise():
     recorded = mp.policy_of(marked)
     assert recorded.modules == {mp.NormLayer: "fp32", "2": "fp32"}
     assert "modules=[2:fp32]" in str(recorded)  # policy_of shows the map
+    with pytest.raises(ValueError, match=r"\['2'\] are marked to_float and given a low-bit"):
+        mp.prepare(_marked(), level="O1",
+                   dtype="bf16", fp8="tensorwise", fp8_modules=["2"])
     replay = mp.prepare(mlp(), policy=recorded)  # no mark: the entry alone
     (a, ga), (b, gb) = _forward_backward(marked, x, y), _forward_backward(replay, x, y)
     assert torch.equal(a, b) and all(torch.equal(g, h) for g, h in zip(ga, gb))
