@@ -17,6 +17,8 @@ from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .monitor import PrecisionMonitor
 from .oplists import OpListWarning, op_lists
 from .policy import NormLayer, Policy, is_norm_layer
+from .precision import Precision
+from .precision_map import PrecisionMap
 from .prepare import policy_of, prepare
 from .scaling import (
                       DynamicLossScaler,
@@ -44,6 +46,8 @@ __all__ = [
     "device_capabilities",
     "SlowDtypeWarning",
     "Policy",
+    "PrecisionMap",
+    "Precision",
     "NormLayer",
     "is_norm_layer",
     "prepare",

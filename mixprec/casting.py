@@ -14,10 +14,13 @@ from torch import nn
 
 from .autocast import PrecisionContext
 from .dtypes import TRAINING_DTYPES, to_dtype
+from .precision import Precision
+from .precision_map import PrecisionMap
 from .regions import Island, island_of, refresh_island, region_modules
 
 __all__ = ["to_float", "module_device", "module_dtypes", "cast_tensors", "float_mark",
-           "check_materialised", "takes_low_precision_input", "FLOAT_ATTR", "PREPARED_ATTR"]
+           "marks_map", "check_materialised", "takes_low_precision_input", "FLOAT_ATTR",
+           "PREPARED_ATTR"]
 
 FLOAT_ATTR = "_mixprec_float_dtype"      # set by to_float: this module computes in that dtype
 PREPARED_ATTR = "_mixprec_in_prepared"   # set on every submodule of a prepared model
@@ -87,6 +90,12 @@ def _width(dtype: torch.dtype) -> int:
 
 def float_mark(mod: nn.Module, _name: str = ""):
     return getattr(mod, FLOAT_ATTR, None)
+
+
+def marks_map(model: nn.Module) -> PrecisionMap:
+    """The ``to_float`` marks of ``model``'s modules as entries by qualified name."""
+    return PrecisionMap({name: Precision(float_mark(mod)) for name, mod in model.named_modules()
+                         if float_mark(mod) is not None})
 
 
 def check_materialised(model: nn.Module) -> None:

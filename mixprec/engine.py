@@ -37,6 +37,7 @@ from . import hardware, lowbit, vocabulary
 from .fp8.choice import split_spec, with_modules
 from .monitor import PrecisionMonitor
 from .policy import Policy
+from .precision_map import PrecisionMap
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.unscale import total_norm
@@ -348,8 +349,12 @@ def check_monitor(monitor):
 
 
 def _same_apart_from_marks(prepared: Policy, policy: Policy) -> bool:
-    """A prepared model's policy records the model's to_float marks as overrides, and the
-    names of the FP8 layers chosen for it when the run left the choice to prepare."""
-    names = prepared.fp8_modules if policy.fp8_modules is None else policy.fp8_modules
-    return (dataclasses.replace(prepared, overrides=())
-            == dataclasses.replace(policy, overrides=(), fp8_modules=names))
+    """A prepared model's policy adds to the run's modules map the model's to_float marks, and
+    the names of the low-bit layers chosen for it when the map left the choice to prepare."""
+    blank = PrecisionMap()
+    if dataclasses.replace(prepared, modules=blank) != dataclasses.replace(policy, modules=blank):
+        return False
+    kept = all(prepared.modules.get(k) == v for k, v in policy.modules.items() if v.gemm is None)
+    by_type = any(not isinstance(k, str) and v.lowbit for k, v in policy.modules.items())
+    names = None if by_type else policy.fp8_modules
+    return kept and (names is None or set(prepared.fp8_modules or ()) == set(names))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import warnings
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,11 +12,14 @@ from torch import nn
 from . import hardware, lowbit, masters
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 from .norms import NORM_LAYERS, NormLayer, is_norm_layer
+from .precision import Precision, type_from_path, type_path
+from .precision_map import PrecisionMap, one_format, with_legacy, with_names
 
 __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype",
            "MASTERS", "STATE_DTYPES", "FP8_RECIPES", "type_path", "type_from_path"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
+
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
     """Resolve a low-precision dtype spec; ``"auto"`` picks the fast 16-bit type of ``device``.
@@ -49,109 +50,24 @@ FP8_RECIPES = lowbit.shorthands()  # the strings fp8= accepts
 _FP32 = torch.float32
 
 
-def _check_key(k, what: str):
-    if isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)):
-        return k
-    raise TypeError(f"{what} entries must be nn.Module subclasses or qualified module names "
-                    f"(strings); got {type(k).__name__} {k!r}")
-
-
-def _keys(value, what: str) -> tuple:
-    if isinstance(value, (type, str)):
-        value = (value,)
-    if not isinstance(value, (tuple, list, set, frozenset)):
-        raise TypeError(f"{what} must be a module type, a qualified module name, or a tuple/list "
-                        f"of them; got {type(value).__name__} {value!r}")
-    return tuple(_check_key(k, what) for k in value)
-
-
-def _overrides(value) -> tuple[tuple[Any, torch.dtype], ...]:
-    items = value.items() if isinstance(value, dict) else value
-    if not isinstance(items, (tuple, list, type({}.items()))):
-        raise TypeError(f"overrides must be a dict (or pairs) of module type / qualified module "
-                        f"name -> dtype; got {type(value).__name__} {value!r}")
-    out = []
-    for item in items:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise TypeError(f"overrides entries must be (module type or name, dtype) pairs; "
-                            f"got {item!r}")
-        key, dt = _check_key(item[0], "overrides"), to_dtype(item[1], what="an override dtype")
-        if dt not in TRAINING_DTYPES:
-            raise ValueError(f"an override dtype must be 'fp32', 'fp16' or 'bf16'; got "
-                             f"{item[1]!r} for {key!r}")
-        out.append((key, dt))
-    return tuple(out)
-
-
-def type_path(t: type) -> str:
-    """``"module:QualName"`` of a class (how a Policy serialises module types)."""
-    return f"{t.__module__}:{t.__qualname__}"
-
-
-def type_from_path(path: str) -> type:
-    """The class :func:`type_path` named (imported)."""
-    module, _, qualname = path.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"a policy names the module type {path!r}, which can't be imported "
-                         f"here ({exc}); define it in an importable module") from exc
-    return obj
-
-
-_KEEP_FP32_VALID = ("an nn.Module subclass (e.g. nn.LayerNorm), a qualified module name "
-                    "(e.g. 'encoder.norm'), or an iterable of them")
-
-
-def keep_fp32_entries(keep: Any) -> tuple:
-    """``keep_fp32`` as a tuple of module types and qualified module names.
-
-    Args:
-        keep: an ``nn.Module`` subclass, a qualified module name, or an iterable of them.
-
-    Raises:
-        TypeError: anything else (a number, a mapping, a module instance...), naming it.
-    """
-    if isinstance(keep, (type, str)):
-        keep = (keep,)
-    elif isinstance(keep, (bytes, Mapping, nn.Module)) or not isinstance(keep, Iterable):
-        raise TypeError(f"keep_fp32 must be {_KEEP_FP32_VALID}; got {_described(keep)}")
-    keep = tuple(keep)
-    for k in keep:
-        if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module))):
-            raise TypeError(f"keep_fp32 entries must be nn.Module subclasses or qualified module "
-                            f"names; got {_described(k)}")
-    return keep
-
-
-def _described(value: Any) -> str:
-    """``value`` for an error message: its type and repr, with a hint for module instances."""
-    text = f"{type(value).__name__} {value!r}"
-    if isinstance(value, nn.Module):
-        text = (f"the module instance {type(value).__name__}(...) (pass its type, "
-                f"{type(value).__name__}, or its qualified name)")
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
     """How a model stores parameters, computes, and returns outputs: the whole description.
 
     Every cast :func:`mixprec.prepare` makes follows from these fields (no level string is
-    consulted): parameters and floating buffers take ``param_dtype``; a module named in
-    ``overrides`` (by qualified name, or by type) computes in its dtype (MindSpore's
-    ``to_float``; :func:`mixprec.to_float` marks are recorded here by ``prepare``), and
-    ``keep_fp32`` modules keep fp32 parameters and compute in fp32 (an fp32 module's output is
-    fp32); with ``cast_inputs`` the model's floating inputs are cast to ``compute_dtype`` at
-    entry; the forward runs under :class:`mixprec.autocast` in ``compute_dtype`` when
-    ``autocast`` is set, else with autocast off (every op in the dtype of its inputs); outputs
-    are cast to ``output_dtype``; ``master_weights`` wraps the optimizer so that 16-bit
-    parameters keep fp32-quality updates (``master``: fp32 masters, a Kahan compensation
-    buffer, or stochastic rounding; ``state_dtype``: the optimizer moments' dtype); ``fp8``
-    runs the GEMMs of chosen ``nn.Linear`` layers in FP8.
+    consulted): parameters and floating buffers take ``param_dtype``; ``modules``, a
+    :class:`mixprec.PrecisionMap`, says what single modules compute in (by qualified name or
+    type: a module with a dtype of its own computes in it, keeping fp32 parameters when that is
+    fp32; a low-bit GEMM format for chosen Linear layers); with ``cast_inputs`` the model's
+    floating inputs are cast to ``compute_dtype`` at entry; the forward runs under
+    :class:`mixprec.autocast` in ``compute_dtype`` when ``autocast`` is set, else with autocast
+    off (every op in the dtype of its inputs); outputs are cast to ``output_dtype``;
+    ``master_weights`` wraps the optimizer so that 16-bit parameters keep fp32-quality updates
+    (``master``: fp32 masters, a Kahan compensation buffer, or stochastic rounding;
+    ``state_dtype``: the optimizer moments' dtype); ``fp8`` is the low-bit GEMM format.
 
+    ``keep_fp32=``, ``overrides=`` and ``fp8_modules=`` are entries of ``modules`` (and read
+    back as views of it); ``prepare`` records :func:`mixprec.to_float` marks there too.
     Policies compare by value (``==``) and print canonically; :meth:`state_dict` /
     :meth:`from_state_dict` round-trip them through checkpoints.
 
@@ -160,8 +76,10 @@ class Policy:
         compute_dtype: dtype compute-heavy ops run in (matmul, conv, linear).
         output_dtype: dtype the model's floating outputs are cast to (fp32 keeps the loss in
             fp32), or None to leave them as they come.
+        modules: per-module precision: a :class:`mixprec.PrecisionMap`, or what its
+            constructor takes (a dict of qualified name / module type -> precision).
         keep_fp32: module types (or qualified module names) kept in fp32 with fp32 compute:
-            one, or an iterable of them.
+            one, or an iterable of them; each becomes the entry ``key: Precision("fp32")``.
         master_weights: wrap the optimizer so that low-precision parameters train through
             masters (see ``master``).
         loss_scale: ``"dynamic"``, a fixed float, or None.
@@ -169,37 +87,65 @@ class Policy:
         cast_inputs: cast the model's floating inputs to ``compute_dtype`` at entry.
         level: the level this policy came from ("O0".."O3"), or None for a custom one.
         overrides: module type or qualified name -> dtype ("fp32", "bf16", "fp16"): those
-            modules compute in that dtype (a dict, or pairs; names win over types).
+            modules compute in that dtype (a dict, or pairs): entries ``key: Precision(dtype)``
+            (they replace a ``keep_fp32`` entry of the same key).
         master: a :mod:`mixprec.masters` method, or its shorthand: "fp32" (fp32 master
             copies), "split" (an exact fp32 master as the bf16 weight plus an int16
             remainder), "kahan" (a 16-bit compensation buffer) or "stochastic" (stochastic
             rounding into the bf16 weight); resolved to the method here.
         state_dtype: dtype of the optimizer's moment buffers under masters: "fp32" or "bf16".
-        fp8: None, or the low-bit GEMM format of the chosen Linear layers: a
-            :mod:`mixprec.lowbit` format, or its shorthand ("tensorwise", "rowwise",
-            "rowwise_gw_hp", "mxfp8", "nvfp4"), resolved to the format here.
-        fp8_modules: the qualified names of the layers that run in FP8 (None: the default
-            choice, see :func:`mixprec.prepare`).
+        fp8: None, or the low-bit GEMM format: a :mod:`mixprec.lowbit` format, or its shorthand
+            ("tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "nvfp4"), resolved to the
+            format here. Without entries giving layers a format, ``prepare`` chooses the layers
+            (see :func:`mixprec.prepare`); when ``modules`` gives some a format and ``fp8`` is
+            None, ``fp8`` is that format.
+        fp8_modules: the qualified names of the layers that run in ``fp8``: entries
+            ``name: Precision(gemm=fp8)`` replacing the map's low-bit choice (an empty list: no
+            layer). None: the map's choice, else prepare's.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong kind or value (named in the message); a
+            map giving two low-bit formats, or one other than ``fp8``.
 
     Example:
         >>> str(Policy.from_level("O2", "bf16"))
         'O2(params=bf16,compute=bf16,output=fp32,master=fp32)'
+        >>> Policy(keep_fp32=nn.LayerNorm) == Policy(modules={nn.LayerNorm: "fp32"})
+        True
     """
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype | None = torch.float32
-    keep_fp32: tuple = ()
+    modules: PrecisionMap = dataclasses.field(default_factory=PrecisionMap)
     master_weights: bool = False
     loss_scale: str | float | None = None
     autocast: bool = False
     cast_inputs: bool = False
     level: str | None = None
-    overrides: tuple = ()
     master: masters.MasterMethod = masters.FP32()
     state_dtype: torch.dtype = torch.float32
     fp8: lowbit.LowBitFormat | None = None
-    fp8_modules: tuple | None = None
+
+    def __init__(self, param_dtype=torch.float32, compute_dtype=torch.float32,
+                 output_dtype=torch.float32, *, modules=None, keep_fp32=(),
+                 master_weights=False, loss_scale=None, autocast=False, cast_inputs=False,
+                 level=None, overrides=(), master="fp32", state_dtype=torch.float32, fp8=None,
+                 fp8_modules=None):
+        values = dict(param_dtype=param_dtype, compute_dtype=compute_dtype,
+                      output_dtype=output_dtype, master_weights=master_weights,
+                      loss_scale=loss_scale, autocast=autocast, cast_inputs=cast_inputs,
+                      level=level, master=master, state_dtype=state_dtype)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        fmt = lowbit.resolve(fp8)
+        pmap = modules if isinstance(modules, PrecisionMap) else PrecisionMap(modules)
+        pmap = with_legacy(pmap, keep_fp32, overrides)
+        if fp8_modules is not None:
+            pmap = with_names(pmap, fp8_modules, one_format(pmap, fmt))
+        object.__setattr__(self, "modules", pmap)
+        object.__setattr__(self, "fp8", one_format(pmap, fmt))
+        self.__post_init__()
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "state_dtype"):
@@ -207,8 +153,6 @@ class Policy:
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
                                                               what="output_dtype"))
-        object.__setattr__(self, "keep_fp32", keep_fp32_entries(self.keep_fp32))
-        object.__setattr__(self, "overrides", _overrides(self.overrides))
         for flag in ("master_weights", "autocast", "cast_inputs"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False; got {getattr(self, flag)!r}")
@@ -222,13 +166,6 @@ class Policy:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")
         self._check_masters()
-        object.__setattr__(self, "fp8", lowbit.resolve(self.fp8))
-        if self.fp8_modules is not None:
-            names = _keys(self.fp8_modules, "fp8_modules")
-            if not all(isinstance(n, str) for n in names):
-                raise TypeError(f"fp8_modules in a Policy must be qualified module names; got "
-                                f"{self.fp8_modules!r}")
-            object.__setattr__(self, "fp8_modules", names)
 
     def _check_masters(self) -> None:
         object.__setattr__(self, "master", masters.resolve(self.master))
@@ -243,51 +180,52 @@ class Policy:
                              f"{dtype_name(self.state_dtype)!r} describe how an optimizer "
                              f"updates 16-bit parameters: they need master_weights=True")
 
+    # -- per-module precision (views of ``modules``) -------------------------------------------
     def module_dtype(self, module: nn.Module, name: str) -> torch.dtype | None:
-        """The dtype the policy sets for ``module`` (qualified ``name``), or None: an override
-        by name, else by type, else fp32 for a ``keep_fp32`` module."""
-        for key, dt in self.overrides:
-            if isinstance(key, str) and key == name:
-                return dt
-        for key, dt in self.overrides:
-            if isinstance(key, type) and isinstance(module, key):
-                return dt
-        for key in self.keep_fp32:
-            if (key == name) if isinstance(key, str) else isinstance(module, key):
-                return _FP32
-        return None
+        """The dtype ``modules`` gives ``module`` (qualified ``name``), or None (it inherits)."""
+        entry = self.modules.lookup(module, name)
+        return None if entry is None else entry.compute
+
+    @property
+    def keep_fp32(self) -> tuple:
+        """The keys of ``modules`` whose modules compute in fp32 (with fp32 parameters)."""
+        return tuple(k for k, v in self.modules.items() if v.compute == _FP32)
+
+    @property
+    def overrides(self) -> tuple:
+        """``(key, dtype)`` for each entry of ``modules`` that gives a compute dtype."""
+        return tuple((k, v.compute) for k, v in self.modules.items() if v.compute is not None)
+
+    @property
+    def fp8_modules(self) -> tuple | None:
+        """The qualified names ``modules`` gives a low-bit format, or None when no entry gives
+        one (nor ``"off"``): then ``prepare`` chooses the layers."""
+        return self.modules.gemm_names() if self.modules.sets_gemm else None
 
     def named_keys(self) -> list[str]:
         """The qualified module names the policy refers to (they must exist in the model)."""
-        return [k for k in (*self.keep_fp32, *(k for k, _ in self.overrides))
-                if isinstance(k, str)]
+        return self.modules.names()
 
     # -- serialisation -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The policy as plain data (names for dtypes, ``"module:QualName"`` for module types),
         derived from the dataclass fields."""
-        def key(k):
-            return k if isinstance(k, str) else {"type": type_path(k)}
-
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.dtype):
                 value = dtype_name(value)
-            elif f.name == "keep_fp32":
-                value = [key(k) for k in value]
-            elif f.name == "overrides":
-                value = [[key(k), dtype_name(dt)] for k, dt in value]
             elif isinstance(value, (lowbit.LowBitFormat, masters.MasterMethod)):
                 value = value.to_data()
-            elif isinstance(value, tuple):
-                value = list(value)
+            elif isinstance(value, PrecisionMap):
+                value = value.state_dict()
             out[f.name] = value
         return out
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "Policy":
-        """Rebuild a policy from :meth:`state_dict`.
+        """Rebuild a policy from :meth:`state_dict` (also from the older form that held
+        ``keep_fp32``, ``overrides`` and ``fp8_modules`` instead of ``modules``).
 
         Raises:
             ValueError: unknown or missing fields, or a module type that can't be imported.
@@ -295,7 +233,8 @@ class Policy:
         if not isinstance(state, dict):
             raise TypeError(f"a policy state_dict must be a dict; got {type(state).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        if set(state) != names:
+        older = names - {"modules"} | {"keep_fp32", "overrides", "fp8_modules"}
+        if set(state) not in (names, older):
             raise ValueError(f"a policy state_dict has the keys {sorted(names)}; got "
                              f"{sorted(state)}")
 
@@ -303,10 +242,11 @@ class Policy:
             return type_from_path(k["type"]) if isinstance(k, dict) else k
 
         values = dict(state)
-        values["keep_fp32"] = tuple(key(k) for k in state["keep_fp32"])
-        values["overrides"] = tuple((key(k), dt) for k, dt in state["overrides"])
-        if state["fp8_modules"] is not None:
-            values["fp8_modules"] = tuple(state["fp8_modules"])
+        if "modules" in state:
+            values["modules"] = PrecisionMap.from_state_dict(state["modules"])
+        else:
+            values["keep_fp32"] = tuple(key(k) for k in state["keep_fp32"])
+            values["overrides"] = tuple((key(k), dt) for k, dt in state["overrides"])
         return cls(**values)
 
     @classmethod
@@ -335,14 +275,19 @@ class Policy:
         fp32 = torch.float32
         scale = "dynamic" if low == torch.float16 else None
         if level == "O1":  # params are fp32 already; the op lists decide each norm's compute
-            return cls(fp32, low, fp32, (), False, scale, True, False, "O1")
+            return cls(fp32, low, fp32, loss_scale=scale, autocast=True, level="O1")
         if level == "O2":
-            return cls(low, low, fp32, (NormLayer,), low != fp32, scale, True, True, "O2")
+            return cls(low, low, fp32, modules=_O2_MODULES, master_weights=low != fp32,
+                       loss_scale=scale, autocast=True, cast_inputs=True, level="O2")
         # outputs as computed: low precision, except what an fp32 module returns
-        return cls(low, low, None, (), False, None, False, True, "O3")
+        return cls(low, low, None, cast_inputs=True, level="O3")
 
     def replace(self, **changes) -> "Policy":
-        """A copy with some fields changed (the level becomes None unless given)."""
+        """A copy with some fields changed (the level becomes None unless given).
+
+        ``modules=`` replaces the map; ``keep_fp32=`` and ``overrides=`` add entries to it
+        (``modules=`` given too: to that one); ``fp8_modules=`` replaces its low-bit choice.
+        """
         changes.setdefault("level", None)
         return dataclasses.replace(self, **changes)
 
@@ -362,12 +307,12 @@ class Policy:
             body += "," + ",".join(extras)
         if self.state_dtype != _FP32:
             body += f",state={dtype_name(self.state_dtype)}"
-        default_keep = (NormLayer,) if self.level == "O2" else ()
-        if self.keep_fp32 != default_keep:
-            body += f",keep_fp32=[{','.join(_key_name(k) for k in self.keep_fp32)}]"
-        if self.overrides:
-            body += ",overrides=[" + ",".join(f"{_key_name(k)}:{dtype_name(dt)}"
-                                              for k, dt in self.overrides) + "]"
+        shown = self.modules
+        if self.level == "O2" and shown.items()[:1] == _O2_MODULES.items():
+            shown = PrecisionMap(shown.items()[1:])
+        listed = shown.without(lambda k, v: isinstance(k, str) and v.lowbit is not None)
+        if len(listed):
+            body += f",modules={listed}"
         if self.fp8 is not None:
             body += f",fp8={self.fp8}"
             if self.fp8_modules is not None:
@@ -375,5 +320,4 @@ class Policy:
         return f"{self.level or 'custom'}({body})"
 
 
-def _key_name(key) -> str:
-    return key if isinstance(key, str) else ("NormLayer" if key is NormLayer else key.__name__)
+_O2_MODULES = PrecisionMap({NormLayer: Precision(_FP32)})  # O2 keeps norm layers in fp32

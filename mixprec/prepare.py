@@ -31,6 +31,7 @@ from .casting import (
     cast_tensors,
     check_materialised,
     float_mark,
+    marks_map,
     module_device,
     module_dtypes,
     takes_low_precision_input,
@@ -44,7 +45,8 @@ from .master import is_master_optimizer
 from .master.wrapper import WrappedOptimizer
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
-from .policy import Policy, keep_fp32_entries
+from .policy import Policy
+from .precision_map import keep_fp32_entries
 from .regions import (
     Entry,
     ForwardWrapper,
@@ -65,14 +67,15 @@ _FP32 = torch.float32
 
 
 def policy_of(model: nn.Module) -> Policy | None:
-    """The :class:`Policy` a model was prepared with, or None."""
+    """The :class:`Policy` a model was prepared with, or None. Its ``modules`` map holds what
+    single modules compute in as prepared: the policy's entries, the model's ``to_float``
+    marks, and the low-bit layers chosen, by qualified name (``str()`` shows them)."""
     return getattr(model, _POLICY_ATTR, None)
 
 
 def _module_dtype(policy: Policy):
-    """(module, qualified name) -> the dtype it computes in by itself, or None: a to_float
-    mark, else the policy's override or keep_fp32."""
-    return lambda mod, name: float_mark(mod) or policy.module_dtype(mod, name)
+    """(module, qualified name) -> the dtype ``policy.modules`` gives it, or None."""
+    return policy.module_dtype
 
 
 def _check_marks(model: nn.Module, policy: Policy) -> None:
@@ -85,7 +88,7 @@ def _check_marks(model: nn.Module, policy: Policy) -> None:
         if dt is not None and dt not in (_FP32, policy.compute_dtype):
             where = name or "the model itself"
             how = ("marked to_float" if float_mark(mod) is not None else "given by the "
-                   "policy's overrides as")
+                   "policy's modules map as")
             raise ValueError(
                 f"module {where!r} was {how}({dtype_name(dt)}) but this policy "
                 f"computes in {dtype_name(policy.compute_dtype)}: one model can't mix two "
@@ -94,13 +97,17 @@ def _check_marks(model: nn.Module, policy: Policy) -> None:
 
 
 def _recorded(model: nn.Module, policy: Policy) -> Policy:
-    """The policy with the model's to_float marks recorded as overrides by qualified name."""
-    named = {k for k, _ in policy.overrides if isinstance(k, str)}
-    marks = tuple((name, float_mark(mod)) for name, mod in model.named_modules()
-                  if float_mark(mod) is not None and name not in named)
-    if not marks:
+    """The policy with the model's to_float marks as entries of its map by qualified name (a
+    mark replaces an entry for the same name: the module computes as marked)."""
+    marks = marks_map(model)
+    if not len(marks):
         return policy
-    return dataclasses.replace(policy, overrides=policy.overrides + marks)
+    lowbit_too = [n for n in marks if (policy.modules.get(n) or marks[n]).lowbit is not None]
+    if lowbit_too:
+        raise ValueError(f"modules {lowbit_too} are marked to_float and given a low-bit GEMM "
+                         f"format by the policy: a low-bit layer computes in the dtype of the "
+                         f"code around it; drop one of the two")
+    return dataclasses.replace(policy, modules=policy.modules.updated(marks))
 
 
 def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True, master=None,
@@ -115,8 +122,7 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
     else:
         policy = Policy.from_level(level, dtype, device, warn=warn)
     if keep_fp32 is not None:
-        extra = keep_fp32_entries(keep_fp32)
-        policy = dataclasses.replace(policy, keep_fp32=policy.keep_fp32 + extra)
+        policy = dataclasses.replace(policy, keep_fp32=keep_fp32_entries(keep_fp32))
     compact = {k: v for k, v in (("master", master), ("state_dtype", state_dtype))
                if v is not None}
     if compact:
@@ -134,10 +140,10 @@ def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
                              f"fp8={str(policy.fp8)!r}")
         policy = dataclasses.replace(policy, fp8=fp8)
     if fp8_modules is not None:
+        if policy.fp8 is None:
+            raise ValueError(f"fp8_modules chooses the layers that run in FP8: it needs fp8= "
+                             f"({fp8_choice.FORMATS})")
         policy = dataclasses.replace(policy, fp8_modules=fp8_modules)
-    if policy.fp8_modules is not None and policy.fp8 is None:
-        raise ValueError(f"fp8_modules chooses the layers that run in FP8: it needs fp8= "
-                         f"({fp8_choice.FORMATS})")
     return policy
 
 
@@ -225,6 +231,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")
     check_materialised(model)
+    policy = _recorded(model, policy)  # to_float marks: entries of the map from here on
     checks.check_names(model, policy)
     _check_marks(model, policy)
     for optimizer in optimizers:
@@ -253,7 +260,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         assign_regions(model, island_region(model, root_island) if root_island is not None
                        else _root_region(model, policy, context))
     register_fp32_state_dict(model, policy.master_weights)
-    setattr(model, _POLICY_ATTR, _recorded(model, policy))
+    setattr(model, _POLICY_ATTR, policy)
     for mod in model.modules():
         setattr(mod, PREPARED_ATTR, True)
     return model, list(optimizers)
@@ -301,9 +308,11 @@ def _cast_model(model: nn.Module, policy: Policy, device_type: str,
     return the fp32 data of cast params."""
     dtype_of = _module_dtype(policy)
 
-    def param_override(mod, name):
-        dt = dtype_of(mod, name)
-        return _FP32 if dt == _FP32 else (policy.param_dtype if dt is not None else None)
+    def param_override(mod, name):  # fp32 for fp32 modules (and params="fp32" entries)
+        entry = policy.modules.lookup(mod, name)
+        if entry is None or entry.compute is None:
+            return None
+        return entry.param_dtype or policy.param_dtype
 
     params = module_dtypes(model, policy.param_dtype, param_override)
     buffers = module_dtypes(model, policy.param_dtype, dtype_of)

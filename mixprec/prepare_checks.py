@@ -3,7 +3,6 @@ parameters, an fp16 model's Adam-style state, and ``policy=`` beside ``level=``/
 
 from __future__ import annotations
 
-import difflib
 import warnings
 
 import torch
@@ -19,15 +18,8 @@ _FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def check_names(model: nn.Module, policy: Policy) -> None:
-    names = {name for name, _ in model.named_modules() if name}
-    unknown = [k for k in policy.named_keys() if k not in names]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, names, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"keep_fp32/overrides name no module of the model: {', '.join(hints)}; "
-                         f"qualified names look like {sorted(names)[:4]}")
+    policy.modules.check_names(model, "the policy's modules map (keep_fp32=, overrides=, "
+                                      "fp8_modules=, to_float)")
 
 
 def check_optimizer(model: nn.Module, optimizer) -> None:

@@ -35,7 +35,8 @@ def test_a_layer_past_fp16_max_is_unsafe_in_fp16_only_and_the_advised_policy_sta
     assert "output overflow" in advice.reasons("fp16")["2"]
     assert "input overflow" in advice.reasons("fp16")["3"]
     policy = advice.policy("O2", "fp16")
-    assert dict(policy.overrides) == {"2": torch.float32, "3": torch.float32}
+    assert advice.precision_map("fp16") == mp.PrecisionMap({"2": "fp32", "3": "fp32"})
+    assert policy.modules == mp.PrecisionMap({mp.NormLayer: "fp32", "2": "fp32", "3": "fp32"})
     plain = mp.prepare(overflow_net(), level="O2", dtype="fp16")
     advised = mp.prepare(overflow_net(), policy=policy)
     assert not torch.isfinite(plain(x)).all()
@@ -166,7 +167,7 @@ def test_the_advise_command(capsys):
     assert code == 0 and "fp16 unsafe: 2: output overflow" in text
     assert "advised policy: O2(params=bf16" in text  # bf16: nothing to keep in fp32
     assert cli.main(["advise", "--model", "planted-overflow", "--dtype", "fp16"]) == 0
-    assert "overrides=[2:fp32,3:fp32]" in capsys.readouterr().out
+    assert "modules=[2:fp32,3:fp32]" in capsys.readouterr().out
     assert cli.main(["advise", "--formats", "int8"]) == 2
     assert "--formats takes" in capsys.readouterr().err
 

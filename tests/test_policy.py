@@ -162,10 +162,10 @@ def test_policies_compare_by_value_and_print_what_differs():
     assert plain == Policy.from_level("O2", "bf16") and plain != extra
     assert str(plain) != str(extra)  # 0.2 printed both as plain O2
     assert str(extra) == ("O2(params=bf16,compute=bf16,output=fp32,master=fp32,"
-                          "keep_fp32=[NormLayer,head])")
+                          "modules=[head:fp32])")
     custom = Policy(overrides={"encoder": "bf16", torch.nn.Linear: "fp32"})
     assert str(custom) == ("custom(params=fp32,compute=fp32,output=fp32,master=none,"
-                           "overrides=[encoder:bf16,Linear:fp32])")
+                           "modules=[encoder:bf16,Linear:fp32])")
 
 
 @pytest.mark.parametrize("policy", [
@@ -216,8 +216,9 @@ def test_prepare_applies_policy_overrides_and_records_to_float_marks():
     mp.prepare(net, policy=policy)
     assert net[0].weight.dtype == FP32 and net[2].weight.dtype == FP32
     recorded = mp.policy_of(net)
-    assert recorded.overrides == (("0", FP32), ("2", FP32))
-    assert "overrides=[0:fp32,2:fp32]" in str(recorded)
+    assert recorded.modules == mp.PrecisionMap({NormLayer: "fp32", "0": "fp32", "2": "fp32"})
+    assert recorded.overrides == ((NormLayer, FP32), ("0", FP32), ("2", FP32))
+    assert "modules=[0:fp32,2:fp32]" in str(recorded)
     with pytest.raises(ValueError, match=r"name no module of the model: 'hed'"):
         mp.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2)),
                    policy=Policy(overrides={"hed": "fp32"}))

@@ -14,9 +14,13 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import lowbit
+from ..dtypes import to_dtype
 from ..policy import Policy
+from ..precision import OFF, Precision
+from ..precision_map import PrecisionMap
 from .measure import SIXTEEN, Measurement, lowbit_formats
 from .report import format_table, plot_advice
 
@@ -181,42 +185,64 @@ class Advice:
         able = [a for a in self.layers if fmt in a.measurements]
         return [a.name for a in sorted(able, key=lambda a: -a.sensitivity(fmt))]
 
-    def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
-        """The level's policy, with the layers unsafe in its 16-bit format kept in fp32
-        (``overrides``), and, with ``fp8``, the FP8-eligible layers safe in FP8 (and in the
-        16-bit format) named in ``fp8_modules``.
+    def precision_map(self, dtype="bf16", fp8=None) -> PrecisionMap:
+        """The advisor's decisions as a :class:`mixprec.PrecisionMap`, by qualified name: each
+        layer unsafe in the 16-bit ``dtype`` computes in fp32 (``Precision("fp32")``); with
+        ``fp8``, each layer the format can convert that is safe in it (and in ``dtype``) runs it
+        (``Precision(gemm=fmt)``), and each one it could convert that is unsafe in it stays
+        out (``Precision(gemm="off")``). With ``fp8`` and no layer of either kind, the map
+        holds ``{nn.Module: Precision(gemm="off")}``: no layer runs low-bit.
 
         Args:
-            level: "O0".."O3".
-            dtype: "bf16" or "fp16" (it must have been measured).
+            dtype: "bf16", "fp16" (it must have been measured) or "fp32" (no 16-bit verdict).
             fp8: None, or a low-bit format (:mod:`mixprec.lowbit`) or its shorthand
-                ("tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "nvfp4"): the layers it can
-                convert that are safe in it (and in the 16-bit format) are named in
-                ``fp8_modules``; it needs its advisor format measured ("fp8_e4m3" with the
-                recipe, "mxfp8", "nvfp4").
+                ("tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "nvfp4"); it needs its
+                advisor format measured ("fp8_e4m3" with the recipe, "mxfp8", "nvfp4").
 
         Raises:
-            ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe
-                other than the one measured.
+            ValueError: a format that was not measured, a bad dtype, an FP8 recipe other than
+                the one measured.
         """
-        base = Policy.from_level(level, dtype, warn=False)
-        low = base.compute_dtype
+        low = to_dtype(dtype, what="dtype")
         if low == _FP32:
             unsafe = []
         else:
-            name = next(k for k, v in SIXTEEN.items() if v == low)
-            unsafe = self.unsafe(name)
-        overrides = base.overrides + tuple((n, _FP32) for n in unsafe)
-        names, fmt = None, lowbit.resolve(fp8)
+            names = [k for k, v in SIXTEEN.items() if v == low]
+            if not names:
+                raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {dtype!r}")
+            unsafe = self.unsafe(names[0])
+        entries = {n: Precision(_FP32) for n in unsafe}
+        fmt = lowbit.resolve(fp8)
         if fmt is not None:
             measured = fmt.advisor_format
             self._check(measured)
             seen = lowbit_formats((measured,), self.fp8_recipe)[measured]
             if not fmt.measured_by(seen):
                 raise ValueError(fmt.unmeasured(seen))
-            names = tuple(a.name for a in self.layers if a.eligible.get(measured)
-                          and not a.unsafe(measured) and a.name not in unsafe)
-        return dataclasses.replace(base, overrides=overrides, fp8=fmt, fp8_modules=names)
+            for a in self.layers:
+                if a.eligible.get(measured) and a.name not in unsafe:
+                    entries[a.name] = Precision(gemm=OFF if a.unsafe(measured) else fmt)
+            if not any(v.gemm is not None for v in entries.values()):
+                entries[nn.Module] = Precision(gemm=OFF)
+        return PrecisionMap(entries)
+
+    def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
+        """The level's policy with the advisor's decisions (:meth:`precision_map`) as its
+        ``modules`` map, after the level's own entries (O2: norm layers in fp32).
+
+        Args:
+            level: "O0".."O3".
+            dtype: "bf16" or "fp16" (it must have been measured).
+            fp8: None, or a low-bit format or its shorthand (see :meth:`precision_map`).
+
+        Raises:
+            ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe
+                other than the one measured.
+        """
+        base = Policy.from_level(level, dtype, warn=False)
+        decisions = self.precision_map(base.compute_dtype, fp8)
+        return dataclasses.replace(base, modules=base.modules.updated(decisions),
+                                   fp8=lowbit.resolve(fp8))
 
     def _sort_format(self, sort_by: str | None) -> str:
         if sort_by is None:

@@ -7,19 +7,22 @@ accepts (:meth:`~mixprec.lowbit.LowBitFormat.why_ineligible`: multiples of 16 fo
 tensor cores need it, of 32 for MXFP8's blocks, of 16 for NVFP4's; a CPU does not enforce it,
 so mixprec checks it everywhere), that calls its own ``forward`` (not the
 projections of ``nn.MultiheadAttention``, which reads their weights directly), and that the
-policy does not give a dtype of its own (``keep_fp32``, ``overrides``, ``to_float``, or inside
-such a module).
+policy's modules map does not give a dtype of its own (``keep_fp32``, ``overrides``,
+``to_float``), nor a module around it.
 
 The default choice (``fp8_modules=None``) takes every such layer except the first and the last
 GEMM layer of the model (Linear or Conv1D layers that run their own forward, in the order
 ``named_modules()`` lists them, which is the order they were registered in): Accelerate and
 Megatron keep those in 16 bits for stability. On CUDA it also applies the format's shape
-filter (FP8: torchao's, which skips layers too small to run faster in FP8). A list of names is
-taken as given (each must be eligible); a callable ``(module, name) -> bool`` picks among the
-eligible layers. Either way the choice is resolved into qualified names, the names
-``named_modules()`` gives, recorded in the prepared model's policy. When the default choice or
-a callable leaves no layer, ``prepare`` warns once, naming why each GEMM layer was left out,
-and the policy records ``fp8_modules=0``.
+filter (FP8: torchao's, which skips layers too small to run faster in FP8). When the policy's
+modules map gives layers a GEMM format (``fp8_modules=`` names, the advisor's map, or entries
+such as ``{nn.Linear: "mxfp8"}``) or ``"off"``, the map decides instead: the layers it names
+with a format are taken as given (each must be eligible), and the eligible layers of the types
+it gives one; a callable ``(module, name) -> bool`` picks among the eligible layers. Either way
+the choice is resolved into qualified names, the names ``named_modules()`` gives, recorded in
+the prepared model's policy (entries ``name: Precision(gemm=format)`` of its modules map). When
+the default choice or a callable leaves no layer, ``prepare`` warns once, naming why each GEMM
+layer was left out, and the policy records ``fp8_modules=0``.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..casting import float_mark, module_device, module_dtypes
+from ..casting import marks_map, module_device, module_dtypes
 from ..lowbit import Float8, shorthands
 from ..policy import Policy
+from ..precision import Precision
 
 __all__ = ["FP8_ATTR", "is_conv1d", "gemm_dims", "ineligible", "eligible_layers",
            "default_choice", "choose", "with_modules", "split_spec", "why_none_chosen"]
 
 FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its low-bit format
+_NONE = Precision()
 
 
 FORMATS = "a mixprec.lowbit format, or one of " + ", ".join(map(repr, shorthands()))
@@ -64,10 +69,14 @@ def gemm_dims(module: nn.Module) -> tuple[int, int] | None:
 
 
 def _explicit_dtypes(model: nn.Module, policy: Policy) -> dict[nn.Module, torch.dtype | None]:
-    """Each module's dtype of its own (policy overrides, keep_fp32, to_float; inherited by
+    """Each module's dtype of its own (the policy's modules map, to_float marks; inherited by
     sub-modules), or None."""
-    return module_dtypes(model, None,
-                         lambda mod, name: float_mark(mod) or policy.module_dtype(mod, name))
+    pmap = policy.modules.updated(marks_map(model))
+
+    def own(mod, name):
+        entry = pmap.lookup(mod, name)
+        return None if entry is None else entry.compute
+    return module_dtypes(model, None, own)
 
 
 def ineligible(model: nn.Module, policy: Policy) -> dict[str, str]:
@@ -90,8 +99,8 @@ def ineligible(model: nn.Module, policy: Policy) -> dict[str, str]:
         elif fmt.why_ineligible(*dims):
             why = fmt.why_ineligible(*dims)
         elif dtypes.get(mod) is not None:
-            why = (f"computes in {dtypes[mod]} by the policy (keep_fp32, overrides or to_float, "
-                   f"on it or on a module around it)")
+            why = (f"computes in {dtypes[mod]} by the policy (its modules map: keep_fp32, "
+                   f"overrides or to_float, on it or on a module around it)")
         elif "forward" in mod.__dict__:
             why = "has its forward replaced already (wrapped by another tool)"
         else:
@@ -148,11 +157,14 @@ def _check_names(model: nn.Module, policy: Policy, names: tuple[str, ...]) -> No
 
 
 def choose(model: nn.Module, policy: Policy, chooser: Callable | None = None) -> tuple[str, ...]:
-    """The qualified names of the layers ``policy`` (with ``fp8`` set) runs in FP8.
+    """The qualified names of the layers ``policy`` (with ``fp8`` set) runs in its low-bit
+    format, in ``named_modules()`` order.
 
     Args:
         model: the fp32 model, before conversion.
-        policy: the policy; its ``fp8_modules`` (names) wins when set.
+        policy: the policy; when its modules map gives layers a GEMM format (or ``"off"``), the
+            map decides: the layers it names with a format (each must be eligible) and the
+            eligible layers of the types it gives one.
         chooser: ``(module, name) -> bool`` picking among the eligible layers, or None for the
             default choice.
 
@@ -161,10 +173,14 @@ def choose(model: nn.Module, policy: Policy, chooser: Callable | None = None) ->
             given).
         TypeError: ``chooser`` is not callable.
     """
-    if policy.fp8_modules is not None:
-        names = tuple(dict.fromkeys(policy.fp8_modules))
-        _check_names(model, policy, names)
-        return names
+    pmap = policy.modules
+    if pmap.sets_gemm:
+        named = pmap.gemm_names()
+        _check_names(model, policy, named)
+        modules = dict(model.named_modules())
+        eligible = set(eligible_layers(model, policy))
+        return tuple(n for n, mod in modules.items() if n in named or (
+            n in eligible and (pmap.lookup(mod, n) or _NONE).lowbit is not None))
     if chooser is None:
         return tuple(default_choice(model, policy))
     if not callable(chooser):
@@ -175,16 +191,17 @@ def choose(model: nn.Module, policy: Policy, chooser: Callable | None = None) ->
 
 
 def with_modules(policy: Policy, model: nn.Module, chooser: Callable | None = None) -> Policy:
-    """``policy`` with ``fp8_modules`` resolved to qualified names for ``model`` (unchanged
-    without ``fp8``)."""
+    """``policy`` whose modules map names the layers that run low-bit for ``model`` (by
+    qualified name; unchanged without ``fp8``, or when the map names them already)."""
     if policy.fp8 is None:
-        if policy.fp8_modules is not None:
-            raise ValueError(f"{policy} names fp8_modules without fp8: set fp8= "
-                             f"({FORMATS})")
         return policy
+    explicit = policy.modules.sets_gemm
     names = choose(model, policy, chooser)
-    if not names and policy.fp8_modules is None:  # chosen for the user, and nothing was
+    if not names and not explicit:  # chosen for the user, and nothing was
         warnings.warn(why_none_chosen(model, policy, chooser), UserWarning, stacklevel=4)
+    by_type = any(not isinstance(k, str) and v.lowbit for k, v in policy.modules.items())
+    if explicit and not by_type:
+        return policy
     return dataclasses.replace(policy, fp8_modules=names)
 
 

@@ -18,8 +18,9 @@ __all__ = ["convert", "fp8_modules", "all_gather_in_fp8", "unwrap"]
 
 
 def convert(model: nn.Module, policy: Policy) -> None:
-    """Swap the layers ``policy.fp8_modules`` names (resolved names) for layers of the
-    policy's low-bit format, in place.
+    """Swap the layers ``policy.modules`` gives a low-bit format (by qualified name, as
+    :func:`mixprec.fp8.choice.with_modules` records them) for layers of that format, in
+    place.
 
     Raises:
         ImportError: torchao is not installed (the message names ``mixprec[fp8]``).
@@ -30,9 +31,10 @@ def convert(model: nn.Module, policy: Policy) -> None:
     if fmt is None:
         return
     fmt.require()  # even with nothing chosen: the engine must be there
-    if policy.fp8_modules:
+    names = policy.modules.gemm_names()
+    if names:
         fmt.check_device(module_device(model))
-        fmt.convert(model, tuple(policy.fp8_modules))
+        fmt.convert(model, names)
 
 
 def fp8_modules(model: nn.Module) -> list[str]:
