@@ -129,6 +129,7 @@ def make_optimizer(params, state: str) -> torch.optim.Optimizer:
 def train(recipe: Recipe, config: dict, batches: list[dict], last: int) -> dict:
     """Train ``recipe`` from the seed-0 initial weights over ``batches``; its figures, or
     ``{"refused": message}`` when mixprec refuses the combination."""
+    began = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(config)
     model.train()
@@ -152,7 +153,8 @@ def train(recipe: Recipe, config: dict, batches: list[dict], last: int) -> dict:
             "finite": all(math.isfinite(x) for x in losses),
             "ms_per_step": 1e3 * statistics.median(times[len(times) // 2:]),
             "bytes": mp.bytes_per_parameter(model, opt),
-            "lowbit_layers": len(mp.fp8_modules(model)), "gemm_layers": gemm_layers}
+            "lowbit_layers": len(mp.fp8_modules(model)), "gemm_layers": gemm_layers,
+            "first_step_s": times[0], "wall_s": time.perf_counter() - began}
 
 
 def _header(args_line: str) -> dict:
@@ -193,7 +195,8 @@ def _summary(row: dict) -> str:
     if "refused" in row:
         return f"refused: {row['refused']}"
     return (f"loss {row['loss']:.4f}, {row['bytes']['total']:.2f} B/param, "
-            f"{row['ms_per_step']:.0f} ms/step")
+            f"{row['ms_per_step']:.0f} ms/step, first step {row['first_step_s']:.1f} s, "
+            f"{row['wall_s']:.0f} s in all")
 
 
 def masters_table(result: dict) -> str:

@@ -24,7 +24,9 @@ PARTS = ("weights", "masters", "compensation", "optimizer_state")
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning"),
-              pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching.*:UserWarning")]
+              pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching.*:UserWarning"),
+              pytest.mark.filterwarnings(  # inductor's compile of the compact-master kernels
+                  r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")]
 
 
 def load_bench():
