@@ -156,6 +156,8 @@ def _final_loss(fp8, steps=40) -> float:
     model = bm.build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = mp.prepare(model, opt, level="O2", dtype="bf16", fp8=fp8)
+    # qkv (the first Linear) and the head (the last) stay in bf16; proj, fc and out take fp8
+    assert len(mp.fp8_modules(model)) == (3 if fp8 else 0)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
