@@ -60,10 +60,13 @@ class MixedPrecision:
     """A precision run: the policy, model preparation, the loss scaler and the step order.
 
     Args:
-        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
-        dtype: the low-precision dtype or "auto" (resolved on the first model's device).
-        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": the policy's, dynamic
-            for fp16 at O1/O2, none otherwise; "dynamic"; a number; None) or a scaler.
+        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given). Default "O1":
+            fp32 parameters, the forward under autocast's op lists, no master weights.
+        dtype: the low-precision dtype or "auto" (the default: resolved on the first model's
+            device, bf16 where it is fast).
+        loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto", the default: the
+            policy's, dynamic for fp16 at O1/O2, none otherwise; "dynamic"; a number; None) or
+            a scaler.
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
         keep_fp32: extra module types or qualified names kept in fp32.
         low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.
@@ -80,9 +83,25 @@ class MixedPrecision:
             by the first :meth:`setup`); ``mp.policy_of(model)`` adds a prepared model's
             ``to_float`` marks as overrides.
         scaler: the loss scaler.
+        models: the models :meth:`setup` (or :meth:`adopt`) prepared, in order.
 
     Raises:
         ValueError, TypeError: a bad level, dtype, loss-scale spec or policy.
+
+    Example:
+        A loop of your own: ``setup`` prepares the model and wraps the optimizer (fp32 masters
+        at O2), ``backward`` scales the loss, ``step`` checks, clips and steps or skips.
+
+        >>> import torch, mixprec as mp
+        >>> amp = mp.MixedPrecision(level="O2", dtype="bf16")
+        >>> net = torch.nn.Linear(4, 2)
+        >>> net, opt = amp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        >>> for _ in range(3):
+        ...     amp.backward(net(torch.randn(8, 4)).float().pow(2).mean())
+        ...     applied = amp.step(opt, max_grad_norm=1.0)   # False: skipped (inf/NaN)
+        ...     opt.zero_grad()
+        >>> amp.policy.level, amp.models == [net], applied
+        ('O2', True, True)
     """
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",

@@ -176,9 +176,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     Args:
         model: the model (prepared in place; the same object is returned).
         optimizer: an optimizer over ``model``'s parameters, or None.
-        level: "O0", "O1", "O2" or "O3".
-        dtype: "bf16", "fp16", a torch dtype, or "auto" (the fast 16-bit type of the model's
-            device).
+        level: "O0", "O1", "O2" or "O3". Default "O1" (fp32 parameters, autocast's op lists,
+            no master weights); ``level="O2"`` stores 16-bit weights with fp32 masters.
+        dtype: "bf16", "fp16", a torch dtype, or "auto" (the default: the fast 16-bit type of
+            the model's device).
         keep_fp32: extra module types or qualified module names kept in fp32.
         policy: a :class:`mixprec.Policy`, instead of ``level``/``dtype``.
         low_precision_ops, fp32_ops: custom op lists for the autocast of O1/O2.

@@ -38,6 +38,7 @@ import torch
 
 from .. import benchmodels
 from ..dtypes import dtype_name
+from ..formats import get as float_format
 from ..hardware import SlowDtypeWarning
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
@@ -53,7 +54,8 @@ REFERENCE = "torch.autocast"
 #: Adam-style eps of a row whose optimizer state is fp16: a normal fp16 number (the smallest
 #: is 2^-14 = 6.1e-05), so ``sqrt(v) + eps`` never rounds to 0 or to a subnormal.
 FP16_STATE_EPS = 1e-4
-_FP16_MIN_NORMAL = 2.0 ** -14
+_FP16 = float_format("fp16")
+_FP16_MIN_NORMAL = _FP16.min_normal
 
 
 # ----------------------------------------------------------------- one row
@@ -116,9 +118,11 @@ def _fp16_state_eps(opt, level: str, dtype: torch.dtype) -> str:
         if group.get("eps") in small:
             group["eps"] = FP16_STATE_EPS
     eps = small[0]
-    fate = "rounds to 0" if eps < 2.0 ** -25 else "is an fp16 subnormal"
+    # to nearest, ties to even: half the smallest subnormal (2^-25) and below round to 0
+    fate = "rounds to 0" if eps <= _FP16.min_subnormal / 2 else "is an fp16 subnormal"
     return (f"pure fp16 without master weights keeps the optimizer state in fp16, where "
-            f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^-14 = 6.1e-05): an "
+            f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^"
+            f"{_FP16.emin} = {_FP16_MIN_NORMAL:.2g}): an "
             f"update divides by ~0 where a gradient is 0 (0/0 = NaN, or overflow to inf). This "
             f"row ran with eps={FP16_STATE_EPS:g}; the other rows keep eps={eps:g}")
 
@@ -289,12 +293,22 @@ def peak_share_text(row: dict) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
 
+def _median_text(rep: dict) -> str:
+    """What a row's time is the median of: the timed steps of every round, pooled."""
+    rounds, steps = rep.get("repeat", 1), rep["steps"]
+    each = f"{rep['warmup']} warm-up"
+    if rounds == 1:
+        return f"median of {steps} steps after {each}"
+    return (f"median of {rounds * steps} steps: {rounds} interleaved rounds of {steps}, each "
+            f"after {each}")
+
+
 def format_table(rep: dict) -> str:
     """The human-readable report."""
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
     lines = [f"mixprec bench: {rep['model']} ({sizes}); "
              f"{rep['flops_per_step'] / 1e9:.1f} GFLOP per step; "
-             f"median of {rep['steps']} steps after {rep['warmup']} warm-up; "
+             f"{_median_text(rep)}; "
              f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
@@ -380,9 +394,11 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="rounds over all rows; medians pool the steps of all rounds")
+                   help="rounds over all rows, interleaved (default 1); a row's median pools the "
+                        "timed steps of all its rounds (--repeat 3 --steps 10: 30 steps)")
     add_model_size_options(p)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="where the rows run: cpu (default), cuda, cuda:N")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
                    help="run rows in this process (faster; memory peaks less meaningful)")

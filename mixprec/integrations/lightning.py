@@ -102,8 +102,10 @@ class MixprecPrecision(Precision):
     """A Lightning precision plugin on a :class:`mixprec.MixedPrecision` engine.
 
     Args:
-        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given).
-        dtype: the low-precision dtype, or "auto" (resolved on the model's device).
+        level: "O0", "O1", "O2" or "O3" (ignored when ``policy`` is given); default "O1", as
+            :class:`mixprec.MixedPrecision`.
+        dtype: the low-precision dtype, or "auto" (the default; resolved on the model's
+            device).
         loss_scale: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
             O1/O2, none otherwise; "dynamic"; a number; None) or a scaler. A scaler that checks
             for overflow (any but none) makes an update with inf/NaN gradients a skipped step.

@@ -151,8 +151,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     Args:
         model: the fp32 model (not yet prepared), on its device.
         optimizer: a torch optimizer over ``model.parameters()``, or None.
-        level: "O0", "O1", "O2" or "O3".
-        dtype: the low-precision dtype or "auto".
+        level: "O0", "O1", "O2" or "O3". Default "O2" (unlike ``prepare``'s "O1"): fp32
+            shards, which are the masters, gathered in the 16-bit dtype.
+        dtype: the low-precision dtype or "auto" (the default).
         reduce_dtype: precision of the gradient reduce-scatter: "fp32" (default), "bf16", "fp16".
         units: module classes and/or qualified module names to shard as units (default: every
             module held in an ``nn.ModuleList``); the root is always a unit.

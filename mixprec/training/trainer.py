@@ -47,10 +47,11 @@ class Trainer:
             (Hugging Face models compute it when the batch holds ``labels``).
         optimizer: an optimizer over ``model``'s parameters (wrapped in a
             :class:`mixprec.MasterWeightOptimizer` at O2).
-        level: "O0", "O1", "O2" or "O3".
-        dtype: the low-precision dtype or "auto".
-        loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at
-            O1/O2, none otherwise) or a scaler.
+        level: "O0", "O1", "O2" or "O3". Default "O1" (fp32 parameters, autocast's op lists,
+            no master weights): pass ``level="O2"`` for 16-bit weights with fp32 masters.
+        dtype: the low-precision dtype or "auto" (the default: bf16 where it is fast).
+        loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto", the default: dynamic
+            for fp16 at O1/O2, none otherwise) or a scaler.
         policy: a :class:`mixprec.Policy` instead of ``level``/``dtype``.
         metrics: None, "accuracy", a :class:`mixprec.training.Metric`, or a list of them.
         scheduler: an LR scheduler over ``optimizer``; stepped after every applied update.
@@ -167,6 +168,17 @@ class Trainer:
         return split_batch(to_device(batch, self.device), needs_target=self.loss_fn is not None)
 
     def update_metrics(self, metrics, output, batch) -> None:
+        """Feed one batch's output to ``metrics`` (the trainer's, or :meth:`evaluate`'s).
+
+        Args:
+            metrics: :class:`mixprec.training.Metric` objects; nothing happens for none.
+            output: the model's output: a tensor, or a Hugging Face ``ModelOutput`` (or a dict)
+                whose ``logits`` are read.
+            batch: the prepared batch (:meth:`prepare_batch`), whose target is compared.
+
+        Raises:
+            ValueError: metrics were asked for but the batch has no target (no ``labels``).
+        """
         if not metrics:
             return
         if batch.target is None:
@@ -263,7 +275,8 @@ class Trainer:
             The :class:`History` (also ``trainer.history``).
 
         Raises:
-            ValueError: empty data, ``epochs < 1``, a non-scalar loss.
+            ValueError: empty data, ``epochs < 1``, a non-scalar loss; ``loss_fn=None`` and a
+                model output that carries no ``.loss`` (the batch had no ``labels``).
             TypeError: a one-shot iterator (e.g. a generator) for more than one epoch.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
