@@ -184,7 +184,9 @@ class Advice:
     def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
         """The level's policy, with the layers unsafe in its 16-bit format kept in fp32
         (``overrides``), and, with ``fp8``, the FP8-eligible layers safe in FP8 (and in the
-        16-bit format) named in ``fp8_modules``.
+        16-bit format) named in ``fp8_modules``. These can include the model's first and last
+        GEMM layer, which ``prepare``'s default choice keeps in 16 bits by convention
+        (Accelerate, Megatron: stability over long runs, which one batch cannot measure).
 
         Args:
             level: "O0".."O3".
