@@ -55,7 +55,6 @@ REFERENCE = "torch.autocast"
 #: is 2^-14 = 6.1e-05), so ``sqrt(v) + eps`` never rounds to 0 or to a subnormal.
 FP16_STATE_EPS = 1e-4
 _FP16 = float_format("fp16")
-_FP16_MIN_NORMAL = _FP16.min_normal
 
 
 # ----------------------------------------------------------------- one row
@@ -111,18 +110,17 @@ def _fp16_state_eps(opt, level: str, dtype: torch.dtype) -> str:
     if policy.master_weights or policy.param_dtype != torch.float16:
         return ""
     small = sorted({g["eps"] for g in opt.param_groups
-                    if isinstance(g.get("eps"), float) and g["eps"] < _FP16_MIN_NORMAL})
+                    if isinstance(g.get("eps"), float) and g["eps"] < _FP16.min_normal})
     if not small:
         return ""
     for group in opt.param_groups:
         if group.get("eps") in small:
             group["eps"] = FP16_STATE_EPS
     eps = small[0]
-    # to nearest, ties to even: half the smallest subnormal (2^-25) and below round to 0
-    fate = "rounds to 0" if eps <= _FP16.min_subnormal / 2 else "is an fp16 subnormal"
+    fate = "rounds to 0" if eps <= _FP16.min_subnormal / 2 else "is an fp16 subnormal"  # ties: 0
     return (f"pure fp16 without master weights keeps the optimizer state in fp16, where "
             f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^"
-            f"{_FP16.emin} = {_FP16_MIN_NORMAL:.2g}): an "
+            f"{_FP16.emin} = {_FP16.min_normal:.2g}): an "
             f"update divides by ~0 where a gradient is 0 (0/0 = NaN, or overflow to inf). This "
             f"row ran with eps={FP16_STATE_EPS:g}; the other rows keep eps={eps:g}")
 
@@ -293,22 +291,14 @@ def peak_share_text(row: dict) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
 
-def _median_text(rep: dict) -> str:
-    """What a row's time is the median of: the timed steps of every round, pooled."""
-    rounds, steps = rep.get("repeat", 1), rep["steps"]
-    each = f"{rep['warmup']} warm-up"
-    if rounds == 1:
-        return f"median of {steps} steps after {each}"
-    return (f"median of {rounds * steps} steps: {rounds} interleaved rounds of {steps}, each "
-            f"after {each}")
-
-
 def format_table(rep: dict) -> str:
     """The human-readable report."""
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
+    n, steps = rep.get("repeat", 1), rep["steps"]  # a row's median pools the steps of its rounds
+    pooled = f"{steps} steps" if n == 1 else f"{n * steps} steps ({n} rounds of {steps}, each)"
     lines = [f"mixprec bench: {rep['model']} ({sizes}); "
              f"{rep['flops_per_step'] / 1e9:.1f} GFLOP per step; "
-             f"{_median_text(rep)}; "
+             f"median of {pooled} after {rep['warmup']} warm-up; "
              f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
@@ -397,8 +387,7 @@ def register(subparsers) -> None:
                    help="rounds over all rows, interleaved (default 1); a row's median pools the "
                         "timed steps of all its rounds (--repeat 3 --steps 10: 30 steps)")
     add_model_size_options(p)
-    p.add_argument("--device", default="cpu",
-                   help="where the rows run: cpu (default), cuda, cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
                    help="run rows in this process (faster; memory peaks less meaningful)")

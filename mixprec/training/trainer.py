@@ -47,8 +47,7 @@ class Trainer:
             (Hugging Face models compute it when the batch holds ``labels``).
         optimizer: an optimizer over ``model``'s parameters (wrapped in a
             :class:`mixprec.MasterWeightOptimizer` at O2).
-        level: "O0", "O1", "O2" or "O3". Default "O1" (fp32 parameters, autocast's op lists,
-            no master weights): pass ``level="O2"`` for 16-bit weights with fp32 masters.
+        level: "O0", "O1", "O2" or "O3"; default "O1" (fp32 weights, autocast's op lists).
         dtype: the low-precision dtype or "auto" (the default: bf16 where it is fast).
         loss_scaler: a spec for :func:`mixprec.make_loss_scaler` ("auto", the default: dynamic
             for fp16 at O1/O2, none otherwise) or a scaler.
@@ -87,9 +86,8 @@ class Trainer:
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
     :mod:`mixprec.training.batches`.
 
-    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the
-    :class:`mixprec.MixedPrecision`), ``scaler``, ``policy``, ``scheduler``, ``history``,
-    ``state`` (a :class:`mixprec.training.state.TrainState`: steps, epochs, position).
+    Attributes: ``model``, ``optimizer`` (as prepared), ``engine`` (the ``MixedPrecision``),
+    ``scaler``, ``policy``, ``scheduler``, ``history``, ``state`` (steps, epochs, position).
 
     Raises:
         ValueError: ``grad_accum_steps < 1``, a bad ``max_grad_norm``, an unknown level, dtype,
@@ -168,17 +166,7 @@ class Trainer:
         return split_batch(to_device(batch, self.device), needs_target=self.loss_fn is not None)
 
     def update_metrics(self, metrics, output, batch) -> None:
-        """Feed one batch's output to ``metrics`` (the trainer's, or :meth:`evaluate`'s).
-
-        Args:
-            metrics: :class:`mixprec.training.Metric` objects; nothing happens for none.
-            output: the model's output: a tensor, or a Hugging Face ``ModelOutput`` (or a dict)
-                whose ``logits`` are read.
-            batch: the prepared batch (:meth:`prepare_batch`), whose target is compared.
-
-        Raises:
-            ValueError: metrics were asked for but the batch has no target (no ``labels``).
-        """
+        """Give each metric the batch's logits and target (ValueError: the batch has none)."""
         if not metrics:
             return
         if batch.target is None:
@@ -275,8 +263,7 @@ class Trainer:
             The :class:`History` (also ``trainer.history``).
 
         Raises:
-            ValueError: empty data, ``epochs < 1``, a non-scalar loss; ``loss_fn=None`` and a
-                model output that carries no ``.loss`` (the batch had no ``labels``).
+            ValueError: empty data, ``epochs < 1``, a non-scalar loss, no ``.loss`` (loss_fn=None).
             TypeError: a one-shot iterator (e.g. a generator) for more than one epoch.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
