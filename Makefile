@@ -2,20 +2,27 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
+DEMO_STAMP := $(VENV)/.mixprec-demo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench docs-figures venv clean
 
-$(STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
+# torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
+$(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	# pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+# everything the tests, the linter and the benchmarks use: every extra, pinned
+$(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,demo,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m mixprec demo
 
 test: $(STAMP)
@@ -26,6 +33,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m mixprec bench
+
+# re-runs the commands behind the documented figures; writes bench/results/docs-figures.md
+docs-figures: $(STAMP)
+	$(PY) bench/docs_figures.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -74,9 +74,25 @@ class MixedPrecision:
             by the first :meth:`setup`); ``mp.policy_of(model)`` adds a prepared model's
             ``to_float`` marks as overrides.
         scaler: the loss scaler.
+        models: the models :meth:`setup` (or :meth:`adopt`) prepared, in order.
 
     Raises:
         ValueError, TypeError: a bad level, dtype, loss-scale spec or policy.
+
+    Example:
+        A loop of your own: ``setup`` prepares the model and wraps the optimizer (fp32 masters
+        at O2), ``backward`` scales the loss, ``step`` checks, clips and steps or skips.
+
+        >>> import torch, mixprec as mp
+        >>> amp = mp.MixedPrecision(level="O2", dtype="bf16")
+        >>> net = torch.nn.Linear(4, 2)
+        >>> net, opt = amp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        >>> for _ in range(3):
+        ...     amp.backward(net(torch.randn(8, 4)).float().pow(2).mean())
+        ...     applied = amp.step(opt, max_grad_norm=1.0)   # False: skipped (inf/NaN)
+        ...     opt.zero_grad()
+        >>> amp.policy.level, amp.models == [net], applied
+        ('O2', True, True)
     """
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",

@@ -8,13 +8,20 @@ import warnings
 import torch
 from torch import nn
 
+from .formats import get as float_format
 from .master import is_master_optimizer
 from .policy import Policy
 
 __all__ = ["check_names", "check_optimizer", "check_fp16_state", "check_one_of"]
 
-_FP16_MIN_SUBNORMAL = 2.0 ** -24
-_FP16_MIN_NORMAL = 2.0 ** -14
+_FP16 = float_format("fp16")
+
+
+def adam_state_underflow(beta2: float) -> float:
+    """The largest |grad| whose ``(1 - beta2) * grad^2`` rounds to 0 in fp16: the product is
+    rounded once, to nearest (ties to even), so it is 0 up to half the smallest subnormal,
+    ``2^-25``, included: ``|grad| <= sqrt(2^-25 / (1 - beta2))`` (5.46e-03 at beta2 = 0.999)."""
+    return (_FP16.min_subnormal / 2 / max(1.0 - beta2, 1e-12)) ** 0.5
 
 
 def check_names(model: nn.Module, policy: Policy) -> None:
@@ -51,16 +58,17 @@ def check_fp16_state(optimizer, policy: Policy) -> None:
         if not ("betas" in group and "eps" in group):
             continue
         beta2, eps = float(group["betas"][1]), float(group["eps"])
-        smallest = (_FP16_MIN_SUBNORMAL / max(1.0 - beta2, 1e-12)) ** 0.5
+        smallest = adam_state_underflow(beta2)
         what = (f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
                 f"eps={eps:g}) keeps its moment estimates in fp16 under {policy} (no master "
-                f"weights): (1 - beta2) * grad^2 underflows to 0 in fp16 for every |grad| < "
-                f"{smallest:.1e}, and the update there is m / eps")
-        if eps < _FP16_MIN_NORMAL:
+                f"weights): (1 - beta2) * grad^2 rounds to 0 in fp16 for every |grad| <= "
+                f"{smallest:.2e}, and the update there is m / eps")
+        if eps < _FP16.min_normal:
             raise ValueError(
-                f"{what}, with an eps below fp16's smallest normal 6.1e-05: inf/NaN weights. "
-                f"Use level='O2' (fp32 masters and optimizer state), dtype='bf16' (fp32's "
-                f"exponent range), an SGD-style optimizer, or eps >= 6.1e-05")
+                f"{what}, with an eps below fp16's smallest normal {_FP16.min_normal:.2g}: "
+                f"inf/NaN weights. Use level='O2' (fp32 masters and optimizer state), "
+                f"dtype='bf16' (fp32's exponent range), an SGD-style optimizer, or eps >= "
+                f"{_FP16.min_normal:.2g}")
         warnings.warn(f"{what}: Adam's normalisation is lost for those gradients. Level 'O2' "
                       f"(fp32 masters and state) or dtype='bf16' keep it", UserWarning,
                       stacklevel=4)

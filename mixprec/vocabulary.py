@@ -55,6 +55,8 @@ class Keyword:
             text += f" {note}"
         if default is not dataclasses.MISSING:
             text += f" Default here: {default!r} ({why})."
+        else:
+            text += f" Default: {self.default!r}."
         return text
 
 

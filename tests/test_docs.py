@@ -1,8 +1,9 @@
 """Every Python block of README.md and docs/*.md runs as written, in order, one namespace per
 document (so a document may define a model in one block and train it in the next).
 
-Only blocks fenced exactly ```` ```python ```` run; a word after the language (```` ```python
-before ````) marks code for another library (apex, PaddlePaddle, MindSpore), shown, not run.
+Only blocks fenced exactly ```` ```python ```` or ```` ```diff ```` run; a word after the language
+(```` ```python before ````) marks code for another library (apex, PaddlePaddle, MindSpore), shown,
+not run. A diff block runs as its new side: its context lines and its ``+`` lines.
 docs/migrating.md has its own test (tests/test_migrating_docs.py), which also checks that the
 other libraries' blocks are valid Python.
 """
@@ -18,17 +19,22 @@ DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md")
 FENCE = re.compile(r"^```(\S*)(.*)$")
 
 
+def new_side(diff: list[str]) -> list[str]:
+    """The code a unified diff's body leaves: context lines and added lines, markers dropped."""
+    return [line[1:] for line in diff if not line.startswith("-")]
+
+
 def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
     """(first line number, code) of each runnable Python block."""
-    blocks, current, start, runnable = [], None, 0, False
+    blocks, current, start, kind = [], None, 0, None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         match = FENCE.match(line.strip()) if line.startswith("```") else None
         if current is None and match:
             current, start = [], number + 1
-            runnable = match.group(1) == "python" and not match.group(2).strip()
+            kind = match.group(1) if not match.group(2).strip() else None
         elif current is not None and line.startswith("```"):
-            if runnable:
-                blocks.append((start, "\n".join(current)))
+            if kind in ("python", "diff"):
+                blocks.append((start, "\n".join(new_side(current) if kind == "diff" else current)))
             current = None
         elif current is not None:
             current.append(line)
@@ -36,7 +42,15 @@ def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def test_every_document_has_python_blocks_found():
-    assert len(python_blocks(ROOT / "README.md")) >= 8
+    assert len(python_blocks(ROOT / "README.md")) >= 2
+    pages = {p.name for p in DOCS}
+    assert {"getting-started.md", "levels.md", "low-bit.md", "numerics.md",
+            "internals.md"} <= pages, pages
+    assert sum(len(python_blocks(p)) for p in DOCS) >= 30
+
+
+def test_a_diff_block_runs_as_its_new_side():
+    assert new_side([" a = 1", "-b = 2", "+b = 3", ""]) == ["a = 1", "b = 3", ""]
 
 
 @pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning",

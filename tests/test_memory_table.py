@@ -1,4 +1,4 @@
-"""The README's bytes-per-parameter table, checked against ``mp.bytes_per_parameter``.
+"""docs/low-bit.md's bytes-per-parameter table, checked against ``mp.bytes_per_parameter``.
 
 Each row is measured on a bias-free 512x512 linear layer prepared as the row says: weights,
 masters and compensation after ``prepare``, gradients after a backward, optimizer state after
@@ -23,13 +23,13 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::FutureWarning:torchao.*", "ignore::UserWarning:bitsandbytes.*",
     "ignore::mixprec.hardware.SlowDtypeWarning")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "low-bit.md"
 MARK = "<!-- bytes-per-parameter table: checked by tests/test_memory_table.py -->"
 COLUMNS = ("weights", "masters", "compensation", "gradients", "sgd", "adam", "total")
 
 
 def table_rows():
-    lines = README.read_text().split(MARK, 1)[1].strip().splitlines()
+    lines = DOC.read_text().split(MARK, 1)[1].strip().splitlines()
     rows = []
     for line in lines[2:]:
         if not line.startswith("|"):

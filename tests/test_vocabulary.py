@@ -129,7 +129,7 @@ def test_the_declaration_checks_signatures_and_docstrings():
 
 
 def test_the_docs_table_lists_the_declared_defaults():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "levels.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", text, flags=re.M))
     for keyword in vocabulary.KEYWORDS.values():
         assert rows[keyword.name] == repr(keyword.default).replace("'", '"'), keyword.name

@@ -191,7 +191,10 @@ class Advice:
         ``fp8``, each layer the format can convert that is safe in it (and in ``dtype``) runs it
         (``Precision(gemm=fmt)``), and each one it could convert that is unsafe in it stays
         out (``Precision(gemm="off")``). With ``fp8`` and no layer of either kind, the map
-        holds ``{nn.Module: Precision(gemm="off")}``: no layer runs low-bit.
+        holds ``{nn.Module: Precision(gemm="off")}``: no layer runs low-bit. The layers named
+        can include the model's first and last GEMM layer, which ``prepare``'s default choice
+        keeps in 16 bits by convention (Accelerate, Megatron: stability over long runs, which
+        one batch cannot measure).
 
         Args:
             dtype: "bf16", "fp16" (it must have been measured) or "fp32" (no 16-bit verdict).

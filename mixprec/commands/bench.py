@@ -38,6 +38,7 @@ import torch
 
 from .. import benchmodels
 from ..dtypes import dtype_name
+from ..formats import get as float_format
 from ..hardware import SlowDtypeWarning
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
@@ -53,7 +54,7 @@ REFERENCE = "torch.autocast"
 #: Adam-style eps of a row whose optimizer state is fp16: a normal fp16 number (the smallest
 #: is 2^-14 = 6.1e-05), so ``sqrt(v) + eps`` never rounds to 0 or to a subnormal.
 FP16_STATE_EPS = 1e-4
-_FP16_MIN_NORMAL = 2.0 ** -14
+_FP16 = float_format("fp16")
 
 
 # ----------------------------------------------------------------- one row
@@ -109,16 +110,17 @@ def _fp16_state_eps(opt, level: str, dtype: torch.dtype) -> str:
     if policy.master_weights or policy.param_dtype != torch.float16:
         return ""
     small = sorted({g["eps"] for g in opt.param_groups
-                    if isinstance(g.get("eps"), float) and g["eps"] < _FP16_MIN_NORMAL})
+                    if isinstance(g.get("eps"), float) and g["eps"] < _FP16.min_normal})
     if not small:
         return ""
     for group in opt.param_groups:
         if group.get("eps") in small:
             group["eps"] = FP16_STATE_EPS
     eps = small[0]
-    fate = "rounds to 0" if eps < 2.0 ** -25 else "is an fp16 subnormal"
+    fate = "rounds to 0" if eps <= _FP16.min_subnormal / 2 else "is an fp16 subnormal"  # ties: 0
     return (f"pure fp16 without master weights keeps the optimizer state in fp16, where "
-            f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^-14 = 6.1e-05): an "
+            f"{type(opt).__name__}'s eps={eps:g} {fate} (smallest normal 2^"
+            f"{_FP16.emin} = {_FP16.min_normal:.2g}): an "
             f"update divides by ~0 where a gradient is 0 (0/0 = NaN, or overflow to inf). This "
             f"row ran with eps={FP16_STATE_EPS:g}; the other rows keep eps={eps:g}")
 
@@ -292,9 +294,11 @@ def peak_share_text(row: dict) -> str:
 def format_table(rep: dict) -> str:
     """The human-readable report."""
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
+    n, steps = rep.get("repeat", 1), rep["steps"]  # a row's median pools the steps of its rounds
+    pooled = f"{steps} steps" if n == 1 else f"{n * steps} steps ({n} rounds of {steps}, each)"
     lines = [f"mixprec bench: {rep['model']} ({sizes}); "
              f"{rep['flops_per_step'] / 1e9:.1f} GFLOP per step; "
-             f"median of {rep['steps']} steps after {rep['warmup']} warm-up; "
+             f"median of {pooled} after {rep['warmup']} warm-up; "
              f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
@@ -380,9 +384,10 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="rounds over all rows; medians pool the steps of all rounds")
+                   help="rounds over all rows, interleaved (default 1); a row's median pools the "
+                        "timed steps of all its rounds (--repeat 3 --steps 10: 30 steps)")
     add_model_size_options(p)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
                    help="run rows in this process (faster; memory peaks less meaningful)")

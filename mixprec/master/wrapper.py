@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..formats import get as float_format
 from . import hooks, loadcheck
 from .buckets import Scratch, is_per_parameter, make_buckets
 from .states import OWN_KEYS
@@ -72,13 +73,14 @@ def not_ours(tensor: torch.Tensor, owner: str) -> str:
 def stale_fp16_error(count: int, shape) -> RuntimeError:
     """fp16 model gradients changed after their fp32 gradients were made. After
     ``unscale_grads_`` the model's fp16 gradients hold the unscaled values, where fp16 loses what
-    lies below its smallest normal (6.1e-05); the step would take a change from them and lose
+    lies below its smallest normal (2^-14); the step would take a change from them and lose
     those values (bf16 has fp32's range: its changes are taken)."""
     return RuntimeError(
         f"the fp16 gradients of {count} model parameter(s) (e.g. shape {tuple(shape)}) changed "
         "after their fp32 master gradients were made (scaler.unscale_(optimizer)), e.g. by "
-        "clip_grad_norm_(model.parameters(), ...). Unscaled in fp16, gradients below 6.1e-05 "
-        "lose precision or vanish, so the step can't take that change exactly. Clip with "
+        "clip_grad_norm_(model.parameters(), ...). Unscaled in fp16, gradients below "
+        f"{float_format('fp16').min_normal:.2g} (its smallest normal) lose precision or vanish, "
+        "so the step can't take that change exactly. Clip with "
         "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's parameters (their "
         "fp32 gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
         "g['params']], max_norm); in bf16 clipping the model's parameters works")

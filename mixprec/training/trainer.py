@@ -167,6 +167,7 @@ class Trainer:
         return split_batch(to_device(batch, self.device), needs_target=self.loss_fn is not None)
 
     def update_metrics(self, metrics, output, batch) -> None:
+        """Give each metric the batch's logits and target (ValueError: the batch has none)."""
         if not metrics:
             return
         if batch.target is None:
@@ -263,7 +264,7 @@ class Trainer:
             The :class:`History` (also ``trainer.history``).
 
         Raises:
-            ValueError: empty data, ``epochs < 1``, a non-scalar loss.
+            ValueError: empty data, ``epochs < 1``, a non-scalar loss, no ``.loss`` (loss_fn=None).
             TypeError: a one-shot iterator (e.g. a generator) for more than one epoch.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
