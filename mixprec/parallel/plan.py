@@ -167,7 +167,8 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
         A :class:`MemoryPlan`.
 
     Raises:
-        ValueError: any unknown or out-of-range argument.
+        ValueError: any unknown or out-of-range argument; ``policy`` with ``level``/``dtype``.
+        TypeError: a ``policy`` that is not a :class:`mixprec.Policy`.
 
     Example:
         >>> p = plan("7B", level="O2", strategy="fsdp", world=64)
