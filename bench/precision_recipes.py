@@ -39,6 +39,7 @@ import math
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -157,6 +158,17 @@ def train(recipe: Recipe, config: dict, batches: list[dict], last: int) -> dict:
             "first_step_s": times[0], "wall_s": time.perf_counter() - began}
 
 
+def _mixprec_version() -> str:
+    """mixprec's version, and the git commit of its checkout when it runs from one."""
+    where = os.path.dirname(os.path.dirname(os.path.abspath(mp.__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{mp.__version__} (git {commit})" if commit else mp.__version__
+
+
 def _header(args_line: str) -> dict:
     info = doctor_report(measure=False)
     torchao = importlib.util.find_spec("torchao")
@@ -167,7 +179,7 @@ def _header(args_line: str) -> dict:
     return {"command": args_line, "cpu_model": info["cpu_model"], "device": info["name"],
             "flags": info["flags"], "cpu_count": info["cpu_count"], "threads": info["threads"],
             "torch": info["torch"], "python": info["python"], "torchao": ao_version,
-            "auto_dtype": info["auto_dtype"],
+            "auto_dtype": info["auto_dtype"], "mixprec": _mixprec_version(),
             "load_start": [round(x, 1) for x in os.getloadavg()]}
 
 
@@ -240,8 +252,9 @@ def header_text(result: dict) -> str:
         f"command: {h['command']}",
         f"machine: {h['cpu_model']}, {h['device']}, flags {', '.join(h['flags']) or 'none'}, "
         f"{h['cpu_count']} CPUs, {h['threads']} torch threads; torch {h['torch']}, torchao "
-        f"{h['torchao']}, Python {h['python']}; load average (1, 5, 15 min) "
-        f"{h['load_start']} at the start, {h['load_end']} at the end; {h['wall_s']:.0f} s",
+        f"{h['torchao']}, mixprec {h['mixprec']}, Python {h['python']}",
+        f"load average (1, 5, 15 min): {h['load_start']} at the start, {h['load_end']} at the "
+        f"end; {h['wall_s']:.0f} s in all",
         f"model: GPT2LMHeadModel({model}), {c['parameters']} parameters (tied embedding/head); "
         f"batch {c['batch']} x {c['n_positions']} tokens; AdamW lr {OPTIMIZER['lr']}, "
         f"weight decay {OPTIMIZER['weight_decay']}; {c['steps']} steps, final loss = mean of "
