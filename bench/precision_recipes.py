@@ -18,8 +18,8 @@ fp32 (O0) row. A combination the installed mixprec refuses (``ValueError``/``Typ
 ``ImportError`` when torchao is missing) is printed as ``refused: <message>`` and the run goes
 on. Columns: bytes per parameter from
 ``mp.bytes_per_parameter`` after the last step's ``zero_grad(set_to_none=True)`` (what a run
-holds between steps, so no gradients), the final loss (mean of the last tenth's losses)
-and its gap to fp32 masters with fp32 states.
+holds between steps, so no gradients), the final loss (mean of the losses of the last tenth
+of the steps) and its gap to fp32 masters with fp32 states.
 
 **Table 2, GEMM formats.** O2 bf16 (fp32 masters and moments: the same run as table 1's
 ``fp32/fp32`` row, reused) against FP8 (``mp.lowbit.Float8()``, torchao's tensorwise recipe) and
