@@ -1,7 +1,7 @@
 """Precision recipes on GPT-2: bytes per parameter and loss of every master method x optimizer
 state, and the loss of bf16, FP8 and MXFP8 GEMMs.
 
-    PYTHONPATH=. python bench/precision_recipes.py [--steps 300] [--json out.json] [--quick]
+    PYTHONPATH=. python bench/precision_recipes.py [--steps 60] [--json out.json] [--quick]
 
 **Model and data.** transformers' ``GPT2LMHeadModel`` built from a config (nothing is
 downloaded; :data:`CONFIG`, ``--quick``: :data:`QUICK`), dropout off, every Linear/Conv1D
@@ -12,21 +12,22 @@ token is learnable from the context; loss from the model itself (``labels=``).
 
 **Table 1, masters x states.** Each master method ("fp32", "split", "kahan", "stochastic"; see
 ``mp.prepare``'s ``master=``) with each optimizer state: fp32 and bf16 moments (``state_dtype=``)
-and 8-bit ones (torchao's ``AdamW8bit``, blockwise-quantized moments; tensors under its
-``min_size`` keep fp32 ones), all trained with AdamW at O2 bf16 through ``mp.prepare``, plus an
-fp32 (O0) row. A combination the installed mixprec refuses (``ValueError``/``TypeError``) is
-printed as ``refused: <message>`` and the run goes on. Columns: bytes per parameter from
+and 8-bit ones (torchao's ``AdamW8bit``, blockwise-quantized moments; tensors under 4096
+values keep fp32 ones), all trained with AdamW at O2 bf16 through ``mp.prepare``, plus an
+fp32 (O0) row. A combination the installed mixprec refuses (``ValueError``/``TypeError``; an
+``ImportError`` when torchao is missing) is printed as ``refused: <message>`` and the run goes
+on. Columns: bytes per parameter from
 ``mp.bytes_per_parameter`` after the last step's ``zero_grad(set_to_none=True)`` (what a run
-holds between steps, so no gradients), the final loss (mean of the last ``k`` steps' losses)
-and its gap to fp32 masters with fp32 states.
+holds between steps, so no gradients), the final loss (mean of the losses of the last tenth
+of the steps) and its gap to fp32 masters with fp32 states.
 
 **Table 2, GEMM formats.** O2 bf16 (fp32 masters and moments: the same run as table 1's
 ``fp32/fp32`` row, reused) against FP8 (``mp.lowbit.Float8()``, torchao's tensorwise recipe) and
 MXFP8 (``mp.lowbit.MXFP8()``, torchao's emulated kernels off sm100 GPUs): final loss, its ratio
 to bf16's, and how many layers ran their GEMMs in the low-bit format (by default the first and
-the last Linear-like layer stay in bf16). ms/step is the median wall time of a step, not
-interleaved: on a CPU the FP8 and MXFP8 GEMMs are emulated, so it says what the emulation
-costs, not what the hardware would gain.
+the last Linear-like layer stay in bf16). ms/step is the median wall time of the second half
+of the steps, the runs one after another (not interleaved): on a CPU the FP8 and MXFP8 GEMMs
+are emulated, so it says what the emulation costs, not what the hardware would gain.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -52,7 +54,6 @@ from mixprec.hardware import SlowDtypeWarning
 
 MASTERS = ("fp32", "split", "kahan", "stochastic")
 STATES = ("fp32", "bf16", "8-bit")
-FORMATS = ("bf16", "fp8", "mxfp8")
 BYTES = ("weights", "masters", "compensation", "optimizer_state", "total")
 
 #: GPT2Config fields of the benchmark model; --quick uses QUICK.
@@ -157,6 +158,17 @@ def train(recipe: Recipe, config: dict, batches: list[dict], last: int) -> dict:
             "first_step_s": times[0], "wall_s": time.perf_counter() - began}
 
 
+def _mixprec_version() -> str:
+    """mixprec's version, and the git commit of its checkout when it runs from one."""
+    where = os.path.dirname(os.path.dirname(os.path.abspath(mp.__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{mp.__version__} (git {commit})" if commit else mp.__version__
+
+
 def _header(args_line: str) -> dict:
     info = doctor_report(measure=False)
     torchao = importlib.util.find_spec("torchao")
@@ -167,17 +179,16 @@ def _header(args_line: str) -> dict:
     return {"command": args_line, "cpu_model": info["cpu_model"], "device": info["name"],
             "flags": info["flags"], "cpu_count": info["cpu_count"], "threads": info["threads"],
             "torch": info["torch"], "python": info["python"], "torchao": ao_version,
-            "auto_dtype": info["auto_dtype"],
+            "auto_dtype": info["auto_dtype"], "mixprec": _mixprec_version(),
             "load_start": [round(x, 1) for x in os.getloadavg()]}
 
 
-def run(steps: int = 300, quick: bool = False, log=print) -> dict:
+def run(steps: int = 60, quick: bool = False, log=print) -> dict:
     """Both tables' figures (see the module docstring)."""
     config, batch = (QUICK, QUICK_BATCH) if quick else (CONFIG, BATCH)
     last = max(1, steps // 10)
     batches = make_batches(config, batch, steps)
-    with quiet_import():
-        n_params = sum(p.numel() for p in build_model(config).parameters())
+    n_params = sum(p.numel() for p in build_model(config).parameters())
     masters = {}
     for recipe in master_recipes():
         masters[recipe.name] = train(recipe, config, batches, last)
@@ -240,8 +251,9 @@ def header_text(result: dict) -> str:
         f"command: {h['command']}",
         f"machine: {h['cpu_model']}, {h['device']}, flags {', '.join(h['flags']) or 'none'}, "
         f"{h['cpu_count']} CPUs, {h['threads']} torch threads; torch {h['torch']}, torchao "
-        f"{h['torchao']}, Python {h['python']}; load average (1, 5, 15 min) "
-        f"{h['load_start']} at the start, {h['load_end']} at the end; {h['wall_s']:.0f} s",
+        f"{h['torchao']}, mixprec {h['mixprec']}, Python {h['python']}",
+        f"load average (1, 5, 15 min): {h['load_start']} at the start, {h['load_end']} at the "
+        f"end; {h['wall_s']:.0f} s in all",
         f"model: GPT2LMHeadModel({model}), {c['parameters']} parameters (tied embedding/head); "
         f"batch {c['batch']} x {c['n_positions']} tokens; AdamW lr {OPTIMIZER['lr']}, "
         f"weight decay {OPTIMIZER['weight_decay']}; {c['steps']} steps, final loss = mean of "
@@ -250,7 +262,7 @@ def header_text(result: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--quick", action="store_true", help="a tiny model (for a test)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
