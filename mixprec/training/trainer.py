@@ -100,8 +100,7 @@ class Trainer:
         >>> trainer = mp.Trainer(model, torch.nn.functional.cross_entropy, opt, level="O2",
         ...                      dtype="bf16", metrics="accuracy", progress=False)
         >>> data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 4
-        >>> history = trainer.fit(data, epochs=2)
-        >>> history.steps
+        >>> trainer.fit(data, epochs=2).steps
         8
     """
 
