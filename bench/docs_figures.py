@@ -48,6 +48,8 @@ FIGURES = [
     ("transformers-speed", "docs/benchmarks.md", [*PY, "bench/transformers_speed.py"], False),
     ("emulation", "docs/numerics.md", [*PY, "bench/bench_emulation.py"], False),
     ("compact-states", "docs/low-bit.md", [*PY, "bench/compact_states.py"], False),
+    ("precision-recipes", "docs/benchmarks.md",
+     [*PY, "bench/precision_recipes.py", "--steps", "150"], False),
     ("plan-8", "docs/distributed.md",
      [*MP, "plan", "--params", "7e9", "--level", "O2", "--dtype", "bf16", "--strategy", "fsdp",
       "--world", "8", "--optimizer", "adamw"], False),

@@ -122,7 +122,8 @@ def make_batches(config: dict, batch: int, steps: int, seed: int = 1) -> list[di
 def make_optimizer(params, state: str) -> torch.optim.Optimizer:
     """AdamW with :data:`OPTIMIZER`'s settings; torchao's 8-bit AdamW for the "8-bit" state."""
     if state == "8-bit":
-        from torchao.optim import AdamW8bit  # ImportError without torchao: the row says so
+        with quiet_import():  # ImportError without torchao: the row says so
+            from torchao.optim import AdamW8bit
         return AdamW8bit(params, **OPTIMIZER)
     return torch.optim.AdamW(params, **OPTIMIZER)
 
@@ -174,7 +175,8 @@ def _header(args_line: str) -> dict:
     torchao = importlib.util.find_spec("torchao")
     ao_version = "absent"
     if torchao is not None:
-        import torchao as ao
+        with quiet_import():
+            import torchao as ao
         ao_version = ao.__version__
     return {"command": args_line, "cpu_model": info["cpu_model"], "device": info["name"],
             "flags": info["flags"], "cpu_count": info["cpu_count"], "threads": info["threads"],
