@@ -44,7 +44,13 @@ from .rounding import (
     stochastic_round,
     weyl16,
 )
-from .split_bits import split_load, split_store
+from .split_bits import (
+    pair_views,
+    split_load,
+    split_load_pairs,
+    split_store,
+    split_store_pairs,
+)
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
            "assign", "compensation"]
@@ -56,9 +62,12 @@ _OFF = ("maximize", "differentiable", "capturable", "amsgrad")
 # -- the arithmetic (eager or compiled) -----------------------------------------------------------
 def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
     """The fp32 value a compact weight stands for: weight + compensation, the exact master of a
-    weight and its int16 remainder (``master="split"``), or the weight."""
+    weight and its int16 remainder (``master="split"``; both as int32 pairs when the weight is
+    int32, :func:`_paired`), or the weight."""
     if comp is None:
         return weight.float()
+    if weight.dtype == torch.int32:
+        return split_load_pairs(weight, comp)
     if comp.dtype == torch.int16:
         return _on_local(split_load, weight, comp)
     return weight.float() + comp.float()
@@ -87,9 +96,12 @@ def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
     numbers are a Weyl sequence (:func:`.rounding.weyl16`: one multiply-add per element).
 
     With an int16 ``comp`` (``master="split"``) the pair takes ``new`` exactly
-    (:mod:`.split_bits`: the weight is ``new`` rounded to nearest, ties away from zero)."""
+    (:mod:`.split_bits`: the weight is ``new`` rounded to nearest, ties away from zero); an int32
+    ``weight`` is such a pair as int32 pairs (:func:`_paired`)."""
     if comp is None:
         weight.copy_(stochastic_round(new, key))
+    elif weight.dtype == torch.int32:
+        split_store_pairs(weight, comp, new)
     elif comp.dtype == torch.int16:  # exact: no rounding bits needed
         split_store(weight, comp, new)
     else:
@@ -183,6 +195,17 @@ def can_compile(device_type: str) -> bool:
     return False
 
 
+def _paired(tensors: tuple) -> tuple:
+    """The flat kernel arguments ``(weight, comp, ...)`` with a CPU split pair (bf16 weight,
+    int16 remainder) as int32 pairs where it can be: inductor's CPU code vectorizes int32
+    arithmetic, not int16 (:mod:`.split_bits`). Triton handles int16 well: CUDA keeps it."""
+    weight, comp = tensors[:2]
+    if comp is None or comp.dtype != torch.int16 or weight.device.type != "cpu":
+        return tensors
+    pairs = pair_views(weight, comp)
+    return tensors if pairs is None else (*pairs, *tensors[2:])
+
+
 # -- stepping the groups --------------------------------------------------------------------------
 def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
@@ -202,7 +225,7 @@ def _sgd_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> Non
             if is_first:
                 buf = state["momentum_buffer"] = _zeros(param, state_dtype)
         hp = (first_hp if is_first else later_hp)(param.device)
-        _kernel("sgd", compiled)(*flat(*map(local, (param, comp, grad, buf))),
+        _kernel("sgd", compiled)(*_paired(flat(*map(local, (param, comp, grad, buf)))),
                                  inv(param.device), hp, key, bool(group["nesterov"]))
 
 
@@ -224,7 +247,8 @@ def _adam_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> No
             hp = hps[(param.device, step)] = hp_tensor(adam_hparams(optimizer, group, step),
                                                        param.device)
         tensors = (param, comp, grad, state["exp_avg"], state["exp_avg_sq"])
-        _kernel("adam", compiled)(*flat(*map(local, tensors)), inv(param.device), hp, key)
+        _kernel("adam", compiled)(*_paired(flat(*map(local, tensors))), inv(param.device), hp,
+                                  key)
 
 
 def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]],

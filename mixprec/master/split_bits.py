@@ -17,31 +17,51 @@ kept.
 bits minus ``up``; the fp32 bits are ``high * 65536 + (remainder & 0xFFFF)``. Every step stays
 inside int32 for finite and infinite masters, so both directions are exact and bit for bit the
 same eagerly and under ``torch.compile`` (inductor lowers the ``view(dtype)`` bitcasts).
+
+**In pairs** (:func:`pair_views`, :func:`split_load_pairs`, :func:`split_store_pairs`): inductor's
+CPU backend vectorizes no int16 arithmetic, so a compiled step that touches the int16 remainder
+(or the bf16 weight's bits as int16) runs one element at a time. Viewed as int32, each word
+holds two neighbours (the first in the low half: the pair views are only taken on little-endian
+machines); the same arithmetic on those words, in int32 and int64 only, vectorizes: the load
+makes each pair's two fp32 masters as one int64 word (viewed back as two fp32 values), the
+store splits a pair of fp32 results read as one int64 word. No remainder ever passes through a
+float (a bf16/fp32 conversion may change a NaN's bits), the NaN test is on the bits, and the
+results are bit for bit those above.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["split_store", "split_load", "split_of"]
+__all__ = ["split_store", "split_load", "split_of", "pair_views", "split_load_pairs",
+           "split_store_pairs"]
+
+
+def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's bits and the remainder (both int32) of fp32 ``bits`` (int32)."""
+    top = bits >> 16
+    lo = bits & 0xFFFF
+    up = ((lo >= 0x8000) & ~nan).to(torch.int32)
+    return torch.where(nan, top | 0x40, top + up), lo - 65536 * up
+
+
+def _joined(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """The fp32 bits (int32) held by a weight's bits and a remainder (both int32)."""
+    return (high - (rem < 0).to(torch.int32)) * 65536 + (rem & 0xFFFF)
 
 
 def split_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly."""
-    bits = new.contiguous().view(torch.int32)
-    top = bits >> 16
-    lo = bits & 0xFFFF
-    nan = new != new
-    up = ((lo >= 0x8000) & ~nan).to(torch.int32)
-    high = torch.where(nan, top | 0x40, top + up)
-    return high.to(torch.int16).view(torch.bfloat16), (lo - 65536 * up).to(torch.int16)
+    high, rem = _high_and_rest(new.contiguous().view(torch.int32), new != new)
+    return high.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
 
 
 def split_load(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master a bf16 ``weight`` and its int16 ``remainder`` hold (a new tensor)."""
-    rem = remainder.to(torch.int32)
-    high = weight.contiguous().view(torch.int16).to(torch.int32) - (rem < 0).to(torch.int32)
-    return (high * 65536 + (rem & 0xFFFF)).view(torch.float32)
+    high = weight.contiguous().view(torch.int16).to(torch.int32)
+    return _joined(high, remainder.to(torch.int32)).view(torch.float32)
 
 
 def split_store(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
@@ -49,3 +69,42 @@ def split_store(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor
     high, rem = split_of(new)
     weight.copy_(high)
     remainder.copy_(rem)
+
+
+def pair_views(weight: torch.Tensor,
+               remainder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A flat bf16 ``weight`` and its int16 ``remainder`` as int32 views of neighbour pairs, or
+    None where they can't be (an odd length or offset, not flat and contiguous, a big-endian
+    machine)."""
+    if sys.byteorder != "little":
+        return None
+    for t in (weight, remainder):
+        if t.dim() != 1 or t.stride(0) != 1 or t.numel() % 2 or t.storage_offset() % 2:
+            return None
+    return weight.view(torch.int32), remainder.view(torch.int32)
+
+
+def _halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sign-extended 16-bit halves (int32) of int32 ``words``, low half first."""
+    wide = words.to(torch.int64)
+    return ((wide << 48) >> 48).to(torch.int32), (wide >> 16).to(torch.int32)
+
+
+def split_load_pairs(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """:func:`split_load` of the int32 pair views (:func:`pair_views`): the fp32 masters, flat
+    (a new tensor)."""
+    (w0, w1), (r0, r1) = _halves(weight), _halves(remainder)
+    first = _joined(w0, r0).to(torch.int64) & 0xFFFFFFFF
+    return (first | (_joined(w1, r1).to(torch.int64) << 32)).view(torch.float32)
+
+
+def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
+    """:func:`split_store` into the int32 pair views (:func:`pair_views`) of the flat fp32
+    ``new``, in place."""
+    words = new.contiguous().view(torch.int64)
+    pairs = []
+    for bits in (((words << 32) >> 32).to(torch.int32), (words >> 32).to(torch.int32)):
+        pairs.append(_high_and_rest(bits, (bits & 0x7FFFFFFF) > 0x7F800000))
+    (h0, q0), (h1, q1) = pairs
+    weight.copy_((h0 & 0xFFFF) | (h1 << 16))
+    remainder.copy_((q0 & 0xFFFF) | (q1 << 16))
