@@ -157,7 +157,8 @@ _KERNELS = {"sgd": _sgd, "adam": _adam}
 _compiled: dict[str, Callable] = {}
 # the compensation is new - float(bf16(new)): inductor must not drop that round trip
 _OPTIONS = {**compile_options, "emulate_precision_casts": True}
-# variants (master kind, moment dtype, momentum, gradient dtype) each compile once
+# variants (master kind, split paired or not, moment dtype, momentum, gradient dtype) each
+# compile once
 _RECOMPILE_LIMIT = 64
 
 
