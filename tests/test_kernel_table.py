@@ -302,3 +302,60 @@ def test_no_fp32_master_gradient_lives_between_steps(cuda_limits, fused, how):
             scaler.update()
         assert fp32_gradient_bytes(model, opt) == 0
         assert all(held_grad(m) is None for m in opt.masters_by_param().values())
+
+
+# -- torch's fused optimizers, by the table -------------------------------------------------------
+@pytest.mark.parametrize("row", ["cpu", "cuda", "other"])
+def test_the_master_step_takes_torchs_fused_kernel_where_the_table_has_one(monkeypatch, row):
+    """CPU and CUDA rows: torch's fused AdamW; a device without one (MPS, XPU here): the
+    optimizer's own step. Same masters either way, to fp32 rounding."""
+    if row != "cpu":
+        monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing(
+            "xpu" if row == "other" else row))
+    entered = []
+    real = kernels.torch_fused
+    monkeypatch.setattr(kernels, "torch_fused", lambda inner: entered.append(1) or real(inner))
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16")
+    masters = [m.detach().clone().requires_grad_() for m in opt.masters_by_param().values()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    for i in range(2):
+        opt.zero_grad()
+        x, y = data(i)
+        F.mse_loss(model(x).float(), y).backward()
+        for m, p in zip(masters, opt.masters_by_param()):
+            m.grad = p.grad.float()
+        ref.step()
+        opt.step()
+    problem = kernels.torch_fused_problem(opt.inner, masters)
+    assert (problem is None) is (row != "other") and (len(entered) > 0) is (row != "other")
+    if row == "other":
+        assert "torch.float32 tensor on cpu" in problem
+    for m, want in zip(opt.masters_by_param().values(), masters):
+        torch.testing.assert_close(m, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_monitors_probe_uses_torchs_fused_kernel_where_the_table_has_one(monkeypatch):
+    from mixprec.monitor import statistics
+    group = {"params": [torch.zeros(2)]}
+    inner = torch.optim.AdamW(group["params"])
+    assert statistics._fused_options(inner, group) == {"fused": True, "foreach": False}
+    monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("mps"))
+    assert statistics._fused_options(inner, group) == {}
+
+
+# -- norm layers fed 16-bit activations -----------------------------------------------------------
+@pytest.mark.parametrize("row", ["cpu", "cuda"])
+def test_an_fp32_layernorm_reads_bf16_input_on_the_cpu_and_casts_it_up_on_cuda(monkeypatch, row):
+    if row == "cuda":
+        monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("cuda"))
+    fp32 = net()
+    model = mp.prepare(net(), level="O2", dtype="bf16")
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == BF16
+    assert model[1].forward.cast_inputs is (row == "cuda")
+    seen = []
+    model[1].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    x, _ = data(0)
+    torch.testing.assert_close(model(x).float(), fp32(x), rtol=0.05, atol=0.05)
+    assert seen == [torch.float32 if row == "cuda" else BF16]
