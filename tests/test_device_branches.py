@@ -16,8 +16,10 @@ from mixprec.compat.apex_casts import disable_casts
 from mixprec.fp8 import backend, choice
 from mixprec.lowbit.mxfp8 import MXFP8
 from mixprec.master import compact_kernels
-from mixprec.parallel.ddp import device_ids_for
+from mixprec.parallel import env
+from mixprec.parallel.ddp import _comm_hook, device_ids_for
 from mixprec.training.checks import check_device
+from mixprec.training.state import capture_rng, restore_rng
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -29,6 +31,10 @@ def gpu(monkeypatch):
     fake = types.SimpleNamespace(capability=(9, 0), calls=calls)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.ones(3, dtype=torch.uint8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: calls.append(("rng", s)))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: fake.capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Stand-in GPU")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: fake.capability >= (8, 0))
@@ -154,3 +160,37 @@ def test_compiled_compact_kernels_need_triton_on_cuda_and_a_compiler_on_the_cpu(
             True, True, False]
     finally:
         compact_kernels.can_compile.cache_clear()
+
+
+def test_a_checkpoints_rng_state_carries_the_cuda_generators(gpu):
+    state = capture_rng()
+    assert [t.tolist() for t in state["cuda"]] == [[1, 1, 1]]
+    restore_rng(state)
+    assert gpu.calls == [("rng", state["cuda"])]
+
+
+def test_autocast_defaults_to_cuda_where_there_is_one(gpu):
+    assert mp.autocast("bf16").device_type == "cuda"
+
+
+def test_ddp_compresses_bf16_gradients_with_torchs_hook_on_nccl(gpu, monkeypatch):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert _comm_hook(torch.bfloat16, None) is default_hooks.bf16_compress_hook
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert _comm_hook(torch.bfloat16, None) is not default_hooks.bf16_compress_hook
+
+
+def test_each_rank_takes_its_cuda_device_and_nccl_under_torchrun(gpu, monkeypatch):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    made = []
+    monkeypatch.setattr(env, "is_initialized", lambda: False)
+    monkeypatch.setattr(env.dist, "init_process_group", lambda *a, **k: made.append((a, k)))
+    monkeypatch.setattr(env, "_register_exit_hook", lambda: None)
+    monkeypatch.setattr(env, "_created_here", False)
+    assert env.device() == torch.device("cuda", 1)  # LOCAL_RANK 3 of 2 GPUs
+    assert env.init_from_env(timeout_s=5) is True
+    assert gpu.calls == [("set_device", torch.device("cuda", 1))]
+    assert made[0][0] == ("cpu:gloo,cuda:nccl",)
+    assert (made[0][1]["rank"], made[0][1]["world_size"]) == (1, 2)
