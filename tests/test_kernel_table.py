@@ -359,3 +359,44 @@ def test_an_fp32_layernorm_reads_bf16_input_on_the_cpu_and_casts_it_up_on_cuda(m
     x, _ = data(0)
     torch.testing.assert_close(model(x).float(), fp32(x), rtol=0.05, atol=0.05)
     assert seen == [torch.float32 if row == "cuda" else BF16]
+
+
+# -- FSDP2 shards: one flag for all ranks, on CUDA's path as on the fused kernel's ----------------
+BAD_ROWS = [None, 1, 6]  # rows 0-3 are rank 0's shard, 4-7 rank 1's
+
+
+def _rank_flags(rank, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mixprec.shards import local
+    kernel_table.TABLE = kernel_table.TABLE.imposing(
+        "cuda", kernels={"amp_check_and_unscale": CudaAmpKernel()})
+    mesh = init_device_mesh("cpu", (2,))
+    out = []
+    for bad_row in BAD_ROWS:
+        full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+        if bad_row is not None:
+            full[bad_row, 1] = float("inf")
+        shards = [distribute_tensor(full.to(d), mesh, [Shard(0)]) for d in (BF16, F32)]
+        found = local(found_nonfinite(shards))
+        unscaled = local(check_and_unscale_(shards, torch.tensor(0.5)))
+        out.append({"found": found.item(), "unscaled": unscaled.item(),
+                    "values": [s.to_local().float() for s in shards]})
+    return out
+
+
+@pytest.mark.slow  # two spawned gloo ranks
+def test_sharded_bf16_gradients_under_cudas_limits_flag_on_every_rank(tmp_path):
+    """An inf in one rank's shard flags the step on both, on CUDA's bf16 path too."""
+    from parallel_cases import launch
+    results = launch(_rank_flags, tmp_path)
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4) * 0.5
+    for rank, per_case in enumerate(results):
+        for bad_row, result in zip(BAD_ROWS, per_case):
+            assert (result["found"] > 0) is (result["unscaled"] > 0) is (bad_row is not None)
+            mine = full[4 * rank:4 * rank + 4]
+            for values in result["values"]:
+                ok = torch.isfinite(values)
+                assert ok.sum() == 16 - (bad_row is not None and bad_row // 4 == rank)
+                assert torch.equal(values[ok], mine[ok])

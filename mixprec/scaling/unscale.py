@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import kernel_table
+from ..shards import replicated
 
 __all__ = ["check_and_unscale_", "unscale_", "found_nonfinite", "total_norm",
            "unscale_and_check_", "nonfinite_param_names"]
@@ -51,7 +52,9 @@ def _inf_norm_flag(group: list[torch.Tensor], dev) -> torch.Tensor:
     if not nonempty:
         return torch.zeros((), dtype=torch.float32, device=dev)
     norms = torch._foreach_norm(nonempty, float("inf"))
-    return (~torch.isfinite(torch.stack(norms))).any().float()
+    # FSDP2 shards (DTensors): the flag of all shards, as a plain tensor (as torch's fused
+    # kernel gives for them), so it adds to the other groups' flags
+    return replicated((~torch.isfinite(torch.stack(norms))).any().float())
 
 
 def check_and_unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor | None,
