@@ -31,6 +31,13 @@ The paths:
   :func:`mixprec.casting.takes_low_precision_input`).
 
 A gradient dtype no kernel here accepts (float8, say) is refused with a ``TypeError`` naming it.
+
+Kernels that need no choice: ``torch._foreach_copy_`` (gradients into fp32 scratch, masters
+back into 16-bit weights), ``_foreach_zero_`` and ``_foreach_add_`` take every dtype on every
+device (torch falls back to one kernel per tensor where its multi-tensor path does not apply).
+mixprec calls no ``torch._scaled_mm`` itself: torchao's FP8 and MXFP8 layers do; which GPUs
+run them is a compute-capability check (:func:`mixprec.fp8.backend.check_device`,
+:meth:`mixprec.lowbit.mxfp8.MXFP8.native`), not a dtype limit.
 """
 
 from __future__ import annotations
