@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import kernel_table
 from .autocast import PrecisionContext
 from .dtypes import TRAINING_DTYPES, to_dtype
 from .precision import Precision
@@ -167,7 +168,14 @@ def takes_low_precision_input(mod: nn.Module, device_type: str) -> bool:
     accumulate in fp32: the numbers of casting the input up, to the rounding of the output and
     fp32 reassociation, without two casts around the layer (BatchNorm on CPU and CUDA;
     LayerNorm and GroupNorm on CPU, 4x faster than the cast path there). Their output is in the
-    activations' dtype, as torch.autocast's batch_norm."""
+    activations' dtype, as torch.autocast's batch_norm. Which kernels do, on which device:
+    ``norm_reads_low_precision`` of :mod:`mixprec.kernel_table`."""
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-        return device_type in ("cpu", "cuda")
-    return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) and device_type == "cpu"
+        kind = "batch_norm"
+    elif isinstance(mod, nn.LayerNorm):
+        kind = "layer_norm"
+    elif isinstance(mod, nn.GroupNorm):
+        kind = "group_norm"
+    else:
+        return False
+    return kernel_table.TABLE.norm_reads_low_precision(kind, device_type)

@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.benchmodels import TinyGPT
+from mixprec.master.params import held_grad
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")]
@@ -111,8 +112,12 @@ def test_no_fp32_gradient_between_steps_on_cuda():
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    assert all(opt.master_param(p).grad is None for p in model.parameters()
-               if p.dtype == torch.bfloat16)
+    # held, not read: reading a master's .grad makes its fp32 gradient from the model's
+    masters = opt.masters_by_param().values()
+    assert masters and all(held_grad(m) is None for m in masters)
+    count = sum(p.numel() for p in model.parameters())
+    model_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    assert mp.bytes_per_parameter(model, opt)["gradients"] * count == model_grads
     torch.cuda.synchronize()
 
 

@@ -68,15 +68,18 @@ def _detach(tree):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
+def cuda_indices(tensors) -> list[int]:
+    """The indices of the CUDA devices ``tensors`` live on (whose random states a pass forks)."""
+    return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+
+
 @contextlib.contextmanager
 def isolated(model: nn.Module, seed: int):
     """Run a pass that leaves the model as it was: the same random state on entry each time,
     gradients and buffers restored on exit."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = sorted({t.device.index for t in [*model.parameters(), *model.buffers()]
-                      if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=cuda_indices([*model.parameters(), *model.buffers()])):
         torch.manual_seed(seed)
         try:
             for p in grads:

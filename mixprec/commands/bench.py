@@ -44,7 +44,7 @@ from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
 from . import hfbench
 from .args import add_model_size_options, comma_list
-from .memory import peak_mb, reset_peak
+from .memory import peak_mb, reset_peak, synchronize
 from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
 
 __all__ = ["run_row", "run_bench", "format_table", "matmul_peaks", "peak_share_text", "register",
@@ -171,8 +171,7 @@ def _timed_row(model_name, sizes, level, dtype, steps, warmup, device, compile) 
     for i in range(warmup + steps):
         t = time.perf_counter()
         loss, scale, upd = step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        synchronize(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t)
             updates.append(upd)

@@ -21,6 +21,7 @@ import torch
 
 from ..dtypes import to_dtype
 from ..hardware import cpu_model, device_capabilities
+from .memory import synchronize
 
 __all__ = ["matmul_gflops", "probe_matmul", "probe_shapes", "doctor_report", "register",
            "DEFAULT_SHAPE", "SMALL_SHAPE", "DEFAULT_BUDGET_S", "SLOW_RATIO", "LAYOUTS"]
@@ -35,11 +36,6 @@ _FULL_PRODUCTS = 5                 # at least this many at the full shape (2 war
 #: of a row-major one (``W.t()``). A Linear layer's forward is "nt", its input gradient "nn",
 #: its weight gradient "tn"; some kernels' speed depends on it (torch's CPU fp16 GEMM: ~8x).
 LAYOUTS = ("nn", "nt", "tn", "tt")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def matmul_gflops(dtype: torch.dtype, shape=DEFAULT_SHAPE, device="cpu", budget_s: float = 0.4,
@@ -85,12 +81,12 @@ def _product_times(dtype, shape, device, budget_s: float, min_reps: int, warmup:
     b = _operand(k, n, layout[1] == "t", dtype, device, gen)
     for _ in range(warmup):
         a @ b
-    _sync(device)
+    synchronize(device)
     times, start = [], time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < 200):
         t0 = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 

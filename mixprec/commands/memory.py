@@ -33,6 +33,12 @@ def _malloc_trim() -> None:
         pass
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA device; the CPU runs synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def reset_peak(device: torch.device) -> int | None:
     """Reset the peak-memory counter; returns the baseline in KiB (None when unavailable)."""
     gc.collect()

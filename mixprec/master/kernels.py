@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from .. import kernel_table
+
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
            "torch_fused_problem", "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams",
            "PerDevice", "hp_tensor", "flat", "compile_options", "compile_master_step"]
@@ -42,7 +44,6 @@ COMPILED_SUPPORTED = (
 _SGD_OFF = ("maximize", "differentiable")
 _ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
 _TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_TORCH_FUSED_DEVICES = ("cpu", "cuda")
 
 
 # -- which optimizers each path runs --------------------------------------------------------------
@@ -89,8 +90,8 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors) -> str | None
         if group.get("differentiable") or group.get("capturable"):
             return "differentiable/capturable param groups"
     for t in tensors:
-        if t.device.type not in _TORCH_FUSED_DEVICES:
-            return f"a tensor on {t.device}"
+        if not kernel_table.TABLE.fused_optimizer(t.device.type, t.dtype):
+            return f"a {t.dtype} tensor on {t.device}"
         if t.grad is not None and t.grad.is_sparse:
             return "a sparse gradient"
     return None

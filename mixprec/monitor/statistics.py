@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import kernel_table
 from ..master.states import COMPENSATION_KEY
 from ..master.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
@@ -181,7 +182,8 @@ def _fused_options(inner, group: dict) -> dict:
     step of a MasterWeightOptimizer runs it), else the group's own options."""
     if type(inner) not in _FUSED or any(group.get(k) for k in _NOT_FUSED):
         return {}
-    if not all(p.device.type in ("cpu", "cuda") for p in group["params"]):
+    if not all(kernel_table.TABLE.fused_optimizer(p.device.type, torch.float32)
+               for p in group["params"]):
         return {}
     return {"fused": True, "foreach": False}
 

@@ -84,6 +84,12 @@ def _comm_hook(dtype: torch.dtype, group):
     return cast_reduce_hook(dtype)
 
 
+def device_ids_for(device: torch.device) -> dict[str, Any]:
+    """DDP's ``device_ids`` for a model on ``device``: the one CUDA device it lives on; none
+    for the CPU (DDP refuses ``device_ids`` there)."""
+    return {"device_ids": [device]} if device.type == "cuda" else {}
+
+
 def _has_low_precision(model: nn.Module) -> bool:
     return any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters())
 
@@ -150,8 +156,8 @@ def ddp(model: nn.Module, *, reduce_dtype: Any = "fp32", **ddp_kwargs) -> Distri
         _check_same_weights(model, group)
     ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if dev.type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [dev])
+    for key, value in device_ids_for(dev).items():
+        ddp_kwargs.setdefault(key, value)
     wrapped = DistributedDataParallel(model, **ddp_kwargs)
     if dtype != torch.float32 or _has_low_precision(model):  # else DDP's own fp32 all-reduce
         wrapped.register_comm_hook(group, _comm_hook(dtype, group))

@@ -2,7 +2,8 @@
 and the names of parameters whose gradients are not finite.
 
 Every pass works on lists of tensors grouped by (device, dtype), with torch's fused foreach
-kernels where they exist; none of them syncs with the host, except :func:`nonfinite_param_names`.
+kernels where they accept the group's device and dtype (chosen by :mod:`mixprec.kernel_table`);
+none of them syncs with the host, except :func:`nonfinite_param_names`.
 A sparse gradient takes part through its values (it must be coalesced).
 """
 
@@ -12,6 +13,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+
+from .. import kernel_table
+from ..shards import replicated
 
 __all__ = ["check_and_unscale_", "unscale_", "found_nonfinite", "total_norm",
            "unscale_and_check_", "nonfinite_param_names"]
@@ -40,20 +44,45 @@ def _flag(flags: dict[torch.device, torch.Tensor], device=None) -> torch.Tensor:
     return moved[0] if len(moved) == 1 else torch.stack(moved).sum()
 
 
+def _inf_norm_flag(group: list[torch.Tensor], dev) -> torch.Tensor:
+    """A 0-d float32 flag, 1 when some value of ``group`` is inf or NaN: the largest magnitude
+    of each tensor (one ``torch._foreach_norm(ord=inf)``; inf and NaN propagate, nothing
+    overflows), for dtypes torch's fused check kernel refuses (bf16 on CUDA)."""
+    nonempty = [t for t in group if t.numel()]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    norms = torch._foreach_norm(nonempty, float("inf"))
+    # FSDP2 shards (DTensors): the flag of all shards, as a plain tensor (as torch's fused
+    # kernel gives for them), so it adds to the other groups' flags
+    return replicated((~torch.isfinite(torch.stack(norms))).any().float())
+
+
 def check_and_unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor | None,
                        device=None) -> torch.Tensor:
     """Multiply ``tensors`` by ``inv_scale`` in place (None: 1) and return a 0-d inf/NaN flag.
 
-    One ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group: the
-    values are read once, checked and written. The flag (float32) is > 0 when any value is inf
-    or NaN (those stay non-finite); it lives on ``device`` (default: the first tensor's).
+    Per (device, dtype) group, the path :meth:`KernelTable.unscale_path
+    <mixprec.kernel_table.KernelTable.unscale_path>` picks: one
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (the values are read once, checked and
+    written) where the kernel takes the dtype, else one inf-norm check and one foreach multiply.
+    The flag (float32) is > 0 when any value is inf or NaN before the multiplication (those stay
+    non-finite); it lives on ``device`` (default: the first tensor's).
+
+    Raises:
+        TypeError: a gradient of a dtype none of these kernels accepts (float8).
     """
+    table = kernel_table.TABLE
     flags: dict[torch.device, torch.Tensor] = {}
-    for (dev, _), group in _by_device_dtype(tensors).items():
+    for (dev, dtype), group in _by_device_dtype(tensors).items():
         found = flags.setdefault(dev, torch.zeros((), dtype=torch.float32, device=dev))
-        inv = (torch.ones((), dtype=torch.float32, device=dev) if inv_scale is None
-               else inv_scale.to(dev, torch.float32))
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        if table.unscale_path(dev.type, dtype) == "amp":
+            inv = (torch.ones((), dtype=torch.float32, device=dev) if inv_scale is None
+                   else inv_scale.to(dev, torch.float32))
+            table.kernel("amp_check_and_unscale")(group, found, inv)
+            continue
+        found.add_(_inf_norm_flag(group, dev))
+        if inv_scale is not None:
+            torch._foreach_mul_(group, inv_scale.to(dev, torch.float32))
     return _flag(flags, device)
 
 
@@ -66,21 +95,30 @@ def unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
 def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
     """A 0-d float32 flag, > 0 when any value of ``tensors`` is inf or NaN; writes nothing.
 
-    On the CPU one ``torch.aminmax`` per tensor (NaN and inf propagate to the minimum or the
-    maximum; 5x faster there than the fused check kernel on bf16); elsewhere the fused check
-    kernel with a factor of 1 (one launch per device; it writes the same values back).
+    Per (device, dtype) group, the path :meth:`KernelTable.check_path
+    <mixprec.kernel_table.KernelTable.check_path>` picks: on the CPU one ``torch.aminmax`` per
+    tensor (NaN and inf propagate to the minimum or the maximum; 5x faster there than the fused
+    check kernel on bf16); elsewhere the fused check kernel with a factor of 1 (it writes the
+    same values back) where it takes the dtype, else one inf-norm check (bf16 on CUDA).
+
+    Raises:
+        TypeError: a gradient of a dtype none of these kernels accepts (float8).
     """
+    table = kernel_table.TABLE
     flags: dict[torch.device, torch.Tensor] = {}
-    for (dev, _), group in _by_device_dtype(tensors).items():
-        if dev.type == "cpu":
+    for (dev, dtype), group in _by_device_dtype(tensors).items():
+        path = table.check_path(dev.type, dtype)
+        if path == "aminmax":
             extremes = [torch.stack(torch.aminmax(t)) for t in group if t.numel()]
             if not extremes:
                 continue
             bad = (~torch.isfinite(torch.cat(extremes))).any().float()
-        else:
+        elif path == "amp":
             bad = torch.zeros((), dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(
+            table.kernel("amp_check_and_unscale")(
                 group, bad, torch.ones((), dtype=torch.float32, device=dev))
+        else:
+            bad = _inf_norm_flag(group, dev)
         flags[dev] = bad if dev not in flags else flags[dev] + bad
     return _flag(flags, device)
 

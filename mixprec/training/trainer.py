@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .. import vocabulary
+from .. import kernel_table, vocabulary
 from ..engine import MixedPrecision, engine_for
 from ..master import kernels
 from ..policy import Policy
@@ -137,8 +137,8 @@ class Trainer:
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
-        if compile and self.device.type == "cpu":  # on CUDA torch's fused kernels measured
-            kernels.compile_master_step(self.optimizer)  # faster (see compile_master_step)
+        if compile and kernel_table.TABLE.master_step(self.device.type) == "compile":
+            kernels.compile_master_step(self.optimizer)  # CUDA: torch's fused kernels, faster
         self.history = History()
         self.state = ts.TrainState()
         self.stop_training = False

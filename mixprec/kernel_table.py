@@ -1,0 +1,183 @@
+"""Which kernel runs, by device type and dtype: the one place that decides.
+
+torch's kernels accept different dtypes on different devices, and a branch that only one
+device takes is a branch the CPU test suite never runs. So every choice of kernel path that
+depends on where the tensors live, or on their dtype, is made here, from the limits written down
+in :data:`LIMITS` (read from the kernels' dispatch macros in torch 2.4-2.13 and checked against
+torch itself by the tests: the CPU rows on every machine, the CUDA rows on a GPU). Callers ask a
+:class:`KernelTable` (the module's :data:`TABLE`) which path to take and call the kernels it
+hands out; tests drive a device's branch on the CPU with that device's limits imposed
+(:meth:`KernelTable.imposing`), with a fake kernel that refuses what the real one refuses.
+
+The paths:
+
+* **inf/NaN check and unscale** (:meth:`KernelTable.unscale_path`): torch's
+  ``_amp_foreach_non_finite_check_and_unscale_`` where it accepts the dtype (one fused pass:
+  read, check, write); else ``"inf_norm"``: one ``torch._foreach_norm(ord=inf)`` (the largest
+  magnitude of each tensor: inf and NaN propagate, nothing overflows) and one
+  ``torch._foreach_mul_``, per group. Both check the values before the multiplication, as
+  torch's kernel does.
+* **read-only inf/NaN check** (:meth:`KernelTable.check_path`): ``"aminmax"`` on the CPU
+  (5x faster there than the fused check kernel on bf16); the fused check kernel with a factor of
+  1 where it accepts the dtype; else ``"inf_norm"``.
+* **torch's fused optimizers** (:meth:`KernelTable.fused_optimizer`): ``fused=True`` SGD, Adam
+  and AdamW where the device and dtype have a fused kernel.
+* **the master step a compiling Trainer turns on** (:meth:`KernelTable.master_step`):
+  ``"compile"`` (one compiled pass per parameter) on the CPU; ``"fused"`` (torch's fused
+  multi-tensor kernels) elsewhere, where they measured faster (nine-linear on an H100: 1.8 vs
+  2.9 ms per update).
+* **norm layers fed low-precision activations** (:meth:`KernelTable.norm_reads_low_precision`):
+  which norm kernels read bf16/fp16 input with fp32 parameters (see
+  :func:`mixprec.casting.takes_low_precision_input`).
+
+A gradient dtype no kernel here accepts (float8, say) is refused with a ``TypeError`` naming it.
+
+Kernels that need no choice: ``torch._foreach_copy_`` (gradients into fp32 scratch, masters
+back into 16-bit weights), ``_foreach_zero_`` and ``_foreach_add_`` take every dtype on every
+device (torch falls back to one kernel per tensor where its multi-tensor path does not apply).
+mixprec calls no ``torch._scaled_mm`` itself: torchao's FP8 and MXFP8 layers do; which GPUs
+run them is a compute-capability check (:func:`mixprec.fp8.backend.check_device`,
+:meth:`mixprec.lowbit.mxfp8.MXFP8.native`), not a dtype limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import torch
+
+__all__ = ["FLOATS", "LIMITS", "KERNELS", "DEVICE_TYPES", "KernelTable", "TABLE"]
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+#: The floating dtypes gradients may have.
+FLOATS = (F16, BF16, F32, F64)
+#: The device types with rows of their own; any other device type takes the row ``"other"``.
+DEVICE_TYPES = ("cpu", "cuda")
+
+#: kernel -> device type (or ``"other"``) -> the dtypes it accepts.
+LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
+    # torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale).
+    # CPU (ATen/native/cpu/AmpGradScalerKernels.cpp): AT_DISPATCH_FLOATING_TYPES and
+    # AT_DISPATCH_REDUCED_FLOATING_TYPES. CUDA (ATen/native/cuda/AmpKernels.cu):
+    # AT_DISPATCH_FLOATING_TYPES_AND_HALF, so bf16 raises NotImplementedError:
+    # "_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for 'BFloat16'.
+    # found_inf and inv_scale: one-element float32 tensors on the tensors' device.
+    "amp_check_and_unscale": {"cpu": FLOATS, "cuda": (F16, F32, F64), "other": ()},
+    # torch._fused_sgd_/_fused_adam_/_fused_adamw_ (torch.optim.SGD/Adam/AdamW, fused=True):
+    # fp64, fp32, fp16 and bf16 parameters (torch.optim's docs;
+    # AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16) in FusedAdamKernel.cu/FusedAdamKernel.cpp);
+    # the gradients and state of the masters' dtype. On other devices (MPS: no fp64) mixprec
+    # takes the optimizer's own foreach step.
+    "fused_optimizer": {"cpu": FLOATS, "cuda": FLOATS, "other": ()},
+    # torch._foreach_norm(tensors, ord=inf): floating dtypes (CUDA:
+    # AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16), max_propagate_nan; CPU: one
+    # linalg.vector_norm per tensor). An empty tensor has no inf-norm on the CPU: left out.
+    # torch._foreach_mul_(tensors, 0-d float32 tensor): floating dtypes, computed in float32
+    # (double for fp64) and rounded once. Neither accepts float8 on the CPU.
+    "foreach_norm_mul": {"cpu": FLOATS, "cuda": FLOATS, "other": FLOATS},
+    # torch.aminmax: floating dtypes on CPU and CUDA.
+    "aminmax": {"cpu": FLOATS, "cuda": FLOATS, "other": ()},
+    # Norm kernels that read bf16/fp16 activations with fp32 weight and statistics
+    # (torch.batch_norm on CPU and CUDA; torch.layer_norm/group_norm on the CPU only here: on
+    # CUDA mixprec casts the input up).
+    "batch_norm_low_input": {"cpu": (F16, BF16), "cuda": (F16, BF16), "other": ()},
+    "layer_group_norm_low_input": {"cpu": (F16, BF16), "cuda": (), "other": ()},
+}
+
+#: kernel -> the callable the table hands out (a test swaps in a fake through
+#: :meth:`KernelTable.imposing`).
+KERNELS: dict[str, Callable] = {
+    "amp_check_and_unscale": torch._amp_foreach_non_finite_check_and_unscale_,
+}
+
+_NORM_KINDS = {"batch_norm": "batch_norm_low_input", "layer_norm": "layer_group_norm_low_input",
+               "group_norm": "layer_group_norm_low_input"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTable:
+    """Kernel paths by (device type, dtype), from ``limits`` (see the module docstring).
+
+    Args:
+        limits: kernel -> device type (``"cpu"``, ``"cuda"``, ``"other"``) -> accepted dtypes.
+        kernels: kernel -> the callable to run.
+        rows: device type -> the device type whose limits it follows (a test imposes CUDA's
+            limits on CPU tensors with ``{"cpu": "cuda"}``); unlisted types follow their own.
+    """
+
+    limits: Mapping[str, Mapping[str, tuple]] = dataclasses.field(
+        default_factory=lambda: LIMITS)
+    kernels: Mapping[str, Callable] = dataclasses.field(default_factory=lambda: KERNELS)
+    rows: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def row(self, device_type: str) -> str:
+        """The row of :data:`LIMITS` that applies to ``device_type``."""
+        device_type = self.rows.get(device_type, device_type)
+        return device_type if device_type in DEVICE_TYPES else "other"
+
+    def accepts(self, kernel: str, device_type: str, dtype: torch.dtype) -> bool:
+        """Whether ``kernel`` runs tensors of ``dtype`` on ``device_type``."""
+        return dtype in self.limits[kernel][self.row(device_type)]
+
+    def kernel(self, name: str) -> Callable:
+        """The callable behind kernel ``name``."""
+        return self.kernels[name]
+
+    def _check_gradient_dtype(self, dtype: torch.dtype, what: str) -> None:
+        if dtype not in FLOATS:
+            raise TypeError(f"can't {what} gradients of dtype {dtype}: gradients must be one of "
+                            f"{', '.join(str(d) for d in FLOATS)}")
+
+    def unscale_path(self, device_type: str, dtype: torch.dtype) -> str:
+        """``"amp"`` (torch's fused check-and-unscale kernel) or ``"inf_norm"`` (an inf-norm
+        check, then a foreach multiply) for gradients of ``dtype`` on ``device_type``.
+
+        Raises:
+            TypeError: ``dtype`` is not a floating dtype gradients may have.
+        """
+        self._check_gradient_dtype(dtype, "unscale")
+        if self.accepts("amp_check_and_unscale", device_type, dtype):
+            return "amp"
+        return "inf_norm"
+
+    def check_path(self, device_type: str, dtype: torch.dtype) -> str:
+        """``"aminmax"``, ``"amp"`` (the fused kernel with a factor of 1) or ``"inf_norm"`` for
+        a read-only inf/NaN check of gradients of ``dtype`` on ``device_type``.
+
+        Raises:
+            TypeError: ``dtype`` is not a floating dtype gradients may have.
+        """
+        self._check_gradient_dtype(dtype, "check")
+        if self.row(device_type) == "cpu":
+            return "aminmax"
+        if self.accepts("amp_check_and_unscale", device_type, dtype):
+            return "amp"
+        return "inf_norm"
+
+    def fused_optimizer(self, device_type: str, dtype: torch.dtype) -> bool:
+        """Whether torch's fused SGD/Adam/AdamW kernel steps ``dtype`` tensors on
+        ``device_type``."""
+        return self.accepts("fused_optimizer", device_type, dtype)
+
+    def master_step(self, device_type: str) -> str:
+        """The master step a compiling Trainer turns on: ``"compile"`` on the CPU, else
+        ``"fused"`` (torch's fused kernels, ``MasterWeightOptimizer(fused="auto")``)."""
+        return "compile" if self.row(device_type) == "cpu" else "fused"
+
+    def norm_reads_low_precision(self, kind: str, device_type: str) -> bool:
+        """Whether the norm kernel of ``kind`` (``"batch_norm"``, ``"layer_norm"``,
+        ``"group_norm"``) reads bf16/fp16 input with fp32 parameters on ``device_type``."""
+        return self.accepts(_NORM_KINDS[kind], device_type, BF16)
+
+    def imposing(self, device_type: str, on: str = "cpu",
+                 kernels: Mapping[str, Callable] | None = None) -> KernelTable:
+        """A table under which tensors on ``on`` take ``device_type``'s paths, with
+        ``kernels`` in place of the real ones (for tests: a fake that refuses what the real
+        kernel on ``device_type`` refuses)."""
+        return KernelTable(self.limits, {**self.kernels, **(kernels or {})},
+                           {**self.rows, on: device_type})
+
+
+#: The table the library consults.
+TABLE = KernelTable()
