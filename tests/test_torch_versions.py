@@ -41,11 +41,27 @@ def test_the_declared_range_is_what_is_tested():
 def test_the_readme_names_the_declared_range_and_the_tested_versions():
     readme = (ROOT / "README.md").read_text()
     spec = str(_torch_requirement().specifier)
-    declared = {str(Requirement(f"torch{m}").specifier)
-                for m in re.findall(r"torch\s*((?:[<>=!~]=?\s*[\d.]+\s*,?\s*)+)", readme)}
+    ranges = re.findall(r"torch\s*(>=?\s*[\d.]+(?:\s*,\s*[<>!~=]=?\s*[\d.]+)*)", readme)
+    declared = {str(Requirement(f"torch{m}").specifier) for m in ranges}
     assert declared == {spec}, declared  # every range the README states is pyproject's
     tested = re.search(r"Tested torch: (.*?)\.\s*$", readme, re.M | re.S)
     assert tested, "the README's install section says which torch versions are tested"
     sentence = " ".join(tested.group(1).split())
     for version, where in TESTED.items():
         assert re.search(rf"\b{re.escape(version)}\b[^,;]*\b{where}\b", sentence), (version, where)
+
+
+def test_the_readme_says_which_torch_make_demo_installs():
+    makefile = (ROOT / "Makefile").read_text()
+    pin = re.search(r"pip install .*?torch==([\d.]+)(.*)", makefile)
+    assert pin, "the Makefile pins torch"
+    version, rest = pin.groups()
+    assert Version(torch.__version__).release[:2] == Version(version).release[:2]
+    readme = (ROOT / "README.md").read_text()
+    demo = next(line for line in readme.splitlines() if line.startswith("make demo"))
+    assert f"torch {version}" in demo
+    if "whl/cpu" not in rest:  # PyPI's default build: CUDA on Linux x86-64
+        assert "(CPU)" not in demo, demo
+        said = " ".join(readme.split())
+        assert f"`torch=={version}` from your pip index: on Linux x86-64 PyPI serves its CUDA " \
+               f"build" in said
