@@ -96,6 +96,7 @@ def test_cli_options_reach_the_hf_bench(monkeypatch, capsys):
     (("--levels", "O2,O9"), "unknown row(s) ['O9'] for the hf- models; choose from fp32,"),
     (("--steps", "0"), "steps must be an integer >= 1; got 0"),
     (("--depth", "0"), "depth must be an integer >= 1; got 0"),
+    (("--compile", "--warmup", "0"), "--compile) needs warmup >= 1: the first step compiles"),
 ])
 def test_hf_bench_refuses_what_it_cannot_honour(monkeypatch, capsys, argv, expected):
     monkeypatch.setattr(hfbench, "_setup", None)  # nothing may be built: refused up front

@@ -190,6 +190,9 @@ def run_hf_bench(model_name: str, *, width: int = 128, seq: int = 64, batch: int
                                ("depth", depth, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+    if compile and warmup < 1:
+        raise ValueError("compile=True (--compile) needs warmup >= 1: the first step compiles, "
+                         "and its time must not fall in the timed steps")
     sizes = {"width": width, "seq": seq, "batch": batch, "vocab": vocab, "dtype": dtype,
              "depth": depth}
     step_fns = {row: _setup(model_name, row, sizes, compile)[2] for row in rows}
