@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 # torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
 $(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	# pinned: an unpinned torch pulls a multi-GB CUDA build
+	# pinned to the tested version; from PyPI on Linux x86-64 this is the CUDA build (several GB
+	# with NVIDIA's wheels): a torch 2.13.0 already in $(VENV) (the CPU build, say) is kept
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[demo]'
 	touch $(DEMO_STAMP)

@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke run")
     p.add_argument("--json", default=None, help="also write every figure to this file")
     args = p.parse_args()
+    hfbench.quiet_profiler()  # no kineto USDT lines at each peak-memory measurement
     start = time.perf_counter()
     rounds = 1 if args.quick else args.rounds
     sizes = {"width": 32, "seq": 16, "batch": 2, "vocab": 256} if args.quick else {}

@@ -348,9 +348,13 @@ def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -
 
 
 def check_policy(saved: dict | None, policy: Policy | None, where: str = "this checkpoint"):
-    """Refuse a saved policy (a :meth:`Policy.state_dict`) that differs from ``policy``."""
-    mine = None if policy is None else policy.state_dict()
-    if saved != mine:
+    """Refuse a saved policy (a :meth:`Policy.state_dict`) that differs from ``policy`` in
+    value (the ``level`` label aside: see :class:`Policy`)."""
+    if saved is None or policy is None:
+        same = saved is None and policy is None
+    else:
+        same = Policy.from_state_dict(saved) == policy
+    if not same:
         shown = "none" if saved is None else str(Policy.from_state_dict(saved))
         raise ValueError(f"{where} was made under the policy {shown}, but this run uses "
                          f"{policy}: load it into a run with the same policy")

@@ -50,7 +50,7 @@ FP8_RECIPES = lowbit.shorthands()  # the strings fp8= accepts
 _FP32 = torch.float32
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class Policy:
     """How a model stores parameters, computes, and returns outputs: the whole description.
 
@@ -68,7 +68,9 @@ class Policy:
 
     ``keep_fp32=``, ``overrides=`` and ``fp8_modules=`` are entries of ``modules`` (and read
     back as views of it); ``prepare`` records :func:`mixprec.to_float` marks there too.
-    Policies compare by value (``==``) and print canonically; :meth:`state_dict` /
+    Policies compare (``==``, ``hash``) by value: every field but ``level``, a label (the level
+    a policy came from) that changes no cast, so a level with ``master="kahan"`` equals the same
+    policy built field by field. They print canonically; :meth:`state_dict` /
     :meth:`from_state_dict` round-trip them through checkpoints.
 
     Args:
@@ -85,7 +87,8 @@ class Policy:
         loss_scale: ``"dynamic"``, a fixed float, or None.
         autocast: run the forward under :func:`mixprec.autocast` with ``compute_dtype``.
         cast_inputs: cast the model's floating inputs to ``compute_dtype`` at entry.
-        level: the level this policy came from ("O0".."O3"), or None for a custom one.
+        level: the level this policy came from ("O0".."O3"), or None for a custom one: a label,
+            left out of comparisons.
         overrides: module type or qualified name -> dtype ("fp32", "bf16", "fp16"): those
             modules compute in that dtype (a dict, or pairs): entries ``key: Precision(dtype)``
             (they replace a ``keep_fp32`` entry of the same key).
@@ -148,8 +151,9 @@ class Policy:
         self.__post_init__()
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "state_dtype"):
+        for field in ("param_dtype", "compute_dtype"):
             object.__setattr__(self, field, to_dtype(getattr(self, field), what=field))
+        object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,
                                                               what="output_dtype"))
@@ -169,16 +173,13 @@ class Policy:
 
     def _check_masters(self) -> None:
         object.__setattr__(self, "master", masters.resolve(self.master))
-        if dtype_name(self.state_dtype) not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}; "
-                             f"got {dtype_name(self.state_dtype)!r}")
         if self.param_dtype != _FP32:
             self.master.check_dtype(self.param_dtype)
-        compact = self.master.compact or self.state_dtype != _FP32
-        if compact and not self.master_weights:
-            raise ValueError(f"master={str(self.master)!r} and state_dtype="
-                             f"{dtype_name(self.state_dtype)!r} describe how an optimizer "
-                             f"updates 16-bit parameters: they need master_weights=True")
+        asked = ([f"master={str(self.master)!r}"] if self.master.compact else []) + (
+            [f"state_dtype={dtype_name(self.state_dtype)!r}"] if self.state_dtype != _FP32 else [])
+        if asked and not self.master_weights:
+            raise ValueError(no_masters_message(" and ".join(asked), self.level,
+                                                self.param_dtype))
 
     # -- per-module precision (views of ``modules``) -------------------------------------------
     def module_dtype(self, module: nn.Module, name: str) -> torch.dtype | None:
@@ -283,13 +284,30 @@ class Policy:
         return cls(low, low, None, cast_inputs=True, level="O3")
 
     def replace(self, **changes) -> "Policy":
-        """A copy with some fields changed (the level becomes None unless given).
+        """A copy with some fields changed.
 
-        ``modules=`` replaces the map; ``keep_fp32=`` and ``overrides=`` add entries to it
-        (``modules=`` given too: to that one); ``fp8_modules=`` replaces its low-bit choice.
+        The level label stays when only what :func:`mixprec.prepare`'s keywords set on a level
+        changes (``keep_fp32``, ``master``, ``state_dtype``, ``fp8``, ``fp8_modules``: as
+        ``prepare(level="O2", master="kahan")`` labels its policy O2); any other change makes it
+        None (a custom policy) unless ``level=`` is given. ``modules=`` replaces the map;
+        ``keep_fp32=`` and ``overrides=`` add entries to it (``modules=`` given too: to that
+        one); ``fp8_modules=`` replaces its low-bit choice.
         """
-        changes.setdefault("level", None)
+        if not set(changes) <= _LEVEL_KEEPING:
+            changes.setdefault("level", None)
         return dataclasses.replace(self, **changes)
+
+    def _value(self) -> tuple:
+        """Every field but the ``level`` label: what ``==`` and ``hash`` compare."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "level")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
 
     @property
     def is_mixed(self) -> bool:
@@ -321,3 +339,35 @@ class Policy:
 
 
 _O2_MODULES = PrecisionMap({NormLayer: Precision(_FP32)})  # O2 keeps norm layers in fp32
+#: the fields Policy.replace may change keeping the level label (what prepare's keywords set)
+_LEVEL_KEEPING = {"keep_fp32", "master", "state_dtype", "fp8", "fp8_modules"}
+_NO_MASTERS = {"O0": "fp32 training", "O1": "its parameters stay fp32",
+               "O3": "pure 16-bit: the optimizer updates the 16-bit parameters themselves"}
+
+
+def no_masters_message(asked: str, level: str | None, param_dtype: torch.dtype) -> str:
+    """Why ``asked`` (``"master='kahan'"``, ...) needs master weights a policy does not have,
+    and what to use instead."""
+    if level in _NO_MASTERS:
+        return (f"{asked}: master weights exist at level O2 only (or in a Policy with "
+                f"master_weights=True); level {level} has none ({_NO_MASTERS[level]}): use "
+                f"level='O2'")
+    if level == "O2":
+        return (f"{asked}: level O2 has master weights only with a 16-bit dtype; here the "
+                f"parameters are {dtype_name(param_dtype)}: use dtype='bf16' (or 'fp16')")
+    return (f"{asked}: how an optimizer updates 16-bit parameters through master weights, "
+            f"which need master_weights=True")
+
+
+def _state_dtype(spec) -> torch.dtype:
+    """``state_dtype`` as a torch dtype, or an error listing the valid ones only."""
+    valid = f"one of {', '.join(map(repr, STATE_DTYPES))} (or torch.float32, torch.bfloat16)"
+    if not isinstance(spec, (str, torch.dtype)):
+        raise TypeError(f"state_dtype must be {valid}; got {type(spec).__name__} {spec!r}")
+    try:
+        dt = to_dtype(spec, what="state_dtype")
+    except ValueError:
+        dt = None
+    if dt is None or dtype_name(dt) not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be {valid}; got {spec!r}")
+    return dt

@@ -45,7 +45,7 @@ from .master import is_master_optimizer
 from .master.wrapper import WrappedOptimizer
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
-from .policy import Policy
+from .policy import Policy, no_masters_message
 from .precision_map import keep_fp32_entries
 from .regions import (
     Entry,
@@ -127,6 +127,10 @@ def resolve_policy(level, dtype, keep_fp32, policy, device, *, warn: bool = True
                if v is not None}
     if compact:
         policy = dataclasses.replace(policy, **compact)
+    if master is not None and not policy.master_weights and policy.param_dtype != torch.float32:
+        # fp32 masters asked for where there are none (the compact methods are refused by Policy)
+        raise ValueError(no_masters_message(f"master={str(policy.master)!r}", policy.level,
+                                            policy.param_dtype))
     policy = _with_fp8(policy, fp8, fp8_modules)
     return policy
 

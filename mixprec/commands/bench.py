@@ -361,8 +361,9 @@ def _run(args) -> int:
         raise ValueError(f"unknown model {args.model!r}; choose one of "
                          f"{', '.join([*benchmodels.MODELS, *hfbench.HF_MODELS])}")
     levels = _parse_levels(",".join(args.levels or LEVELS))
-    rep = run_bench(args.model, levels, args.dtype, args.steps, args.warmup,
-                    args.repeat, not args.no_reference, not args.in_process, args.device,
+    rep = run_bench(args.model, levels, args.dtype, 10 if args.steps is None else args.steps,
+                    3 if args.warmup is None else args.warmup, args.repeat,
+                    not args.no_reference, not args.in_process, args.device,
                     compile=args.compile, **sizes)
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
     return 0
@@ -378,10 +379,10 @@ def register(subparsers) -> None:
     p.add_argument("--levels", action="extend", type=comma_list, default=None,
                    help=f"levels, comma-separated or repeated (default {','.join(LEVELS)})")
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
-    p.add_argument("--steps", type=int, default=10,
-                   help="timed steps per row (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps first (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per row (default 10; hf- models: 2 per round)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 3; hf- models: 2)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all rows, interleaved (default 1); a row's median pools the "
                         "timed steps of all its rounds (--repeat 3 --steps 10: 30 steps)")
@@ -389,7 +390,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
     p.add_argument("--in-process", action="store_true",
-                   help="run rows in this process (faster; memory peaks less meaningful)")
+                   help="run rows in this process (faster; memory peaks less meaningful; the "
+                        "hf- models always do)")
     p.add_argument("--compile", action="store_true",
                    help="level rows use Trainer(compile=True): compiled forward+loss and, at O2, "
                         "the fused master step (compile time falls in the warm-up)")

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import masters
-from ..dtypes import dtype_name, to_dtype
+from ..dtypes import to_dtype
 from ..masters.kahan import COMPENSATION_KEY
 from ..masters.split import REMAINDER_KEY
 from .rounding import RoundingGenerator, shard_key, stochastic_round
@@ -60,9 +60,12 @@ def check_state_dtype(state_dtype) -> torch.dtype:
     Raises:
         ValueError: any other dtype.
     """
-    dt = to_dtype(state_dtype, what="state_dtype")
+    try:
+        dt = to_dtype(state_dtype, what="state_dtype")
+    except (TypeError, ValueError):  # its message lists dtypes that are not state dtypes
+        dt = None
     if dt not in STATE_DTYPES:
-        raise ValueError(f"state_dtype must be 'fp32' or 'bf16'; got {dtype_name(dt)!r}")
+        raise ValueError(f"state_dtype must be 'fp32' or 'bf16'; got {state_dtype!r}")
     return dt
 
 

@@ -32,6 +32,7 @@ from ..fp8.convert import fp8_modules
 from ..parallel.env import is_main_process
 from ..scaling.unscale import total_norm
 from .statistics import UpdateProbe, gradient_pairs, output_amax, underflow_counts
+from .writers import as_writers
 
 __all__ = ["PrecisionMonitor"]
 
@@ -48,7 +49,7 @@ class PrecisionMonitor:
             qualified names, ``fnmatch`` patterns (``"h.*.mlp.c_proj"``) and module types.
         writers: where the scalars go: :class:`mixprec.monitor.TensorBoardWriter`,
             :class:`mixprec.monitor.JSONLWriter`, or any object with ``write(step, scalars)``
-            and ``close()``. Only the main process writes.
+            and ``close()``; one writer or a list of them. Only the main process writes.
 
     Attributes:
         records: every recorded step's scalars (a dict with ``"step"``), in order.
@@ -57,7 +58,8 @@ class PrecisionMonitor:
     Raises:
         ValueError: ``every`` is not a positive integer; a name or pattern in ``layers``
             matches no module (raised when the model is set up).
-        TypeError: a writer without ``write``/``close``; a bad ``layers`` entry.
+        TypeError: ``writers`` neither a writer nor a list of writers; a writer without
+            ``write``/``close``; a bad ``layers`` entry.
 
     Example:
         >>> import torch, mixprec as mp
@@ -76,11 +78,7 @@ class PrecisionMonitor:
             raise ValueError(f"every must be a positive integer; got {every!r}")
         self.every = every
         self._patterns = _check_layers(layers)
-        self.writers = list(writers)
-        for w in self.writers:
-            if not (callable(getattr(w, "write", None)) and callable(getattr(w, "close", None))):
-                raise TypeError(f"a writer needs write(step, scalars) and close() methods; got "
-                                f"{type(w).__name__}")
+        self.writers = as_writers(writers)
         self.records: list[dict] = []
         self.step = 0
         self._engine = None

@@ -17,7 +17,7 @@ import pathlib
 
 from .writers import read_run
 
-__all__ = ["write_report", "render", "advice", "Run"]
+__all__ = ["write_report", "render", "advice", "Run", "read_record"]
 
 # what the advice calls a problem
 LOST_LIMIT = 0.25         # a layer losing this much of its updates, on average from some step on
@@ -91,7 +91,10 @@ class Run:
 
 # -- advice in words -------------------------------------------------------------------------------
 def advice(run: Run) -> list[str]:
-    """What to do, in words, one line per finding (a line saying nothing was found otherwise)."""
+    """What to do, in words, one line per finding (a line saying nothing was found otherwise,
+    or that the run holds no mixprec scalars to judge)."""
+    if not _mixprec_names(run.series):
+        return [_NOTHING_TO_JUDGE]
     found = _scale_advice(run) + _lost_advice(run) + _underflow_advice(run) + _range_advice(run)
     if not found:
         found.append("No precision problem was seen in the recorded steps: no layer lost more "
@@ -340,6 +343,31 @@ def _summary(run: Run) -> str:
                                for k, v in rows) + "</table>"
 
 
+_NOTHING_TO_JUDGE = ("The run holds no mixprec scalars (names starting 'mixprec/'): it is not "
+                     "a PrecisionMonitor's record, so there is nothing to judge.")
+
+
+def _mixprec_names(series) -> list[str]:
+    return [name for name in series if name.startswith("mixprec/")]
+
+
+def read_record(run_path) -> dict[str, list[tuple[int, float]]]:
+    """:func:`mixprec.monitor.read_run`, refusing a run with no mixprec scalars.
+
+    Raises:
+        FileNotFoundError, ValueError: what :func:`mixprec.monitor.read_run` refuses; a run
+            with no ``mixprec/...`` scalars (the names it holds are listed).
+    """
+    series = read_run(run_path)
+    if not _mixprec_names(series):
+        names = sorted(series)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise ValueError(f"{os.fspath(run_path)} holds no mixprec scalars (names starting "
+                         f"'mixprec/'), only {shown}: not a PrecisionMonitor's record, nothing "
+                         f"to report")
+    return series
+
+
 def write_report(run_path, out_path, title: str | None = None) -> pathlib.Path:
     """Read a run (a JSONL file or a TensorBoard folder) and write its report page.
 
@@ -347,9 +375,9 @@ def write_report(run_path, out_path, title: str | None = None) -> pathlib.Path:
         The path written.
 
     Raises:
-        FileNotFoundError, ValueError: what :func:`mixprec.monitor.read_run` refuses.
+        FileNotFoundError, ValueError: what :func:`read_record` refuses.
     """
-    series = read_run(run_path)
+    series = read_record(run_path)
     out = pathlib.Path(os.fspath(out_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     name = title or f"mixprec run: {pathlib.Path(os.fspath(run_path)).name}"

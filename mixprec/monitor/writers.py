@@ -5,6 +5,10 @@ A writer is any object with ``write(step, scalars)`` (``scalars``: name -> float
 text, no dependency) and :class:`TensorBoardWriter` (event files through
 ``torch.utils.tensorboard``; ``pip install mixprec[tensorboard]``). :func:`read_run` reads
 either back into ``{name: [(step, value), ...]}``, the form ``mixprec report`` plots.
+
+A :class:`JSONLWriter` starts its file afresh by default, as one run's record (``mode="a"``
+continues a file, for a resumed run); :func:`read_run` warns where a file's steps go back
+(two runs in one file), naming the file and line.
 """
 
 from __future__ import annotations
@@ -13,37 +17,56 @@ import json
 import math
 import os
 import pathlib
+import warnings
 from collections.abc import Callable
 
-__all__ = ["JSONLWriter", "TensorBoardWriter", "CallbackWriter", "read_run"]
+__all__ = ["JSONLWriter", "TensorBoardWriter", "CallbackWriter", "read_run", "as_writers"]
+
+_MODES = {"w": "a fresh file: the first recorded step replaces an existing one",
+          "a": "append to an existing file (a resumed run continuing its record)"}
 
 
 class JSONLWriter:
-    """Append one JSON object per recorded step to ``path``: ``{"step": n, name: value, ...}``.
+    """One JSON object per recorded step in ``path``: ``{"step": n, name: value, ...}``.
 
-    The file is opened for each line and closed after it, so a run that dies keeps every
-    recorded step and nothing is left open.
-    Non-finite values (an inf gradient norm) are written as the strings "inf", "-inf", "nan".
+    The file is one run's record: by default (``mode="w"``) the first recorded step replaces a
+    file already there, as ``open(path, "w")`` would (only the process that writes, the main
+    one, touches the file); ``mode="a"`` appends to it instead, for a run resumed from a
+    checkpoint. The file is opened for each line and closed after it, so a run that dies keeps
+    every recorded step and nothing is left open. Non-finite values (an inf gradient norm) are
+    written as the strings "inf", "-inf", "nan".
 
     Args:
-        path: the file (created, with its folder; an existing file is appended to).
+        path: the file (created, with its folder).
+        mode: ``"w"`` (default) or ``"a"``.
+
+    Raises:
+        ValueError: another ``mode``.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, mode: str = "w"):
+        if mode not in _MODES:
+            raise ValueError(f"JSONLWriter's mode must be one of "
+                             f"{'; '.join(f'{k!r}: {v}' for k, v in _MODES.items())}; got "
+                             f"{mode!r}")
         self.path = pathlib.Path(os.fspath(path))
+        self.mode = mode
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fresh = mode == "w"  # the first write truncates
 
     def write(self, step: int, scalars: dict) -> None:
-        """Append ``{"step": step, **scalars}`` as one line."""
+        """Add ``{"step": step, **scalars}`` as one line (the first one of a ``mode="w"``
+        writer replaces what the file held)."""
         row = {"step": int(step), **{k: _finite_or_text(v) for k, v in scalars.items()}}
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open(self.path, "w" if self._fresh else "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        self._fresh = False
 
     def close(self) -> None:
         """Nothing is held open."""
 
     def __repr__(self) -> str:
-        return f"JSONLWriter({str(self.path)!r})"
+        return f"JSONLWriter({str(self.path)!r}, mode={self.mode!r})"
 
 
 class TensorBoardWriter:
@@ -104,6 +127,31 @@ class CallbackWriter:
         """Nothing to close."""
 
 
+def as_writers(writers) -> list:
+    """``writers=`` as a list: one writer, or an iterable of writers.
+
+    Raises:
+        TypeError: something that is neither; a writer without ``write``/``close``.
+    """
+    if _is_writer(writers):
+        return [writers]
+    if isinstance(writers, (str, bytes, os.PathLike)) or not hasattr(writers, "__iter__"):
+        hint = (f" (for a file: JSONLWriter({os.fspath(writers)!r}))"
+                if isinstance(writers, (str, os.PathLike)) else "")
+        raise TypeError(f"writers takes a writer or a list of writers; got "
+                        f"{type(writers).__name__} {writers!r}{hint}")
+    out = list(writers)
+    for w in out:
+        if not _is_writer(w):
+            raise TypeError(f"a writer needs write(step, scalars) and close() methods; got "
+                            f"{type(w).__name__}")
+    return out
+
+
+def _is_writer(obj) -> bool:
+    return callable(getattr(obj, "write", None)) and callable(getattr(obj, "close", None))
+
+
 def read_run(path) -> dict[str, list[tuple[int, float]]]:
     """A recorded run: scalar name -> ``[(step, value), ...]`` in step order.
 
@@ -111,9 +159,15 @@ def read_run(path) -> dict[str, list[tuple[int, float]]]:
         path: a JSONL file (:class:`JSONLWriter`) or a TensorBoard folder (read with
             TensorBoard's own ``EventAccumulator``).
 
+    Warns:
+        RuntimeWarning: a JSONL file whose steps go back (or repeat): it holds more than one
+            run (written with ``mode="a"``, or by an older mixprec, which appended); the
+            warning names the file and line, the series hold the points of every run.
+
     Raises:
         FileNotFoundError: no such file or folder.
-        ValueError: a file that is not the monitor's JSONL, or a folder with no scalars.
+        ValueError: a file that is not the monitor's JSONL (the file and line named, with what
+            is wrong there), or a folder with no scalars.
     """
     path = pathlib.Path(os.fspath(path))
     if not path.exists():
@@ -127,6 +181,7 @@ def read_run(path) -> dict[str, list[tuple[int, float]]]:
 
 def _read_jsonl(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
+    last, warned = None, False  # (step, line) of the previous row
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -137,9 +192,28 @@ def _read_jsonl(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ValueError(f"{path}:{number} is not a JSON object with a 'step': "
                                  f"{line.strip()[:80]!r}") from None
+            if last is not None and step <= last[0] and not warned:  # one warning per file
+                warnings.warn(f"{path}:{number}: step {step} follows step {last[0]} (line "
+                              f"{last[1]}): the file holds more than one run, read as one "
+                              f"(JSONLWriter(path, mode='a') appends; the default starts the "
+                              f"file afresh)", RuntimeWarning, stacklevel=3)
+                warned = True
+            last = (step, number)
             for name, value in row.items():
-                series.setdefault(name, []).append((step, float(value)))
+                series.setdefault(name, []).append((step, _number(value, path, number, name)))
     return series
+
+
+def _number(value, path, number: int, name: str) -> float:
+    """A JSONL value as a float ("inf", "-inf" and "nan" included), or a ValueError naming
+    the file, the line and the scalar."""
+    try:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+    except ValueError:
+        pass
+    raise ValueError(f"{path}:{number}: {name!r} is {value!r}, not a number (a JSONLWriter "
+                     f"file holds numbers, and \"inf\", \"-inf\", \"nan\" as strings)")
 
 
 def _read_tensorboard(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
