@@ -35,6 +35,7 @@ from torch import nn
 
 from . import hardware, lowbit, vocabulary
 from .fp8.choice import split_spec, with_modules
+from .master.params import show_master_grads
 from .monitor import PrecisionMonitor
 from .policy import Policy
 from .precision_map import PrecisionMap
@@ -218,16 +219,20 @@ class MixedPrecision:
         """Clip the true gradients ``optimizer`` will step with; returns their total norm.
 
         Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the clip folded
-        into its step (no fp32 gradient copy); see :meth:`LossScaler.clip_grad_norm_`.
+        into its step (no fp32 gradient copy; the gradients read as before until the step); see
+        :meth:`LossScaler.clip_grad_norm_`. After it, the fp32 master gradients are clipped in
+        place and the model's gradients read as them (rounded to their dtype).
         """
-        return self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        self._show_clipped(optimizer)
+        return total
 
     def clip_grad_value_(self, optimizer, clip_value: float) -> None:
         """Clamp each true gradient ``optimizer`` will step with to ``[-clip_value, clip_value]``.
 
         Unscales first unless :meth:`unscale_` was called this step (for a
         :class:`mixprec.MasterWeightOptimizer` that makes the fp32 master gradients, which the
-        step then uses). No host sync.
+        step then uses; the model's gradients then read as them, rounded). No host sync.
 
         Raises:
             ValueError: ``clip_value`` is not a positive finite number.
@@ -244,6 +249,14 @@ class MixedPrecision:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if params:
             torch.nn.utils.clip_grad_value_(params, clip_value)
+        self._show_clipped(optimizer)
+
+    def _show_clipped(self, optimizer) -> None:
+        """After a clip of the fp32 master gradients in place, the model's gradients read as
+        them (rounded to their dtype; the step uses the exact fp32 ones), as torch code reads
+        gradients after clipping. A clip folded into the step changes no gradient."""
+        if owns_gradients(optimizer) and self._ready().stage_of(optimizer) == "unscaled":
+            show_master_grads(optimizer.param_groups)
 
     def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the true gradients ``optimizer`` will step with, as they stand (what
@@ -267,12 +280,14 @@ class MixedPrecision:
             total = total / scaler.scale_tensor
         return total
 
-    def step(self, *optimizers, max_grad_norm: float | None = None) -> bool:
+    def step(self, *optimizers, max_grad_norm: float | None = None, **kwargs) -> bool:
         """Step every optimizer unless its gradients overflowed; update the scale once.
 
         Args:
             optimizers: the optimizers :meth:`setup` returned (at least one).
             max_grad_norm: clip each optimizer's true gradients to this total 2-norm first.
+            kwargs: passed on to each optimizer's ``step`` (as ``torch.amp.GradScaler.step``
+                does); a closure is refused.
 
         Returns:
             True when every optimizer stepped; False when any was skipped (inf/NaN gradients:
@@ -293,7 +308,7 @@ class MixedPrecision:
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
-            stepped = bool(scaler.step(opt))
+            stepped = bool(scaler.step(opt, **kwargs))
             if watch:
                 self.monitor.after_step(opt, stepped)
             applied = stepped and applied
