@@ -57,6 +57,7 @@ from ..regions import Entry
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import _MockOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as exc:  # pragma: no cover - the error names the extra
@@ -189,6 +190,9 @@ class MixprecPrecision(Precision):
         return model, optimizers, configs
 
     def _setup(self, model: nn.Module, optimizers: list) -> list:
+        if optimizers and all(isinstance(o, _MockOptimizer) for o in optimizers):
+            self._setup(model, [])  # configure_optimizers returned None: Lightning's stand-in
+            return optimizers  # has no parameters and is never stepped
         if policy_of(model) is None:
             prepared = self.engine.setup(model, *optimizers)
             return list(prepared[1:]) if optimizers else []
