@@ -218,10 +218,13 @@ class MixedPrecision:
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
         """Clip the true gradients ``optimizer`` will step with; returns their total norm.
 
-        Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the clip folded
-        into its step (no fp32 gradient copy; the gradients read as before until the step); see
-        :meth:`LossScaler.clip_grad_norm_`. After it, the fp32 master gradients are clipped in
-        place and the model's gradients read as them (rounded to their dtype).
+        Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the norm measured
+        on the model's 16-bit gradients and the clip applied with the step's own arithmetic (see
+        :meth:`LossScaler.clip_grad_norm_` and :meth:`LossScaler.settle_`); after it, the fp32
+        master gradients are clipped in place. Either way what torch code reads afterwards, in
+        ``optimizer.param_groups`` (fp32) and ``model.parameters()`` (rounded to their dtype),
+        is the clipped, true gradient the step uses; that takes fp32 gradients until the step
+        (``step(optimizer, max_grad_norm=...)`` clips inside the step with no fp32 copy).
         """
         total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
         self._show_clipped(optimizer)
@@ -252,10 +255,16 @@ class MixedPrecision:
         self._show_clipped(optimizer)
 
     def _show_clipped(self, optimizer) -> None:
-        """After a clip of the fp32 master gradients in place, the model's gradients read as
-        them (rounded to their dtype; the step uses the exact fp32 ones), as torch code reads
-        gradients after clipping. A clip folded into the step changes no gradient."""
-        if owns_gradients(optimizer) and self._ready().stage_of(optimizer) == "unscaled":
+        """After a clip, the gradients torch code reads (the optimizer's and the model's) are
+        the clipped, true ones the step uses: a folded clip is applied to fp32 gradients made
+        with the step's own arithmetic (``LossScaler.settle_``); after a clip of the fp32 master
+        gradients in place the model's read as them (rounded to their dtype)."""
+        if not owns_gradients(optimizer):
+            return
+        scaler = self._ready()
+        if scaler.stage_of(optimizer) == "folded":
+            scaler.settle_(optimizer)
+        elif scaler.stage_of(optimizer) == "unscaled":
             show_master_grads(optimizer.param_groups)
 
     def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:

@@ -350,6 +350,29 @@ def test_gradient_clipping_by_norm(level, dtype):
                                    atol=1e-7 if after.dtype == torch.float32 else 2e-2)
 
 
+def test_visible_clipping_changes_no_number_of_the_update():
+    """Making the clipped gradients readable applies the clip with the step's own arithmetic:
+    the run is bitwise the engine's loop that clips inside the step (``max_grad_norm``)."""
+    class Model(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    batches = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    module = boring(Model)
+    trainer(MixprecPrecision(level="O2", dtype="bf16"), max_steps=5,
+            gradient_clip_val=0.05).fit(module, torch.utils.data.DataLoader(batches,
+                                                                             batch_size=None))
+    model = boring(Model)
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x in batches:
+        amp.backward(model.loss(model(x)))
+        amp.step(opt, max_grad_norm=0.05)
+        opt.zero_grad()
+    ours, theirs = mp.fp32_state_dict(module), mp.fp32_state_dict(model)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_gradient_clipping_by_value(dtype):
     model = boring(ClipRecorder)

@@ -23,10 +23,10 @@ of Lightning's precision hooks lands on the engine:
   ``configure_gradient_clipping``; then ``engine.step(optimizer)``: step, or skip when the
   gradients overflowed (the step still counts in ``global_step``, as with Lightning's own AMP),
   and update the scale.
-* ``clip_gradients``: ``gradient_clip_val`` clips the true gradients the step uses (at O2 the
-  fp32 masters' gradients, made by ``engine.unscale_``), in place: by norm through
-  ``engine.clip_grad_norm_``, by value through ``engine.clip_grad_value_``; ``p.grad`` read
-  after clipping is the clipped, true gradient (the 16-bit model gradients rounded from it).
+* ``clip_gradients``: ``gradient_clip_val`` clips the true gradients the step uses: by norm
+  through ``engine.clip_grad_norm_``, by value through ``engine.clip_grad_value_``; ``p.grad``
+  read after clipping is the clipped, true gradient (at O2 the fp32 masters' gradients, and the
+  16-bit model gradients rounded from them).
 * ``optimizer.step(closure, **kwargs)``: the keywords go on to the optimizer's ``step``.
 * ``monitor=``: a :class:`mixprec.PrecisionMonitor` records the run; its scalars also go to
   the trainer's loggers (``logger.log_metrics``), TensorBoard, CSV or W&B alike.
@@ -277,16 +277,13 @@ class MixprecPrecision(Precision):
                        gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
         """Clip the true gradients: by norm (``engine.clip_grad_norm_``) or by value.
 
-        The gradients are unscaled first (at O2 into the fp32 masters' gradients, which the step
-        uses), and clipped in place: code reading ``p.grad`` after clipping, in
-        ``configure_gradient_clipping`` or ``on_before_optimizer_step``, reads the clipped, true
-        gradients (the model's 16-bit ones rounded from the fp32 ones), as with Lightning's own
-        plugins."""
+        Code reading ``p.grad`` after clipping (in ``configure_gradient_clipping``, after
+        ``self.clip_gradients``) reads the clipped, true gradients the step uses (at O2 the fp32
+        masters' in ``optimizer.param_groups``, the model's 16-bit ones rounded from them), as
+        with Lightning's own plugins."""
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        if not self.engine.is_unscaled(optimizer):  # the fp32 gradients the step uses, clipped
-            self.engine.unscale_(optimizer)  # in place: what hooks read after is what steps
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.engine.clip_grad_value_(optimizer, clip_val)
         else:
