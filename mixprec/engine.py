@@ -35,6 +35,7 @@ from torch import nn
 
 from . import hardware, lowbit, vocabulary
 from .fp8.choice import split_spec, with_modules
+from .master.params import show_master_grads
 from .monitor import PrecisionMonitor
 from .policy import Policy
 from .precision_map import PrecisionMap
@@ -217,17 +218,24 @@ class MixedPrecision:
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
         """Clip the true gradients ``optimizer`` will step with; returns their total norm.
 
-        Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the clip folded
-        into its step (no fp32 gradient copy); see :meth:`LossScaler.clip_grad_norm_`.
+        Before :meth:`unscale_`, a :class:`mixprec.MasterWeightOptimizer` gets the norm measured
+        on the model's 16-bit gradients and the clip applied with the step's own arithmetic (see
+        :meth:`LossScaler.clip_grad_norm_` and :meth:`LossScaler.settle_`); after it, the fp32
+        master gradients are clipped in place. Either way what torch code reads afterwards, in
+        ``optimizer.param_groups`` (fp32) and ``model.parameters()`` (rounded to their dtype),
+        is the clipped, true gradient the step uses; that takes fp32 gradients until the step
+        (``step(optimizer, max_grad_norm=...)`` clips inside the step with no fp32 copy).
         """
-        return self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
+        self._show_clipped(optimizer)
+        return total
 
     def clip_grad_value_(self, optimizer, clip_value: float) -> None:
         """Clamp each true gradient ``optimizer`` will step with to ``[-clip_value, clip_value]``.
 
         Unscales first unless :meth:`unscale_` was called this step (for a
         :class:`mixprec.MasterWeightOptimizer` that makes the fp32 master gradients, which the
-        step then uses). No host sync.
+        step then uses; the model's gradients then read as them, rounded). No host sync.
 
         Raises:
             ValueError: ``clip_value`` is not a positive finite number.
@@ -244,6 +252,20 @@ class MixedPrecision:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if params:
             torch.nn.utils.clip_grad_value_(params, clip_value)
+        self._show_clipped(optimizer)
+
+    def _show_clipped(self, optimizer) -> None:
+        """After a clip, the gradients torch code reads (the optimizer's and the model's) are
+        the clipped, true ones the step uses: a folded clip is applied to fp32 gradients made
+        with the step's own arithmetic (``LossScaler.settle_``); after a clip of the fp32 master
+        gradients in place the model's read as them (rounded to their dtype)."""
+        if not owns_gradients(optimizer):
+            return
+        scaler = self._ready()
+        if scaler.stage_of(optimizer) == "folded":
+            scaler.settle_(optimizer)
+        elif scaler.stage_of(optimizer) == "unscaled":
+            show_master_grads(optimizer.param_groups)
 
     def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the true gradients ``optimizer`` will step with, as they stand (what
@@ -267,12 +289,14 @@ class MixedPrecision:
             total = total / scaler.scale_tensor
         return total
 
-    def step(self, *optimizers, max_grad_norm: float | None = None) -> bool:
+    def step(self, *optimizers, max_grad_norm: float | None = None, **kwargs) -> bool:
         """Step every optimizer unless its gradients overflowed; update the scale once.
 
         Args:
             optimizers: the optimizers :meth:`setup` returned (at least one).
             max_grad_norm: clip each optimizer's true gradients to this total 2-norm first.
+            kwargs: passed on to each optimizer's ``step`` (as ``torch.amp.GradScaler.step``
+                does); a closure is refused.
 
         Returns:
             True when every optimizer stepped; False when any was skipped (inf/NaN gradients:
@@ -293,7 +317,7 @@ class MixedPrecision:
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
-            stepped = bool(scaler.step(opt))
+            stepped = bool(scaler.step(opt, **kwargs))
             if watch:
                 self.monitor.after_step(opt, stepped)
             applied = stepped and applied

@@ -28,6 +28,7 @@ holds; a function that cannot be probed that way is passed through as torch woul
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import torch
@@ -59,14 +60,16 @@ class CastGuard:
         self.module = module
         self.link = link
 
-    def __call__(self, fn, recurse: bool = True):
+    def __call__(self, fn, *args, **kwargs):
+        # arguments after ``fn`` go on as given: torch's ``_apply(fn, recurse=True)``, or a
+        # subclass's own (torchmetrics' ``Metric._apply(fn, exclude_state="")``)
         apply = type(self.module)._apply
         if getattr(_STATE, "active", False):
-            return apply(self.module, fn, recurse)
-        plan = self._plan(fn, recurse)
+            return apply(self.module, fn, *args, **kwargs)
+        plan = self._plan(fn, _recurse(apply, self.module, fn, args, kwargs))
         _STATE.active = True
         try:
-            out = apply(self.module, fn, recurse)
+            out = apply(self.module, fn, *args, **kwargs)
         finally:
             _STATE.active = False
         if plan:
@@ -103,6 +106,16 @@ class CastGuard:
                 param.copy_(value.to(param.device))
         for optimizer in self.link.optimizers():
             optimizer.params_widened(list(plan))
+
+
+def _recurse(apply, module: nn.Module, fn, args: tuple, kwargs: dict) -> bool:
+    """The ``recurse`` of a call to ``apply`` (True when its signature has none: the cast
+    reaches the sub-modules, as torch's default)."""
+    try:
+        bound = inspect.signature(apply).bind(module, fn, *args, **kwargs)
+    except (TypeError, ValueError):  # a call the method will refuse itself, or no signature
+        return True
+    return bool(bound.arguments.get("recurse", True))
 
 
 def _refusal(lossy: list[tuple[str, torch.dtype, torch.dtype]]) -> str:

@@ -163,9 +163,30 @@ def test_grad_norm_is_the_true_norm_before_and_after_unscaling(level, dtype, los
     torch.testing.assert_close(amp.grad_norm(opt), expected, rtol=1e-5, atol=0)
 
 
-def test_a_folded_clip_refuses_value_clipping_and_grad_norm():
+@pytest.mark.parametrize("level, dtype, loss_scale", CLIP_CASES)
+def test_after_clip_grad_norm_torch_code_reads_what_the_step_uses(level, dtype, loss_scale):
+    """At O2 the clip was folded into the step: ``p.grad`` read 10.8 against a clip of 1 (fp16:
+    still scaled). Now the clipped, true gradients are read (the model's rounded to 16 bits),
+    and the update is bitwise the one of a clip inside the step (``max_grad_norm``)."""
+    amp, model, opt, true, before = _backward_once(level, dtype, loss_scale)
+    total = amp.clip_grad_norm_(opt, 1.0)
+    assert total.item() > 2.0
+    stepped = [p.grad for g in opt.param_groups for p in g["params"]]
+    torch.testing.assert_close(torch.stack([g.float().norm() for g in stepped]).norm(),
+                               torch.tensor(1.0), rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():  # 16-bit gradients: the fp32 ones rounded
+        torch.testing.assert_close(p.grad.float(), true[name] / total, rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(amp.grad_norm(opt), torch.tensor(1.0), rtol=1e-5, atol=0)
+    assert amp.step(opt) is True
+    amp2, again, opt2, _, _ = _backward_once(level, dtype, loss_scale)
+    amp2.step(opt2, max_grad_norm=1.0)
+    ours, theirs = mp.fp32_state_dict(model), mp.fp32_state_dict(again)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_clip_folded_into_the_step_refuses_value_clipping_and_grad_norm():
     amp, model, opt, _, _ = _backward_once("O2", "fp16", 1024.0)
-    amp.clip_grad_norm_(opt, 1.0)
+    amp.scaler.clip_grad_norm_(opt, 1.0)  # the scaler folds; the engine's clip applies it
     with pytest.raises(RuntimeError, match="clip by value or by norm"):
         amp.clip_grad_value_(opt, 0.1)
     with pytest.raises(RuntimeError, match="use the norm it returned"):

@@ -161,3 +161,20 @@ def test_monitor_is_quiet_on_an_ordinary_model():
     assert monitor.alerts == []
     with pytest.raises(ValueError, match="every_n_steps"):
         mp.FP8Monitor(every_n_steps=0)
+
+
+def test_the_table_stays_fp32_under_a_16_bit_default_dtype():
+    """Inside a Lightning O3 step torch's default dtype is bf16: the table was made in it, and
+    its call counter stopped at 256 (bf16 counts integers exactly to 2**8 only)."""
+    from mixprec.fp8.stats import FIELDS, LayerStats
+
+    stats = LayerStats({"input": torch.float8_e4m3fn}, {"input": None})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for _ in range(300):
+            stats.record("input", torch.ones(4, dtype=torch.float32))
+    finally:
+        torch.set_default_dtype(previous)
+    assert stats.data.dtype == torch.float32
+    assert stats.data[0, FIELDS.index("calls")].item() == 300

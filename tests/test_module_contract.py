@@ -152,6 +152,58 @@ def test_moves_pass_through(master, move):
     torch.testing.assert_close(mp.fp32_state_dict(model), fp32, rtol=0, atol=0)
 
 
+class ExtraApplyArgument(nn.Module):
+    """A module whose ``_apply`` takes its own parameter after ``fn`` (torchmetrics'
+    ``Metric._apply(fn, exclude_state="")``): it must receive what the caller passed."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(2))
+        self.seen = []
+
+    def forward(self, x):
+        return x
+
+    def _apply(self, fn, exclude_state=""):
+        self.seen.append(exclude_state)
+        if "total" not in exclude_state:  # a bool here: TypeError, as in torchmetrics
+            self.total = fn(self.total)
+        return super()._apply(fn)
+
+
+def test_a_sub_module_with_its_own_apply_signature_gets_its_arguments():
+    """A cast passed ``recurse`` positionally into every module's ``_apply``: a metric held by
+    an O2 model broke ``.cpu()``, ``.float()`` and Lightning's teardown."""
+    model = nn.Sequential(nn.Linear(8, 4), ExtraApplyArgument())
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16")
+    model(torch.randn(2, 8)).float().sum().backward()
+    opt.step()
+    exact = mp.fp32_state_dict(model)
+    model.cpu()
+    model.float()
+    model[1]._apply(lambda t: t, exclude_state=("total",))
+    assert model[1].seen == ["", "", ("total",)]
+    assert model[0].weight.dtype == torch.float32
+    assert torch.equal(model[0].weight.detach(), exact["0.weight"])
+    with pytest.raises(RuntimeError, match="would round"):
+        model.bfloat16()  # the guard still reads a cast of the whole model
+    model[0]._apply(lambda t: t, recurse=False)  # torch's keyword still reaches torch
+
+
+def test_a_torchmetrics_metric_inside_an_o2_model_moves_and_casts():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    model = nn.Sequential(nn.Linear(8, 4))
+    model.metric = torchmetrics.MeanMetric()
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16")
+    model.metric.update(torch.tensor([1.0, 3.0]))
+    model.cpu()
+    model.float()
+    assert model.metric.compute().item() == 2.0
+    assert model[0].weight.dtype == torch.float32
+
+
 def test_a_copy_of_a_prepared_model_keeps_its_shadows_through_float():
     model, _ = trained("fp32")
     exact = mp.fp32_state_dict(model)

@@ -11,6 +11,9 @@ from torch import nn
 import mixprec as mp
 from mixprec import debug, oplists
 
+# bf16 on a CPU without native bf16 kernels warns that it is emulated; not what these test
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
 # ----------------------------------------------------------------------------- spellings
 
 
@@ -57,6 +60,66 @@ def test_qualified_functional_name_runs_gelu_in_fp32():
         assert F.gelu(h).dtype == torch.bfloat16
     with mp.autocast("bf16", device_type="cpu", fp32_ops=["F.gelu"]):
         assert F.gelu(h.bfloat16()).dtype == torch.float32
+
+
+_LISTED = sorted({n for tables in oplists.TORCH_DEFAULTS.values() for names in tables.values()
+                  for n in names} | set(oplists.MIXPREC_FP32_ADDITIONS))
+
+
+def test_every_listed_name_stands_for_its_c_bindings_too():
+    """``F.mse_loss`` wraps ``torch._C._nn.mse_loss``, which torch's code calls directly: a
+    moved name moved only the wrapper. Every listed name that names a Python function stands
+    for its ``torch._C._nn`` / ``torch._C._VariableFunctions`` binding as well."""
+    twins = 0
+    for name in _LISTED:
+        try:
+            found = oplists.resolve_op(name)
+        except ValueError:  # an ATen-only name of torch's tables (say upsample_nearest2d)
+            continue
+        for ns in (torch._C._nn, torch._C._VariableFunctions):
+            fn = getattr(ns, name, None)
+            if callable(fn):
+                assert fn in found, (name, ns.__name__)
+                assert oplists.op_list_name(fn) == name
+                twins += fn is not getattr(torch, name, None)
+    assert twins >= 15  # mse_loss, l1_loss, nll_loss, ..., einsum, cdist, norm, stft, ...
+
+
+@pytest.mark.parametrize("op, args", [
+    ("mse_loss", (torch.randn(4), torch.randn(4))),
+    ("l1_loss", (torch.randn(4), torch.randn(4))),
+    ("smooth_l1_loss", (torch.randn(4), torch.randn(4))),
+])
+def test_a_moved_op_moves_at_both_entry_points(op, args):
+    python_level = getattr(F, op, None) or getattr(torch, op)
+    binding = getattr(torch._C._nn, op, None) or getattr(torch._C._VariableFunctions, op)
+    assert python_level is not binding
+    for call in (python_level, binding):  # fp32 in torch's CPU list; moved to bf16
+        with mp.autocast("bf16", device_type="cpu", low_precision_ops=[op]):
+            assert call(*args).dtype == torch.bfloat16, call
+        with mp.autocast("bf16", device_type="cpu"):
+            assert call(*args).dtype == torch.float32, call
+
+
+def test_a_binding_moved_to_fp32_inside_a_prepared_model():
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            out = torch._C._VariableFunctions.einsum("ij,ij->i", [h, h])
+            self.seen = out.dtype
+            return out
+
+    x = torch.randn(2, 4)
+    plain = mp.prepare(Loss(), level="O1", dtype="bf16")
+    plain(x)
+    assert plain.seen == torch.bfloat16  # einsum follows its inputs on the CPU
+    model = mp.prepare(Loss(), level="O1", dtype="bf16", fp32_ops=["einsum"])
+    model(x)
+    assert model.seen == torch.float32
 
 
 @pytest.mark.parametrize("func, name", [

@@ -104,7 +104,8 @@ class LayerStats:
             scale = torch.finfo(dtype).max / amax.clamp(min=_EPS)
             ratio = torch.ones_like(amax)
         if self.data is None or self.data.device != amax.device:
-            self.data = torch.zeros(len(ROLES), len(FIELDS), device=amax.device)
+            self.data = torch.zeros(len(ROLES), len(FIELDS), dtype=torch.float32,
+                                    device=amax.device)  # whatever the default dtype (O3)
         row = self.data[ROLES.index(role)]
         row.copy_(torch.stack([amax, torch.maximum(row[1], amax), scale, row[3] + saturated,
                                row[4] + underflow, row[5] + 1, torch.maximum(row[6], ratio)]))

@@ -12,7 +12,10 @@ of Lightning's precision hooks lands on the engine:
   ``"step"`` is wrapped so that it steps only after an applied update. The model is prepared
   here, not in ``convert_module``, because the masters need the optimizers.
 * ``forward_context()`` (around ``training_step``, ``validation_step``, ...): the policy's
-  precision context, so code that calls sub-modules directly computes as the model does.
+  precision context, so code that calls sub-modules directly computes as the model does; at O3
+  (16-bit storage and compute) ``convert_input`` also casts the batch's floating tensors to the
+  compute dtype and the forward context makes it torch's default dtype, as Lightning's
+  ``bf16-true``/``16-true`` plugins do.
 * ``backward``: the loss times the loss scale (``on_before_backward`` sees the true loss).
 * ``optimizer_step``: run the closure (forward and backward); with a loss scale, unscale into the
   true gradients unless that was done (``engine.unscale_``: ``on_before_optimizer_step`` and
@@ -20,9 +23,11 @@ of Lightning's precision hooks lands on the engine:
   ``configure_gradient_clipping``; then ``engine.step(optimizer)``: step, or skip when the
   gradients overflowed (the step still counts in ``global_step``, as with Lightning's own AMP),
   and update the scale.
-* ``clip_gradients``: ``gradient_clip_val`` clips the true gradients: by norm through
-  ``engine.clip_grad_norm_`` (folded into the master step when nothing was unscaled), by value
-  through ``engine.clip_grad_value_``.
+* ``clip_gradients``: ``gradient_clip_val`` clips the true gradients the step uses: by norm
+  through ``engine.clip_grad_norm_``, by value through ``engine.clip_grad_value_``; ``p.grad``
+  read after clipping is the clipped, true gradient (at O2 the fp32 masters' gradients, and the
+  16-bit model gradients rounded from them).
+* ``optimizer.step(closure, **kwargs)``: the keywords go on to the optimizer's ``step``.
 * ``monitor=``: a :class:`mixprec.PrecisionMonitor` records the run; its scalars also go to
   the trainer's loggers (``logger.log_metrics``), TensorBoard, CSV or W&B alike.
 * ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 
 from .. import vocabulary
+from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
 from ..master.wrapper import is_wrapped
 from ..monitor import CallbackWriter
@@ -51,6 +57,7 @@ from ..regions import Entry
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import _MockOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as exc:  # pragma: no cover - the error names the extra
@@ -183,6 +190,9 @@ class MixprecPrecision(Precision):
         return model, optimizers, configs
 
     def _setup(self, model: nn.Module, optimizers: list) -> list:
+        if optimizers and all(isinstance(o, _MockOptimizer) for o in optimizers):
+            self._setup(model, [])  # configure_optimizers returned None: Lightning's stand-in
+            return optimizers  # has no parameters and is never stepped
         if policy_of(model) is None:
             prepared = self.engine.setup(model, *optimizers)
             return list(prepared[1:]) if optimizers else []
@@ -213,23 +223,43 @@ class MixprecPrecision(Precision):
     # -- the step --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """The policy's precision context (autocast with its op lists at O1/O2)."""
-        if self._context is None:
-            yield
-            return
+        """The policy's precision context (autocast with its op lists at O1/O2); at O3 also the
+        compute dtype as torch's default dtype, as Lightning's ``bf16-true``/``16-true`` do
+        (tensors made inside a step without a dtype are 16-bit)."""
         with contextlib.ExitStack() as stack:
-            self._context.enter(stack)
+            if self._context is not None:
+                self._context.enter(stack)
+            dtype = self._true_dtype()
+            if dtype is not None:
+                stack.enter_context(_default_dtype(dtype))
             yield
+
+    def convert_input(self, data: Any) -> Any:
+        """At O3 (16-bit storage and compute, no autocast) the batch's fp32/fp16/bf16 tensors
+        in the compute dtype, as Lightning's ``bf16-true``/``16-true`` convert them: a step that
+        feeds the batch to a sub-module (``self.layer(batch)``) computes as the model does.
+        Other levels keep the batch as it is (autocast casts for each op)."""
+        dtype = self._true_dtype()
+        return data if dtype is None else cast_floating(data, dtype)
+
+    def _true_dtype(self) -> torch.dtype | None:
+        """The compute dtype of a policy that casts its inputs without autocast (O3), else None."""
+        policy = self.engine.policy
+        if policy is None or policy.autocast or not policy.cast_inputs:
+            return None
+        return policy.compute_dtype
 
     def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
         """Backpropagate the loss times the loss scale (through ``model.backward``)."""
         model.backward(self.engine.scale(tensor), *args, **kwargs)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Closure, true gradients, Lightning's hooks and clipping, then the engine's step."""
-        if kwargs:
-            raise TypeError(f"MixprecPrecision steps through mixprec's engine, which passes no "
-                            f"arguments to optimizer.step; got {sorted(kwargs)}")
+        """Closure, true gradients, Lightning's hooks and clipping, then the engine's step
+        (``kwargs`` go on to ``optimizer.step``, as with Lightning's own plugins)."""
+        if kwargs and is_wrapped(optimizer):
+            raise TypeError(f"optimizer.step() got {sorted(kwargs)}: at a master-weight level "
+                            f"the optimizer is mixprec's {type(optimizer).__name__}, whose step "
+                            f"takes no other arguments than a closure")
         inner = optimizer.inner if is_wrapped(optimizer) else optimizer
         if isinstance(inner, torch.optim.LBFGS):
             raise TypeError("LBFGS re-evaluates its closure inside step(), after the overflow "
@@ -240,12 +270,17 @@ class MixprecPrecision(Precision):
         if self.engine.scaler.is_enabled() and not self.engine.is_unscaled(optimizer):
             self.engine.unscale_(optimizer)  # hooks and clipping see the true gradients
         self._after_closure(model, optimizer)
-        self.applied[id(optimizer)] = self.engine.step(optimizer)
+        self.applied[id(optimizer)] = self.engine.step(optimizer, **kwargs)
         return result
 
     def clip_gradients(self, optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
-        """Clip the true gradients: by norm (``engine.clip_grad_norm_``) or by value."""
+        """Clip the true gradients: by norm (``engine.clip_grad_norm_``) or by value.
+
+        Code reading ``p.grad`` after clipping (in ``configure_gradient_clipping``, after
+        ``self.clip_gradients``) reads the clipped, true gradients the step uses (at O2 the fp32
+        masters' in ``optimizer.param_groups``, the model's 16-bit ones rounded from them), as
+        with Lightning's own plugins."""
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
@@ -283,6 +318,17 @@ def _log_to_loggers(monitor, model: pl.LightningModule) -> None:
     writer = CallbackWriter(log)
     writer.lightning = True
     monitor.writers.append(writer)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``dtype`` as torch's default dtype inside the block; the previous one restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _entry_context(model: nn.Module):

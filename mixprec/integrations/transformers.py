@@ -19,9 +19,9 @@ How the Trainer's loop lands on the engine, in the order it runs:
   a ``training_step`` override's included, goes through ``accelerator.backward``.
 * clipping: under a loss scale the gradients are first unscaled (``engine.unscale_``: the
   ``on_pre_optimizer_step`` callbacks see true values, as with the Trainer's own fp16 AMP);
-  ``args.max_grad_norm`` clips the true gradients (``engine.clip_grad_norm_``; without a loss
-  scale folded into the master step), and the logged ``grad_norm`` is the true one
-  (``engine.grad_norm``).
+  ``args.max_grad_norm`` clips the true gradients the step uses (``engine.clip_grad_norm_``),
+  so callbacks read the clipped ones, and the logged ``grad_norm`` is the true one before
+  clipping (``engine.grad_norm``).
   This overrides the Trainer's ``_clip_grad_norm``/``_get_grad_norm``, the two methods its loop
   calls for exactly that; their presence is checked when the trainer is built, so a
   transformers version without them fails loudly instead of clipping scaled gradients.
@@ -218,7 +218,11 @@ class MixprecTrainer(transformers.Trainer):
 
     # -- the step --------------------------------------------------------------------------------
     def _clip_grad_norm(self, model):
-        """Clip the true gradients to ``args.max_grad_norm``; returns their norm before."""
+        """Clip the true gradients to ``args.max_grad_norm``; returns their norm before.
+
+        ``on_pre_optimizer_step`` callbacks then read the clipped, true gradients the step uses
+        (at O2 the fp32 masters', and the model's rounded from them), as with the Trainer's own
+        clipping."""
         self._unscale()
         return self.mixed_precision.clip_grad_norm_(self._engine_optimizer,
                                                     self.args.max_grad_norm)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["MasterParameter", "GradCarry", "is_master", "valid_grad", "is_stale", "held_grad",
-           "set_grad", "drop_grad", "derive_grad"]
+           "set_grad", "drop_grad", "derive_grad", "show_master_grads"]
 
 _GRAD = torch.Tensor.grad  # torch's own .grad slot (a C-level descriptor)
 _NO_SOURCE = (None, -1)
@@ -181,3 +181,20 @@ def derive_grad(master: MasterParameter, inv: torch.Tensor | None) -> torch.Tens
                 grad.mul_(inv)
     set_grad(master, grad)
     return grad
+
+
+def show_master_grads(param_groups) -> None:
+    """Write the fp32 gradient each master of ``param_groups`` holds (current, dense) into its
+    model parameter's gradient, rounded to that gradient's dtype, and keep the master's as the
+    one the step uses (exact): after an in-place change to the masters' gradients (clipping),
+    code reading ``model.parameters()`` sees the values the step will use."""
+    pairs = [(m, valid_grad(m)) for group in param_groups for m in group["params"]
+             if is_master(m)]
+    pairs = [(m, g) for m, g in pairs if g is not None and not g.is_sparse
+             and not m._mp_param.grad.is_sparse]
+    if not pairs:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([m._mp_param.grad for m, _ in pairs], [g for _, g in pairs])
+    for master, grad in pairs:  # the model gradients changed version: made from them still
+        set_grad(master, grad)

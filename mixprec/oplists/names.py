@@ -26,6 +26,10 @@ OPERATOR_SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "true_divide
                      "matmul": "@", "pow": "**"}
 _NAMESPACES = (("", torch), ("", F), ("", torch.Tensor), ("linalg_", torch.linalg),
                ("fft_", torch.fft), ("special_", torch.special))
+# The C bindings behind Python-level functions: ``F.mse_loss`` calls ``torch._C._nn.mse_loss``,
+# ``torch.einsum`` calls ``torch._C._VariableFunctions.einsum``; torch's own code (and tests)
+# call those directly, so a name stands for them too.
+_TWINS = (torch._C._nn, torch._C._VariableFunctions)
 # Qualified spellings -> the flat name (longest prefix first).
 _QUALIFIERS = (("torch.nn.functional.", ""), ("nn.functional.", ""), ("F.", ""),
                ("torch.Tensor.", ""), ("Tensor.", ""), ("torch.linalg.", "linalg_"),
@@ -57,9 +61,10 @@ def resolve_op(name: str) -> tuple:
     """The Python callables that a user-facing op name stands for (function, method, operator).
 
     ``"add"`` -> ``(torch.add, torch.Tensor.add, Tensor.__add__, Tensor.__radd__)`` (``x + y``
-    reaches ``Tensor.__add__``). Qualified spellings are accepted: ``"torch.add"``,
-    ``"F.gelu"``, ``"torch.nn.functional.gelu"``, ``"Tensor.add"`` (see
-    :func:`normalize_op_name`).
+    reaches ``Tensor.__add__``); ``"mse_loss"`` -> ``(F.mse_loss, torch._C._nn.mse_loss)``: the
+    C binding a Python-level function wraps is the same op when called directly. Qualified
+    spellings are accepted: ``"torch.add"``, ``"F.gelu"``, ``"torch.nn.functional.gelu"``,
+    ``"Tensor.add"`` (see :func:`normalize_op_name`).
 
     Raises:
         ValueError: no function of that name in torch, torch.nn.functional, torch.Tensor,
@@ -76,6 +81,11 @@ def resolve_op(name: str) -> tuple:
                 found.append(fn)
         for dunder in _OPERATOR_NAMES.get(flat, ()):
             found.append(getattr(torch.Tensor, dunder))
+        if found:  # the bindings a Python-level function wraps, called directly by torch's code
+            for ns in _TWINS:
+                fn = getattr(ns, flat, None)
+                if callable(fn) and fn not in found:
+                    found.append(fn)
     if not found:
         close = difflib.get_close_matches(flat, _known_names(), n=3)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""

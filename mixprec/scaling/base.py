@@ -88,6 +88,14 @@ class LossScaler(GradScalerInterface):
             return self._state.scale if self._scales else None
         return record.grad_scale if record.stage is Stage.UNSCALED else None
 
+    def settle_(self, optimizer) -> None:
+        """Apply a clip folded into an owner's step now, with the step's arithmetic: its fp32
+        gradients (and the model's, rounded) read as the clipped true ones the step uses."""
+        record = self._stages.get(optimizer)
+        if record is not None and record.stage is Stage.UNSCALED and record.grad_scale is not None:
+            optimizer.unscale_grads_(record.grad_scale.reciprocal())
+            record.grad_scale = None
+
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
         return self._scales
