@@ -53,9 +53,9 @@ from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import local
 from . import compact_kernels as ck
 from . import states
-from .kernels import torch_fused, torch_fused_problem
 from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
+from .kernels import torch_fused, torch_fused_problem
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import OWN_KEYS

@@ -8,15 +8,15 @@ kernel with the very same arguments, on fp32 values loaded from the 16-bit weigh
 
 1. **load**: the group's weights (and their split remainders or Kahan compensations) are copied
    into one flat buffer each (one ``_foreach_copy_`` per list), and one element-wise kernel over
-   those buffers makes the fp32 values (:func:`.compact_kernels.load`: the exact split master,
+   those buffers makes the fp32 values (:func:`.loadstore.load`: the exact split master,
    weight + compensation, or the weight);
 2. **update**: the gradients are copied (and unscaled) into one flat fp32 buffer, and torch's
    fused kernel steps the fp32 values, as it steps fp32 masters: the Adam/SGD arithmetic is
    torch's, written once;
-3. **store**: one element-wise kernel over the flat buffers writes the results back into
-   16-bit form (:func:`.compact_kernels.store`: split exactly, Kahan-compensated, or rounded
-   stochastically), and one ``_foreach_copy_`` per list copies them into the weights and
-   buffers. bf16 moments are widened into a flat fp32 buffer for the update and rounded back
+3. **store**: one element-wise kernel makes the 16-bit results (:func:`.loadstore.stored`:
+   split exactly, Kahan-compensated, or rounded stochastically; it writes into none of its
+   inputs), and one ``_foreach_copy_`` per list copies them into the weights and buffers.
+   bf16 moments are widened into a flat fp32 buffer for the update and rounded back
    stochastically.
 
 So ``master="split"`` steps its masters bit for bit as fp32 masters do, and its forward weight
@@ -44,7 +44,7 @@ from ..scaling.unscale import unscale_
 from ..shards import local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
-from .loadstore import load, store
+from .loadstore import load, stored
 from .rounding import _GOLDEN, shard_key, stochastic_round
 from .split_bits import pair_views
 
@@ -81,7 +81,7 @@ def _round_moment(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 _OPTIONS = {**compile_options, "emulate_precision_casts": True}
-_KERNELS = {"load": load, "store": store, "round_moment": _round_moment}
+_KERNELS = {"load": load, "store": stored, "round_moment": _round_moment}
 _GUARDED = {name: GuardedKernel(f"group {name}", fn, _OPTIONS) for name, fn in _KERNELS.items()}
 
 
@@ -243,10 +243,9 @@ def group_step(optimizer: torch.optim.Optimizer, group: dict, items: list[tuple]
     params = [p for p, _, _ in items]
     weights = [local(p) for p in params]
     plan = _plan(optimizer, weights, params)
-    flat_w, views_w = _gather(weights, weights[0].dtype, plan.total, plan.pad)
+    flat_w, _ = _gather(weights, weights[0].dtype, plan.total, plan.pad)
     bufs = None if items[0][2] is None else [local(b) for _, _, b in items]
-    flat_b, views_b = (None, None) if bufs is None else _gather(bufs, bufs[0].dtype, plan.total,
-                                                                  plan.pad)
+    flat_b = None if bufs is None else _gather(bufs, bufs[0].dtype, plan.total, plan.pad)[0]
     w, b = flat_w, flat_b
     if b is not None and b.dtype == torch.int16 and w.device.type == "cpu":
         w, b = pair_views(w, b) or (w, b)  # inductor vectorizes int32 words, not int16
@@ -260,7 +259,7 @@ def group_step(optimizer: torch.optim.Optimizer, group: dict, items: list[tuple]
     update(optimizer, group, params, values, grads, plan, keys, state_dtype, compiled)
     exact = b is not None and b.dtype in (torch.int16, torch.int32)  # split: no random bits
     key = keys[0, 0].to(w.device) if exact else plan.element_keys(keys[:, 0])
-    _kernel("store", compiled)(w, b, values_flat, key)
-    torch._foreach_copy_(weights, views_w)
+    new_w, new_b = _kernel("store", compiled)(w, b, values_flat, key)  # writes no input
+    torch._foreach_copy_(weights, _unflatten(new_w.view(flat_w.dtype)[:plan.total], weights))
     if bufs is not None:
-        torch._foreach_copy_(bufs, views_b)
+        torch._foreach_copy_(bufs, _unflatten(new_b.view(flat_b.dtype)[:plan.total], bufs))

@@ -12,9 +12,16 @@ from torch.distributed.tensor import DTensor
 
 from ..shards import local
 from .rounding import round_stochastically, stochastic_round, weyl16
-from .split_bits import split_load, split_load_pairs, split_store, split_store_pairs
+from .split_bits import (
+    split_load,
+    split_load_pairs,
+    split_of,
+    split_pairs_of,
+    split_store,
+    split_store_pairs,
+)
 
-__all__ = ["load", "store", "assign", "store_state"]
+__all__ = ["load", "store", "stored", "assign", "store_state"]
 
 
 def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
@@ -65,6 +72,22 @@ def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
         hi = new.to(weight.dtype)
         weight.copy_(hi)
         comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype, weyl16))
+
+
+def stored(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
+           key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What :func:`store` writes, as new tensors ``(weight, buffer or None)`` (plain tensors, in
+    the dtypes of ``weight`` and ``comp``): the form the compiled group kernels take, which
+    write into none of their inputs (no in-place mutation of inputs or their views inside a
+    compiled graph, the part of a compiled kernel most exposed to compiler changes)."""
+    if comp is None:
+        return stochastic_round(new, key), None
+    if weight.dtype == torch.int32:
+        return split_pairs_of(new)
+    if comp.dtype == torch.int16:
+        return split_of(new)
+    hi = new.to(weight.dtype)
+    return hi, round_stochastically(new - hi.float(), key, comp.dtype, weyl16)
 
 
 def assign(weight: torch.Tensor, comp: torch.Tensor | None, value: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ import sys
 import torch
 
 __all__ = ["split_store", "split_load", "split_of", "split_high", "round_into_", "pair_views",
-           "split_load_pairs", "split_store_pairs"]
+           "split_load_pairs", "split_store_pairs", "split_pairs_of"]
 
 
 def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,13 +131,20 @@ def split_load_pairs(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Ten
     return (first | (_joined(w1, r1).to(torch.int64) << 32)).view(torch.float32)
 
 
-def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
-    """:func:`split_store` into the int32 pair views (:func:`pair_views`) of the flat fp32
-    ``new``, in place."""
+def split_pairs_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split_of` of the flat, even-length fp32 ``new`` as int32 words of neighbour pairs
+    (the weight's words, the remainder's words; new tensors)."""
     words = new.contiguous().view(torch.int64)
     pairs = []
     for bits in (((words << 32) >> 32).to(torch.int32), (words >> 32).to(torch.int32)):
         pairs.append(_high_and_rest(bits, (bits & 0x7FFFFFFF) > 0x7F800000))
     (h0, q0), (h1, q1) = pairs
-    weight.copy_((h0 & 0xFFFF) | (h1 << 16))
-    remainder.copy_((q0 & 0xFFFF) | (q1 << 16))
+    return (h0 & 0xFFFF) | (h1 << 16), (q0 & 0xFFFF) | (q1 << 16)
+
+
+def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
+    """:func:`split_store` into the int32 pair views (:func:`pair_views`) of the flat fp32
+    ``new``, in place."""
+    high, rem = split_pairs_of(new)
+    weight.copy_(high)
+    remainder.copy_(rem)
