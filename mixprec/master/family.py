@@ -92,7 +92,7 @@ def _kernel(name: str, compiled: bool):
 # -- the plan of a group: sizes, places, rounding-key shifts (made once per set of tensors) -------
 class _Plan:
     def __init__(self, params: list[torch.Tensor], shards: list[torch.Tensor]):
-        self.params = params
+        self.params = shards  # the optimizer's parameters (an FSDP2 shard's local view changes)
         sizes = [p.numel() for p in params]
         self.total = sum(sizes)
         self.pad = self.total % 2  # even: a CPU split pair is read as int32 words
@@ -127,7 +127,8 @@ def _plan(optimizer, params: list[torch.Tensor], shards: list[torch.Tensor]) -> 
     plans = _PLANS.setdefault(optimizer, {})
     key = tuple(map(id, shards))
     plan = plans.get(key)
-    if plan is None or any(a is not b for a, b in zip(plan.params, params)):
+    if (plan is None or plan.shift.device != params[0].device
+            or any(a is not b for a, b in zip(plan.params, shards))):
         if len(plans) > 64:  # param sets come and go (grads of some parameters are None)
             plans.clear()
         plan = plans[key] = _Plan(params, shards)
