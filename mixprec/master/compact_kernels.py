@@ -14,8 +14,8 @@ The same Python functions run eagerly (``fused=False``) or compiled by ``torch.c
 over memory per tensor, the random bits made inside the kernel from a key per tensor (so eager
 and compiled rounding draw the same bits). Compiled kernels are checked against their eager
 twins before they are trusted (:mod:`.guard`). With ``fused="auto"`` (default) torch's fused
-kernel steps a whole param group instead (:func:`fast_step`, :mod:`.family`). Hyper-parameters travel as tensors, so a scheduler never
-recompiles; each kernel compiles once per combination of master kind, moment dtype and
+kernel steps a whole param group instead (:func:`fast_step`, :mod:`.family`).
+Hyper-parameters travel as tensors, so a scheduler never recompiles; each kernel compiles once per combination of master kind, moment dtype and
 gradient dtype.
 """
 
