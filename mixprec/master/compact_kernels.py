@@ -15,8 +15,8 @@ over memory per tensor, the random bits made inside the kernel from a key per te
 and compiled rounding draw the same bits). Compiled kernels are checked against their eager
 twins before they are trusted (:mod:`.guard`). With ``fused="auto"`` (default) torch's fused
 kernel steps a whole param group instead (:func:`fast_step`, :mod:`.family`).
-Hyper-parameters travel as tensors, so a scheduler never recompiles; each kernel compiles once per combination of master kind, moment dtype and
-gradient dtype.
+Hyper-parameters travel as tensors, so a scheduler never recompiles; each kernel compiles once
+per combination of master kind, moment dtype and gradient dtype.
 """
 
 from __future__ import annotations
