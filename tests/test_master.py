@@ -11,6 +11,14 @@ import mixprec as mp
 from mixprec import fp32_state_dict
 from mixprec.master import MasterWeightOptimizer, is_master_optimizer
 from mixprec.master.params import valid_grad
+from mixprec.master.split_bits import split_high
+
+
+def written(master, dtype):
+    """A master as the optimizer writes it into a ``dtype`` weight (bf16: to nearest, exact ties
+    away from zero, as ``master="split"``; otherwise torch's cast)."""
+    return split_high(master.detach()) if dtype == torch.bfloat16 else master.to(dtype)
+
 
 LOW = [torch.bfloat16, torch.float16]
 ULP_AT_ONE = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -96,7 +104,7 @@ def test_tied_parameter_has_one_master_and_gets_both_gradients():
     opt.step()
     master = opt.master_param(emb.weight)
     assert torch.equal(master, before - emb.weight.grad.float())
-    assert torch.equal(head.weight, master.to(torch.bfloat16))
+    assert torch.equal(head.weight, written(master, torch.bfloat16))
 
 
 def test_state_made_before_wrapping_moves_to_master_in_fp32():
@@ -260,7 +268,7 @@ def test_sparse_embedding_gradient_reaches_its_master():
     opt.step()
     moved = (opt.master_param(emb.weight) != before).any(dim=1)
     assert moved.nonzero().flatten().tolist() == [1, 7]
-    assert torch.equal(emb.weight, opt.master_param(emb.weight).to(torch.bfloat16))
+    assert torch.equal(emb.weight, written(opt.master_param(emb.weight), torch.bfloat16))
 
 
 def test_all_none_grads_and_zero_size_params_step_cleanly():
@@ -273,7 +281,7 @@ def test_all_none_grads_and_zero_size_params_step_cleanly():
     w.grad = torch.ones_like(w)
     opt.step()
     assert opt.master_param(empty).shape == (0, 3)
-    assert torch.equal(w, opt.master_param(w).to(torch.bfloat16)) and (w < 1).all()
+    assert torch.equal(w, written(opt.master_param(w), torch.bfloat16)) and (w < 1).all()
 
 @pytest.mark.parametrize("name", ["sgd_momentum_wd_nesterov", "adam"])
 def test_param_without_grad_is_skipped_and_its_state_untouched(name):
@@ -357,7 +365,7 @@ def test_step_with_closure_and_lbfgs():
     first = opt.step(closure)
     assert first.item() == pytest.approx(target.pow(2).sum().item())
     torch.testing.assert_close(opt.master_param(w), target, rtol=0, atol=2e-2)
-    assert torch.equal(w, opt.master_param(w).to(torch.bfloat16))
+    assert torch.equal(w, written(opt.master_param(w), torch.bfloat16))
 
 
 # -- torch.optim integration -----------------------------------------------------------------
@@ -479,7 +487,7 @@ def test_load_state_dict_resyncs_model_params_from_masters():
     opt.load_state_dict(saved)
     w = model.layers[0].weight
     assert torch.equal(opt.master_param(w), saved["master_weights"][0])
-    assert torch.equal(w, saved["master_weights"][0].to(torch.bfloat16))
+    assert torch.equal(w, written(saved["master_weights"][0], torch.bfloat16))
 
 
 def test_plain_optimizer_state_dict_loads_and_keeps_masters():

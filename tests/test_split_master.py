@@ -27,8 +27,9 @@ import mixprec as mp
 from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
 from mixprec.master.split_bits import split_load, split_of
 
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")]
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -164,8 +165,7 @@ def test_tracks_fp32_masters_on_a_small_model():
         net = copy.deepcopy(base)
         net, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=3e-3), level="O2",
                               dtype="bf16", master=master)
-        if master == "fp32":
-            opt.fused = "compile"
+        opt.fused = "compile"  # the default path: tests/test_master_family.py
         losses = []
         for i in range(30):
             g = torch.Generator().manual_seed(i)

@@ -17,10 +17,14 @@ per-parameter buffer):
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
 **Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
-``capturable``, ``differentiable``) run one pass per tensor (:mod:`.compact_kernels`): compiled
-by ``torch.compile`` with ``fused="auto"`` where a compiler is available (the first step of
-each kind compiles, seconds) or with ``fused="compile"``; eagerly with ``fused=False`` or
-without a compiler (same arithmetic and rounding bits). Any other torch optimizer (``RMSprop``,
+``capturable``, ``differentiable``): with ``fused="auto"`` (default) a param group (per device and
+dtypes) at a time with torch's own fused kernel between the method's load and store
+(:mod:`.family`: the arithmetic fp32 masters run, so ``"split"`` trains bit for bit as
+``"fp32"``); with ``fused="compile"`` (or ``"auto"`` where torch has no fused kernel for the
+device, or a tensor is not contiguous) one ``torch.compile``-d pass per tensor
+(:mod:`.compact_kernels`; the first step compiles, seconds); with ``fused=False`` the same
+per-tensor functions eagerly. Compiled kernels are checked against their eager twins before they
+are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
 ``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient
 fp32 copies (the compact value, gradient, moments), a bucket at a time for torch's
 per-parameter optimizers, all at once otherwise; the results are written back split,
@@ -32,12 +36,13 @@ model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks the
 (fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
 values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
 the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
-rounding generator stay bitwise untouched. No host syncs, except Adam's step count read on a
-GPU (as :mod:`mixprec.master.kernels`).
+rounding generator stay bitwise untouched. No host syncs (the per-tensor path reads Adam's
+step count, a sync on a GPU, as :mod:`mixprec.master.kernels`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -50,6 +55,7 @@ from . import compact_kernels as ck
 from . import states
 from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
+from .kernels import torch_fused, torch_fused_problem
 from .params import _is_current, _source_key
 from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import OWN_KEYS
@@ -80,18 +86,15 @@ class CompactMasterOptimizer(WrappedOptimizer):
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
         bucket_mb: MiB of transient fp32 copies per bucket on the generic path (None: auto).
-        initial_values: 16-bit parameter -> its exact fp32 value (the weight before the model
-            was cast): with ``"kahan"`` the compensation starts as what the cast lost; with
-            ``"split"`` the pair holds it exactly (the weight re-derived by the split).
+        initial_values: 16-bit parameter -> its exact fp32 value before the cast: a Kahan
+            compensation starts as what the cast lost; a split pair holds it exactly.
         seed: seed of the rounding generator.
-        salt: mixed into the rounding keys (FSDP2 shards need none: each rounds as its part of
-            the full tensor would in one process).
+        salt: mixed into the rounding keys (FSDP2 shards need none).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        ValueError: already wrapped; an unknown or non-compact ``master``; an unknown
-            ``state_dtype``; ``"stochastic"`` or ``"split"`` with fp16 parameters; a bad
-            ``fused`` or ``bucket_mb``.
+        ValueError: already wrapped; an unknown or non-compact ``master``, ``state_dtype``,
+            ``fused`` or ``bucket_mb``; ``"stochastic"``/``"split"`` with fp16 parameters.
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)
@@ -134,9 +137,9 @@ class CompactMasterOptimizer(WrappedOptimizer):
         method.register_load_hooks(self)
 
     def __repr__(self) -> str:
-        return (f"CompactMasterOptimizer(master={str(self.master)!r}, state_dtype="
-                f"{str(self.state_dtype).replace('torch.', '')}, {len(self._low)} 16-bit "
-                f"parameters, fused={self.fused!r}, {self.inner!r})")
+        dt = str(self.state_dtype).replace('torch.', '')
+        return (f"CompactMasterOptimizer(master={str(self.master)!r}, state_dtype={dt}, "
+                f"{len(self._low)} 16-bit parameters, fused={self.fused!r}, {self.inner!r})")
 
     # -- set-up --------------------------------------------------------------------------------
     def _check_fused(self, value) -> None:
@@ -190,8 +193,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return self._pending.get(param) if comp is None else comp
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this optimizer holds besides its ``state``: the fp32 gradients made for the
-        step (``"gradients"``) and buffers not yet in the state (``"compensation"``)."""
+        """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state."""
         return {"gradients": [g for g, _ in self._grads32.values()],
                 "compensation": list(self._pending.values())}
 
@@ -203,8 +205,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             return {p: ck.load(p.detach(), self.compensation(p)) for p in self._low}
 
     def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
-        """What ``mp.fp32_state_dict`` reads: :meth:`fp32_values`."""
-        return self.fp32_values()
+        return self.fp32_values()  # what mp.fp32_state_dict reads
 
     def load_fp32_(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``param`` from an fp32 ``value``: rounded to nearest, the compensation taking
@@ -295,9 +296,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return not any(p.grad is not None and p.grad.is_sparse for p in self._low)
 
     def _compiled(self) -> bool:
-        if self._fused == "compile":
-            return True
-        return self._fused == "auto" and all(ck.can_compile(p.device.type) for p in self._low)
+        return self._fused == "compile" or (
+            self._fused == "auto" and all(ck.can_compile(p.device.type) for p in self._low))
 
     def _fast_step(self, inv) -> None:
         low, rest = [], []
@@ -313,14 +313,16 @@ class CompactMasterOptimizer(WrappedOptimizer):
             low.append(items)
             rest.append(others)
         ck.fast_step(self.inner, low, inv, self.rounding, self._compiled(), self.state_dtype,
-                     self.salt)
+                     self.salt, grouped=self._fused == "auto")
         own = [p.grad for ps in rest for p in ps if p.grad is not None]
         if inv is not None and own:
             with torch.no_grad():
                 unscale_(own, inv)
         flat = [p for ps in rest for p in ps]
+        fused = self._fused == "auto" and torch_fused_problem(self.inner, flat) is None
         with self.only(rest), states.fp32_moments(self.inner, flat, self.state_dtype,
-                                                  self.rounding):
+                                                  self.rounding), \
+                (torch_fused(self.inner) if fused else contextlib.nullcontext()):
             self.inner_step()  # always runs, so hooks and schedulers see a step
 
     def _generic_bucket(self, bucket: list[list[torch.Tensor]], inv) -> None:

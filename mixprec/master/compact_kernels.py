@@ -10,11 +10,13 @@ rounded
 (:mod:`mixprec.master.states` says why).
 
 The same Python functions run eagerly (``fused=False``) or compiled by ``torch.compile``
-(``fused="auto"`` where a compiler is available, or ``"compile"``): one pass over memory per
-tensor, the random bits made inside the kernel from a key per tensor (so eager and compiled
-rounding draw the same bits). Hyper-parameters travel as tensors, so a scheduler never
-recompiles; each kernel compiles once per combination of master kind, moment dtype and
-gradient dtype.
+(``fused="compile"``, or ``"auto"`` where :mod:`.family`'s group update can't run): one pass
+over memory per tensor, the random bits made inside the kernel from a key per tensor (so eager
+and compiled rounding draw the same bits). Compiled kernels are checked against their eager
+twins before they are trusted (:mod:`.guard`). With ``fused="auto"`` (default) torch's fused
+kernel steps a whole param group instead (:func:`fast_step`, :mod:`.family`).
+Hyper-parameters travel as tensors, so a scheduler never recompiles; each kernel compiles once
+per combination of master kind, moment dtype and gradient dtype.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import shutil
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..shards import local
+from . import family
+from .guard import GuardedKernel
 from .kernels import (
     PerDevice,
     adam_hparams,
@@ -37,20 +40,10 @@ from .kernels import (
     options_problem,
     sgd_hparams,
 )
-from .rounding import (
-    RoundingGenerator,
-    round_stochastically,
-    shard_key,
-    stochastic_round,
-    weyl16,
-)
-from .split_bits import (
-    pair_views,
-    split_load,
-    split_load_pairs,
-    split_store,
-    split_store_pairs,
-)
+from .loadstore import assign, load, store
+from .loadstore import store_state as _store_state
+from .rounding import RoundingGenerator, shard_key
+from .split_bits import pair_views
 
 __all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
            "assign", "compensation"]
@@ -59,77 +52,7 @@ FAST_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _OFF = ("maximize", "differentiable", "capturable", "amsgrad")
 
 
-# -- the arithmetic (eager or compiled) -----------------------------------------------------------
-def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
-    """The fp32 value a compact weight stands for: weight + compensation, the exact master of a
-    weight and its int16 remainder (``master="split"``; both as int32 pairs when the weight is
-    int32, :func:`_paired`), or the weight."""
-    if comp is None:
-        return weight.float()
-    if weight.dtype == torch.int32:
-        return split_load_pairs(weight, comp)
-    if comp.dtype == torch.int16:
-        return _on_local(split_load, weight, comp)
-    return weight.float() + comp.float()
-
-
-def _on_local(fn, weight: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn`` of plain tensors, or of FSDP2 shards (re-wrapped like ``weight``: bitcasts need
-    this rank's own tensor)."""
-    if not isinstance(weight, DTensor):
-        return fn(weight, *tensors)
-    out = fn(weight.to_local(), *map(local, tensors))
-    return DTensor.from_local(out, weight.device_mesh, weight.placements, shape=weight.shape,
-                              stride=weight.stride())
-
-
-def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,
-          key: torch.Tensor) -> None:
-    """Write the fp32 ``new`` into a compact weight: compensated (``comp`` given) or rounded
-    stochastically with the bits of ``key``.
-
-    Compensated, the weight takes ``new`` rounded to nearest and the compensation what that
-    lost (exact in fp32), rounded stochastically with ``key``'s bits: rounded to nearest, the
-    compensation of a weight receiving many small updates of one sign drifts (an update of
-    1/700 of an ulp a step moved bf16 weights 11% too far in 2000 steps); stochastic rounding
-    is unbiased, so weight + compensation follows the fp32 sum in expectation. Its random
-    numbers are a Weyl sequence (:func:`.rounding.weyl16`: one multiply-add per element).
-
-    With an int16 ``comp`` (``master="split"``) the pair takes ``new`` exactly
-    (:mod:`.split_bits`: the weight is ``new`` rounded to nearest, ties away from zero); an int32
-    ``weight`` is such a pair as int32 pairs (:func:`_paired`)."""
-    if comp is None:
-        weight.copy_(stochastic_round(new, key))
-    elif weight.dtype == torch.int32:
-        split_store_pairs(weight, comp, new)
-    elif comp.dtype == torch.int16:  # exact: no rounding bits needed
-        split_store(weight, comp, new)
-    else:
-        hi = new.to(weight.dtype)
-        weight.copy_(hi)
-        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype, weyl16))
-
-
-def assign(weight: torch.Tensor, comp: torch.Tensor | None, value: torch.Tensor) -> None:
-    """Set a compact weight to the fp32 ``value``, exactly where its buffer can hold it: split
-    (int16 ``comp``), or rounded to nearest with the compensation taking what that lost (to
-    nearest: no rounding bits are drawn), or rounded to nearest (no buffer)."""
-    value = value.to(device=weight.device, dtype=torch.float32)
-    if comp is not None and comp.dtype == torch.int16:
-        split_store(*map(local, (weight.detach(), comp, value)))
-        return
-    weight.copy_(value)
-    if comp is not None:
-        comp.copy_(value - weight.float())
-
-
-def _store_state(buf: torch.Tensor, new: torch.Tensor, key: torch.Tensor) -> None:
-    if buf.dtype == torch.float32:
-        buf.copy_(new)
-    else:
-        buf.copy_(stochastic_round(new, key))
-
-
+# -- the arithmetic (eager or compiled): load/store from .loadstore -------------------------------
 def _sgd(weight, comp, grad, buf, s, hp, keys, nesterov: bool):
     # hp: -lr, weight_decay, buffer decay, gradient weight, momentum (kernels.sgd_hparams)
     p = load(weight, comp)
@@ -154,7 +77,6 @@ def _adam(weight, comp, grad, exp_avg, exp_avg_sq, s, hp, keys):
 
 
 _KERNELS = {"sgd": _sgd, "adam": _adam}
-_compiled: dict[str, Callable] = {}
 # the compensation is new - float(bf16(new)): inductor must not drop that round trip
 _OPTIONS = {**compile_options, "emulate_precision_casts": True}
 # variants (master kind, split paired or not, moment dtype, momentum, gradient dtype, and each
@@ -162,23 +84,22 @@ _OPTIONS = {**compile_options, "emulate_precision_casts": True}
 # limit dynamo runs the step eagerly, an ulp apart from the compiled one (and, under FSDP, on
 # some ranks only): one rank of the two-rank FSDP checkpoint tests compiles 68
 _RECOMPILE_LIMIT = 512
+# each compiled kernel is checked against its eager twin before it is trusted (.guard)
+# and compared on what the weights hold, the moments and the momentum buffer (not the bits of a
+# split pair or Kahan compensation: the fp32 arithmetic before them may round an ulp apart)
+def _outcome(args, _):
+    return [load(args[0], args[1]), *(t for t in args[2:5] if isinstance(t, torch.Tensor)
+                                      and t.is_floating_point() and t.shape == args[2].shape)]
+
+
+_GUARDED = {name: GuardedKernel(f"compact {name}", fn, _OPTIONS,
+                                recompile_limit=_RECOMPILE_LIMIT, outcome=_outcome,
+                                rel_tol=2.0 ** -16)
+            for name, fn in _KERNELS.items()}
 
 
 def _kernel(name: str, compiled: bool) -> Callable:
-    if not compiled:
-        return _KERNELS[name]
-    fn = _compiled.get(name)
-    if fn is None:
-        fn = _compiled[name] = _limited(torch.compile(_KERNELS[name], dynamic=True,
-                                                      options=_OPTIONS))
-    return fn
-
-
-def _limited(fn: Callable) -> Callable:
-    def run(*args):
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return fn(*args)
-    return run
+    return _GUARDED[name] if compiled else _KERNELS[name]
 
 
 # -- which optimizers and devices ----------------------------------------------------------------
@@ -256,8 +177,9 @@ def _adam_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> No
 
 def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]],
               inv_scale: torch.Tensor | None, rounding: RoundingGenerator, compiled: bool,
-              state_dtype: torch.dtype, salt: int = 0) -> None:
-    """Update compact weights with the one-pass kernels.
+              state_dtype: torch.dtype, salt: int = 0, grouped: bool = False) -> None:
+    """Update compact weights with the one-pass kernels, or a param group at a time with torch's
+    fused kernel between the methods' load and store (``grouped``, :mod:`.family`).
 
     Args:
         optimizer: the inner SGD/Adam/AdamW (its ``state`` is keyed by the model parameters).
@@ -268,6 +190,8 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
         state_dtype: dtype new moment buffers are made in.
         salt: mixed into the keys (DTensor shards need none: their keys are shifted to their
             place in the full tensor, :func:`.rounding.shard_key`).
+        grouped: step each param group (per device and dtypes) at once where torch has a
+            fused kernel for it (:func:`.family.group_ready`); the rest per tensor.
     """
     group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
     scale = 1.0 if inv_scale is None else inv_scale
@@ -279,10 +203,25 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
         for group, items in zip(optimizer.param_groups, items_by_group):
             if not items:
                 continue
-            keys = [shard_key(drawn[start + i], p).to(p.device)
-                    for i, (p, _, _) in enumerate(items)]
+            rows = drawn[start:start + len(items)]
             start += len(items)
+            if grouped and family.group_ready(optimizer, items):
+                _grouped(optimizer, group, items, inv_scale, rows, state_dtype)
+                continue
+            keys = [shard_key(rows[i], p).to(p.device) for i, (p, _, _) in enumerate(items)]
             group_step(optimizer, group, items, inv, keys, compiled, state_dtype)
+
+
+def _grouped(optimizer, group, items, inv_scale, rows, state_dtype) -> None:
+    """:func:`.family.group_step` per (device, weight dtype, buffer dtype) of one group."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, (p, _, buf) in enumerate(items):
+        kinds.setdefault((p.device, p.dtype, None if buf is None else buf.dtype), []).append(i)
+    for (device, _, _), idx in kinds.items():
+        rows_here = rows if len(idx) == len(items) else rows[idx]
+        inv = None if inv_scale is None else inv_scale.to(device, torch.float32)
+        family.group_step(optimizer, group, [items[i] for i in idx], inv, rows_here,
+                          state_dtype, can_compile(device.type))
 
 
 def compensation(optimizer: torch.optim.Optimizer, param: torch.Tensor,

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from .. import kernel_table
+from .guard import GuardedKernel
+from .split_bits import split_high
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
            "torch_fused_problem", "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams",
@@ -122,7 +124,8 @@ def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 # -- the compiled kernels (compiled lazily, once per process) -----------------------------------
 def _round_into(master, param, new):
     master.copy_(new)
-    param.copy_(new)  # rounds to nearest even, as the unfused write-back does
+    # bf16: split's rounding (to nearest, exact ties away from zero), as every write-back
+    param.copy_(split_high(new) if param.dtype == torch.bfloat16 else new)
 
 
 def _sgd_plain(master, param, grad, s, hp):
@@ -160,18 +163,16 @@ def _adam(master, param, grad, exp_avg, exp_avg_sq, s, hp):
 
 _KERNELS = {"sgd_plain": _sgd_plain, "sgd_momentum": _sgd_momentum,
             "sgd_nesterov": _sgd_nesterov, "adam": _adam}
-_compiled: dict[str, Callable] = {}
 # Dynamic shapes: inductor would pick serial or parallel loops from the size of the first tensor
 # it compiled for (a bias: serial, for every tensor after). Let OpenMP decide at run time instead.
 compile_options = {"cpp.dynamic_threads": True}
+# each compiled kernel is checked against its eager twin before it is trusted (.guard)
+_GUARDED = {name: GuardedKernel(f"fp32-master {name}", fn, compile_options)
+            for name, fn in _KERNELS.items()}
 
 
 def _kernel(name: str) -> Callable:
-    fn = _compiled.get(name)
-    if fn is None:
-        fn = _compiled[name] = torch.compile(_KERNELS[name], dynamic=True,
-                                             options=compile_options)
-    return fn
+    return _GUARDED[name]
 
 
 def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

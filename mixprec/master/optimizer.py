@@ -52,8 +52,9 @@ optimizer's own options are restored after) and the inner optimizer's configured
 ``False`` always runs the configured step (bitwise what the unwrapped optimizer does on fp32
 tensors); ``"compile"`` runs one ``torch.compile``-d pass per low-precision parameter that reads
 its low-precision gradient, unscales it and writes master, state and rounded weight (SGD/Adam/
-AdamW with fp32 state only; the first step compiles, which needs a C++ compiler on CPU or Triton
-on GPU; results agree with the others to a few fp32 ulps). See :mod:`mixprec.master.kernels`.
+AdamW with fp32 state only; the first step compiles; results agree with the others to a few
+fp32 ulps). See :mod:`mixprec.master.kernels`. bf16 weights are written back rounded to nearest
+with exact ties away from zero (``master="split"``'s rule: the two train bit for bit alike).
 
 **Moments in bf16** (``state_dtype="bf16"``): the inner optimizer's moment buffers are stored in
 bf16 and widened to fp32 for each bucket's step, then rounded back stochastically (see
@@ -87,6 +88,7 @@ from .params import (
     valid_grad,
 )
 from .rounding import DEFAULT_SEED, RoundingGenerator
+from .split_bits import round_into_
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -113,11 +115,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
     (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master
     (a :class:`mixprec.master.params.MasterParameter`, laid out as its parameter: a
     channels_last weight has a channels_last master); fp32 (and fp64) parameters stay as they
-    are (they are their own masters). ``step()`` reads the model's gradients, steps the inner
-    optimizer on the masters and writes the masters back into the model parameters, rounded to
-    nearest even. Optimizer state (momentum, Adam moments) therefore lives in fp32 too, or in
-    bf16 with ``state_dtype="bf16"``. The module docstring describes torch's contract, memory,
-    the loss-scaler protocol, the ``fused`` kernels and host syncs.
+    are (they are their own masters). ``step()`` steps the inner optimizer on the masters and
+    writes them back, rounded to nearest (:meth:`write_back`). The state (moments) is fp32, or
+    bf16 with ``state_dtype="bf16"``. The module docstring says the rest.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32
@@ -163,6 +163,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
             group["params"][:] = self._with_masters(group["params"])
         self._adopt(optimizer, bucket_mb, fused)
+        if given := [p for p in (initial_masters or {}) if p in self._master_of]:
+            with torch.no_grad():  # the weights as the masters round (a cast: ties to even)
+                round_into_(given, [self._master_of[p] for p in given])
         self._initial = {}
         checkpoint.register(self)
         states.register(self)
@@ -275,10 +278,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 torch._foreach_copy_(masters, params)
 
     def write_back(self) -> None:
-        """Copy the masters into the model parameters, rounded to nearest even."""
+        """Copy the masters into the model parameters, rounded to nearest (bf16: exact ties away
+        from zero, as ``master="split"``: :func:`.split_bits.round_into_`)."""
         with torch.no_grad():
             for params, masters in self._pairs:
-                torch._foreach_copy_(params, masters)
+                round_into_(params, masters)
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -365,14 +369,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return None
 
     def _check_fp16_changes(self) -> None:
-        stale = [m for m in self._master_of.values()
-                 if is_stale(m) and m.model_param.dtype == torch.float16]
-        if stale:
+        if stale := [m for m in self._master_of.values()
+                     if is_stale(m) and m.model_param.dtype == torch.float16]:
             raise stale_fp16_error(len(stale), stale[0].shape)
 
     def drop_master_grads(self) -> None:
-        """Drop the masters' fp32 gradients (a scaler that skips a step calls this; the
-        model's gradients stay as they are)."""
+        """Drop the masters' fp32 gradients (the model's stay; a scaler skipping a step)."""
         self._carry.inv = None
         for master in self._master_of.values():
             drop_grad(master)

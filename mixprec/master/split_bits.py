@@ -35,8 +35,8 @@ import sys
 
 import torch
 
-__all__ = ["split_store", "split_load", "split_of", "pair_views", "split_load_pairs",
-           "split_store_pairs"]
+__all__ = ["split_store", "split_load", "split_of", "split_high", "round_into_", "pair_views",
+           "split_load_pairs", "split_store_pairs", "split_pairs_of"]
 
 
 def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +56,39 @@ def split_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly."""
     high, rem = _high_and_rest(new.contiguous().view(torch.int32), new != new)
     return high.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
+
+
+def split_high(new: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight of the split of the fp32 ``new`` (``split_of(new)[0]`` for every non-NaN
+    value; NaN stays NaN): torch's cast (to nearest, ties to even) plus one ulp away from zero
+    where it rounded an exact tie down to an even high half (the low 17 bits are ``0x8000``;
+    an or, not an add: the cast of a NaN may be odd, ``0xFFFF``, which an add would wrap).
+    Fewer passes than :func:`split_of` when no remainder is wanted."""
+    tie = ((new.view(torch.int32) & 0x1FFFF) == 0x8000).to(torch.int16)
+    return (new.to(torch.bfloat16).view(torch.int16) | tie).view(torch.bfloat16)
+
+
+def round_into_(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Write fp32 ``values`` into 16-bit ``params`` (same shapes), rounded as the split rounds
+    (to nearest, exact ties away from zero) for bf16 and by torch's cast otherwise: one rule for
+    the forward weight of fp32 and split masters. A few passes over one flat copy per call, not a
+    kernel per tensor; no host sync."""
+    bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
+    if len(bf16) < len(params):
+        others = [i for i, p in enumerate(params) if p.dtype != torch.bfloat16]
+        torch._foreach_copy_([params[i] for i in others], [values[i] for i in others])
+        params, values = [params[i] for i in bf16], [values[i] for i in bf16]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    for indices in by_device.values():
+        ps = [params[i] for i in indices]
+        flat = torch._C._nn.flatten_dense_tensors([values[i].to(ps[0].device) for i in indices])
+        weights = flat.to(torch.bfloat16)
+        # (not in place: a single contiguous tensor is flattened as a view of itself)
+        ties = flat.view(torch.int32).bitwise_and(0x1FFFF).eq_(0x8000)
+        weights.view(torch.int16).bitwise_or_(ties)
+        torch._foreach_copy_(ps, torch._C._nn.unflatten_dense_tensors(weights, ps))
 
 
 def split_load(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -98,13 +131,20 @@ def split_load_pairs(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Ten
     return (first | (_joined(w1, r1).to(torch.int64) << 32)).view(torch.float32)
 
 
-def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
-    """:func:`split_store` into the int32 pair views (:func:`pair_views`) of the flat fp32
-    ``new``, in place."""
+def split_pairs_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split_of` of the flat, even-length fp32 ``new`` as int32 words of neighbour pairs
+    (the weight's words, the remainder's words; new tensors)."""
     words = new.contiguous().view(torch.int64)
     pairs = []
     for bits in (((words << 32) >> 32).to(torch.int32), (words >> 32).to(torch.int32)):
         pairs.append(_high_and_rest(bits, (bits & 0x7FFFFFFF) > 0x7F800000))
     (h0, q0), (h1, q1) = pairs
-    weight.copy_((h0 & 0xFFFF) | (h1 << 16))
-    remainder.copy_((q0 & 0xFFFF) | (q1 << 16))
+    return (h0 & 0xFFFF) | (h1 << 16), (q0 & 0xFFFF) | (q1 << 16)
+
+
+def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
+    """:func:`split_store` into the int32 pair views (:func:`pair_views`) of the flat fp32
+    ``new``, in place."""
+    high, rem = split_pairs_of(new)
+    weight.copy_(high)
+    remainder.copy_(rem)

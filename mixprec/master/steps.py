@@ -19,6 +19,7 @@ import torch
 from ..scaling.unscale import unscale_
 from . import kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
+from .split_bits import round_into_
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step"]
 
@@ -70,7 +71,7 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> Non
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
-            torch._foreach_copy_([t.model_param for t in stepped], stepped)
+            round_into_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
 

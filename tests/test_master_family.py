@@ -1,0 +1,292 @@
+"""One optimizer-math family for fp32 and compact masters (mixprec/master/family.py), the split
+rounding of every bf16 write-back, and the compiled-kernel guard (mixprec/master/guard.py).
+
+Tolerances: none. ``master="split"`` trains bit for bit as ``master="fp32"`` on the default path
+(losses, forward weights, masters); a split run resumed from ``state_dict``s is bit for bit the
+uninterrupted one; a compiled kernel that disagrees with its eager twin is replaced by it, so the
+numbers are bit for bit the eager ones.
+"""
+
+import copy
+import io
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
+from mixprec.master.split_bits import round_into_, split_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64),
+                         nn.GELU(), nn.Linear(64, 4))
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+
+
+def train(net, opt, steps):
+    losses = []
+    for i in steps:
+        x, y = batch(i)
+        loss = nn.functional.mse_loss(net(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def prepared(master, make_opt, seed=0):
+    net = mlp(seed)
+    return mp.prepare(net, make_opt(net.parameters()), level="O2", dtype="bf16", master=master)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+    "adam-l2": lambda ps: torch.optim.Adam(ps, lr=3e-3, weight_decay=0.01),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9, nesterov=True,
+                                               weight_decay=1e-4),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_split_trains_bit_for_bit_as_fp32_masters_on_the_default_path(name):
+    runs = {}
+    for master in ("fp32", "split"):
+        net, opt = prepared(master, OPTIMIZERS[name])
+        losses = train(net, opt, range(30))
+        runs[master] = (losses, [p.detach().clone() for p in net.parameters()],
+                        mp.fp32_state_dict(net, opt))
+    (ref_losses, ref_weights, ref_masters), (losses, weights, masters) = runs.values()
+    assert losses == ref_losses
+    for a, b in zip(weights, ref_weights):
+        assert torch.equal(a, b)
+    for key in ref_masters:
+        assert torch.equal(masters[key], ref_masters[key]), key
+
+
+def test_fp32_masters_round_bf16_weights_as_the_split_does():
+    """Exact ties go away from zero (torch's cast: to even) in every write-back, and the values
+    written from are left as they were."""
+    value = torch.tensor([1.0 + 2 ** -8, -(1.0 + 2 ** -8), 1.0 + 3 * 2 ** -8, 0.3, float("nan")])
+    kept = value.clone()
+    out = [torch.empty(5, dtype=torch.bfloat16)]
+    round_into_(out, [value])
+    assert torch.equal(value.view(torch.int32), kept.view(torch.int32))
+    assert out[0][:2].tolist() == [1.0078125, -1.0078125]  # torch's cast: 1.0, -1.0
+    assert torch.equal(out[0][:4], split_of(value)[0][:4]) and out[0][4].isnan()
+    # at prepare: the weights are the masters rounded this way, not the model's cast
+    net = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(value[:4].view(1, 4))
+    net, _ = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
+                        dtype="bf16")
+    assert net.weight[0, 0].item() == 1.0078125
+
+
+def test_split_resumes_bit_for_bit_from_state_dicts():
+    make = OPTIMIZERS["adamw"]
+    net, opt = prepared("split", make)
+    train(net, opt, range(20))
+    half, half_opt = prepared("split", make)
+    train(half, half_opt, range(10))
+    buffer = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    resumed, resumed_opt = prepared("split", make, seed=5)  # another initialisation
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    for p, q in zip(half_opt.fp32_values().values(), resumed_opt.fp32_values().values()):
+        assert torch.equal(p, q)
+    train(resumed, resumed_opt, range(10, 20))
+    for p, q in zip(net.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    for p, q in zip(opt.fp32_values().values(), resumed_opt.fp32_values().values()):
+        assert torch.equal(p, q)
+
+
+def count_ops(opt, model, n_steps=1):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n_steps):
+            opt.step()
+    def outer(e):  # torch's CPU foreach ops call one op per tensor inside themselves
+        return e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
+    names = [e.name for e in prof.events() if e.name.startswith("aten::") and outer(e)]
+    return len(names), names.count("aten::_fused_adamw_")
+
+
+@pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
+def test_a_group_is_stepped_with_a_fixed_number_of_operations(master):
+    """8 or 64 tensors: the same operations (one fused AdamW call), none per tensor."""
+    counts = []
+    for n in (8, 64):
+        params = [nn.Parameter(torch.randn(3, 5).bfloat16()) for _ in range(n)]
+        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master, fused="auto",
+                                     state_dtype="bf16")
+        for p in params:
+            p.grad = torch.randn(3, 5).bfloat16()
+        opt.step()  # states made, kernels compiled and checked
+        counts.append(count_ops(opt, params))
+    assert counts[0] == counts[1]
+    assert counts[0][1] == 1
+
+
+# -- the guard ------------------------------------------------------------------------------------
+def wrong_compiler(fn):
+    """A "compiled" store that writes 4.73 times too far (what one torch's Kahan kernel did)."""
+    def wrong(weight, comp, new, key):
+        before = family.load(weight, comp)
+        return fn(weight, comp, before + (new - before) * -4.73, key)
+    return wrong
+
+
+@pytest.fixture
+def fresh_verdicts():
+    guard.forget_verdicts()
+    yield
+    guard.forget_verdicts()
+
+
+def run_kahan(steps=4):
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(40, 30).bfloat16())
+    opt = CompactMasterOptimizer(torch.optim.AdamW([w], lr=1e-2), "kahan", fused="auto")
+    for i in range(steps):
+        w.grad = torch.randn(40, 30, generator=torch.Generator().manual_seed(i)).bfloat16()
+        opt.step()
+    return opt.fp32_values()[w]
+
+
+def test_a_compiled_kernel_that_disagrees_falls_back_to_eager_with_one_warning(
+        monkeypatch, fresh_verdicts):
+    monkeypatch.setattr(family, "_GUARDED", {})  # every kernel eager: the reference
+    monkeypatch.setattr(family, "_kernel", lambda name, compiled: family._KERNELS[name])
+    expected = run_kahan()
+    bad = guard.GuardedKernel("group store", family.stored, compiler=wrong_compiler)
+    monkeypatch.setattr(family, "_kernel", lambda name, compiled:
+                        bad if name == "store" else family._KERNELS[name])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = run_kahan()
+    ours = [w for w in seen if issubclass(w.category, guard.CompiledKernelWarning)]
+    assert len(ours) == 1
+    assert "group store" in str(ours[0].message) and torch.__version__ in str(ours[0].message)
+    assert torch.equal(got, expected)
+    assert list(guard.verdicts().values()) == [False]
+
+
+def test_a_compiled_kernel_that_agrees_is_trusted(fresh_verdicts):
+    calls = []
+
+    def counting(fn):
+        def run(*args):
+            calls.append(1)
+            return fn(*args)
+        return run
+
+    ok = guard.GuardedKernel("double", lambda x: x.mul_(2), compiler=counting)
+    x = torch.arange(1000.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ok(x)
+        ok(x)
+    assert torch.equal(x, torch.arange(1000.0) * 4)
+    assert len(calls) == 3  # the check on a copy of the first 256 elements, then both calls
+    assert list(guard.verdicts().values()) == [True]
+
+
+def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
+    """torch's compiler emits its own ``torch.jit.script_method`` DeprecationWarning at the first
+    compiled step; run in a fresh process with ``-W error::DeprecationWarning``."""
+    code = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from mixprec.master import CompactMasterOptimizer
+        w = nn.Parameter(torch.randn(64).bfloat16())
+        opt = CompactMasterOptimizer(torch.optim.AdamW([w], lr=1e-3), "kahan", fused="compile")
+        w.grad = torch.randn(64).bfloat16()
+        opt.step()
+        print("stepped")
+    """)
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stepped" in done.stdout
+
+
+def test_fp32_masters_and_split_agree_through_a_loss_scale():
+    """A static loss scale of 2**10 (the step reads gradients x 2**-10)."""
+    runs = []
+    for master in ("fp32", "split"):
+        net, opt = prepared(master, OPTIMIZERS["adamw"])
+        scaler = mp.StaticLossScaler(2.0 ** 10)
+        for i in range(5):
+            x, y = batch(i)
+            scaler.scale(nn.functional.mse_loss(net(x).float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_copies_of_the_inputs_are_checked_not_the_inputs(fresh_verdicts):
+    kernel = guard.GuardedKernel("add one", lambda x: x.add_(1), compiler=lambda fn: fn)
+    x = torch.zeros(300)
+    kernel(x)
+    assert torch.equal(x, torch.ones(300))
+    assert copy.copy(guard.verdicts()) == {("add one", "cpu", (torch.float32,)): True}
+
+
+def test_masters_optimizer_is_unchanged_for_fp16():
+    """fp16 weights keep torch's cast (the split holds bf16 only)."""
+    value = torch.tensor([1.0 + 2 ** -11])  # an exact fp16 tie
+    out = [torch.empty(1, dtype=torch.float16)]
+    round_into_(out, [value])
+    assert out[0].item() == 1.0
+    w = nn.Parameter(torch.ones(1, dtype=torch.float16))
+    opt = MasterWeightOptimizer(torch.optim.SGD([w], lr=1.0), initial_masters={w: value})
+    assert w.item() == 1.0 and opt.master_param(w).item() == value.item()
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_kahan_and_stochastic_group_updates_track_an_fp32_reference(master):
+    """The default (group) path against torch's AdamW on fp32 weights, 30 steps with the same
+    gradients, 12 tensors of values around 0.1 (the steps move them by up to 0.09), each
+    element within, relative to the tensor's largest value m: Kahan 2^-14 m (its pair holds about
+    16 bits), stochastic 4 sqrt(30) bf16 eps m (a random walk of one-ulp roundings); a kernel
+    applying -4.73 times the update would be 0.5 off."""
+    steps, lr = 30, 3e-3
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(16, 8, generator=gen) * 0.1 for _ in range(12)]
+    low = [nn.Parameter(s.bfloat16()) for s in start]
+    opt = CompactMasterOptimizer(torch.optim.AdamW(low, lr=lr), master,
+                                 initial_values=dict(zip(low, start)))
+    ref = [nn.Parameter(opt.fp32_values()[p].clone()) for p in low]
+    ref_opt = torch.optim.AdamW(ref, lr=lr, foreach=False)
+    for _ in range(steps):
+        grads = [torch.randn(16, 8, generator=gen).bfloat16() for _ in low]
+        for p, r, g in zip(low, ref, grads):
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    eps = torch.finfo(torch.bfloat16).eps
+    factor = 2.0 ** -14 if master == "kahan" else 4 * steps ** 0.5 * eps
+    values = opt.fp32_values()
+    for p, r in zip(low, ref):
+        scale = r.detach().abs().max().item()
+        torch.testing.assert_close(values[p], r.detach(), rtol=0, atol=factor * scale)
