@@ -28,19 +28,25 @@ lightning = pytest.importorskip("mixprec.integrations.lightning")
 hf = pytest.importorskip("mixprec.integrations.transformers")
 transformers = pytest.importorskip("transformers")
 
-PRECISION, LOOP = vocabulary.PRECISION, vocabulary.LOOP
+PRECISION, LOOP, EMULATION = vocabulary.PRECISION, vocabulary.LOOP, vocabulary.EMULATION
+DISTRIBUTED, COMPILE = vocabulary.DISTRIBUTED, vocabulary.COMPILE
 #: entry point -> (the keywords it takes, the defaults it documents as different)
 ENTRY_POINTS = {
-    "prepare": (mp.prepare, PRECISION, {}),
-    "MixedPrecision": (mp.MixedPrecision, PRECISION + LOOP, {}),
-    "Trainer": (mp.Trainer, PRECISION + LOOP, {}),
-    "parallel.fsdp": (fsdp, PRECISION, {"level": "O2"}),
-    "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP, {}),
-    "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP, {}),
-    "plan": (mp.parallel.plan, ("level", "dtype", "policy", "master", "state_dtype"),
+    "prepare": (mp.prepare, PRECISION + EMULATION, {}),
+    "MixedPrecision": (mp.MixedPrecision, PRECISION + LOOP + EMULATION, {}),
+    "Trainer": (mp.Trainer, PRECISION + LOOP + EMULATION + DISTRIBUTED + COMPILE, {}),
+    "parallel.fsdp": (fsdp, PRECISION + DISTRIBUTED + EMULATION, {"level": "O2"}),
+    "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP + EMULATION, {}),
+    "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP + EMULATION, {}),
+    "plan": (mp.parallel.plan,
+             ("level", "dtype", "policy", "master", "state_dtype", "reduce_dtype"),
              {"level": "O2", "dtype": "bf16"}),
-    "advise": (mp.advise, ("loss_scale",), {}),
+    "advise": (mp.advise, ("loss_scale", "fp8"), {}),
+    "Advice.policy": (mp.advisor.Advice.policy, ("level", "dtype", "fp8"),
+                      {"level": "O2", "dtype": "bf16"}),
 }
+#: The keywords no entry point may take positionally.
+KEYWORD_ONLY = LOOP[1:] + EMULATION + DISTRIBUTED + COMPILE
 
 
 def flat(text: str) -> str:
@@ -57,6 +63,8 @@ def test_each_entry_point_takes_the_declared_keywords_and_defaults(name):
         assert param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD), keyword
         expected = differs.get(keyword, vocabulary.KEYWORDS[keyword].default)
         assert type(param.default) is type(expected) and param.default == expected, keyword
+        if keyword in KEYWORD_ONLY:
+            assert param.kind is param.KEYWORD_ONLY, keyword
     assert not any(p.kind == p.VAR_KEYWORD and p.name in vocabulary.KEYWORDS
                    for p in params.values())
 
@@ -76,7 +84,7 @@ def test_each_docstring_carries_the_declared_text(name):
 def test_what_is_absent_is_explained():
     for entry in (mp.parallel.plan, mp.advise):
         doc = flat(entry.__doc__)
-        absent = [k for k in PRECISION + LOOP if k not in vocabulary.keywords_of(entry)]
+        absent = [k for k in vocabulary.KEYWORDS if k not in vocabulary.keywords_of(entry)]
         assert absent and all(f"``{k}``" in doc or k in ("low_precision_ops", "fp32_ops")
                               for k in absent)
         assert "op lists" in doc
