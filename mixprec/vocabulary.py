@@ -161,6 +161,8 @@ ALIASES = {"loss_scaler": "loss_scale", "fp8_recipe": "fp8"}
 #: Where a :class:`mixprec.Policy` field of a keyword's name defaults otherwise, and why
 #: (field -> (the field's default, written as ``str()`` shows it, the reason)).
 RESOLVED = {
+    "level": ("None", "a Policy's level is a label, not a setting: one built field by field has "
+                      "none, Policy.from_level names it"),
     "loss_scale": ("None", "a Policy records the loss-scale spec of its level (\"dynamic\" for "
                            "fp16 at O1/O2, None otherwise); the keyword's \"auto\" resolves to "
                            "exactly that"),

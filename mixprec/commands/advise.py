@@ -11,8 +11,8 @@ cases of :mod:`mixprec.advisor.planted` instead (as built: not trained).
 from __future__ import annotations
 
 import json
-import warnings
 import os
+import warnings
 
 import torch
 

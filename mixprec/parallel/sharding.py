@@ -131,7 +131,8 @@ def _policies(policy, reduce_dtype: torch.dtype):
     return main, main
 
 
-@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.DISTRIBUTED, *vocabulary.EMULATION, differs={"level": (
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.DISTRIBUTED, *vocabulary.EMULATION,
+                  differs={"level": (
     "O2", "the level FSDP2 is for: its fp32 shards are the masters, so 16-bit compute costs no "
           "second fp32 copy")}, notes={
     "master": 'Under FSDP2 "fp32" means the fp32 shards are the masters; the others keep '

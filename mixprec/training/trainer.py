@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import kernel_table, vocabulary
-from ..engine import MixedPrecision, engine_for
+from ..engine import engine_for
 from ..master import kernels
 from ..policy import Policy
 from ..prepare import policy_of
@@ -109,8 +109,8 @@ class Trainer:
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
-                 fp8_modules=None, monitor=None, emulate_fp16="auto",
-                 mixed_precision: MixedPrecision | None = None, loss_scaler: Any = vocabulary.UNSET):
+                 fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
+                 loss_scaler: Any = vocabulary.UNSET):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
