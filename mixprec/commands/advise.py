@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import sys
 
 import torch
 
@@ -83,8 +83,8 @@ def _run(args) -> int:
     formats = _formats(args.formats)
     _check_plot(args.plot)
     if given_as(args, "fp8") == "--fp8-recipe":
-        warnings.warn("--fp8-recipe is deprecated; pass --fp8 (same values)", DeprecationWarning,
-                      stacklevel=2)
+        print("mixprec advise: --fp8-recipe is deprecated; pass --fp8 (same values)",
+              file=sys.stderr)
     advice, bm = run_advise(args.model, formats, args.train_steps, args.seed, args.ablation,
                             args.fp8, **sizes)
     low = args.dtype or next((f for f in ("bf16", "fp16") if f in formats), None)
