@@ -58,17 +58,13 @@ def _positive_finite(value) -> bool:
             and 0 < value < math.inf)
 
 
-@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, notes={
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
     "dtype": 'Here "auto" is resolved on the first model :meth:`setup` is given.'})
 class MixedPrecision:
     """A precision run: the policy, model preparation, the loss scaler and the step order.
 
     Args:
         {precision keywords}
-        emulate_fp16: see :class:`mixprec.autocast`.
-        monitor: a :class:`mixprec.PrecisionMonitor` that records the run (loss scale, skipped
-            steps, gradient norm and per-layer statistics every few steps); None: nothing is
-            recorded and the step runs exactly as without one.
 
     Attributes:
         policy: the resolved :class:`mixprec.Policy` (None until ``dtype="auto"`` is resolved
@@ -102,10 +98,7 @@ class MixedPrecision:
                  fp8: str | None = None, fp8_modules=None, monitor=None):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
-        if policy is not None and (level != "O1" or not (isinstance(dtype, str)
-                                                          and dtype == "auto")):
-            raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
-                             f"{policy} with level={level!r}, dtype={dtype!r}")
+        vocabulary.check_policy_alone(policy, level, dtype, "MixedPrecision")
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
         self._fp8 = lowbit.resolve(fp8)  # the low-bit format, validated now

@@ -151,7 +151,7 @@ def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
     return policy
 
 
-@vocabulary.takes(*vocabulary.PRECISION)
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.EMULATION)
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O1",
             dtype: Any = "auto", keep_fp32=None, policy: Policy | None = None,
             low_precision_ops=(), fp32_ops=(), emulate_fp16="auto", master: str | None = None,
@@ -188,7 +188,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         model: the model (prepared in place; the same object is returned).
         optimizer: an optimizer over ``model``'s parameters, or None.
         {precision keywords}
-        emulate_fp16: see :class:`mixprec.autocast`.
 
     Returns:
         ``model``, or ``(model, optimizer)`` when an optimizer is given.

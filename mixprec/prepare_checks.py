@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from . import vocabulary
 from .formats import get as float_format
 from .master import is_master_optimizer
 from .policy import Policy
@@ -75,6 +76,4 @@ def check_fp16_state(optimizer, policy: Policy) -> None:
 
 
 def check_one_of(policy, level, dtype) -> None:
-    if policy is not None and (level != "O1" or not (isinstance(dtype, str) and dtype == "auto")):
-        raise ValueError("pass either policy= or level=/dtype=, not both; got policy="
-                         f"{policy} with level={level!r}, dtype={dtype!r}")
+    vocabulary.check_policy_alone(policy, level, dtype, "prepare")

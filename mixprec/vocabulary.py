@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import textwrap
 import warnings
 from typing import Any, Callable
 
 __all__ = ["Keyword", "KEYWORDS", "PRECISION", "LOOP", "MARKER", "ALIASES", "UNSET", "takes",
-           "keywords_of", "alias", "check_engine_alone"]
+           "keywords_of", "alias", "check_engine_alone", "EMULATION", "DISTRIBUTED",
+           "COMPILE", "RESOLVED", "check_policy_alone", "KeywordClash"]
 
 #: The docstring line :func:`takes` replaces with the keywords' ``Args`` entries.
 MARKER = "{precision keywords}"
@@ -46,6 +48,25 @@ class Keyword:
     default: Any
     accepts: str
     doc: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        """The command-line option (``--state-dtype`` for ``state_dtype``)."""
+        return "--" + self.name.replace("_", "-")
+
+    def cli(self, default: Any = dataclasses.MISSING, why: str = "",
+            choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """``add_argument`` keywords for :attr:`flag`: ``default``, ``choices`` and ``help``
+        from this declaration; a subcommand's own ``default`` (with ``why``) or ``choices``
+        where it differs."""
+        shown = self.default if default is dataclasses.MISSING else default
+        first = re.sub(r":\w+:`([^`]*)`", r"\1", self.doc.split(". ")[0]).replace("``", "")
+        text = f"{first.rstrip('.')} (default: {shown}{'; ' + why if why else ''})"
+        out: dict[str, Any] = {"help": text.replace("%", "%%"), "default": shown}
+        if choices or self.choices:
+            out["choices"] = choices or self.choices
+        return out
 
     def entry(self, default: Any = dataclasses.MISSING, why: str = "", note: str = "") -> str:
         """The ``Args`` entry (unwrapped): accepted values, meaning, an entry point's note, and
@@ -64,12 +85,14 @@ _DECLARED = (
     Keyword("level", "O1", '"O0", "O1", "O2" or "O3"',
             "O0: fp32; O1: fp32 weights, the forward under autocast; O2: 16-bit weights "
             "(norms and ``keep_fp32`` modules in fp32) trained through masters; O3: all "
-            "16-bit (see :func:`mixprec.prepare`). Ignored when ``policy`` is given."),
+            "16-bit (see :func:`mixprec.prepare`). Not given together with ``policy``.",
+            ("O0", "O1", "O2", "O3")),
     Keyword("dtype", "auto", '"bf16", "fp16", a torch dtype, or "auto"',
             'The low-precision dtype; "auto" is the fast 16-bit type of the model\'s device, '
             "resolved on it."),
     Keyword("policy", None, "a :class:`mixprec.Policy`, or None",
-            "Every choice set directly, instead of ``level``/``dtype``."),
+            "Every choice set directly, instead of ``level``/``dtype``; a ``level`` or ``dtype`` "
+            "given beside it (not at its default) is refused."),
     Keyword("keep_fp32", None, "None, an ``nn.Module`` subclass, a qualified module name, or a "
             "list of them",
             "Extra modules whose parameters and compute stay fp32 (added to the policy's)."),
@@ -84,10 +107,11 @@ _DECLARED = (
             "the bf16 weight plus a 16-bit remainder; a 16-bit Kahan compensation buffer; or "
             "stochastic rounding into bf16 weights (the last three "
             ":class:`mixprec.master.CompactMasterOptimizer`). None: the policy's (fp32 masters "
-            "at O2). The value is passed on as given; the policy checks it."),
+            "at O2). The value is passed on as given; the policy checks it.",
+            ("fp32", "split", "kahan", "stochastic")),
     Keyword("state_dtype", None, '"fp32", "bf16", or None',
             "The dtype of the optimizer's moment buffers under a master-weight policy. None: "
-            "the policy's (fp32)."),
+            "the policy's (fp32).", ("fp32", "bf16")),
     Keyword("fp8", None, "None, a :mod:`mixprec.lowbit` format, or its shorthand: "
             '"tensorwise" (FP8, one scale per tensor), "rowwise" (one per row), "rowwise_gw_hp" '
             "(rowwise, the weight gradient's GEMM in high precision), \"mxfp8\" (one "
@@ -103,6 +127,18 @@ _DECLARED = (
             'A spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at O1/O2, '
             "none otherwise; a number: a static scale) or a scaler object. A scaler that checks "
             "for overflow skips an update whose gradients hold inf/NaN."),
+    Keyword("emulate_fp16", "auto", '"auto", True or False',
+            "fp16 GEMM/conv emulated with fp32 arithmetic on fp16-rounded values where fp16 "
+            'has no fast kernel ("auto"; see :mod:`mixprec.emulation`); True forces it, False '
+            "runs torch's native fp16 kernels."),
+    Keyword("monitor", None, "a :class:`mixprec.PrecisionMonitor`, or None",
+            "Records the run (loss scale, skipped steps, gradient norm, per-layer statistics) "
+            "every few steps; None records nothing and the step runs exactly as without one."),
+    Keyword("reduce_dtype", "fp32", '"fp32", "bf16", "fp16", or a torch dtype',
+            "The precision of the gradient reduction across ranks (DDP all-reduce, FSDP "
+            "reduce-scatter); bf16 and fp16 halve the traffic.", ("fp32", "bf16", "fp16")),
+    Keyword("compile", False, "True or False",
+            "Run each step's forward and loss under ``torch.compile``."),
 )
 
 #: Every keyword by name, in declaration order.
@@ -111,10 +147,30 @@ KEYWORDS: dict[str, Keyword] = {k.name: k for k in _DECLARED}
 PRECISION = ("level", "dtype", "policy", "keep_fp32", "low_precision_ops", "fp32_ops", "master",
              "state_dtype", "fp8", "fp8_modules")
 #: What an entry point that runs a loop takes as well.
-LOOP = ("loss_scale",)
+LOOP = ("loss_scale", "monitor")
+#: What an entry point whose autocast can run fp16 emulated takes.
+EMULATION = ("emulate_fp16",)
+#: What an entry point that reduces gradients across ranks takes.
+DISTRIBUTED = ("reduce_dtype",)
+#: What a loop that owns its forward takes (``Trainer``).
+COMPILE = ("compile",)
 
 #: Deprecated spellings -> the keyword they stand for.
-ALIASES = {"loss_scaler": "loss_scale"}
+ALIASES = {"loss_scaler": "loss_scale", "fp8_recipe": "fp8"}
+
+#: Where a :class:`mixprec.Policy` field of a keyword's name defaults otherwise, and why
+#: (field -> (the field's default, written as ``str()`` shows it, the reason)).
+RESOLVED = {
+    "level": ("None", "a Policy's level is a label, not a setting: one built field by field has "
+                      "none, Policy.from_level names it"),
+    "loss_scale": ("None", "a Policy records the loss-scale spec of its level (\"dynamic\" for "
+                           "fp16 at O1/O2, None otherwise); the keyword's \"auto\" resolves to "
+                           "exactly that"),
+    "master": ("fp32", "a Policy holds the resolved method; the keyword's None means \"the "
+                       "policy's\", which is fp32 masters"),
+    "state_dtype": ("torch.float32", "a Policy holds the resolved dtype; the keyword's None "
+                                     "means \"the policy's\", fp32"),
+}
 
 _ATTR = "__precision_keywords__"
 
@@ -178,6 +234,9 @@ def takes(*names: str, differs: dict[str, tuple[Any, str]] | None = None,
             if param is None or param.kind not in (param.KEYWORD_ONLY,
                                                     param.POSITIONAL_OR_KEYWORD):
                 raise TypeError(f"{obj.__qualname__} must take the keyword {name!r}")
+            if name in (*LOOP[1:], *EMULATION, *DISTRIBUTED, *COMPILE) \
+                    and param.kind is not param.KEYWORD_ONLY:
+                raise TypeError(f"{obj.__qualname__} must take {name!r} keyword-only")
             if not _same(param.default, expected):
                 raise TypeError(f"{obj.__qualname__}'s {name}= defaults to {param.default!r}; "
                                 f"the vocabulary declares {expected!r}")
@@ -225,3 +284,29 @@ def check_engine_alone(engine, given: dict[str, Any], entry_point) -> None:
                         f"{', '.join(changed)}: the engine already holds its precision; set "
                         f"them on mp.MixedPrecision(...), or pass them here without "
                         f"mixed_precision=")
+
+
+class KeywordClash(TypeError, ValueError):
+    """``policy=`` given beside ``level=``/``dtype=`` (a TypeError; a ValueError as well, which
+    earlier versions raised)."""
+
+
+def check_policy_alone(policy, level: Any, dtype: Any, entry_point: str,
+                       defaults: tuple[Any, Any] | None = None) -> None:
+    """Refuse ``level``/``dtype`` given beside ``policy``: a value other than the entry point's
+    default (``defaults``; the declared ones when None) is a second answer to the same question.
+    A value equal to the default cannot be told from an absent one and passes.
+
+    Raises:
+        KeywordClash: naming ``policy=`` and the keywords given beside it.
+    """
+    if policy is None:
+        return
+    level_default, dtype_default = defaults or (KEYWORDS["level"].default,
+                                                KEYWORDS["dtype"].default)
+    given = [f"{name}={value!r}" for name, value, default in (
+        ("level", level, level_default), ("dtype", dtype, dtype_default))
+        if not _same(value, default)]
+    if given:
+        raise KeywordClash(f"{entry_point} got policy={policy} and {', '.join(given)}: pass "
+                           f"either policy= or level=/dtype=, not both")

@@ -207,11 +207,11 @@ def test_an_empty_batch_and_a_model_without_parameters_are_refused():
 def test_a_policy_takes_only_the_fp8_recipe_that_was_measured():
     batch = outlier_case()[1]
     tensorwise = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16", "fp8_e4m3"))
-    with pytest.raises(ValueError, match="measured the 'tensorwise' recipe.*fp8_recipe='rowwise'"):
+    with pytest.raises(ValueError, match="measured the 'tensorwise' recipe.*fp8='rowwise'"):
         tensorwise.policy("O2", "bf16", fp8="rowwise")
     assert tensorwise.policy("O2", "bf16", fp8="tensorwise").fp8 == "tensorwise"
     rowwise = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16", "fp8_e4m3"),
-                        fp8_recipe="rowwise")
+                        fp8="rowwise")
     assert rowwise.policy("O2", "bf16", fp8="rowwise_gw_hp").fp8 == "rowwise_gw_hp"
     with pytest.raises(ValueError, match="measured the 'rowwise' recipe"):
         rowwise.policy("O2", "bf16", fp8="tensorwise")

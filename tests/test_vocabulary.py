@@ -28,19 +28,25 @@ lightning = pytest.importorskip("mixprec.integrations.lightning")
 hf = pytest.importorskip("mixprec.integrations.transformers")
 transformers = pytest.importorskip("transformers")
 
-PRECISION, LOOP = vocabulary.PRECISION, vocabulary.LOOP
+PRECISION, LOOP, EMULATION = vocabulary.PRECISION, vocabulary.LOOP, vocabulary.EMULATION
+DISTRIBUTED, COMPILE = vocabulary.DISTRIBUTED, vocabulary.COMPILE
 #: entry point -> (the keywords it takes, the defaults it documents as different)
 ENTRY_POINTS = {
-    "prepare": (mp.prepare, PRECISION, {}),
-    "MixedPrecision": (mp.MixedPrecision, PRECISION + LOOP, {}),
-    "Trainer": (mp.Trainer, PRECISION + LOOP, {}),
-    "parallel.fsdp": (fsdp, PRECISION, {"level": "O2"}),
-    "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP, {}),
-    "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP, {}),
-    "plan": (mp.parallel.plan, ("level", "dtype", "policy", "master", "state_dtype"),
+    "prepare": (mp.prepare, PRECISION + EMULATION, {}),
+    "MixedPrecision": (mp.MixedPrecision, PRECISION + LOOP + EMULATION, {}),
+    "Trainer": (mp.Trainer, PRECISION + LOOP + EMULATION + DISTRIBUTED + COMPILE, {}),
+    "parallel.fsdp": (fsdp, PRECISION + DISTRIBUTED + EMULATION, {"level": "O2"}),
+    "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP + EMULATION, {}),
+    "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP + EMULATION, {}),
+    "plan": (mp.parallel.plan,
+             ("level", "dtype", "policy", "master", "state_dtype", "reduce_dtype"),
              {"level": "O2", "dtype": "bf16"}),
-    "advise": (mp.advise, ("loss_scale",), {}),
+    "advise": (mp.advise, ("loss_scale", "fp8"), {}),
+    "Advice.policy": (mp.advisor.Advice.policy, ("level", "dtype", "fp8"),
+                      {"level": "O2", "dtype": "bf16"}),
 }
+#: The keywords no entry point may take positionally.
+KEYWORD_ONLY = LOOP[1:] + EMULATION + DISTRIBUTED + COMPILE
 
 
 def flat(text: str) -> str:
@@ -57,6 +63,8 @@ def test_each_entry_point_takes_the_declared_keywords_and_defaults(name):
         assert param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD), keyword
         expected = differs.get(keyword, vocabulary.KEYWORDS[keyword].default)
         assert type(param.default) is type(expected) and param.default == expected, keyword
+        if keyword in KEYWORD_ONLY:
+            assert param.kind is param.KEYWORD_ONLY, keyword
     assert not any(p.kind == p.VAR_KEYWORD and p.name in vocabulary.KEYWORDS
                    for p in params.values())
 
@@ -76,7 +84,7 @@ def test_each_docstring_carries_the_declared_text(name):
 def test_what_is_absent_is_explained():
     for entry in (mp.parallel.plan, mp.advise):
         doc = flat(entry.__doc__)
-        absent = [k for k in PRECISION + LOOP if k not in vocabulary.keywords_of(entry)]
+        absent = [k for k in vocabulary.KEYWORDS if k not in vocabulary.keywords_of(entry)]
         assert absent and all(f"``{k}``" in doc or k in ("low_precision_ops", "fp32_ops")
                               for k in absent)
         assert "op lists" in doc
@@ -335,3 +343,160 @@ def test_advise_judges_fp16_gradients_at_the_loss_scale_given():
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     advice = mp.advise(model, batch, F.cross_entropy, formats=("fp16",), loss_scale=8.0)
     assert advice.loss_scales == {"fp16": 8.0} and advice.loss_scale == 8.0
+
+
+# -- every keyword, every entry point ----------------------------------------------------------
+
+def test_every_keyword_is_declared_once_with_its_text():
+    assert len(vocabulary.KEYWORDS) == len(vocabulary._DECLARED)
+    groups = PRECISION + LOOP + EMULATION + DISTRIBUTED + COMPILE
+    assert sorted(groups) == sorted(vocabulary.KEYWORDS)  # each keyword in exactly one group
+    for name in ("emulate_fp16", "monitor", "reduce_dtype", "compile"):
+        assert vocabulary.KEYWORDS[name].doc
+
+
+def test_the_policy_fields_say_why_their_defaults_differ():
+    """A Policy holds resolved values; where a field of a keyword's name defaults otherwise,
+    the vocabulary states the resolved default and why."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(mp.Policy)}
+    for name, keyword in vocabulary.KEYWORDS.items():
+        if name not in fields or fields[name].default is dataclasses.MISSING:
+            continue
+        default = fields[name].default
+        if type(default) is type(keyword.default) and default == keyword.default:
+            continue
+        shown, why = vocabulary.RESOLVED[name]
+        assert str(default) == shown and why, name
+    assert set(vocabulary.RESOLVED) == {"level", "loss_scale", "master", "state_dtype"}
+
+
+def at_defaults(name):
+    entry, names, differs = ENTRY_POINTS[name]
+    return {k: differs.get(k, vocabulary.KEYWORDS[k].default) for k in names}
+
+
+@pytest.mark.parametrize("name", ["prepare", "MixedPrecision", "Trainer", "MixprecPrecision",
+                                  "MixprecTrainer", "parallel.fsdp"])
+def test_each_entry_point_accepts_every_keyword_at_its_declared_default(name, tmp_path, request):
+    """Every applicable keyword, passed explicitly at its declared default, is accepted and
+    builds what passing none builds."""
+    if name in IN_A_GROUP:
+        request.getfixturevalue("group")
+    kw = at_defaults(name)
+    if name == "Trainer":
+        kw.pop("reduce_dtype"), kw.pop("compile")  # the Trainer's own, below
+        model = net()
+        trainer = mp.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                             progress=False, reduce_dtype="fp32", compile=False, **kw)
+        assert trainer.policy.level == "O1"
+        return
+    if name == "parallel.fsdp":
+        kw.pop("reduce_dtype")
+        model, _ = fsdp(net(), None, reduce_dtype="fp32", **kw), None
+        assert mp.policy_of(model).level == "O2"
+        return
+    model = net()
+    model, _, _ = build(name, model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path, **kw)
+    plain = net()
+    plain, _, _ = build(name, plain, torch.optim.SGD(plain.parameters(), lr=0.1),
+                        tmp_path / "plain")
+    assert mp.policy_of(model) == mp.policy_of(plain)
+
+
+def test_plan_and_advise_accept_every_keyword_at_their_defaults():
+    assert mp.parallel.plan(10 ** 6, **at_defaults("plan")) == mp.parallel.plan(10 ** 6)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    advice = mp.advise(model, batch, F.cross_entropy, formats=("bf16",), **at_defaults("advise"))
+    assert advice.fp8_recipe == "tensorwise"
+    assert advice.policy(**at_defaults("Advice.policy")) == advice.policy()
+
+
+def test_trainer_emulate_fp16_reaches_the_engine():
+    model = net()
+    trainer = mp.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                         level="O1", dtype="fp16", emulate_fp16=False, progress=False)
+    assert trainer.engine.op_lists["emulate_fp16"] is False
+    model = net()
+    trainer = mp.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                         level="O1", dtype="fp16", progress=False)
+    assert trainer.engine.op_lists["emulate_fp16"] == "auto"
+
+
+def test_monitor_is_keyword_only():
+    monitor = mp.PrecisionMonitor()
+    with pytest.raises(TypeError, match="positional"):
+        lightning.MixprecPrecision("O1", "auto", "auto", None, monitor)
+    assert lightning.MixprecPrecision(monitor=monitor).engine.monitor is monitor
+
+
+@pytest.mark.parametrize("name", PREPARING + ["plan"])
+def test_policy_with_a_level_or_dtype_beside_it_is_refused_everywhere(name, tmp_path, request):
+    if name in IN_A_GROUP:
+        request.getfixturevalue("group")
+    given = mp.Policy.from_level("O2", "bf16")
+    if name == "plan":
+        call = lambda **kw: mp.parallel.plan(10 ** 6, policy=given, **kw)  # noqa: E731
+    else:
+        model = net()
+
+        def call(**kw):
+            build(name, model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path,
+                  policy=given, **kw)
+    for kw, shown in (({"level": "O3"}, "level='O3'"), ({"dtype": "fp16"}, "dtype='fp16'")):
+        with pytest.raises(TypeError, match=rf"got policy=O2.* and {shown}: pass either policy= "
+                                            r"or level=/dtype=, not both"):
+            call(**kw)
+    assert issubclass(vocabulary.KeywordClash, ValueError)  # what earlier versions raised
+
+
+def test_advise_fp8_recipe_is_a_deprecated_alias_of_fp8():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    kw = dict(formats=("bf16",))
+    with pytest.warns(DeprecationWarning, match=r"fp8_recipe= is deprecated; pass fp8="):
+        old = mp.advise(model, batch, F.cross_entropy, fp8_recipe="rowwise", **kw)
+    assert old.fp8_recipe == "rowwise"
+    assert mp.advise(model, batch, F.cross_entropy, fp8="rowwise", **kw).fp8_recipe == "rowwise"
+    with pytest.raises(TypeError, match="both fp8= and its deprecated alias fp8_recipe="):
+        mp.advise(model, batch, F.cross_entropy, fp8="rowwise", fp8_recipe="rowwise", **kw)
+
+
+def subparser(command):
+    from mixprec.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.choices and command in a.choices)
+    return action.choices[command]
+
+
+@pytest.mark.parametrize("command, names", [
+    ("plan", ("level", "dtype", "reduce_dtype", "master", "state_dtype")),
+    ("advise", ("level", "dtype", "fp8"))])
+def test_the_cli_options_come_from_the_declaration(command, names):
+    options = {a.dest: a for a in subparser(command)._actions}
+    for name in names:
+        keyword, action = vocabulary.KEYWORDS[name], options[name]
+        assert keyword.flag in action.option_strings
+        first = keyword.cli()["help"].split(" (default")[0]
+        assert action.help.startswith(first), name
+        if keyword.choices and name not in ("master", "dtype"):
+            assert tuple(action.choices) == keyword.choices, name
+    if command == "plan":
+        assert set(options["master"].choices) >= {"fp32", "split", "kahan", "stochastic"}
+        assert "remainder" in options["master"].help  # split's description, from the declaration
+
+
+def test_the_advise_cli_takes_fp8_and_the_deprecated_fp8_recipe():
+    from mixprec.commands.args import given_as
+
+    p = subparser("advise")
+    args = p.parse_args(["--fp8", "rowwise"])
+    assert args.fp8 == "rowwise" and given_as(args, "fp8") == "--fp8"
+    args = p.parse_args(["--fp8-recipe", "rowwise"])
+    assert args.fp8 == "rowwise" and given_as(args, "fp8") == "--fp8-recipe"
+    assert p.parse_args([]).fp8 == "tensorwise"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8", "rowwise", "--fp8-recipe", "tensorwise"])

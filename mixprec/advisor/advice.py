@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import lowbit
+from .. import lowbit, vocabulary
 from ..dtypes import to_dtype
 from ..policy import Policy
 from ..precision import OFF, Precision
@@ -229,14 +229,19 @@ class Advice:
                 entries[nn.Module] = Precision(gemm=OFF)
         return PrecisionMap(entries)
 
+    @vocabulary.takes("level", "dtype", "fp8", differs={
+        "level": ("O2", "the level whose per-layer choices the advice refines: 16-bit weights, "
+                        "norms in fp32, masters"),
+        "dtype": ("bf16", '"auto" has no device here: the dtype must be one the advice '
+                          "measured, and bf16 is measured by default")}, notes={
+        "dtype": '"bf16" or "fp16" only, measured.',
+        "fp8": "Its verdicts must have been measured (see :meth:`precision_map`)."})
     def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
         """The level's policy with the advisor's decisions (:meth:`precision_map`) as its
         ``modules`` map, after the level's own entries (O2: norm layers in fp32).
 
         Args:
-            level: "O0".."O3".
-            dtype: "bf16" or "fp16" (it must have been measured).
-            fp8: None, or a low-bit format or its shorthand (see :meth:`precision_map`).
+            {precision keywords}
 
         Raises:
             ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe

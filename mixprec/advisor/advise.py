@@ -90,15 +90,18 @@ def _check_batch(split) -> None:
                          f"would read as overflowing; advise measures on finite data")
 
 
-@vocabulary.takes("loss_scale", notes={"loss_scale": (
+@vocabulary.takes("loss_scale", "fp8", notes={"fp8": (
+    'Here the FP8 scaling the "fp8_e4m3" row measures: "tensorwise", "rowwise" or '
+    f'"rowwise_gw_hp"; None: {Float8.recipe!r}.'), "loss_scale": (
     'Here it is the scale fp16 gradients are judged at: "auto" or "dynamic" is where dynamic '
     "scaling settles on this batch (the largest power of two that keeps every measured gradient "
     "finite in fp16, at most the scaler's max_scale 2^24); a number is itself; None is 1. A "
     "scaler object has no use here: no loop runs.")})
 def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
            formats=("bf16", "fp16", "fp8_e4m3"), loss_scale="auto",
-           fp8_recipe: str = Float8.recipe, layers=None, ablation: bool = False,
-           thresholds: Thresholds | None = None, seed: int = 0) -> Advice:
+           fp8: str | None = None, layers=None, ablation: bool = False,
+           thresholds: Thresholds | None = None, seed: int = 0,
+           fp8_recipe: Any = vocabulary.UNSET) -> Advice:
     """Measure, layer by layer, what each format does to the model on ``batch``.
 
     One fp32 forward and backward records every layer's inputs, output and output gradient.
@@ -112,12 +115,12 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
     The model is left as it was: no parameter changes, gradients and buffers (BatchNorm
     statistics) are restored, and every pass draws the same dropout masks.
 
-    Of the precision keywords, ``advise`` takes ``loss_scale``, the one that changes what it
-    measures. It measures every layer in every format of ``formats`` whatever the precision
-    would be, so the others (``level``, ``dtype``, ``policy``, ``keep_fp32``, the op lists,
-    ``master``, ``state_dtype``, ``fp8``, ``fp8_modules``) choose among its results instead:
-    :meth:`Advice.policy` takes ``level``, ``dtype`` and ``fp8``; ``fp8_recipe`` is the
-    scaling its "fp8_e4m3" row measures.
+    Of the precision keywords, ``advise`` takes ``loss_scale`` and ``fp8``, the ones that change
+    what it measures. It measures every layer in every format of ``formats`` whatever the
+    precision would be, so the others (``level``, ``dtype``, ``policy``, ``keep_fp32``, the op
+    lists, ``master``, ``state_dtype``, ``fp8_modules``) choose among its results instead:
+    :meth:`Advice.policy` takes ``level``, ``dtype`` and ``fp8``. Those of a training run
+    (``reduce_dtype``, ``emulate_fp16``, ``monitor``, ``compile``) are absent: no loop runs.
 
     Args:
         model: the fp32 model (before :func:`mixprec.prepare`), in the mode to measure
@@ -126,15 +129,14 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
             keyword arguments (moved to the model's device).
         loss_fn: ``(output, target) -> scalar``; None takes the output's ``.loss``.
         formats: any of "bf16", "fp16", and the low-bit formats, for Linear and Conv1D
-            layers: "fp8_e4m3" (FP8 with ``fp8_recipe``'s scales), "mxfp8" (e4m3 in blocks of
+            layers: "fp8_e4m3" (FP8 with ``fp8``'s scales), "mxfp8" (e4m3 in blocks of
             32 with power-of-two scales), "nvfp4" (e2m1 in blocks of 16).
         {precision keywords}
-        fp8_recipe: the FP8 scaling "fp8_e4m3" measures: "tensorwise", "rowwise" or
-            "rowwise_gw_hp".
         layers: qualified names of the layers to measure (default: all).
         ablation: also measure each layer's loss change with a forward pass.
         thresholds: when a measurement makes a layer unsafe (:class:`Thresholds`).
         seed: the random state every pass starts from.
+        fp8_recipe: deprecated alias of ``fp8`` (a ``DeprecationWarning``; both: TypeError).
 
     Returns:
         An :class:`~mixprec.advisor.Advice`: ``unsafe(fmt)``, ``reasons(fmt)``,
@@ -153,6 +155,8 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
         >>> advice.unsafe("bf16")
         []
     """
+    fp8 = vocabulary.alias(fp8, fp8_recipe=fp8_recipe)
+    fp8_recipe = Float8.recipe if fp8 is None else fp8
     formats = _check(model, formats, fp8_recipe, thresholds)
     _check_model(model)
     thresholds = thresholds or Thresholds()

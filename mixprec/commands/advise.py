@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
@@ -19,7 +20,7 @@ from .. import benchmodels
 from ..advisor import FORMATS, advise
 from ..advisor.planted import CASES
 from ..lowbit.float8 import RECIPES, Float8
-from .args import add_model_size_options
+from .args import add_keyword_options, add_model_size_options, given_as
 
 __all__ = ["run_advise", "register"]
 
@@ -35,7 +36,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
                train_steps: int = 20, seed: int = 0, ablation: bool = False,
-               fp8_recipe: str = Float8.recipe, **sizes):
+               fp8: str = Float8.recipe, **sizes):
     """Build, briefly train and advise a bench model (or build a planted case); returns
     ``(advice, bench model or None)``.
 
@@ -50,7 +51,7 @@ def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
     if model in CASES:
         net, batch, loss_fn = CASES[model]()
         return advise(net, batch, loss_fn, formats=formats, ablation=ablation,
-                      fp8_recipe=fp8_recipe, seed=seed), None
+                      fp8=fp8, seed=seed), None
     bm = benchmodels.get_model(model, **sizes)
     torch.manual_seed(seed)
     net = bm.build()
@@ -63,7 +64,7 @@ def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
         opt.step()
     opt.zero_grad(set_to_none=True)
     return advise(net, bm.batch(gen), bm.loss_fn, formats=formats, ablation=ablation,
-                  fp8_recipe=fp8_recipe, seed=seed), bm
+                  fp8=fp8, seed=seed), bm
 
 
 def _check_plot(path: str | None) -> None:
@@ -81,13 +82,16 @@ def _run(args) -> int:
              if getattr(args, k) is not None}
     formats = _formats(args.formats)
     _check_plot(args.plot)
+    if given_as(args, "fp8") == "--fp8-recipe":
+        print("mixprec advise: --fp8-recipe is deprecated; pass --fp8 (same values)",
+              file=sys.stderr)
     advice, bm = run_advise(args.model, formats, args.train_steps, args.seed, args.ablation,
-                            args.fp8_recipe, **sizes)
+                            args.fp8, **sizes)
     low = args.dtype or next((f for f in ("bf16", "fp16") if f in formats), None)
     policy = None
     if low is not None:
         policy = advice.policy(args.level, low,
-                               fp8=args.fp8_recipe if "fp8_e4m3" in formats else None)
+                               fp8=args.fp8 if "fp8_e4m3" in formats else None)
     if args.plot:
         advice.plot(args.plot)
     if args.json:
@@ -116,10 +120,12 @@ def register(subparsers) -> None:
                         f"(default %(default)s)")
     p.add_argument("--formats", default="bf16,fp16,fp8_e4m3",
                    help="comma-separated formats (default %(default)s)")
-    p.add_argument("--fp8-recipe", default=str(Float8()), choices=tuple(RECIPES))
-    p.add_argument("--level", default="O2", help="level of the advised policy (default O2)")
-    p.add_argument("--dtype", default=None, choices=("bf16", "fp16"),
-                   help="16-bit format of the advised policy (default: the first measured)")
+    add_keyword_options(p, "fp8", "level", "dtype", aliases={"fp8": "--fp8-recipe"}, differs={
+        "fp8": (str(Float8()), 'the FP8 recipe the "fp8_e4m3" row measures and the advised '
+                               "policy uses; --fp8-recipe: deprecated spelling"),
+        "level": ("O2", "the level of the advised policy"),
+        "dtype": (None, "the 16-bit format of the advised policy: the first measured")},
+        choices={"fp8": tuple(RECIPES), "dtype": ("bf16", "fp16")})
     p.add_argument("--train-steps", type=int, default=20,
                    help="fp32 steps before measuring (default %(default)s)")
     add_model_size_options(p)

@@ -10,8 +10,11 @@ list says so with ``action="extend", type=comma_list`` (then ``-f bf16 -f fp16``
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-__all__ = ["Parser", "SingleValue", "comma_list"]
+from .. import vocabulary
+
+__all__ = ["Parser", "SingleValue", "comma_list", "add_keyword_options", "given_as"]
 
 _GIVEN = "_mixprec_options_given"  # namespace attribute: the options given so far
 
@@ -58,3 +61,24 @@ def add_model_size_options(parser: argparse.ArgumentParser) -> None:
     for name in ("width", "batch", "depth", "seq-len", "image-size"):
         parser.add_argument(f"--{name}", type=int, default=None,
                             help=f"model {name} (default: per model)")
+
+
+def add_keyword_options(parser: argparse.ArgumentParser, *names: str,
+                        differs: dict[str, tuple[Any, str]] | None = None,
+                        choices: dict[str, tuple[str, ...]] | None = None,
+                        aliases: dict[str, str] | None = None) -> None:
+    """One option per precision keyword of ``names`` (``--state-dtype`` for ``state_dtype``),
+    its default, choices and help from :mod:`mixprec.vocabulary`: ``differs[name] =
+    (default, why)`` where the subcommand's default differs, ``choices[name]`` where it takes
+    fewer values, ``aliases[name]``: a deprecated second spelling of the option."""
+    differs, choices, aliases = differs or {}, choices or {}, aliases or {}
+    for name in names:
+        keyword = vocabulary.KEYWORDS[name]
+        flags = (keyword.flag, *((aliases[name],) if name in aliases else ()))
+        parser.add_argument(*flags, dest=name,
+                            **keyword.cli(*differs.get(name, ()), choices=choices.get(name)))
+
+
+def given_as(args: argparse.Namespace, dest: str) -> str | None:
+    """The option string an option was given as (None: not given)."""
+    return getattr(args, _GIVEN, {}).get(dest, (None, None))[1]

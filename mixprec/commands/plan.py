@@ -8,6 +8,7 @@ import json
 from .. import masters
 from ..parallel.plan import OPTIMIZER_MOMENTS, STRATEGIES, MemoryPlan, parse_count, plan, plan_table
 from ..policy import LEVELS
+from .args import add_keyword_options
 
 __all__ = ["plan_report", "register"]
 
@@ -107,6 +108,15 @@ def _run(args) -> int:
     return 0
 
 
+#: The options whose default differs from the vocabulary's, and why.
+_DIFFERS = {
+    "level": ("O2", "the level a memory plan is usually asked about"),
+    "dtype": ("bf16", "fp32 makes every level plain fp32; auto has no device to resolve on"),
+    "master": ("fp32", "what None resolves to at O2, shown by name"),
+    "state_dtype": ("fp32", "what None resolves to, shown by name"),
+}
+
+
 def register(subparsers) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
@@ -115,20 +125,13 @@ def register(subparsers) -> None:
                     "gradient traffic per rank per step for a level, strategy and world size, "
                     "next to the other levels and strategies.")
     p.add_argument("--params", required=True, help="parameter count: 7e9, 7B, 350M, ...")
-    p.add_argument("--level", default="O2", choices=LEVELS)
-    p.add_argument("--dtype", default="bf16",
-                   help="training dtype of O1-O3: bf16 (default), fp16, or fp32 (then every "
-                        "level is plain fp32)")
+    add_keyword_options(p, "level", "dtype", differs=_DIFFERS,
+                        choices={"level": LEVELS, "dtype": ("bf16", "fp16", "fp32")})
     p.add_argument("--strategy", default="fsdp", choices=STRATEGIES)
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks (default 8; 1 for --strategy single)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MOMENTS))
-    p.add_argument("--reduce-dtype", default="fp32",
-                   help="gradient reduction dtype: fp32 (default), bf16, fp16")
-    p.add_argument("--master", default="fp32", choices=masters.shorthands(),
-                   help="O2: fp32 masters (default), kahan (16-bit compensation) or stochastic "
-                        "(stochastic rounding, no extra bytes)")
-    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="O2: dtype of the optimizer moments (default fp32)")
+    add_keyword_options(p, "reduce_dtype", "master", "state_dtype", differs=_DIFFERS,
+                        choices={"master": masters.shorthands()})
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run)

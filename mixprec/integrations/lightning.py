@@ -106,15 +106,13 @@ class SkipAwareScheduler:
         return f"SkipAwareScheduler({self.scheduler!r})"
 
 
-@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP)
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
+    "monitor": "What it records is also logged through the trainer's loggers."})
 class MixprecPrecision(Precision):
     """A Lightning precision plugin on a :class:`mixprec.MixedPrecision` engine.
 
     Args:
         {precision keywords}
-        emulate_fp16: see :class:`mixprec.autocast`.
-        monitor: a :class:`mixprec.PrecisionMonitor`; what it records is also logged through
-            the trainer's loggers.
         mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the keywords above
             (the shape ``MixprecTrainer`` takes too); with it, the others stay at their
             defaults.
@@ -144,7 +142,7 @@ class MixprecPrecision(Precision):
     """
 
     def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, monitor=None, *, keep_fp32=None,
+                 policy: Policy | None = None, *, monitor=None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, emulate_fp16="auto",
                  mixed_precision: MixedPrecision | None = None):

@@ -126,7 +126,8 @@ class EngineGradScaler:
         self.engine.load_state_dict(state_dict)
 
 
-@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP)
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
+    "monitor": "Its scalars also go through ``Trainer.log``."})
 class MixprecTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose precision is a :class:`mixprec.MixedPrecision`.
 
@@ -139,9 +140,6 @@ class MixprecTrainer(transformers.Trainer):
             ``mp.MixedPrecision(level="O2", dtype="bf16")``, instead of the keywords below
             (with it, they stay at their defaults); None: one built from them.
         {precision keywords}
-        emulate_fp16: see :class:`mixprec.autocast`.
-        monitor: a :class:`mixprec.PrecisionMonitor`; its scalars also go through
-            ``Trainer.log``.
 
     Attributes:
         mixed_precision: the engine; ``.policy`` and ``.scaler`` are its.

@@ -122,7 +122,7 @@ class Float8(LowBitFormat):
         return (f"fp8={self.recipe!r}, but this advice measured the {str(measured)!r} recipe: "
                 f"the two scale differently, so its FP8 verdicts do not carry over. Use "
                 f"fp8={str(measured)!r}, or measure the recipe: mp.advise(..., "
-                f"fp8_recipe={base!r})")
+                f"fp8={base!r})")
 
     def simulate(self, x, w_t):
         from ..advisor.fp8sim import float8_matmul

@@ -116,9 +116,7 @@ def _given(policy, level, dtype) -> Policy:
     """``policy=``, which comes instead of ``level``/``dtype``."""
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
-    if (level, dtype) != ("O2", "bf16"):
-        raise ValueError(f"pass either policy= or level=/dtype=, not both; got policy={policy} "
-                         f"with level={level!r}, dtype={dtype!r}")
+    vocabulary.check_policy_alone(policy, level, dtype, "plan", defaults=("O2", "bf16"))
     return policy
 
 
@@ -140,7 +138,7 @@ def _check(level, strategy: str, world: int, optimizer: str) -> tuple:
     return level and level.upper(), strategy, opt
 
 
-@vocabulary.takes("level", "dtype", "policy", "master", "state_dtype", differs={
+@vocabulary.takes("level", "dtype", "policy", "master", "state_dtype", "reduce_dtype", differs={
     "level": ("O2", "the level a memory plan is usually asked about: 16-bit weights with masters"),
     "dtype": ("bf16", '"auto" has no device to resolve on: a plan is for the cluster you name, '
                       "not this machine")})
@@ -153,7 +151,8 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
     ``dtype`` ("fp32" makes every level fp32), ``policy``, ``master`` and ``state_dtype``
     (master-weight levels only). It counts every parameter alike, so the per-layer ones
     (``keep_fp32``, ``fp8``, ``fp8_modules``), which need the model, and those that change no
-    stored tensor (the op lists, ``loss_scale``) are absent.
+    stored tensor (the op lists, ``loss_scale``, ``emulate_fp16``, ``monitor``, ``compile``)
+    are absent; ``reduce_dtype`` sets the gradient traffic.
 
     Args:
         params: the parameter count (an int or ``"7B"``-style text).
@@ -161,7 +160,6 @@ def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", wor
         strategy: "single", "ddp" or "fsdp".
         world: number of ranks (1 for "single").
         optimizer: one of :data:`OPTIMIZER_MOMENTS`.
-        reduce_dtype: dtype of the gradient reduction ("fp32", "bf16", "fp16").
 
     Returns:
         A :class:`MemoryPlan`.

@@ -131,7 +131,8 @@ def _policies(policy, reduce_dtype: torch.dtype):
     return main, main
 
 
-@vocabulary.takes(*vocabulary.PRECISION, differs={"level": (
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.DISTRIBUTED, *vocabulary.EMULATION,
+                  differs={"level": (
     "O2", "the level FSDP2 is for: its fp32 shards are the masters, so 16-bit compute costs no "
           "second fp32 copy")}, notes={
     "master": 'Under FSDP2 "fp32" means the fp32 shards are the masters; the others keep '
@@ -140,7 +141,8 @@ def _policies(policy, reduce_dtype: torch.dtype):
 def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
          mesh=None, keep_fp32=None, policy: Policy | None = None, low_precision_ops=(),
-         fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None):
+         fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None,
+         emulate_fp16="auto"):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -160,7 +162,6 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         model: the fp32 model (not yet prepared), on its device.
         optimizer: a torch optimizer over ``model.parameters()``, or None.
         {precision keywords}
-        reduce_dtype: precision of the gradient reduce-scatter: "fp32" (default), "bf16", "fp16".
         units: module classes and/or qualified module names to shard as units (default: every
             module held in an ``nn.ModuleList``); the root is always a unit.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
@@ -184,6 +185,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if is_fsdp(model) or policy_of(model) is not None:
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")
+    vocabulary.check_policy_alone(policy, level, dtype, "fsdp", defaults=("O2", "auto"))
     reduce = reduce_dtype_of(reduce_dtype)
     names = _check_optimizer(model, optimizer)
     unit_names = _unit_names(model, units)
@@ -193,7 +195,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model),
                                            master=master, state_dtype=state_dtype, fp8=fp8,
                                            fp8_modules=fp8_names), fp8_filter=chooser,
-                 low_precision_ops=low_precision_ops, fp32_ops=fp32_ops)
+                 low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, emulate_fp16=emulate_fp16)
     policy = policy_of(model)
     kept_units: list[str] = []
     if policy.master_weights:

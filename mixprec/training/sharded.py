@@ -44,7 +44,8 @@ class FSDPStrategy(DistributedStrategy):
 
     def setup(self, model: nn.Module, optimizer, policy: Policy, ops: dict | None = None):
         env.require_group("Trainer(strategy='fsdp')")
-        lists = {k: v for k, v in (ops or {}).items() if k in ("low_precision_ops", "fp32_ops")}
+        lists = {k: v for k, v in (ops or {}).items() if k in ("low_precision_ops", "fp32_ops",
+                                                                   "emulate_fp16")}
         return fsdp(model, optimizer, policy=policy, reduce_dtype=self.reduce_dtype, **lists)
 
     def save(self, trainer, path) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import kernel_table, vocabulary
-from ..engine import MixedPrecision, engine_for
+from ..engine import engine_for
 from ..master import kernels
 from ..policy import Policy
 from ..prepare import policy_of
@@ -36,8 +36,12 @@ from .metrics import make_metrics
 __all__ = ["Trainer", "History"]
 
 
-@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, notes={
-    "fp8_modules": "The names chosen are in ``trainer.policy.fp8_modules``."})
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION,
+                  *vocabulary.DISTRIBUTED, *vocabulary.COMPILE, notes={
+    "fp8_modules": "The names chosen are in ``trainer.policy.fp8_modules``.",
+    "compile": "At O2 on a CPU, with an optimizer the compiled master step supports, also "
+               'that step (``MasterWeightOptimizer(fused="compile")``; on CUDA torch\'s fused '
+               "kernels stay)."})
 class Trainer:
     """Train a model at an optimisation level with loss scaling, accumulation, clipping and resume.
 
@@ -59,9 +63,6 @@ class Trainer:
         max_grad_norm: clip the unscaled gradients to this total 2-norm (None: no clipping).
         device: where to train (default: the device of the model's parameters).
         callbacks: :class:`mixprec.Callback` objects.
-        compile: run each step's forward and loss under ``torch.compile``; at O2 on a CPU,
-            with an optimizer the compiled master step supports, also turn that step on
-            (``MasterWeightOptimizer(fused="compile")``; on CUDA torch's fused kernels stay).
         diagnose_overflow: when a step overflows, re-run its last micro-batch once under
             :func:`mixprec.debug.trace_nonfinite` and log which op produced inf/NaN first
             (see :mod:`mixprec.training.diagnose`).
@@ -72,12 +73,8 @@ class Trainer:
             ``DistributedSampler`` (``batch_size`` per rank), the logged loss, metrics and
             :meth:`evaluate` are averaged over the ranks, and rank 0 alone prints. See
             :mod:`mixprec.training.strategy`.
-        reduce_dtype: precision of the gradient reduction across ranks: "fp32" (default),
-            "bf16" or "fp16" (half the traffic).
-        monitor: a :class:`mixprec.PrecisionMonitor` recording the run every few steps (loss
-            scale, skipped steps, gradient norm, per-layer precision statistics) to its writers.
         mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the precision
-            keywords, ``loss_scale`` and ``monitor``.
+            keywords, ``loss_scale``, ``monitor`` and ``emulate_fp16``.
 
     Batches are tuples ``(inputs..., target)`` (``model(*inputs)``) or dicts of model keyword
     arguments (``model(**batch)``, the target in ``batch["labels"]``): see
@@ -112,14 +109,15 @@ class Trainer:
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",
                  reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
-                 fp8_modules=None, monitor=None, mixed_precision: MixedPrecision | None = None,
+                 fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
                  loss_scaler: Any = vocabulary.UNSET):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
             loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
             low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, master=master,
-            state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor)
+            state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor,
+            emulate_fp16=emulate_fp16)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
