@@ -428,8 +428,11 @@ def test_master_gradients_are_readable_where_torch_code_looks():
 #   LR * 2**-6 more.
 def compact_tolerance(master, state_dtype, dtype):
     eps = EPS[dtype]
+    # kahan's atol: a weight+compensation pair rounded at a larger magnitude keeps an error of a
+    # few 2^-24 when the weight later nears zero; measured 1.24e-7 (a weight of 4e-5 after the
+    # clipped AdamW cells) on an AVX2-only CPU, below 1e-7 on AVX512 ones
     tol = {"split": {"rtol": 1e-5, "atol": 1e-7},
-           "kahan": {"rtol": STEPS * 2.0 ** -15, "atol": 1e-7}}.get(
+           "kahan": {"rtol": STEPS * 2.0 ** -15, "atol": 2.0 ** -22}}.get(
         master, {"rtol": 2 * STEPS * eps, "atol": LR * 8 * eps})
     if state_dtype == "bf16":
         tol["atol"] += LR * 2.0 ** -6
