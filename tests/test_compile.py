@@ -151,3 +151,36 @@ def test_every_recipe_compiles_once_like_torch_autocast(recipe):
     assert seen == reference, (seen, reference)
     assert reference == {"graphs": 1, "frames": 1, "breaks": 0}
     assert per_step[1:] == [{"graphs": 0, "frames": 0, "breaks": 0}] * 2, per_step
+
+
+def test_fp8_statistics_record_inside_the_compiled_graph():
+    """Recording FP8 statistics (mp.debug.fp8_stats) adds no graph break and no recompile, and
+    the compiled steps record what the eager ones do (input, weight and the output gradient,
+    through the backward hook)."""
+    pytest.importorskip("torchao")
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, depth=1, heads=2, seq_len=16)
+    model = mp.prepare(model, dtype="bf16", level="O2", fp8="tensorwise")
+    x = tokens()
+    with mp.debug.fp8_stats(model) as eager:
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with mp.debug.fp8_stats(model) as stats:
+        counts = []
+        for _ in range(3):
+            counters.clear()
+            compiled(x).float().square().mean().backward()
+            counts.append((counters["stats"]["unique_graphs"], counters["frames"]["total"],
+                           sum(counters["graph_break"].values())))
+    assert counts == [(1, 1, 0), (0, 0, 0), (0, 0, 0)]
+    got, want = stats.summary(), eager.summary()
+    assert set(got) == set(want) and len(got) == 3
+    for name in want:
+        for role in ("input", "weight", "grad_output"):
+            assert got[name][role]["calls"] == want[name][role]["calls"] == 3
+            # gradients accumulate over the steps (no zero_grad): the same values either way
+            assert got[name][role]["amax_max"] == pytest.approx(want[name][role]["amax_max"],
+                                                                rel=1e-2)
