@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .. import lowbit
-from ..fp8 import speed
 from ..dtypes import to_dtype
+from ..fp8 import speed
 from ..policy import Policy
 from ..precision import OFF, Precision
 from ..precision_map import PrecisionMap

@@ -149,4 +149,5 @@ def warn_if_slow(shapes: dict[str, tuple[int, int]], device, stacklevel: int = 2
         f"beat bf16 on this GPU ({cls}): in_features x out_features {listed}, estimated speed "
         f"vs bf16 at {TOKENS} tokens per step (an estimate from the shapes, not calibrated on a "
         f"GPU in this release). On an H100 FP8 gains from well above 2048 wide; leave these "
-        f"layers in 16 bits (fp8_modules=) or measure with make gpu-check", FP8SpeedWarning, stacklevel=stacklevel)
+        f"layers in 16 bits (fp8_modules=) or measure with make gpu-check", FP8SpeedWarning,
+        stacklevel=stacklevel)
