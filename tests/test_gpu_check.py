@@ -90,3 +90,27 @@ def test_table_ratios_and_notes(check):
     assert rows[3][7] == "12 FP8 layers" and rows[5][7] == "compile 33.0 s"
     assert rows[5][2] == "compiled" and rows[0][5] == "100" and rows[0][6] == "1.2346"
     assert rows[6][3] == "-" and rows[6][7] == "failed: X"
+
+
+def _fp8_wide():
+    spec = importlib.util.spec_from_file_location("fp8_wide", ROOT / "bench/fp8_wide.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_fp8_wide_without_cuda_exits_non_zero(capsys):
+    assert _fp8_wide().main([]) == 2
+    assert "fp8_wide.py --device cpu --tiny" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fp8_wide_tiny_smoke_run_converts_the_same_layers_both_ways(capsys):
+    pytest.importorskip("torchao")
+    assert _fp8_wide().main(["--device", "cpu", "--tiny", "--eager", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {r[1]: r for r in _rows(out)}
+    assert list(rows) == ["autocast", "O2", "O2-fp8", "torchao-fp8"]
+    assert rows["O2-fp8"][7] == rows["torchao-fp8"][7] == "6 FP8 layers"
+    assert "mixprec O2 fp8 / torchao fp8:" in out
