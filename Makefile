@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.mixprec-installed
 DEMO_STAMP := $(VENV)/.mixprec-demo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench docs-figures venv clean
+.PHONY: demo test lint bench docs-figures venv clean gpu-check
 
 # torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
 $(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
@@ -38,6 +38,22 @@ bench: $(STAMP)
 # re-runs the commands behind the documented figures; writes bench/results/docs-figures.md
 docs-figures: $(STAMP)
 	$(PY) bench/docs_figures.py
+
+# on a CUDA machine, with that machine's own python3 and torch: installs nothing from an index
+# and makes no venv. torchao (the FP8 rows) comes from a wheel in .whl/ when one is there (its
+# rows are skipped with a note otherwise). The CUDA-marked tests, then every GPU benchmark row
+# (bench/gpu_check.py), in under 8 minutes; one markdown table with device, torch and commit.
+GPU_PY   ?= python3
+GPU_SITE ?= /tmp/mixprec-gpu-site
+gpu-check:
+	@PYTHONPATH=$(CURDIR) $(GPU_PY) bench/gpu_check.py --check-cuda
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl; \
+	else echo "no wheels in .whl/: the FP8 rows run only if torchao is installed here"; fi
+	@status=0; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) timeout 150 $(GPU_PY) -m pytest -m cuda -q -p no:cacheprovider tests || status=$$?; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) bench/gpu_check.py --budget 300 || status=$$?; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -111,13 +111,21 @@ class ForwardWrapper:
 
 
 class Entry(ForwardWrapper):
-    """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs."""
+    """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs.
+
+    ``before``: a picklable ``fn(module)`` run first on each eager call (never inside a
+    ``torch.compile`` trace), in place of a forward pre-hook: ``torch.compile(model)`` runs a
+    module's hooks outside its graph and traces each one as a frame of its own."""
+
+    before = None  # (class default: an entry pickled before it existed)
 
     def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None):
         super().__init__(module)
         self.in_dtype, self.out_dtype, self.context = in_dtype, out_dtype, context
 
     def __call__(self, *args, **kwargs):
+        if self.before is not None and not torch.compiler.is_compiling():
+            self.before(self.module)
         if self.in_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.in_dtype)
         if self.context is None:
@@ -158,12 +166,20 @@ class Island(ForwardWrapper):
         return {**self.__dict__, "_slots": [], "_seen": 0}
 
     def _param_slots(self) -> list[tuple[nn.Module, str]]:
+        """The (module, name) slots of the region's floating parameters: cached in eager mode
+        (re-derived after :func:`structure_changed`); derived afresh while ``torch.compile``
+        traces, so the compiled graph guards on the modules, never on the cache's counter (a
+        guard on it recompiled the graph on the second call)."""
+        if torch.compiler.is_compiling():
+            return self._derive_slots()
         if self._seen != _current[0]:
-            self._slots = [(m, n) for m in region_modules(self.module)
-                           for n, p in m._parameters.items()
-                           if p is not None and p.is_floating_point() and p.dtype != torch.float64]
+            self._slots = self._derive_slots()
             self._seen = _current[0]
         return self._slots
+
+    def _derive_slots(self) -> list[tuple[nn.Module, str]]:
+        return [(m, n) for m in region_modules(self.module) for n, p in m._parameters.items()
+                if p is not None and p.is_floating_point() and p.dtype != torch.float64]
 
     def __call__(self, *args, **kwargs):
         if self.cast_inputs:

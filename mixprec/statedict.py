@@ -31,6 +31,7 @@ from torch import nn
 from .dtypes import is_low_precision
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .parallel.env import is_fsdp, unwrap
+from .regions import Entry
 from .shards import local as _local
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -153,7 +154,11 @@ def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:
     """Install the state-dict hooks on a prepared model (and, with ``masters``, the forward
     pre-hook that keeps a copy's shadows and parameters consistent)."""
     if masters:
-        model.register_forward_pre_hook(_follow_writes)
+        entry = model.__dict__.get("forward")
+        if isinstance(entry, Entry):  # no hook: torch.compile traces a hook as a frame
+            entry.before = _follow_writes_before
+        else:
+            model.register_forward_pre_hook(_follow_writes)
     if not any(t.is_floating_point() and is_low_precision(t)
                for t in [*model.parameters(), *model.buffers()]):
         return
@@ -170,6 +175,10 @@ def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:
 
 
 def _follow_writes(module, args):
+    _follow_writes_before(module)
+
+
+def _follow_writes_before(module):
     link = companions_of(module)
     if link is not None and link.is_copy and not torch.compiler.is_compiling():
         link.follow_writes()

@@ -1,6 +1,7 @@
 """A prepared model compiles to one graph (no break caused by mixprec), gives the eager results,
 and mixprec's code warns nothing under torch.compile."""
 
+import functools
 import os
 import warnings
 
@@ -10,8 +11,9 @@ import torch
 import mixprec as mp
 from mixprec.benchmodels import TinyGPT
 
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")]
 
 MIXPREC_DIR = os.path.dirname(mp.__file__)
 
@@ -81,3 +83,104 @@ def test_hugging_face_gpt2_gets_no_more_graphs_than_under_torch_autocast():
 
     reference = explain(None)  # transformers' own logging calls break its graph too
     assert explain("O1") == reference and explain("O2") == reference
+
+
+# -- compile once: counters against torch.autocast over three training steps ----------------------
+RECIPES = {"O1": {"level": "O1"}, "O2": {"level": "O2"}, "O3": {"level": "O3"},
+           "split": {"level": "O2", "master": "split"},
+           "kahan": {"level": "O2", "master": "kahan"},
+           "fp8": {"level": "O2", "fp8": "tensorwise"}}
+
+
+def _compile_counts(build, steps=3):
+    """dynamo's counters over the forward and backward of ``steps`` training steps of the model
+    ``build()`` returns (``(forward, optimizer)``) compiled with the eager backend (what dynamo
+    traces does not depend on the backend); the optimizer steps between are not counted (a
+    compact master's own compiled kernels are not the model's graph)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    fn, opt = build()
+    compiled = torch.compile(fn, backend="eager")
+    x = tokens()
+    seen = {"graphs": 0, "frames": 0, "breaks": 0}
+    per_step = []
+    for _ in range(steps):
+        counters.clear()
+        compiled(x).float().square().mean().backward()
+        step = {"graphs": counters["stats"]["unique_graphs"],
+                "frames": counters["frames"]["total"],
+                "breaks": sum(counters["graph_break"].values())}
+        per_step.append(step)
+        for k in seen:
+            seen[k] += step[k]
+        opt.step()
+        opt.zero_grad()
+    return seen, per_step
+
+
+@functools.lru_cache(maxsize=1)
+def _autocast_counts():
+    def build():
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, dim=32, depth=1, heads=2, seq_len=16)
+
+        def fn(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(x)
+        return fn, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _compile_counts(build)[0]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_every_recipe_compiles_once_like_torch_autocast(recipe):
+    """No more graphs, frames or breaks than torch.autocast on the same model, and nothing
+    traced again on the second and third steps (a guard on mixprec's own Python state -- the
+    island's slot cache counter, a forward pre-hook traced as its own frame -- did that)."""
+    if recipe == "fp8":
+        pytest.importorskip("torchao")
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, dim=32, depth=1, heads=2, seq_len=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = mp.prepare(model, opt, dtype="bf16", **RECIPES[recipe])
+        opt.fused = False  # the optimizer step's own kernels are not under test: no compiling
+        return model, opt
+    reference = _autocast_counts()
+    seen, per_step = _compile_counts(build)
+    assert seen == reference, (seen, reference)
+    assert reference == {"graphs": 1, "frames": 1, "breaks": 0}
+    assert per_step[1:] == [{"graphs": 0, "frames": 0, "breaks": 0}] * 2, per_step
+
+
+def test_fp8_statistics_record_inside_the_compiled_graph():
+    """Recording FP8 statistics (mp.debug.fp8_stats) adds no graph break and no recompile, and
+    the compiled steps record what the eager ones do (input, weight and the output gradient,
+    through the backward hook)."""
+    pytest.importorskip("torchao")
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, depth=1, heads=2, seq_len=16)
+    model = mp.prepare(model, dtype="bf16", level="O2", fp8="tensorwise")
+    x = tokens()
+    with mp.debug.fp8_stats(model) as eager:
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with mp.debug.fp8_stats(model) as stats:
+        counts = []
+        for _ in range(3):
+            counters.clear()
+            compiled(x).float().square().mean().backward()
+            counts.append((counters["stats"]["unique_graphs"], counters["frames"]["total"],
+                           sum(counters["graph_break"].values())))
+    assert counts == [(1, 1, 0), (0, 0, 0), (0, 0, 0)]
+    got, want = stats.summary(), eager.summary()
+    assert set(got) == set(want) and len(got) == 3
+    for name in want:
+        for role in ("input", "weight", "grad_output"):
+            assert got[name][role]["calls"] == want[name][role]["calls"] == 3
+            # gradients accumulate over the steps (no zero_grad): the same values either way
+            assert got[name][role]["amax_max"] == pytest.approx(want[name][role]["amax_max"],
+                                                                rel=1e-2)

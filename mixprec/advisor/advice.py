@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import lowbit, vocabulary
 from ..dtypes import to_dtype
+from ..fp8 import speed
 from ..policy import Policy
 from ..precision import OFF, Precision
 from ..precision_map import PrecisionMap
@@ -110,6 +111,8 @@ class LayerAdvice:
         reasons: ``{format: [reason, ...]}``, empty lists where it is safe.
         eligible: ``{low-bit format: whether a policy in it can convert the layer}`` (MXFP8:
             dimensions multiples of 32).
+        gemm: ``(tokens, in_features, out_features)`` of a Linear or Conv1D layer's GEMM on the
+            batch measured (tokens: the rows of its input), else None.
     """
 
     name: str
@@ -118,6 +121,17 @@ class LayerAdvice:
     measurements: dict
     reasons: dict
     eligible: dict = dataclasses.field(default_factory=dict)
+    gemm: tuple | None = None
+
+    def fp8_speed(self, device: str = "cuda-sm90") -> float | None:
+        """The expected speed of this layer's GEMMs in FP8 relative to bf16 on a device class
+        (see :mod:`mixprec.fp8.speed`: an estimate from the shape, not calibrated on a GPU in
+        this release), at the batch's tokens; None for a layer without a GEMM, or a device
+        where FP8 is emulated ("cpu")."""
+        if self.gemm is None:
+            return None
+        tokens, k, n = self.gemm
+        return speed.estimate(k, n, device, tokens)
 
     def unsafe(self, fmt: str) -> bool:
         return bool(self.reasons.get(fmt))
@@ -271,6 +285,27 @@ class Advice:
             return (len(order), 0.0)
         return sorted(self.layers, key=key)
 
+    def fp8_speed(self, device: str = "cuda-sm90") -> dict[str, float | None]:
+        """``{layer: expected FP8 speed vs bf16}`` on a device class ("cuda-sm89",
+        "cuda-sm90" -- H100/H200 --, "cuda-sm100"; "cpu": None everywhere, FP8 is emulated
+        there and never faster), from each layer's GEMM shape at the batch's tokens: an
+        estimate, not calibrated on a GPU in this release (see :mod:`mixprec.fp8.speed`)."""
+        return {a.name: a.fp8_speed(device) for a in self.layers}
+
+    def speed_table(self, device: str = "cuda-sm90") -> str:
+        """One line per GEMM layer: its shape and expected FP8 speed vs bf16 on ``device``."""
+        lines = [f"expected FP8 speed vs bf16 on {device}, from the GEMM shapes (an estimate, "
+                 f"not calibrated on a GPU in this release)"]
+        for a in self.layers:
+            if a.gemm is None:
+                continue
+            x = a.fp8_speed(device)
+            tokens, k, n = a.gemm
+            verdict = ("emulated: slower" if x is None else
+                       f"{x:.2f}x" + ("" if x >= 1.0 else "  (slower than bf16)"))
+            lines.append(f"  {a.name}: {tokens} x {k} -> {n}: {verdict}")
+        return "\n".join(lines)
+
     def table(self, sort_by: str | None = None) -> str:
         """One row per layer, most sensitive first (see :meth:`rows`): per format the output
         error and the loss change; the reasons of unsafe layers below."""
@@ -295,6 +330,8 @@ class Advice:
             "thresholds": dataclasses.asdict(self.thresholds), "skipped": dict(self.skipped),
             "layers": [{"name": a.name, "kind": a.kind, "fp8_eligible": a.fp8_eligible,
                         "eligible": dict(a.eligible),
+                        "gemm": None if a.gemm is None else list(a.gemm),
+                        "fp8_speed_sm90": a.fp8_speed("cuda-sm90"),
                         "formats": {f: {**measurement(m), "unsafe": a.unsafe(f),
                                         "reasons": list(a.reasons[f])}
                                     for f, m in a.measurements.items()}}

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import vocabulary
 from ..casting import module_device
-from ..fp8.choice import eligible_layers
+from ..fp8.choice import eligible_layers, gemm_dims
 from ..lowbit import Float8
 from ..policy import Policy
 from ..prepare import policy_of
@@ -48,6 +48,14 @@ def _check(model, formats, fp8_recipe, thresholds) -> tuple[str, ...]:
         raise TypeError(f"thresholds must be a mixprec.advisor.Thresholds; got "
                         f"{type(thresholds).__name__}")
     return tuple(dict.fromkeys(formats))
+
+
+def _gemm(call) -> tuple[int, int, int] | None:
+    """``(tokens, in_features, out_features)`` of a Linear/Conv1D layer's call, else None."""
+    dims = gemm_dims(call.module)
+    if dims is None or call.output is None or call.output.shape[-1] != dims[1]:
+        return None
+    return call.output.numel() // dims[1], dims[0], dims[1]
 
 
 def _check_model(model: nn.Module) -> None:
@@ -187,7 +195,8 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
             reasons = {f: judge(f, m, thresholds, scales[f]) for f, m in measured.items()}
             results.append(LayerAdvice(call.name, type(call.module).__name__,
                                        call.name in eligible["fp8_e4m3"], measured, reasons,
-                                       {f: call.name in names for f, names in eligible.items()}))
+                                       {f: call.name in names for f, names in eligible.items()},
+                                       _gemm(call)))
     finished = time.perf_counter()
     skipped = {c.name: ("not called by the forward pass" if c.calls == 0 else
                         "its output is not a tensor") for c in calls.values()

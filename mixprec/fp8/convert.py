@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..casting import module_device
 from ..policy import Policy
-from .choice import FP8_ATTR
+from . import speed
+from .choice import FP8_ATTR, gemm_dims
 
 __all__ = ["convert", "fp8_modules", "all_gather_in_fp8", "unwrap"]
 
@@ -21,6 +22,9 @@ def convert(model: nn.Module, policy: Policy) -> None:
     """Swap the layers ``policy.modules`` gives a low-bit format (by qualified name, as
     :func:`mixprec.fp8.choice.with_modules` records them) for layers of that format, in
     place.
+
+    On a CUDA device, warns once (:class:`mixprec.fp8.speed.FP8SpeedWarning`) listing the
+    shapes of the chosen layers that FP8 is not expected to speed up there.
 
     Raises:
         ImportError: torchao is not installed (the message names ``mixprec[fp8]``).
@@ -33,7 +37,12 @@ def convert(model: nn.Module, policy: Policy) -> None:
     fmt.require()  # even with nothing chosen: the engine must be there
     names = policy.modules.gemm_names()
     if names:
-        fmt.check_device(module_device(model))
+        device = module_device(model)
+        fmt.check_device(device)
+        if fmt.name == "float8":  # the speed model is dynamic-scaled FP8's (mixprec.fp8.speed)
+            modules = dict(model.named_modules())
+            shapes = {n: gemm_dims(modules[n]) for n in names if gemm_dims(modules[n])}
+            speed.warn_if_slow(shapes, device, stacklevel=5)
         fmt.convert(model, names)
 
 

@@ -35,10 +35,9 @@ __all__ = ["fp8_linear", "record", "probe", "FP8Forward", "Float8Conv1D", "conve
            "cast_weights_for_all_gather"]
 
 
-@torch.compiler.disable
 def record(recorders: tuple[stats.LayerStats, ...], role: str, tensor: torch.Tensor) -> None:
-    """``tensor``'s measurements for ``role``, into every recorder (under ``torch.compile``
-    this runs outside the compiled graph: recording breaks the graph there)."""
+    """``tensor``'s measurements for ``role``, into every recorder (a few reductions and one
+    in-place write per recorder: under ``torch.compile`` they are part of the graph)."""
     for r in recorders:
         r.record(role, tensor)
 

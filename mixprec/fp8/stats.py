@@ -17,8 +17,8 @@ in one small tensor on the layer's device (no host sync):
   the largest value.
 
 Fractions are averaged over the calls recorded since the last reset. Under ``torch.compile``
-recording runs outside the compiled graph (it breaks the graph at each FP8 layer): a tool to
-diagnose with, not to leave on.
+recording is part of the compiled graph (a few reductions and one in-place write per tensor; the
+statistics tensor is allocated when recording starts, so the graph is built once).
 """
 
 from __future__ import annotations
@@ -87,8 +87,16 @@ class LayerStats:
         self.data: torch.Tensor | None = None
 
     def reset(self) -> None:
-        """Forget what was recorded."""
-        self.data = None
+        """Forget what was recorded (in place: a compiled graph keeps writing the same
+        tensor)."""
+        if self.data is not None:
+            self.data.zero_()
+
+    def allocate(self, device) -> None:
+        """Hold the statistics on ``device`` (zeros), before the first call records."""
+        if self.data is None or self.data.device != torch.device(device):
+            self.data = torch.zeros(len(ROLES), len(FIELDS), dtype=torch.float32,
+                                    device=device)  # whatever the default dtype (O3)
 
     @torch.no_grad()
     def record(self, role: str, tensor: torch.Tensor) -> None:
@@ -103,9 +111,7 @@ class LayerStats:
                                                           self.pow2)
             scale = torch.finfo(dtype).max / amax.clamp(min=_EPS)
             ratio = torch.ones_like(amax)
-        if self.data is None or self.data.device != amax.device:
-            self.data = torch.zeros(len(ROLES), len(FIELDS), dtype=torch.float32,
-                                    device=amax.device)  # whatever the default dtype (O3)
+        self.allocate(amax.device)  # (allocated by attach(): only a moved layer reallocates)
         row = self.data[ROLES.index(role)]
         row.copy_(torch.stack([amax, torch.maximum(row[1], amax), scale, row[3] + saturated,
                                row[4] + underflow, row[5] + 1, torch.maximum(row[6], ratio)]))
@@ -138,7 +144,10 @@ def stats_of(module) -> tuple[LayerStats, ...]:
 
 
 def attach(module, recorder: LayerStats) -> None:
-    """Make ``module`` record into ``recorder`` too."""
+    """Make ``module`` record into ``recorder`` too (its statistics on the module's device)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        recorder.allocate(weight.device)
     module.__dict__[STATS_ATTR] = (*stats_of(module), recorder)
 
 
