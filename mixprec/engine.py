@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import hardware, lowbit, vocabulary
+from .engine_parallel import check_not_wrapped, check_owned
 from .fp8.choice import split_spec, with_modules
 from .monitor import PrecisionMonitor
 from .policy import Policy
@@ -122,6 +124,7 @@ class MixedPrecision:
             self._resolve(None)
         self.models: list[nn.Module] = []
         self.monitor = check_monitor(monitor)
+        self._owned: weakref.WeakSet = weakref.WeakSet()  # optimizers checked by _check_owned
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
@@ -149,13 +152,20 @@ class MixedPrecision:
             ``model`` alone, ``(model, optimizer)``, or ``(model, opt1, opt2, ...)``.
 
         Raises:
-            TypeError: not an ``nn.Module``, or a bad optimizer.
-            RuntimeError: the model was already prepared.
+            TypeError: not an ``nn.Module``, a bad optimizer, or a model already in
+                ``DistributedDataParallel``.
+            RuntimeError: the model was already prepared, or sharded with ``fully_shard`` at a
+                level that stores the weights in 16 bits or keeps fp32 masters (O2, O3).
             ValueError: what :func:`mixprec.prepare` refuses.
+
+        Several processes: wrap the model it returns in ``mp.parallel.ddp`` (or torch's
+        ``DistributedDataParallel``); for FSDP2, ``mp.parallel.fsdp(model, opt,
+        mixed_precision=amp)`` instead of ``setup`` (see docs/distributed.md).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"setup expects an nn.Module as model; got {type(model).__name__}")
         policy = self._resolve(module_device(model))
+        check_not_wrapped(model, policy)
         model, opts = prepare_many(model, list(optimizers), policy, fp8_filter=self._fp8_filter,
                                    **self._ops)
         self.adopt(model)
@@ -290,6 +300,7 @@ class MixedPrecision:
         watch = self.monitor is not None and self.monitor.recording
         applied = True
         for opt in optimizers:
+            self._check_owned(opt)
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
@@ -301,6 +312,11 @@ class MixedPrecision:
         if self.monitor is not None:
             self.monitor.end_step(applied)
         return applied
+
+    def _check_owned(self, optimizer) -> None:
+        if self.models and optimizer not in self._owned:  # once per optimizer
+            check_owned(self.models, optimizer)
+            self._owned.add(optimizer)
 
     def _ready(self) -> LossScaler:
         if self.scaler is None:
