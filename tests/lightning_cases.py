@@ -45,6 +45,13 @@ class Sharded(Classifier):
         self.trainer.precision_plugin.shard(self)
 
 
+class LeftToThePlugin(Classifier):
+    """A configure_model that shards nothing: the plugin shards with the defaults."""
+
+    def configure_model(self):
+        pass
+
+
 def strategy_for(name: str):
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
@@ -52,11 +59,14 @@ def strategy_for(name: str):
     return name
 
 
-def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=None) -> dict:
+def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=None,
+        module_class=None) -> dict:
     """One fit; the fp32 weights (gathered under FSDP2) and, with ``save``, a checkpoint."""
     level, dtype, master = config
     environment = dict(os.environ)
-    module = Sharded() if strategy == "fsdp2" else Classifier()
+    if module_class is None:
+        module_class = Sharded if strategy == "fsdp2" and world > 1 else Classifier
+    module = module_class()
     plugin = MixprecPrecision(level=level, dtype=dtype, master=master)
     trainer = L.Trainer(accelerator="cpu", devices=world,
                         strategy=strategy_for(strategy) if world > 1 else "auto",
@@ -70,7 +80,8 @@ def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=
     weights = mp.fp32_state_dict(trainer.lightning_module, trainer.optimizers[0])
     os.environ.clear()
     os.environ.update(environment)  # Lightning's teardown drops WORLD_SIZE
-    return {"weights": {k: v.cpu() for k, v in weights.items()}, "step": trainer.global_step}
+    return {"weights": {k: v.cpu() for k, v in weights.items()}, "step": trainer.global_step,
+            "sharded": mp.parallel.is_fsdp(trainer.lightning_module)}
 
 
 def name(config) -> str:
@@ -88,4 +99,7 @@ def rank_case(rank, out, strategy, configs):
         torch.manual_seed(1234 + rank)  # nothing random may leak into the resumed run
         resumed = fit(strategy, config, world=2, epochs=2, ckpt_path=path)
         results[name(config)] = {"whole": whole, "resumed": resumed, "ckpt": path}
+    if strategy == "fsdp2":
+        results["left to the plugin"] = fit(strategy, ("O2", "bf16", None), world=2, epochs=2,
+                                            module_class=LeftToThePlugin)
     return results
