@@ -43,6 +43,7 @@ from .precision_map import PrecisionMap
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.unscale import total_norm
+from .shards import replicated
 
 __all__ = ["MixedPrecision", "check_max_norm", "engine_for"]
 
@@ -272,7 +273,7 @@ class MixedPrecision:
         else:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
-        total = total_norm(grads, norm_type, scaler.scale_tensor.device)
+        total = replicated(total_norm(grads, norm_type, scaler.scale_tensor.device))  # FSDP2
         if stage == "ready" and scaler.is_enabled():  # they still carry the loss scale
             total = total / scaler.scale_tensor
         return total

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from parallel_cases import GLOBAL_BATCH, Net, dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import mixprec as mp
 from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
@@ -73,7 +73,7 @@ def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=
                         plugins=[plugin], max_epochs=epochs, gradient_clip_val=CLIP,
                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False)
-    data = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world)
+    data = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world, sampler=sampler(world))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -82,6 +82,15 @@ def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=
     os.environ.update(environment)  # Lightning's teardown drops WORLD_SIZE
     return {"weights": {k: v.cpu() for k, v in weights.items()}, "step": trainer.global_step,
             "sharded": mp.parallel.is_fsdp(trainer.lightning_module)}
+
+
+def sampler(world: int):
+    """Lightning trains over ``DistributedSampler(shuffle=True, seed=0)`` in several processes,
+    even for a loader that does not shuffle; one process at the same global batch draws the
+    same permutation each epoch (the ranks' shares of batch b are its elements 8b..8b+7)."""
+    if world > 1:
+        return None  # Lightning replaces it
+    return DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
 
 
 def name(config) -> str:

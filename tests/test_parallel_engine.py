@@ -71,17 +71,19 @@ def build(host, config):
 def train(amp, model, opt, steps, *, rank=0, world=1, start=0, inf_at=None):
     """SGD steps over the data in order; this rank's slice of each global batch."""
     data, per = dataset(), GLOBAL_BATCH // world
-    applied = []
+    applied, norms = [], []
     for step in range(start, steps):
         lo = step * GLOBAL_BATCH % SAMPLES + rank * per
         x, y = data[lo:lo + per]
         amp.backward(F.cross_entropy(model(x), y))
+        norms.append(float(amp.grad_norm(opt)))  # the global norm: every rank's gradients
         if step == inf_at and rank == 1:  # after the reduction: only rank 1 sees it
             grad = next(p.grad for p in model.parameters() if p.grad is not None)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             local.view(-1)[0] = float("inf")
         applied.append(amp.step(opt, max_grad_norm=CLIP))
         opt.zero_grad()
+    train.norms = norms  # the last run's, for the tests
     return applied
 
 
@@ -128,7 +130,7 @@ def rank_case(rank, out, host):
             continue
         amp, model, opt = build(host, config)
         train(amp, model, opt, STEPS, rank=rank, world=WORLD)
-        whole = weights(model, opt)
+        whole, norms = weights(model, opt), train.norms
         amp, model, opt = build(host, config)
         train(amp, model, opt, STOP, rank=rank, world=WORLD)
         ckpt = checkpoint(host, amp, model, opt)
@@ -138,7 +140,7 @@ def rank_case(rank, out, host):
         amp, model, opt = restore(host, config, ckpt)
         train(amp, model, opt, STEPS, rank=rank, world=WORLD, start=STOP)
         resumed = weights(model, opt)
-        results[name(config)] = {"whole": whole, "resumed": resumed,
+        results[name(config)] = {"whole": whole, "resumed": resumed, "norms": norms,
                                  "resume_equal": all(torch.equal(whole[k], resumed[k])
                                                      for k in whole),
                                  "single_ckpt": single if rank == 0 else None}
@@ -161,7 +163,11 @@ def one_process(config, steps=STEPS, ckpt=None, start=0):
 
 @pytest.fixture(scope="module")
 def single():
-    return {name(c): one_process(c) for c in CONFIGS}
+    out = {}
+    for c in CONFIGS:
+        out[name(c)] = one_process(c)
+        out[name(c) + " norms"] = train.norms
+    return out
 
 
 @pytest.fixture(scope="module", params=["ddp", "torch-ddp", "fsdp"])
@@ -180,7 +186,24 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single):
         key = name(config)
         a, b = r0[key]["whole"], r1[key]["whole"]
         assert all(torch.equal(a[k], b[k]) for k in a), (host, key)
+        print(f"FIGURE engine {host} {key}: {max_diff(a, single[key]):.1e}")
         assert max_diff(a, single[key]) <= TOLERANCE[config[0]], (host, key)
+
+
+def test_the_gradient_norm_is_the_global_one_on_every_rank(ranks, single):
+    """amp.grad_norm (and so the clip in amp.step) measures every rank's gradients: under FSDP2
+    each rank holds a shard, and a shard's norm alone would be about 1/sqrt(2) of it."""
+    host, (r0, r1) = ranks
+    for config in configs_of(host):
+        key = name(config)
+        got, want = (torch.tensor(n) for n in (r0[key]["norms"], single[key + " norms"]))
+        torch.testing.assert_close(got, torch.tensor(r1[key]["norms"]), rtol=0, atol=0,
+                                   equal_nan=True)
+        done = want.isfinite() & got.isfinite()  # fp16 may overflow at the initial scale
+        assert done.sum() >= STEPS - 2 and bool((want[done] > CLIP).all())  # the clip acted
+        first = int(done.nonzero()[0])
+        assert float(got[first]) == pytest.approx(float(want[first]), rel=1e-2), (host, key)
+        torch.testing.assert_close(got[done], want[done], rtol=0.1, atol=0)
 
 
 def test_resume_at_the_same_world_size_is_bitwise(ranks):

@@ -68,6 +68,7 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single):
         a, b = r0[key]["whole"]["weights"], r1[key]["whole"]["weights"]
         assert r0[key]["whole"]["sharded"] == (strategy == "fsdp2")
         assert all(torch.equal(a[k], b[k]) for k in a), (strategy, key)
+        print(f"FIGURE lightning {strategy} {key}: {max_diff(a, single[key]):.1e}")
         assert max_diff(a, single[key]) <= TOLERANCE[config[0]], (strategy, key)
 
 
@@ -103,6 +104,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(ranks):
         got = r0[lc.name(config)]
         one = lc.fit(strategy, config, world=1, epochs=2, ckpt_path=got["ckpt"])
         assert one["step"] == 8
+        print(f"FIGURE lightning {strategy} 2->1 {lc.name(config)}: "
+              f"{max_diff(one['weights'], got['whole']['weights']):.1e}")
         assert max_diff(one["weights"], got["whole"]["weights"]) <= TOLERANCE[config[0]]
 
 

@@ -175,7 +175,9 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer.
+        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer;
+            ``mixed_precision`` that is not a :class:`mixprec.MixedPrecision`, or comes with
+            precision keywords.
         ValueError: an unknown level, dtype, reduce dtype, master or state dtype; a unit name
             that is not a sub-module; an optimizer that stepped, is a MasterWeightOptimizer or
             holds foreign tensors; no process group and no torchrun environment.
