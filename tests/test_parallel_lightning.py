@@ -42,6 +42,10 @@ gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(
 # the fp32 values the cast replaced: under DDP they are kept from convert_module to connect)
 CONFIGS = [("O0", "bf16", None), ("O1", "bf16", None), ("O2", "bf16", None),
            ("O2", "fp16", None), ("O3", "bf16", None), ("O2", "bf16", "split")]
+# Under ModelParallelStrategy, Lightning's one-file checkpoint (save_distributed_checkpoint=False)
+# gathers every optimizer state over the ranks, and gloo cannot all-gather the split method's
+# int16 remainder ("Invalid scalar type"): the split method runs there only in tests of its own.
+FSDP2_CONFIGS = [c for c in CONFIGS if c[2] != "split"]
 # Max abs weight difference from one process at the same global batch (8 SGD steps, clipped):
 # as the engine's (tests/test_parallel_engine.py); measured <= 6.5e-3 at O2.
 TOLERANCE = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 2e-2}
@@ -55,15 +59,19 @@ def single():
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def ranks(request, tmp_path_factory):
     strategy = request.param
-    return strategy, launch(lc.rank_case, tmp_path_factory.mktemp(strategy), strategy, CONFIGS,
-                            timeout=1200)
+    return strategy, launch(lc.rank_case, tmp_path_factory.mktemp(strategy), strategy,
+                            configs_of(strategy), timeout=1200)
+
+
+def configs_of(strategy):
+    return FSDP2_CONFIGS if strategy == "fsdp2" else CONFIGS
 
 
 @pytest.mark.slow
 @gloo
 def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single):
     strategy, (r0, r1) = ranks
-    for config in CONFIGS:
+    for config in configs_of(strategy):
         key = lc.name(config)
         a, b = r0[key]["whole"]["weights"], r1[key]["whole"]["weights"]
         assert r0[key]["whole"]["sharded"] == (strategy == "fsdp2")
@@ -76,7 +84,7 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single):
 @gloo
 def test_fit_from_a_checkpoint_resumes_bitwise_at_the_same_world_size(ranks):
     strategy, results = ranks
-    for config in CONFIGS:
+    for config in configs_of(strategy):
         for r in results:
             got = r[lc.name(config)]
             assert got["resumed"]["step"] == got["whole"]["step"] == 8
@@ -100,7 +108,7 @@ def test_under_fsdp2_the_plugin_shards_when_configure_model_does_not(ranks):
 @gloo
 def test_a_two_rank_checkpoint_resumes_in_one_process(ranks):
     strategy, (r0, _) = ranks
-    for config in CONFIGS:
+    for config in configs_of(strategy):
         got = r0[lc.name(config)]
         one = lc.fit(strategy, config, world=1, epochs=2, ckpt_path=got["ckpt"])
         assert one["step"] == 8
