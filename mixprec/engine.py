@@ -130,6 +130,13 @@ class MixedPrecision:
     def __repr__(self) -> str:
         return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
 
+    def __getstate__(self) -> dict:  # pickled to spawned ranks (Lightning's "ddp_spawn"):
+        return {**self.__dict__, "_owned": None}  # a WeakSet does not pickle
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._owned = weakref.WeakSet()
+
     def _resolve(self, device) -> Policy:
         if self.policy is None:
             policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
@@ -159,9 +166,8 @@ class MixedPrecision:
                 level that stores the weights in 16 bits or keeps fp32 masters (O2, O3).
             ValueError: what :func:`mixprec.prepare` refuses.
 
-        Several processes: wrap the model it returns in ``mp.parallel.ddp`` (or torch's
-        ``DistributedDataParallel``); for FSDP2, ``mp.parallel.fsdp(model, opt,
-        mixed_precision=amp)`` instead of ``setup`` (see docs/distributed.md).
+        Several processes: wrap the model it returns in ``mp.parallel.ddp`` (or torch's DDP);
+        FSDP2: ``mp.parallel.fsdp(model, opt, mixed_precision=amp)`` instead of ``setup``.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"setup expects an nn.Module as model; got {type(model).__name__}")

@@ -12,6 +12,7 @@ process.
 
 import copy
 import os
+import pickle
 
 import pytest
 import torch
@@ -268,10 +269,23 @@ def test_mixed_precision_with_precision_keywords_beside_it_is_refused():
 @pytest.mark.parametrize("host", ["ddp", "fsdp"])
 def test_twenty_launches_in_a_row_exit_zero(host, tmp_path):
     for i in range(20):
-        out = launch(short_case, tmp_path / f"{host}{i}", host, timeout=120)
+        (tmp_path / f"{host}{i}").mkdir()
+        out = launch(short_case, tmp_path / f"{host}{i}", host, timeout=300)
         assert [r["applied"] for r in out] == [[True] * 3] * 2
 
 
 def short_case(rank, out, host):
     amp, model, opt = build(host, ("O2", "bf16", None))
     return {"applied": train(amp, model, opt, 3, rank=rank, world=WORLD)}
+
+
+def test_the_engine_pickles_after_a_step_as_spawned_ranks_need():
+    """Lightning's "ddp_spawn" pickles the plugin and its engine to every rank."""
+    torch.manual_seed(0)
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    net = Net()
+    model, opt = amp.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    amp.backward(F.cross_entropy(model(torch.randn(4, 8)), torch.arange(4) % 3))
+    assert amp.step(opt)
+    copy_ = pickle.loads(pickle.dumps(amp))
+    assert copy_.policy == amp.policy and copy_.scaler.get_scale() == amp.scaler.get_scale()

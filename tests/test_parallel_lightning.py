@@ -136,6 +136,7 @@ def test_ddp_spawn_trains_like_one_process(tmp_path):
                     reason="20 launches in a row: set MIXPREC_LAUNCH_LOOP=1 (tens of minutes)")
 def test_twenty_ddp_spawn_launches_in_a_row_exit_zero(tmp_path):
     for i in range(20):
+        (tmp_path / str(i)).mkdir()
         test_ddp_spawn_trains_like_one_process(tmp_path / str(i))
 
 
