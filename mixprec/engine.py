@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import hardware, lowbit, vocabulary
+from .engine_parallel import check_not_wrapped, check_owned
 from .fp8.choice import split_spec, with_modules
 from .master.params import show_master_grads
 from .monitor import PrecisionMonitor
@@ -42,6 +44,7 @@ from .precision_map import PrecisionMap
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.unscale import total_norm
+from .shards import replicated
 
 __all__ = ["MixedPrecision", "check_max_norm", "engine_for"]
 
@@ -116,9 +119,17 @@ class MixedPrecision:
             self._resolve(None)
         self.models: list[nn.Module] = []
         self.monitor = check_monitor(monitor)
+        self._owned: weakref.WeakSet = weakref.WeakSet()  # optimizers checked by _check_owned
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
+
+    def __getstate__(self) -> dict:  # pickled to spawned ranks (Lightning's "ddp_spawn"):
+        return {**self.__dict__, "_owned": None}  # a WeakSet does not pickle
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._owned = weakref.WeakSet()
 
     def _resolve(self, device) -> Policy:
         if self.policy is None:
@@ -143,13 +154,19 @@ class MixedPrecision:
             ``model`` alone, ``(model, optimizer)``, or ``(model, opt1, opt2, ...)``.
 
         Raises:
-            TypeError: not an ``nn.Module``, or a bad optimizer.
-            RuntimeError: the model was already prepared.
+            TypeError: not an ``nn.Module``, a bad optimizer, or a model already in
+                ``DistributedDataParallel``.
+            RuntimeError: the model was already prepared, or sharded with ``fully_shard`` at a
+                level that stores the weights in 16 bits or keeps fp32 masters (O2, O3).
             ValueError: what :func:`mixprec.prepare` refuses.
+
+        Several processes: wrap the model it returns in ``mp.parallel.ddp`` (or torch's DDP);
+        FSDP2: ``mp.parallel.fsdp(model, opt, mixed_precision=amp)`` instead of ``setup``.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"setup expects an nn.Module as model; got {type(model).__name__}")
         policy = self._resolve(module_device(model))
+        check_not_wrapped(model, policy)
         model, opts = prepare_many(model, list(optimizers), policy, fp8_filter=self._fp8_filter,
                                    **self._ops)
         self.adopt(model)
@@ -277,7 +294,7 @@ class MixedPrecision:
         else:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
-        total = total_norm(grads, norm_type, scaler.scale_tensor.device)
+        total = replicated(total_norm(grads, norm_type, scaler.scale_tensor.device))  # FSDP2
         if stage == "ready" and scaler.is_enabled():  # they still carry the loss scale
             total = total / scaler.scale_tensor
         return total
@@ -307,6 +324,7 @@ class MixedPrecision:
         watch = self.monitor is not None and self.monitor.recording
         applied = True
         for opt in optimizers:
+            self._check_owned(opt)
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
@@ -318,6 +336,11 @@ class MixedPrecision:
         if self.monitor is not None:
             self.monitor.end_step(applied)
         return applied
+
+    def _check_owned(self, optimizer) -> None:
+        if self.models and optimizer not in self._owned:  # once per optimizer
+            check_owned(self.models, optimizer)
+            self._owned.add(optimizer)
 
     def _ready(self) -> LossScaler:
         if self.scaler is None:

@@ -247,13 +247,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     warn_unreachable(model, low_precision_ops, fp32_ops, stacklevel=4)  # names op lists miss
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
-        optimizers = [_wrap_optimizer(opt, originals, policy) for opt in optimizers]
-        names = {p: n for n, p in model.named_parameters()}
-        for opt in optimizers:
-            opt.name_params(names)
-        link_masters(model, optimizers)
-        guard_casts(model, companions_of(model))  # .float()/.half() keep or refuse the masters
-        fp32_save_pretrained(model)  # Hugging Face: a config that loads the fp32 masters
+        optimizers = wrap_late(model, optimizers, originals, policy)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         model.forward = Entry(model, in_dtype, policy.output_dtype, context)
@@ -267,6 +261,21 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     for mod in model.modules():
         setattr(mod, PREPARED_ATTR, True)
     return model, list(optimizers)
+
+
+def wrap_late(model: nn.Module, optimizers: list, originals: dict, policy: Policy) -> list:
+    """Wrap the optimizers over a model's cast parameters as the policy's master method does,
+    masters from ``originals`` (cast parameter -> its fp32 value), and link them to the model.
+    What :func:`prepare_many` does after the cast; also called on its own for a model prepared
+    before its optimizers existed (a host that wraps the model in DDP between the two)."""
+    optimizers = [_wrap_optimizer(opt, originals, policy) for opt in optimizers]
+    names = {p: n for n, p in model.named_parameters()}
+    for opt in optimizers:
+        opt.name_params(names)
+    link_masters(model, optimizers)
+    guard_casts(model, companions_of(model))  # .float()/.half() keep or refuse the masters
+    fp32_save_pretrained(model)  # Hugging Face: a config that loads the fp32 masters
+    return optimizers
 
 
 def _policy_context(policy: Policy, device_type: str, low_ops, fp32_ops,

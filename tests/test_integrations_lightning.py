@@ -186,7 +186,7 @@ def test_lightning_amp_as_well_is_a_clear_error(precision):
 
 def test_a_strategy_that_wraps_the_model_is_refused():
     plugin = MixprecPrecision(level="O2", dtype="bf16")
-    with pytest.raises(RuntimeError, match="single-device strategy.*wrapped it in Sequential"):
+    with pytest.raises(RuntimeError, match="hand it the LightningModule.*passed Sequential"):
         plugin.connect(net(), [], [])
 
 

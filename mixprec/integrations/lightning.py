@@ -33,7 +33,10 @@ of Lightning's precision hooks lands on the engine:
 * ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
   masters travel in the optimizer's state, and the model's ``state_dict`` is fp32.
 
-Lightning's single-device strategy only (DDP and FSDP: ``mp.Trainer(strategy=...)``).
+Strategies: one device, DDP (``"ddp"``, ``"ddp_spawn"``, ...) and ``ModelParallelStrategy``
+(FSDP2); with DDP the model is prepared in ``convert_module``, before DDP wraps it, and the
+optimizers wrapped in ``connect``; with FSDP2 the plugin shards the model (or
+``configure_model`` calls :meth:`MixprecPrecision.shard`). See :mod:`.lightning_strategies`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from ..monitor import CallbackWriter
 from ..policy import Policy
 from ..prepare import policy_of
 from ..regions import Entry
+from . import lightning_strategies as strategies
 
 try:
     import lightning.pytorch as pl
@@ -153,6 +157,7 @@ class MixprecPrecision(Precision):
             fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
         self.applied: dict[int, bool] = {}
         self._context = None
+        self._prepared: dict | None = None  # what convert_module left for connect
 
     def __repr__(self) -> str:
         return f"MixprecPrecision({self.engine!r})"
@@ -173,17 +178,39 @@ class MixprecPrecision(Precision):
         return "bf16-true" if policy.param_dtype == torch.bfloat16 else "16-true"
 
     # -- set-up ----------------------------------------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Before a multi-process strategy wraps the model: prepare it (DDP) or shard it (FSDP2)
+        for the policy (see :mod:`.lightning_strategies`); on one device, nothing yet."""
+        if self._prepared is None:
+            self._prepared = strategies.before_wrap(self.engine, module)
+        return module
+
+    def shard(self, module: nn.Module, *, units=None, reduce_dtype="fp32") -> None:
+        """Under ``ModelParallelStrategy``, from ``LightningModule.configure_model``: prepare
+        and shard the module with :func:`mixprec.parallel.fsdp` for this plugin's policy, over
+        the strategy's data-parallel mesh (``units``: the sharding units, default every module
+        held in an ``nn.ModuleList``; ``reduce_dtype``: of the gradient reduce-scatter). Without
+        it, the plugin shards with the defaults before the strategy sets up."""
+        strategy = module.trainer.strategy
+        if strategies.kind_of(strategy) != "fsdp2":
+            raise RuntimeError(f"shard() is for ModelParallelStrategy; this trainer runs "
+                               f"{type(strategy).__name__}")
+        module.to(strategy.root_device)  # FSDP2 shards where the parameters are
+        self._prepared = strategies.shard(self.engine, module, units=units,
+                                          reduce_dtype=reduce_dtype,
+                                          mesh=strategies.data_parallel_mesh(strategy))
+
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list):
         """Prepare the model and its optimizers (see the module docstring)."""
-        if not isinstance(model, pl.LightningModule):
-            raise RuntimeError(
-                f"MixprecPrecision runs under Lightning's single-device strategy, which passes "
-                f"the LightningModule itself; this strategy wrapped it in "
-                f"{type(model).__name__}. For DDP or FSDP train with "
-                f"mp.Trainer(strategy='ddp' or 'fsdp')")
-        optimizers = self._setup(model, list(optimizers))
-        self._context = _entry_context(model)
-        _log_to_loggers(self.engine.monitor, model)
+        module = strategies.lightning_module_of(model)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            optimizers = strategies.attach(self.engine, model, module, list(optimizers),
+                                           prepared)
+        else:
+            optimizers = self._setup(module, list(optimizers))
+        self._context = _entry_context(module)
+        _log_to_loggers(self.engine.monitor, module)
         configs = [self._skip_aware(config, optimizers) for config in lr_schedulers]
         return model, optimizers, configs
 

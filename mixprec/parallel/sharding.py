@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .. import vocabulary
+from ..engine import MixedPrecision, engine_for
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
 from ..master import is_master_optimizer
@@ -48,7 +49,7 @@ from . import env
 from .ddp import reduce_dtype_of
 from .env import is_fsdp
 
-__all__ = ["fsdp", "default_units"]
+__all__ = ["fsdp", "default_units", "wrap_optimizer"]
 
 
 def default_units(model: nn.Module) -> list[str]:
@@ -142,7 +143,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
          dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
          mesh=None, keep_fp32=None, policy: Policy | None = None, low_precision_ops=(),
          fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None,
-         emulate_fp16="auto"):
+         emulate_fp16="auto", mixed_precision: MixedPrecision | None = None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
@@ -165,12 +166,18 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         units: module classes and/or qualified module names to shard as units (default: every
             module held in an ``nn.ModuleList``); the root is always a unit.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
+        mixed_precision: a :class:`mixprec.MixedPrecision` whose run this model joins, instead
+            of the precision keywords (your own loop: ``amp.backward``, ``amp.step`` then
+            drive the sharded model; the engine adopts it). With it, the precision keywords
+            stay at their defaults.
 
     Returns:
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer.
+        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer;
+            ``mixed_precision`` that is not a :class:`mixprec.MixedPrecision`, or comes with
+            precision keywords.
         ValueError: an unknown level, dtype, reduce dtype, master or state dtype; a unit name
             that is not a sub-module; an optimizer that stepped, is a MasterWeightOptimizer or
             holds foreign tensors; no process group and no torchrun environment.
@@ -179,6 +186,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     Example:
         >>> # torchrun --nproc-per-node 2 train.py
         >>> model, opt = mp.parallel.fsdp(net, opt, level="O2", dtype="bf16")  # doctest: +SKIP
+        >>> amp = mp.MixedPrecision(level="O2", dtype="bf16")                  # doctest: +SKIP
+        >>> model, opt = mp.parallel.fsdp(net, opt, mixed_precision=amp)      # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp expects an nn.Module; got {type(model).__name__}")
@@ -186,6 +195,15 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")
     vocabulary.check_policy_alone(policy, level, dtype, "fsdp", defaults=("O2", "auto"))
+    if mixed_precision is not None:
+        engine_for(fsdp, mixed_precision, level=level, dtype=dtype, keep_fp32=keep_fp32,
+                   policy=policy, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
+                   master=master, state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules,
+                   emulate_fp16=emulate_fp16)
+        policy = mixed_precision.resolve_policy(module_device(model), model)
+        ops = mixed_precision.op_lists
+        low_precision_ops, fp32_ops = ops["low_precision_ops"], ops["fp32_ops"]
+        emulate_fp16 = ops["emulate_fp16"]
     reduce = reduce_dtype_of(reduce_dtype)
     names = _check_optimizer(model, optimizer)
     unit_names = _unit_names(model, units)
@@ -217,10 +235,28 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
         if name in chosen and name and any(True for _ in modules[name].parameters()):
             fully_shard(modules[name], mesh=mesh, mp_policy=kept if name in kept_units else main)
     fully_shard(model, mesh=mesh, mp_policy=kept if "" in kept_units else main)
+    if mixed_precision is not None:
+        mixed_precision.adopt(model)
     if optimizer is None:
         return model
     _rebind_optimizer(optimizer, names, model)
     return model, _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
+
+
+def wrap_optimizer(model: nn.Module, optimizer, originals: dict):
+    """An optimizer built over a model that :func:`fsdp` sharded without one (a host builds it
+    afterwards over the sharded parameters), wrapped as the model's master method does.
+
+    Args:
+        model: the model :func:`fsdp` returned.
+        optimizer: a torch optimizer over its (sharded) parameters.
+        originals: qualified parameter name -> its fp32 value before :func:`fsdp` (the buffers
+            of a compact master method start from them); may be empty otherwise.
+    """
+    policy = policy_of(model)
+    if policy is None or not is_fsdp(model):
+        raise ValueError("wrap_optimizer takes a model that mp.parallel.fsdp prepared and sharded")
+    return _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
 
 
 def _sharded_originals(model: nn.Module, originals: dict) -> dict:

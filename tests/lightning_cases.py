@@ -1,0 +1,114 @@
+"""Lightning runs the multi-process tests share: a LightningModule over parallel_cases.Net, a fit
+at a global batch of GLOBAL_BATCH under a strategy, and a rank's whole / stopped / resumed runs.
+
+Under the 2-rank gloo launcher (``parallel_cases.launch``) each rank builds ``L.Trainer(
+accelerator="cpu", devices=2, strategy=...)``: the launcher's ``LOCAL_RANK`` tells Lightning
+the processes exist already, and the process group it finds is used as it is.
+"""
+
+import os
+
+import lightning.pytorch as L  # noqa: E402
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from parallel_cases import GLOBAL_BATCH, Net, dataset
+from torch.utils.data import DataLoader, DistributedSampler
+
+import mixprec as mp
+from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
+
+CLIP = 0.05  # below every step's gradient norm: a clip norm measured on one shard would show
+
+
+class Classifier(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Sharded(Classifier):
+    """ModelParallelStrategy needs configure_model; the plugin shards the blocks as units."""
+
+    def configure_model(self):
+        self.trainer.precision_plugin.shard(self)
+
+
+class LeftToThePlugin(Classifier):
+    """A configure_model that shards nothing: the plugin shards with the defaults."""
+
+    def configure_model(self):
+        pass
+
+
+def strategy_for(name: str):
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=False)
+    return name
+
+
+def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=None,
+        module_class=None) -> dict:
+    """One fit; the fp32 weights (gathered under FSDP2) and, with ``save``, a checkpoint."""
+    level, dtype, master = config
+    environment = dict(os.environ)
+    if module_class is None:
+        module_class = Sharded if strategy == "fsdp2" and world > 1 else Classifier
+    module = module_class()
+    plugin = MixprecPrecision(level=level, dtype=dtype, master=master)
+    trainer = L.Trainer(accelerator="cpu", devices=world,
+                        strategy=strategy_for(strategy) if world > 1 else "auto",
+                        plugins=[plugin], max_epochs=epochs, gradient_clip_val=CLIP,
+                        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    data = DataLoader(dataset(), batch_size=GLOBAL_BATCH // world, sampler=sampler(world))
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    weights = mp.fp32_state_dict(trainer.lightning_module, trainer.optimizers[0])
+    os.environ.clear()
+    os.environ.update(environment)  # Lightning's teardown drops WORLD_SIZE
+    return {"weights": {k: v.cpu() for k, v in weights.items()}, "step": trainer.global_step,
+            "sharded": mp.parallel.is_fsdp(trainer.lightning_module)}
+
+
+def sampler(world: int):
+    """Lightning trains over ``DistributedSampler(shuffle=True, seed=0)`` in several processes,
+    even for a loader that does not shuffle; one process at the same global batch draws the
+    same permutation each epoch (the ranks' shares of batch b are its elements 8b..8b+7)."""
+    if world > 1:
+        return None  # Lightning replaces it
+    return DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
+
+
+def name(config) -> str:
+    level, dtype, master = config
+    return f"{level}-{dtype}" + (f"-{master}" if master else "")
+
+
+def rank_case(rank, out, strategy, configs):
+    """Per config: 2 epochs whole; 1 epoch, saved, resumed into a fresh module for epoch 2."""
+    results = {}
+    for config in configs:
+        path = os.path.join(out, f"{strategy}-{name(config)}.ckpt")
+        whole = fit(strategy, config, world=2, epochs=2)
+        fit(strategy, config, world=2, epochs=1, save=path)
+        torch.manual_seed(1234 + rank)  # nothing random may leak into the resumed run
+        resumed = fit(strategy, config, world=2, epochs=2, ckpt_path=path)
+        results[name(config)] = {"whole": whole, "resumed": resumed, "ckpt": path}
+    if strategy == "fsdp2":
+        results["left to the plugin"] = fit(strategy, ("O2", "bf16", None), world=2, epochs=2,
+                                            module_class=LeftToThePlugin)
+    return results
