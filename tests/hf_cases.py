@@ -118,3 +118,91 @@ def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6)
     return {"equal": all(torch.equal(a[k], b[k]) for k in a),
             "loaded": all(torch.equal(before[k], loaded[k]) for k in before),
             "files": sorted(os.listdir(path)), "path": path}
+
+
+# -- the Hugging Face Trainer -----------------------------------------------------------------
+VOCAB, SEQ = 32, 8
+
+
+def gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def rows(n=32):
+    """Counting sequences from random starts."""
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.randint(0, VOCAB, (n, 1), generator=g) + torch.arange(SEQ)) % VOCAB
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def hf_arguments(out, world, *, shard=False, **kwargs):
+    import transformers
+
+    options = dict(use_cpu=True, report_to=[], per_device_train_batch_size=GLOBAL_BATCH // world,
+                   num_train_epochs=EPOCHS, learning_rate=3e-3, logging_steps=1,
+                   save_strategy="no", disable_tqdm=True, seed=0, max_grad_norm=1.0,
+                   train_sampling_strategy="sequential")
+    if shard:
+        options.update(fsdp="full_shard", fsdp_config={"version": 2})
+    return transformers.TrainingArguments(str(out), **{**options, **kwargs})
+
+
+def hf_trainer(out, level, world, *, master=None, shard=False, dtype="bf16", **kwargs):
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    class Trainer(MixprecTrainer):
+        def create_accelerator_and_postprocess(self):
+            reset_accelerate()
+            super().create_accelerator_and_postprocess()
+            if shard:  # as Accelerate sets it up on GPUs (see the module docstring)
+                force_fsdp2(self.accelerator)
+                self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                    **self.args.fsdp_plugin_args)
+                self.is_fsdp_enabled = True
+
+    trainer = Trainer(gpt2(), hf_arguments(out, world, shard=shard, **kwargs),
+                      train_dataset=rows(), level=level, dtype=dtype, master=master)
+    trainer.model_accepts_loss_kwargs = False  # the model's own mean loss per rank
+    return trainer
+
+
+def hf_weights(trainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    opt = trainer.optimizer
+    opt = getattr(opt, "optimizer", opt)
+    return {k: v.detach().cpu().clone() for k, v in mp.fp32_state_dict(model, opt).items()}
+
+
+def hf_losses(trainer) -> list:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def hf_fit(out, level, world, **kw) -> dict:
+    trainer = hf_trainer(out, level, world, **kw)
+    trainer.train()
+    return {"weights": hf_weights(trainer), "loss": hf_losses(trainer),
+            "scale": trainer.mixed_precision.scaler.get_scale()}
+
+
+def hf_resume(out, level, world, *, stop_at=6, **kw) -> dict:
+    """Uninterrupted vs resumed from the checkpoint of step ``stop_at`` (mid-epoch 2)."""
+    name = f"hf-{level}-{kw.get('master')}-{kw.get('shard', False)}"
+    whole = hf_trainer(os.path.join(out, name), level, world, save_strategy="steps",
+                       save_steps=stop_at, **kw)
+    whole.train()
+    checkpoint = os.path.join(out, name, f"checkpoint-{stop_at}")
+    resumed = hf_trainer(os.path.join(out, name + "-resumed"), level, world, **kw)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    a, b = hf_weights(whole), hf_weights(resumed)
+    saved = os.path.join(out, name + "-saved")
+    whole.save_model(saved)
+    return {"equal": all(torch.equal(a[k], b[k]) for k in a), "weights": a,
+            "loss": hf_losses(whole), "checkpoint": checkpoint, "saved": saved,
+            "files": sorted(os.listdir(checkpoint)),
+            "scale": (whole.mixed_precision.scaler.get_scale(),
+                      resumed.mixed_precision.scaler.get_scale())}

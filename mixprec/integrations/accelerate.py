@@ -65,12 +65,13 @@ try:
         import accelerate
         from accelerate.optimizer import AcceleratedOptimizer
         from accelerate.utils import DistributedType
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 except ImportError as exc:  # pragma: no cover - the error names the extra
     raise ImportError("mixprec.integrations.accelerate needs accelerate: "
                       "pip install 'mixprec[accelerate]'") from exc
 
 __all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
-           "refused_host"]
+           "refused_host", "fsdp_units"]
 
 _REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
             DistributedType.XLA: "XLA"}
@@ -167,13 +168,34 @@ def _broadcast_weights(model: nn.Module) -> None:
                 dist.broadcast(t.data, src=0)
 
 
+def fsdp_units(plugin, model: nn.Module) -> list[str] | None:
+    """The sharding units an FSDP2 plugin's wrap policy picks in ``model`` (its
+    ``transformer_layer_cls_to_wrap``, or the model's ``_no_split_modules``); None: no policy,
+    mixprec's default units. The plugin's policy is resolved on the unsharded model here, so
+    Accelerate's later look at the sharded one (whose classes FSDP2 renamed) finds it done.
+
+    Raises:
+        ValueError: the plugin's own activation checkpointing (it would wrap the already
+            sharded layers; use the model's ``gradient_checkpointing_enable()``).
+    """
+    if getattr(plugin, "activation_checkpointing", False):
+        raise ValueError("FSDP's activation_checkpointing wraps layers before sharding, and "
+                         "mixprec shards the prepared model itself; turn it off and use the "
+                         "model's gradient_checkpointing_enable() instead")
+    plugin.set_auto_wrap_policy(model)
+    choose = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if choose is None:
+        return None
+    return [name for name, module in model.named_modules() if name and choose(module)]
+
+
 def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *,
-                   shard: bool) -> tuple[nn.Module, list]:
+                   shard: bool, units=None) -> tuple[nn.Module, list]:
     """Prepare ``model`` (and its optimizers) through ``engine`` before a host wraps it.
 
     Several ranks first take rank 0's fp32 weights. ``shard``: prepare and shard with
-    :func:`mixprec.parallel.fsdp` (FSDP2; the fp32 shards are the masters), for one optimizer
-    at most; else ``engine.setup``. Returns the model and the optimizers to hand to the host.
+    :func:`mixprec.parallel.fsdp` (FSDP2; the fp32 shards are the masters; ``units``: its
+    sharding units), for one optimizer at most; else ``engine.setup``. Returns the model and the optimizers to hand to the host.
 
     Raises:
         ValueError: ``shard`` with several optimizers.
@@ -187,7 +209,8 @@ def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *
                          f"{len(optimizers)}")
     policy = engine.resolve_policy(module_device(model), model)
     lists = {k: v for k, v in engine.op_lists.items() if k in ("low_precision_ops", "fp32_ops")}
-    out = fsdp(model, optimizers[0] if optimizers else None, policy=policy, **lists)
+    out = fsdp(model, optimizers[0] if optimizers else None, policy=policy, units=units,
+               **lists)
     model, opts = (out, []) if not optimizers else (out[0], [out[1]])
     engine.adopt(model)
     return model, opts
@@ -305,8 +328,9 @@ class MixprecAccelerator(accelerate.Accelerator):
         owners = {i: self._owner(args[i], [args[m] for m in models]) for i in optimizers}
         for m in models:
             mine = [i for i in optimizers if owners[i] is args[m]]
+            units = fsdp_units(self.state.fsdp_plugin, args[m]) if self.is_fsdp2 else None
             model, opts = setup_for_host(self.engine, args[m], [args[i] for i in mine],
-                                         shard=self.is_fsdp2)
+                                         shard=self.is_fsdp2, units=units)
             args[m] = model
             for i, opt in zip(mine, opts):
                 args[i] = opt

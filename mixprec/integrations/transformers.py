@@ -53,6 +53,13 @@ from ..engine import MixedPrecision, engine_for
 from ..fp8.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
+from .accelerate import (
+    EngineGradScaler,
+    fsdp_units,
+    reduce_in_fp32,
+    refused_host,
+    setup_for_host,
+)
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -65,65 +72,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
 __all__ = ["MixprecTrainer", "EngineGradScaler"]
 
 _LOOP_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "create_optimizer",
-               "create_accelerator_and_postprocess", "save_model")
-
-
-class EngineGradScaler:
-    """A :class:`mixprec.MixedPrecision` seen through the calls accelerate makes on its
-    gradient scaler (``torch.amp.GradScaler``'s): ``scale``, ``step``, ``update``, ``unscale_``,
-    ``state_dict``, ``load_state_dict``.
-
-    Args:
-        engine: the engine.
-    """
-
-    def __init__(self, engine: MixedPrecision):
-        self.engine = engine
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale."""
-        return self.engine.scale(loss)
-
-    def unscale_(self, optimizer) -> None:
-        """``engine.unscale_(optimizer)``."""
-        self.engine.unscale_(optimizer)
-
-    def step(self, optimizer, closure=None) -> bool:
-        """``engine.step(optimizer)``: step or skip, and update the scale; True when applied.
-
-        Raises:
-            TypeError: a closure (it would recompute scaled gradients after the check).
-        """
-        if closure is not None:
-            raise TypeError("a closure would recompute scaled gradients after the overflow "
-                            "check; mixprec's engine steps without one")
-        return self.engine.step(optimizer)
-
-    def update(self, new_scale=None) -> None:
-        """Nothing left to do: :meth:`step` updated the scale.
-
-        Raises:
-            ValueError: a ``new_scale`` (set it on ``engine.scaler`` instead).
-        """
-        if new_scale is not None:
-            raise ValueError("the engine updates its scale in step(); set a scale with "
-                             "engine.scaler.update(new_scale)")
-
-    def is_enabled(self) -> bool:
-        """True when the engine scales the loss."""
-        return self.engine.scaler.is_enabled()
-
-    def get_scale(self) -> float:
-        """The current loss scale (a host sync)."""
-        return self.engine.scaler.get_scale()
-
-    def state_dict(self) -> dict:
-        """The engine's state: the policy and the scaler."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`; a state made under another policy is refused."""
-        self.engine.load_state_dict(state_dict)
+               "create_accelerator_and_postprocess", "save_model", "_prepare_for_training")
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP)
@@ -200,10 +149,7 @@ class MixprecTrainer(transformers.Trainer):
                              f"({accelerator.mixed_precision!r}, e.g. by "
                              f"ACCELERATE_MIXED_PRECISION or an accelerate config): unset it; the "
                              f"MixedPrecision engine decides the precision")
-        if (self.args.world_size > 1 or self.args.n_gpu > 1 or self.is_deepspeed_enabled
-                or self.is_fsdp_enabled):
-            raise ValueError("MixprecTrainer runs in one process on one device; for DDP and FSDP "
-                             "train with mp.Trainer(strategy='ddp' or 'fsdp')")
+        _refuse_host(self)
         accelerator.scaler = EngineGradScaler(self.mixed_precision)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -212,9 +158,20 @@ class MixprecTrainer(transformers.Trainer):
         if self._engine_optimizer is not None and self.optimizer is not None:
             return self.optimizer  # a later train(): the model is prepared already
         optimizer = super().create_optimizer(model)
-        self.model, optimizer = self.mixed_precision.setup(self.model, optimizer)
+        shard = _is_fsdp2(self)
+        units = fsdp_units(self.accelerator.state.fsdp_plugin, self.model) if shard else None
+        self.model, (optimizer,) = setup_for_host(self.mixed_precision, self.model, [optimizer],
+                                                  shard=shard, units=units)
+        self.model_wrapped = self.model
         self.optimizer = self._engine_optimizer = optimizer
         return optimizer
+
+    def _prepare_for_training(self, *args, **kwargs):
+        """The Trainer's own (accelerate wraps the prepared model); under DDP, 16-bit gradients
+        are then averaged in fp32 (mixprec's reduce hook)."""
+        model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
+        reduce_in_fp32(model)
+        return model, train_dataloader
 
     # -- the step --------------------------------------------------------------------------------
     def _clip_grad_norm(self, model):
@@ -246,6 +203,28 @@ class MixprecTrainer(transformers.Trainer):
         if self.args.should_save and config is not None and self._engine_optimizer is not None:
             config.dtype = torch.float32  # save_pretrained wrote the low-precision storage
             config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+
+
+def _is_fsdp2(trainer) -> bool:
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return bool(trainer.is_fsdp_enabled) and getattr(plugin, "fsdp_version", 1) == 2
+
+
+def _refuse_host(trainer) -> None:
+    """What the engine cannot run under: DeepSpeed, FSDP1, XLA, DataParallel (several GPUs in
+    one process)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    refused = refused_host(trainer.accelerator.distributed_type,
+                           getattr(plugin, "fsdp_version", None))
+    if trainer.is_deepspeed_enabled:
+        refused = "DeepSpeed"
+    if refused is None and trainer.args.n_gpu > 1:
+        refused = (f"torch.nn.DataParallel ({trainer.args.n_gpu} GPUs in one process; launch one "
+                   f"process per GPU with torchrun or accelerate launch for DDP)")
+    if refused:
+        raise ValueError(f"MixprecTrainer cannot run under {refused}: it takes the step (loss "
+                         f"scale, masters, skip on overflow) out of the engine's hands; use DDP "
+                         f"or FSDP2 (fsdp_config={{'version': 2}})")
 
 
 def _refuse_amp_arguments(args) -> None:
