@@ -301,7 +301,7 @@ class MixprecAccelerator(accelerate.Accelerator):
                             low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
                             master=master, state_dtype=state_dtype, fp8=fp8,
                             fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
-        super().__init__(mixed_precision="no", **kwargs)
+        super().__init__(**kwargs)  # mixed precision from the environment or config: refused
         check_host_precision(self)
         plugin = getattr(self.state, "fsdp_plugin", None)
         refused = refused_host(self.distributed_type, getattr(plugin, "fsdp_version", None))
