@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from parallel_cases import launch, max_diff
 
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 import hf_cases as hc  # noqa: E402

@@ -195,7 +195,8 @@ def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *
 
     Several ranks first take rank 0's fp32 weights. ``shard``: prepare and shard with
     :func:`mixprec.parallel.fsdp` (FSDP2; the fp32 shards are the masters; ``units``: its
-    sharding units), for one optimizer at most; else ``engine.setup``. Returns the model and the optimizers to hand to the host.
+    sharding units), for one optimizer at most; else ``engine.setup``. Returns the model and
+    the optimizers to hand to the host.
 
     Raises:
         ValueError: ``shard`` with several optimizers.
