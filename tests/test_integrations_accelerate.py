@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarni
 
 LEVELS = ("O0", "O1", "O2", "O3")
 MASTERS = ("kahan", "split", "stochastic")
-RESUMED = ((False, None), (True, None), (True, "kahan"))
+RESUMED = ((False, None), (True, None))
 
 
 def batches(n=4, inf_at=None):
@@ -159,6 +159,13 @@ def suite(rank, out):
     for shard, master in RESUMED:
         res[("resume", shard, master)] = hc.accelerate_resume(out, "O2", 2, master=master,
                                                               shard=shard)
+    acc = hc.accelerator("O2", master="kahan", shard=True)
+    hc.build(acc, 2)
+    try:
+        acc.save_state(os.path.join(out, "refused"))
+        res["refused"] = None
+    except ValueError as exc:
+        res["refused"] = str(exc)
     return res
 
 
@@ -193,7 +200,7 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single, host,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shard, master", RESUMED, ids=["ddp", "fsdp", "fsdp-kahan"])
+@pytest.mark.parametrize("shard, master", RESUMED, ids=["ddp", "fsdp"])
 def test_two_ranks_resume_bitwise(ranks, shard, master):
     for r in ranks:
         result = r[("resume", shard, master)]
@@ -202,6 +209,15 @@ def test_two_ranks_resume_bitwise(ranks, shard, master):
                                                                        "model.safetensors"}
     assert expected | {"scaler.pt", "random_states_0.pkl", "random_states_1.pkl"} <= set(
         ranks[0][("resume", shard, master)]["files"])
+
+
+@pytest.mark.slow
+def test_a_compact_master_checkpoint_under_fsdp2_is_refused_saying_why(ranks):
+    """Accelerate's sharded optimizer checkpoint does not restore a compact optimizer's state
+    (measured: load_state fails on the fp32 norm weights' missing state): refused on save."""
+    for r in ranks:
+        assert "save_state() under FSDP2 with master='kahan'" in r["refused"]
+        assert "mp.Trainer(strategy='fsdp')" in r["refused"]
 
 
 @pytest.mark.slow

@@ -59,6 +59,7 @@ from ..parallel.sharding import fsdp
 from ..policy import Policy
 from ..prepare import module_device, policy_of
 from ..scaling import owns_gradients
+from .gradscaler import EngineGradScaler
 
 try:
     with quiet_import():
@@ -71,78 +72,11 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
                       "pip install 'mixprec[accelerate]'") from exc
 
 __all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
-           "refused_host", "fsdp_units"]
+           "refused_host", "fsdp_units",
+           "check_sharded_checkpoint"]
 
 _REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
             DistributedType.XLA: "XLA"}
-
-
-class EngineGradScaler:
-    """A :class:`mixprec.MixedPrecision` seen through the calls accelerate makes on its
-    gradient scaler (``torch.amp.GradScaler``'s): ``scale``, ``step``, ``update``, ``unscale_``,
-    ``state_dict``, ``load_state_dict``.
-
-    Args:
-        engine: the engine.
-    """
-
-    def __init__(self, engine: MixedPrecision):
-        self.engine = engine
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale."""
-        return self.engine.scale(loss)
-
-    def unscale_(self, optimizer) -> None:
-        """``engine.unscale_(optimizer)`` (once per step: a second call does nothing)."""
-        if not self.engine.is_unscaled(optimizer):
-            self.engine.unscale_(optimizer)
-
-    def step(self, optimizer, closure=None) -> bool:
-        """``engine.step(optimizer)``: step or skip, and update the scale; True when applied.
-
-        Raises:
-            TypeError: a closure (it would recompute scaled gradients after the check).
-        """
-        if closure is not None:
-            raise TypeError("a closure would recompute scaled gradients after the overflow "
-                            "check; mixprec's engine steps without one")
-        return self.engine.step(optimizer)
-
-    def update(self, new_scale=None) -> None:
-        """Nothing left to do: :meth:`step` updated the scale.
-
-        Raises:
-            ValueError: a ``new_scale`` (set it on ``engine.scaler`` instead).
-        """
-        if new_scale is not None:
-            raise ValueError("the engine updates its scale in step(); set a scale with "
-                             "engine.scaler.update(new_scale)")
-
-    def is_enabled(self) -> bool:
-        """True when the engine scales the loss."""
-        return self.engine.scaler.is_enabled()
-
-    def get_scale(self) -> float:
-        """The current loss scale (a host sync)."""
-        return self.engine.scaler.get_scale()
-
-    def state_dict(self) -> dict:
-        """The engine's state: the policy and the scaler."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`; a state made under another policy is refused."""
-        self.engine.load_state_dict(state_dict)
-
-    @property
-    def _device(self) -> torch.device:
-        """Where the scale lives (accelerate's FSDP2 ``load_state`` reads it)."""
-        return self.engine.scaler.scale_tensor.device
-
-    def _lazy_init_scale_growth_tracker(self, device) -> None:
-        """Nothing to do: accelerate's FSDP2 ``load_state`` calls it after
-        :meth:`load_state_dict`; the engine's scaler is ready once loaded."""
 
 
 def refused_host(distributed_type, fsdp_version: int | None) -> str | None:
@@ -215,6 +149,22 @@ def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *
     model, opts = (out, []) if not optimizers else (out[0], [out[1]])
     engine.adopt(model)
     return model, opts
+
+
+def check_sharded_checkpoint(engine: MixedPrecision, what: str) -> None:
+    """Refuse an FSDP2 checkpoint of a compact master method through the host's
+    ``torch.distributed.checkpoint`` optimizer state dict, which does not restore it (its
+    fresh-optimizer step does not fill a compact optimizer's state)."""
+    policy = engine.policy
+    if policy is None or not policy.master_weights:
+        return
+    if policy.master.compact or policy.state_dtype not in (None, torch.float32):
+        raise ValueError(f"{what} under FSDP2 with master={str(policy.master)!r}, state_dtype="
+                         f"{policy.state_dtype} is not "
+                         f"supported: the host's sharded optimizer checkpoint does not restore a "
+                         f"compact optimizer's state; use fp32 masters and moments here, or "
+                         f"mp.Trainer(strategy='fsdp'), whose checkpoints carry every master "
+                         f"method")
 
 
 def reduce_in_fp32(model: nn.Module) -> None:
@@ -368,6 +318,19 @@ class MixprecAccelerator(accelerate.Accelerator):
         if handler is None or str(getattr(handler, "comm_hook", "no")).endswith("no"):
             reduce_in_fp32(wrapped)
         return wrapped
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+        """``Accelerator.save_state``: the masters in the optimizer's state, the engine's state
+        in ``scaler.pt``.
+
+        Raises:
+            ValueError: under FSDP2 with a compact master method (see
+                :func:`check_sharded_checkpoint`).
+        """
+        if self.is_fsdp2:
+            check_sharded_checkpoint(self.engine, "save_state()")
+        return super().save_state(output_dir, safe_serialization, **kwargs)
 
     # -- the step --------------------------------------------------------------------------------
     def _engine_optimizers(self, optimizer=None) -> list:

@@ -54,12 +54,13 @@ from ..fp8.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
 from .accelerate import (
-    EngineGradScaler,
+    check_sharded_checkpoint,
     fsdp_units,
     reduce_in_fp32,
     refused_host,
     setup_for_host,
 )
+from .gradscaler import EngineGradScaler
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -159,6 +160,9 @@ class MixprecTrainer(transformers.Trainer):
             return self.optimizer  # a later train(): the model is prepared already
         optimizer = super().create_optimizer(model)
         shard = _is_fsdp2(self)
+        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy)
+        if shard and str(saves) != "no":
+            check_sharded_checkpoint(self.mixed_precision, "checkpointing")
         units = fsdp_units(self.accelerator.state.fsdp_plugin, self.model) if shard else None
         self.model, (optimizer,) = setup_for_host(self.mixed_precision, self.model, [optimizer],
                                                   shard=shard, units=units)
