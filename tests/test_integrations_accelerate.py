@@ -17,7 +17,10 @@ import hf_cases as hc  # noqa: E402
 
 from mixprec.integrations.accelerate import MixprecAccelerator  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::mixprec.hardware.SlowDtypeWarning",
+    # torch's own, when the compact masters' kernels first import inductor
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
 
 LEVELS = ("O0", "O1", "O2", "O3")
 MASTERS = ("kahan", "split", "stochastic")
