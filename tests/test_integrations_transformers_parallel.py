@@ -5,6 +5,8 @@ float32 config from rank 0, and what stays refused (DeepSpeed, FSDP1)."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +137,28 @@ def test_what_cannot_run_is_refused_and_named(mode, n_gpu, deepspeed, named):
     trainer.is_deepspeed_enabled, trainer.args.n_gpu = False, 1
     _refuse_host(trainer)  # DDP over processes runs
     assert refused_host(DistributedType.FSDP, 2) is None
+
+
+LAUNCH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_launch.py")
+
+
+def torchrun(tmp_path, *options):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", LAUNCH_SCRIPT, "--out", str(tmp_path),
+                           *options], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [("--host", "trainer"), ("--host", "accelerate", "--shard")],
+                         ids=["trainer-ddp", "accelerate-fsdp"])
+def test_a_torchrun_launch_exits_0(tmp_path, options):
+    """The script ends right after its last collectives; twice in a row, each exits 0 (20 in a
+    row by hand: see docs/integrations.md)."""
+    for _ in range(2):
+        run = torchrun(tmp_path, *options)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip().endswith("x2 done")

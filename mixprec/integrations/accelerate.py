@@ -95,8 +95,10 @@ def _refuse(name: str) -> None:
 
 
 def _broadcast_weights(model: nn.Module) -> None:
-    """Rank 0's fp32 weights and buffers on every rank, before the masters are copied."""
-    if env.world_size() > 1 and env.is_initialized():
+    """Rank 0's fp32 weights and buffers on every rank, before the masters are copied; the
+    gloo workers are let finish at interpreter exit (:func:`mixprec.parallel.env.settle`)."""
+    if env.world_size() > 1:
+        env.require_group("MixprecAccelerator and MixprecTrainer")
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
