@@ -94,7 +94,8 @@ def accelerate_fit(level, world, *, master=None, shard=False) -> dict:
     model, opt, data = build(acc, world)
     losses = train(acc, model, opt, data)
     return {"weights": weights(model, opt), "loss": losses,
-            "scale": acc.engine.scaler.get_scale()}
+            "scale": acc.engine.scaler.get_scale(),
+            "fp32_reduce": getattr(model, "_mixprec_hook", False)}
 
 
 def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6) -> dict:
@@ -186,7 +187,8 @@ def hf_fit(out, level, world, **kw) -> dict:
     trainer = hf_trainer(out, level, world, **kw)
     trainer.train()
     return {"weights": hf_weights(trainer), "loss": hf_losses(trainer),
-            "scale": trainer.mixed_precision.scaler.get_scale()}
+            "scale": trainer.mixed_precision.scaler.get_scale(),
+            "fp32_reduce": getattr(trainer.model_wrapped, "_mixprec_hook", False)}
 
 
 def hf_resume(out, level, world, *, stop_at=6, **kw) -> dict:

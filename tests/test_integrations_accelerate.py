@@ -148,6 +148,29 @@ def test_bad_arguments_are_refused():
                             1.0)
 
 
+def test_ddp_of_16_bit_parameters_reduces_in_fp32(tmp_path):
+    """The hook goes on a DDP model with 16-bit parameters, once; not on an fp32 one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mixprec.integrations.accelerate import reduce_in_fp32
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        low = DistributedDataParallel(mp.prepare(Net(), level="O2", dtype="bf16"))
+        reduce_in_fp32(low)
+        reduce_in_fp32(low)  # a second call leaves the one hook
+        fp32 = DistributedDataParallel(Net())
+        reduce_in_fp32(fp32)
+        reduce_in_fp32(Net())  # not DDP: nothing
+        assert low._mixprec_hook and not getattr(fp32, "_mixprec_hook", False)
+        x, y = dataset()[:8]
+        F.cross_entropy(low(x).float(), y).backward()  # the hook runs
+        assert low.module.blocks[0].fc.weight.grad.dtype == torch.bfloat16
+    finally:
+        dist.destroy_process_group()
+
+
 # -- two ranks ------------------------------------------------------------------------------
 
 def suite(rank, out):
@@ -200,6 +223,8 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single, host,
     a, b = got
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
     assert a["loss"] == b["loss"]
+    # DDP of 16-bit parameters (O2, O3) averages in fp32; fp32 parameters need no hook
+    assert a["fp32_reduce"] == (host == "ddp" and case in ("O2", "O3", "kahan"))
 
 
 @pytest.mark.slow

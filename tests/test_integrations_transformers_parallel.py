@@ -78,6 +78,7 @@ def test_two_ranks_train_like_one_process_and_agree_bitwise(ranks, single, host,
     assert a["loss"] == pytest.approx(single[case]["loss"], abs=LOSS_TOL)
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
     assert a["loss"] == b["loss"]
+    assert a["fp32_reduce"] == (host == "ddp" and case in ("O2", "O3", "kahan"))
 
 
 @pytest.mark.slow
