@@ -36,9 +36,16 @@ How the Trainer's loop lands on the engine, in the order it runs:
 An engine built with ``monitor=mp.PrecisionMonitor(...)`` records the run; its scalars also go
 through ``Trainer.log``, so every ``report_to`` integration (TensorBoard, W&B, ...) receives them.
 
+Several processes (``torchrun``, ``accelerate launch``): the model is prepared in
+``create_optimizer``, before accelerate wraps it, through
+:func:`mixprec.integrations.accelerate.setup_for_host` (rank 0's fp32 weights first; under FSDP2,
+``fsdp_config={"version": 2}``, :func:`mixprec.parallel.fsdp` shards the prepared model with the
+plugin's sharding units, the fp32 shards being the masters); under DDP the 16-bit gradients are
+averaged in fp32 (``_prepare_for_training``). DeepSpeed, FSDP1, XLA and ``DataParallel`` are
+refused, named in the error; so is checkpointing a compact master method under FSDP2.
+
 The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
-fp32 model. One process only (no DDP, FSDP or DeepSpeed: ``mp.Trainer(strategy=...)`` covers
-those); ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
+fp32 model. ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
 GradScaler on top of the engine would cast and scale twice).
 """
 
@@ -100,8 +107,8 @@ class MixprecTrainer(transformers.Trainer):
         TypeError: ``mixed_precision`` is not a :class:`mixprec.MixedPrecision`, or comes with
             precision keywords.
         ValueError: ``TrainingArguments(fp16=True)``, ``bf16=True``, ``fp16_full_eval`` or
-            ``bf16_full_eval``, an accelerator configured for mixed precision, or a run over
-            several processes or devices (DDP, FSDP, DeepSpeed, DataParallel).
+            ``bf16_full_eval``, an accelerator configured for mixed precision, or DeepSpeed,
+            FSDP1, XLA or ``DataParallel`` (DDP and FSDP2 run).
         RuntimeError: this transformers version's loop lacks a method the trainer overrides.
 
     Example:
