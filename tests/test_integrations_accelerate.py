@@ -148,6 +148,20 @@ def test_bad_arguments_are_refused():
                             1.0)
 
 
+@pytest.mark.parametrize("options, refused", [
+    (dict(level="O2"), False), (dict(level="O1"), False), (dict(level="O2", master="kahan"), True),
+    (dict(level="O2", state_dtype="bf16"), True)])
+def test_fsdp2_checkpoints_of_compact_optimizers_are_refused(options, refused):
+    from mixprec.integrations.accelerate import check_sharded_checkpoint
+
+    engine = mp.MixedPrecision(dtype="bf16", **options)
+    if refused:
+        with pytest.raises(ValueError, match="checkpointing under FSDP2 with master="):
+            check_sharded_checkpoint(engine, "checkpointing")
+    else:
+        check_sharded_checkpoint(engine, "checkpointing")
+
+
 def test_ddp_of_16_bit_parameters_reduces_in_fp32(tmp_path):
     """The hook goes on a DDP model with 16-bit parameters, once; not on an fp32 one."""
     from torch.nn.parallel import DistributedDataParallel
