@@ -8,6 +8,7 @@ so the CPU runs put the accelerator's state into FSDP2 mode, as it is on GPUs
 
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from parallel_cases import GLOBAL_BATCH, Net, dataset
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import mixprec as mp
 
-accelerate = __import__("pytest").importorskip("accelerate")
+pytest.importorskip("accelerate")
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 
 from mixprec.integrations.accelerate import MixprecAccelerator  # noqa: E402
