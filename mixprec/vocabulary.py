@@ -2,8 +2,9 @@
 
 Every entry point that sets a model up for a precision takes these keywords with these names
 and defaults: :func:`mixprec.prepare`, :class:`mixprec.MixedPrecision`, :class:`mixprec.Trainer`,
-:func:`mixprec.parallel.fsdp`, ``integrations.lightning.MixprecPrecision`` and
-``integrations.transformers.MixprecTrainer``; those that run a loop also take ``loss_scale``.
+:func:`mixprec.parallel.fsdp`, ``integrations.lightning.MixprecPrecision``,
+``integrations.transformers.MixprecTrainer`` and ``integrations.accelerate.MixprecAccelerator``;
+those that run a loop also take ``loss_scale``.
 :func:`mixprec.parallel.plan` and :func:`mixprec.advise` take the ones that change what they
 compute, and say why the others are absent.
 

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 lightning = pytest.importorskip("mixprec.integrations.lightning")
 hf = pytest.importorskip("mixprec.integrations.transformers")
+hf_accelerate = pytest.importorskip("mixprec.integrations.accelerate")
 transformers = pytest.importorskip("transformers")
 
 PRECISION, LOOP, EMULATION = vocabulary.PRECISION, vocabulary.LOOP, vocabulary.EMULATION
@@ -38,6 +39,7 @@ ENTRY_POINTS = {
     "parallel.fsdp": (fsdp, PRECISION + DISTRIBUTED + EMULATION, {"level": "O2"}),
     "MixprecPrecision": (lightning.MixprecPrecision, PRECISION + LOOP + EMULATION, {}),
     "MixprecTrainer": (hf.MixprecTrainer, PRECISION + LOOP + EMULATION, {}),
+    "MixprecAccelerator": (hf_accelerate.MixprecAccelerator, PRECISION + LOOP + EMULATION, {}),
     "plan": (mp.parallel.plan,
              ("level", "dtype", "policy", "master", "state_dtype", "reduce_dtype"),
              {"level": "O2", "dtype": "bf16"}),
@@ -182,6 +184,10 @@ def build(name, model, opt, tmp_path, **kw):
     if name == "MixprecPrecision":
         engine = lightning.MixprecPrecision(**kw).engine
         return (*engine.setup(model, opt), engine)
+    if name == "MixprecAccelerator":
+        accelerator = hf_accelerate.MixprecAccelerator(cpu=True, **kw)
+        model, opt = accelerator.prepare(model, opt)
+        return model, opt.optimizer, accelerator.engine
     trainer = hf.MixprecTrainer(model, hf_args(tmp_path), optimizers=(opt, None), **kw)
     return trainer.model, trainer.create_optimizer(), trainer.mixed_precision
 
@@ -296,7 +302,8 @@ def test_trainer_loss_scaler_is_a_deprecated_alias():
                    loss_scale=8.0, progress=False)
 
 
-@pytest.mark.parametrize("cls", ["Trainer", "MixprecPrecision", "MixprecTrainer"])
+@pytest.mark.parametrize("cls", ["Trainer", "MixprecPrecision", "MixprecTrainer",
+                                 "MixprecAccelerator"])
 def test_the_loops_take_an_engine_or_the_keywords_not_both(cls, tmp_path):
     engine = mp.MixedPrecision(level="O2", dtype="bf16")
     if cls == "Trainer":
@@ -313,6 +320,11 @@ def test_the_loops_take_an_engine_or_the_keywords_not_both(cls, tmp_path):
         assert lightning.MixprecPrecision(mixed_precision=engine).engine is engine
         with pytest.raises(TypeError, match="got mixed_precision= and level, master"):
             lightning.MixprecPrecision(level="O2", master="kahan", mixed_precision=engine)
+    elif cls == "MixprecAccelerator":
+        accelerator = hf_accelerate.MixprecAccelerator(mixed_precision=engine, cpu=True)
+        assert accelerator.engine is engine
+        with pytest.raises(TypeError, match="got mixed_precision= and fp8_modules"):
+            hf_accelerate.MixprecAccelerator(mixed_precision=engine, fp8_modules=["0"], cpu=True)
     else:
         trainer = hf.MixprecTrainer(net(), hf_args(tmp_path), mixed_precision=engine)
         assert trainer.mixed_precision is engine

@@ -36,9 +36,16 @@ How the Trainer's loop lands on the engine, in the order it runs:
 An engine built with ``monitor=mp.PrecisionMonitor(...)`` records the run; its scalars also go
 through ``Trainer.log``, so every ``report_to`` integration (TensorBoard, W&B, ...) receives them.
 
+Several processes (``torchrun``, ``accelerate launch``): the model is prepared in
+``create_optimizer``, before accelerate wraps it, through
+:func:`mixprec.integrations.accelerate.setup_for_host` (rank 0's fp32 weights first; under FSDP2,
+``fsdp_config={"version": 2}``, :func:`mixprec.parallel.fsdp` shards the prepared model with the
+plugin's sharding units, the fp32 shards being the masters); under DDP the 16-bit gradients are
+averaged in fp32 (``_prepare_for_training``). DeepSpeed, FSDP1, XLA and ``DataParallel`` are
+refused, named in the error; so is checkpointing a compact master method under FSDP2.
+
 The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
-fp32 model. One process only (no DDP, FSDP or DeepSpeed: ``mp.Trainer(strategy=...)`` covers
-those); ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
+fp32 model. ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
 GradScaler on top of the engine would cast and scale twice).
 """
 
@@ -53,6 +60,14 @@ from ..engine import MixedPrecision, engine_for
 from ..fp8.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
+from .accelerate import (
+    check_sharded_checkpoint,
+    fsdp_units,
+    reduce_in_fp32,
+    refused_host,
+    setup_for_host,
+)
+from .gradscaler import EngineGradScaler
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -65,65 +80,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
 __all__ = ["MixprecTrainer", "EngineGradScaler"]
 
 _LOOP_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "create_optimizer",
-               "create_accelerator_and_postprocess", "save_model")
-
-
-class EngineGradScaler:
-    """A :class:`mixprec.MixedPrecision` seen through the calls accelerate makes on its
-    gradient scaler (``torch.amp.GradScaler``'s): ``scale``, ``step``, ``update``, ``unscale_``,
-    ``state_dict``, ``load_state_dict``.
-
-    Args:
-        engine: the engine.
-    """
-
-    def __init__(self, engine: MixedPrecision):
-        self.engine = engine
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale."""
-        return self.engine.scale(loss)
-
-    def unscale_(self, optimizer) -> None:
-        """``engine.unscale_(optimizer)``."""
-        self.engine.unscale_(optimizer)
-
-    def step(self, optimizer, closure=None) -> bool:
-        """``engine.step(optimizer)``: step or skip, and update the scale; True when applied.
-
-        Raises:
-            TypeError: a closure (it would recompute scaled gradients after the check).
-        """
-        if closure is not None:
-            raise TypeError("a closure would recompute scaled gradients after the overflow "
-                            "check; mixprec's engine steps without one")
-        return self.engine.step(optimizer)
-
-    def update(self, new_scale=None) -> None:
-        """Nothing left to do: :meth:`step` updated the scale.
-
-        Raises:
-            ValueError: a ``new_scale`` (set it on ``engine.scaler`` instead).
-        """
-        if new_scale is not None:
-            raise ValueError("the engine updates its scale in step(); set a scale with "
-                             "engine.scaler.update(new_scale)")
-
-    def is_enabled(self) -> bool:
-        """True when the engine scales the loss."""
-        return self.engine.scaler.is_enabled()
-
-    def get_scale(self) -> float:
-        """The current loss scale (a host sync)."""
-        return self.engine.scaler.get_scale()
-
-    def state_dict(self) -> dict:
-        """The engine's state: the policy and the scaler."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`; a state made under another policy is refused."""
-        self.engine.load_state_dict(state_dict)
+               "create_accelerator_and_postprocess", "save_model", "_prepare_for_training")
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
@@ -148,8 +105,8 @@ class MixprecTrainer(transformers.Trainer):
         TypeError: ``mixed_precision`` is not a :class:`mixprec.MixedPrecision`, or comes with
             precision keywords.
         ValueError: ``TrainingArguments(fp16=True)``, ``bf16=True``, ``fp16_full_eval`` or
-            ``bf16_full_eval``, an accelerator configured for mixed precision, or a run over
-            several processes or devices (DDP, FSDP, DeepSpeed, DataParallel).
+            ``bf16_full_eval``, an accelerator configured for mixed precision, or DeepSpeed,
+            FSDP1, XLA or ``DataParallel`` (DDP and FSDP2 run).
         RuntimeError: this transformers version's loop lacks a method the trainer overrides.
 
     Example:
@@ -198,10 +155,7 @@ class MixprecTrainer(transformers.Trainer):
                              f"({accelerator.mixed_precision!r}, e.g. by "
                              f"ACCELERATE_MIXED_PRECISION or an accelerate config): unset it; the "
                              f"MixedPrecision engine decides the precision")
-        if (self.args.world_size > 1 or self.args.n_gpu > 1 or self.is_deepspeed_enabled
-                or self.is_fsdp_enabled):
-            raise ValueError("MixprecTrainer runs in one process on one device; for DDP and FSDP "
-                             "train with mp.Trainer(strategy='ddp' or 'fsdp')")
+        _refuse_host(self)
         accelerator.scaler = EngineGradScaler(self.mixed_precision)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -210,9 +164,23 @@ class MixprecTrainer(transformers.Trainer):
         if self._engine_optimizer is not None and self.optimizer is not None:
             return self.optimizer  # a later train(): the model is prepared already
         optimizer = super().create_optimizer(model)
-        self.model, optimizer = self.mixed_precision.setup(self.model, optimizer)
+        shard = _is_fsdp2(self)
+        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy)
+        if shard and str(saves) != "no":
+            check_sharded_checkpoint(self.mixed_precision, "checkpointing")
+        units = fsdp_units(self.accelerator.state.fsdp_plugin, self.model) if shard else None
+        self.model, (optimizer,) = setup_for_host(self.mixed_precision, self.model, [optimizer],
+                                                  shard=shard, units=units)
+        self.model_wrapped = self.model
         self.optimizer = self._engine_optimizer = optimizer
         return optimizer
+
+    def _prepare_for_training(self, *args, **kwargs):
+        """The Trainer's own (accelerate wraps the prepared model); under DDP, 16-bit gradients
+        are then averaged in fp32 (mixprec's reduce hook)."""
+        model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
+        reduce_in_fp32(model)
+        return model, train_dataloader
 
     # -- the step --------------------------------------------------------------------------------
     def _clip_grad_norm(self, model):
@@ -248,6 +216,28 @@ class MixprecTrainer(transformers.Trainer):
         if self.args.should_save and config is not None and self._engine_optimizer is not None:
             config.dtype = torch.float32  # save_pretrained wrote the low-precision storage
             config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+
+
+def _is_fsdp2(trainer) -> bool:
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return bool(trainer.is_fsdp_enabled) and getattr(plugin, "fsdp_version", 1) == 2
+
+
+def _refuse_host(trainer) -> None:
+    """What the engine cannot run under: DeepSpeed, FSDP1, XLA, DataParallel (several GPUs in
+    one process)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    refused = refused_host(trainer.accelerator.distributed_type,
+                           getattr(plugin, "fsdp_version", None))
+    if trainer.is_deepspeed_enabled:
+        refused = "DeepSpeed"
+    if refused is None and trainer.args.n_gpu > 1:
+        refused = (f"torch.nn.DataParallel ({trainer.args.n_gpu} GPUs in one process; launch one "
+                   f"process per GPU with torchrun or accelerate launch for DDP)")
+    if refused:
+        raise ValueError(f"MixprecTrainer cannot run under {refused}: it takes the step (loss "
+                         f"scale, masters, skip on overflow) out of the engine's hands; use DDP "
+                         f"or FSDP2 (fsdp_config={{'version': 2}})")
 
 
 def _refuse_amp_arguments(args) -> None:

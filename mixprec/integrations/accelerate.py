@@ -1,0 +1,379 @@
+"""``MixprecAccelerator``: an ``accelerate.Accelerator`` whose precision is a
+:class:`mixprec.MixedPrecision`.
+
+A loop written for Hugging Face Accelerate gets mixprec's precision by changing the line that
+builds the accelerator::
+
+    accelerator = MixprecAccelerator(level="O2", dtype="bf16")   # was Accelerator(...)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for batch in data:
+        accelerator.backward(model(**batch).loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()            # skipped when the gradients overflowed
+        optimizer.zero_grad()
+
+Where each of Accelerate's calls lands on the engine:
+
+* ``prepare(model, optimizer, ...)``: the model goes through the engine *before* Accelerate
+  wraps it: one process or DDP, ``engine.setup(model, optimizer)`` (at O2 the optimizer becomes
+  a :class:`mixprec.MasterWeightOptimizer` over fp32 masters; several ranks first take rank 0's
+  fp32 weights, so every rank's masters agree); FSDP2, :func:`mixprec.parallel.fsdp` shards the
+  prepared model with the fp32 shards as the masters, and Accelerate keeps it as it is.
+  Under DDP the gradients of 16-bit parameters are averaged in fp32 (mixprec's reduce hook).
+  Give a model and its optimizers to one ``prepare`` call (the masters need both).
+* ``backward(loss)``: the loss times the loss scale (the accelerator's gradient scaler is the
+  engine, :class:`EngineGradScaler`).
+* ``clip_grad_norm_(model.parameters(), max_norm)`` and ``clip_grad_value_``: the true gradients
+  of the optimizer that holds those parameters, clipped by the engine (the global norm across
+  ranks under FSDP2); ``unscale_gradients()`` makes them the true ones.
+* ``optimizer.step()``: ``engine.step``: checks the gradients (the overflow flag is reduced
+  across ranks), steps or skips, updates the scale; ``accelerator.optimizer_step_was_skipped``
+  says which, and a prepared scheduler steps only after an applied update.
+* ``save_state``/``load_state``: the masters travel in the optimizer's state (``optimizer.bin``
+  or FSDP2's sharded ``optimizer_0``), the engine's state (policy and scaler) in ``scaler.pt``; a
+  state saved under another policy is refused.
+* ``unwrap_model(model)``: the prepared model; its ``state_dict()`` holds the fp32 masters, and a
+  Hugging Face model's ``save_pretrained`` writes them with a float32 config.
+
+Accelerate's own mixed precision (``mixed_precision="bf16"``, ``ACCELERATE_MIXED_PRECISION``, an
+``accelerate config`` choice) is refused beside it: autocast and a GradScaler on top of the
+engine would cast and scale twice. DeepSpeed, Megatron-LM, XLA and FSDP1 are refused (their own
+optimizer or sharding takes the step out of the engine's hands).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import vocabulary
+from ..engine import MixedPrecision, engine_for
+from ..fp8.backend import quiet_import
+from ..parallel import env
+from ..parallel.ddp import cast_reduce_hook
+from ..parallel.sharding import fsdp
+from ..policy import Policy
+from ..prepare import module_device, policy_of
+from ..scaling import owns_gradients
+from .gradscaler import EngineGradScaler
+
+try:
+    with quiet_import():
+        import accelerate
+        from accelerate.optimizer import AcceleratedOptimizer
+        from accelerate.utils import DistributedType
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+except ImportError as exc:  # pragma: no cover - the error names the extra
+    raise ImportError("mixprec.integrations.accelerate needs accelerate: "
+                      "pip install 'mixprec[accelerate]'") from exc
+
+__all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
+           "refused_host", "fsdp_units",
+           "check_sharded_checkpoint"]
+
+_REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
+            DistributedType.XLA: "XLA"}
+
+
+def refused_host(distributed_type, fsdp_version: int | None) -> str | None:
+    """The name of a distributed mode the engine cannot run under, else None."""
+    if distributed_type in _REFUSED:
+        return _REFUSED[distributed_type]
+    if distributed_type == DistributedType.FSDP and fsdp_version != 2:
+        return "FSDP1 (FullyShardedDataParallel; FSDP2, fsdp_version=2, is supported)"
+    return None
+
+
+def _refuse(name: str) -> None:
+    raise ValueError(f"mixprec's engine cannot run under {name}: its own optimizer step or "
+                     f"sharding would take the step (loss scale, masters, skip on overflow) out of "
+                     f"the engine's hands; use DDP or FSDP2 (fsdp_version=2)")
+
+
+def _broadcast_weights(model: nn.Module) -> None:
+    """Rank 0's fp32 weights and buffers on every rank, before the masters are copied; the
+    gloo workers are let finish at interpreter exit (:func:`mixprec.parallel.env.settle`)."""
+    if env.world_size() > 1:
+        env.require_group("MixprecAccelerator and MixprecTrainer")
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+
+def fsdp_units(plugin, model: nn.Module) -> list[str] | None:
+    """The sharding units an FSDP2 plugin's wrap policy picks in ``model`` (its
+    ``transformer_layer_cls_to_wrap``, or the model's ``_no_split_modules``); None: no policy,
+    mixprec's default units. The plugin's policy is resolved on the unsharded model here, so
+    Accelerate's later look at the sharded one (whose classes FSDP2 renamed) finds it done.
+
+    Raises:
+        ValueError: the plugin's own activation checkpointing (it would wrap the already
+            sharded layers; use the model's ``gradient_checkpointing_enable()``).
+    """
+    if getattr(plugin, "activation_checkpointing", False):
+        raise ValueError("FSDP's activation_checkpointing wraps layers before sharding, and "
+                         "mixprec shards the prepared model itself; turn it off and use the "
+                         "model's gradient_checkpointing_enable() instead")
+    plugin.set_auto_wrap_policy(model)
+    choose = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if choose is None:
+        return None
+    return [name for name, module in model.named_modules() if name and choose(module)]
+
+
+def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *,
+                   shard: bool, units=None) -> tuple[nn.Module, list]:
+    """Prepare ``model`` (and its optimizers) through ``engine`` before a host wraps it.
+
+    Several ranks first take rank 0's fp32 weights. ``shard``: prepare and shard with
+    :func:`mixprec.parallel.fsdp` (FSDP2; the fp32 shards are the masters; ``units``: its
+    sharding units), for one optimizer at most; else ``engine.setup``. Returns the model and
+    the optimizers to hand to the host.
+
+    Raises:
+        ValueError: ``shard`` with several optimizers.
+    """
+    _broadcast_weights(model)
+    if not shard:
+        out = engine.setup(model, *optimizers)
+        return (out, []) if not optimizers else (out[0], list(out[1:]))
+    if len(optimizers) > 1:
+        raise ValueError(f"under FSDP2 one optimizer per model is supported; got "
+                         f"{len(optimizers)}")
+    policy = engine.resolve_policy(module_device(model), model)
+    lists = {k: v for k, v in engine.op_lists.items() if k in ("low_precision_ops", "fp32_ops")}
+    out = fsdp(model, optimizers[0] if optimizers else None, policy=policy, units=units,
+               **lists)
+    model, opts = (out, []) if not optimizers else (out[0], [out[1]])
+    engine.adopt(model)
+    return model, opts
+
+
+def check_sharded_checkpoint(engine: MixedPrecision, what: str) -> None:
+    """Refuse an FSDP2 checkpoint of a compact master method through the host's
+    ``torch.distributed.checkpoint`` optimizer state dict, which does not restore it (its
+    fresh-optimizer step does not fill a compact optimizer's state)."""
+    policy = engine.policy
+    if policy is None or not policy.master_weights:
+        return
+    if policy.master.compact or policy.state_dtype not in (None, torch.float32):
+        raise ValueError(f"{what} under FSDP2 with master={str(policy.master)!r}, state_dtype="
+                         f"{policy.state_dtype} is not "
+                         f"supported: the host's sharded optimizer checkpoint does not restore a "
+                         f"compact optimizer's state; use fp32 masters and moments here, or "
+                         f"mp.Trainer(strategy='fsdp'), whose checkpoints carry every master "
+                         f"method")
+
+
+def reduce_in_fp32(model: nn.Module) -> None:
+    """Average a ``DistributedDataParallel`` model's 16-bit gradients in fp32 (mixprec's reduce
+    hook: each bucket copied to fp32, averaged, rounded back once), as ``mp.parallel.ddp``
+    does. Nothing for other models, fp32 models, or a model that already has the hook."""
+    if not isinstance(model, DistributedDataParallel) or getattr(model, "_mixprec_hook", False):
+        return
+    if any(p.is_floating_point() and p.element_size() < 4 for p in model.module.parameters()):
+        model.register_comm_hook(None, cast_reduce_hook(torch.float32))
+        model._mixprec_hook = True
+
+
+def _model_params(optimizer) -> set[int]:
+    """ids of the model parameters an (engine-prepared) optimizer steps."""
+    to_model = getattr(optimizer, "model_param", None)
+    if not (owns_gradients(optimizer) and callable(to_model)):
+        to_model = None
+    return {id(to_model(p) if to_model else p) for g in optimizer.param_groups
+            for p in g["params"]}
+
+
+def _inner(optimizer):
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION)
+class MixprecAccelerator(accelerate.Accelerator):
+    """An ``accelerate.Accelerator`` whose precision is a :class:`mixprec.MixedPrecision`.
+
+    Takes every keyword argument of ``accelerate.Accelerator`` (``gradient_accumulation_steps``,
+    ``fsdp_plugin``, ``kwargs_handlers``, ``project_dir``, ...), plus the precision keywords, or
+    a ready engine:
+
+    Args:
+        mixed_precision: a :class:`mixprec.MixedPrecision`, e.g.
+            ``mp.MixedPrecision(level="O2", dtype="bf16")``, instead of the keywords below
+            (with it, they stay at their defaults); None: one built from them. Accelerate's own
+            values (``"fp16"``, ``"bf16"``, ``"fp8"``) are refused; ``"no"`` means None.
+        {precision keywords}
+        emulate_fp16: see :class:`mixprec.autocast`.
+        monitor: a :class:`mixprec.PrecisionMonitor` that records the run.
+
+    Attributes:
+        engine: the engine; ``.policy`` and ``.scaler`` are its.
+
+    Raises:
+        TypeError: ``mixed_precision`` is neither an engine, None nor ``"no"``; an engine with
+            precision keywords; positional arguments.
+        ValueError: Accelerate's own mixed precision (``mixed_precision="bf16"``, or set by
+            ``ACCELERATE_MIXED_PRECISION`` or an accelerate config); DeepSpeed, Megatron-LM,
+            XLA or FSDP1.
+
+    Example:
+        >>> import torch, mixprec as mp
+        >>> accelerator = MixprecAccelerator(level="O2", dtype="bf16", cpu=True)
+        >>> net = torch.nn.Linear(4, 2)
+        >>> net, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> accelerator.backward(net(torch.randn(8, 4)).float().pow(2).mean())
+        >>> opt.step(); accelerator.optimizer_step_was_skipped
+        False
+    """
+
+    def __init__(self, *args: Any, mixed_precision: Any = None, level: str = "O1",
+                 dtype: Any = "auto", loss_scale: Any = "auto", policy: Policy | None = None,
+                 keep_fp32=None, low_precision_ops=(), fp32_ops=(), master=None,
+                 state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
+                 monitor=None, **kwargs: Any):
+        if args:
+            raise TypeError("MixprecAccelerator takes keyword arguments only (Accelerator's "
+                            "positional order puts its own mixed_precision among them)")
+        if isinstance(mixed_precision, str):
+            if mixed_precision != "no":
+                raise ValueError(
+                    f"mixed_precision={mixed_precision!r} turns on Accelerate's own mixed "
+                    f"precision (autocast and GradScaler) on top of mixprec's engine, which would "
+                    f"cast and scale twice; pass the precision keywords instead (e.g. "
+                    f"level='O2', dtype={mixed_precision!r}) or "
+                    f"mixed_precision=mp.MixedPrecision(...)")
+            mixed_precision = None
+        engine = engine_for(type(self), mixed_precision, level=level, dtype=dtype,
+                            loss_scale=loss_scale, policy=policy, keep_fp32=keep_fp32,
+                            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
+                            master=master, state_dtype=state_dtype, fp8=fp8,
+                            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
+        super().__init__(**kwargs)  # mixed precision from the environment or config: refused
+        check_host_precision(self)
+        plugin = getattr(self.state, "fsdp_plugin", None)
+        refused = refused_host(self.distributed_type, getattr(plugin, "fsdp_version", None))
+        if refused:
+            _refuse(refused)
+        self.engine = engine
+        self.scaler = EngineGradScaler(engine)
+
+    # -- prepare ---------------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """``Accelerator.prepare``, each model (with the optimizers over its parameters, from
+        the same call) prepared through the engine first (see the module docstring).
+
+        Raises:
+            ValueError: an optimizer over a model this engine prepared in an earlier call,
+                at a master-weight policy (the masters need the optimizer at preparation), or
+                an optimizer over none of the models given.
+        """
+        args = list(args)
+        models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)
+                  and not any(a is m for m in self.engine.models) and policy_of(a) is None]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
+                      and not isinstance(a, AcceleratedOptimizer)]
+        owners = {i: self._owner(args[i], [args[m] for m in models]) for i in optimizers}
+        for m in models:
+            mine = [i for i in optimizers if owners[i] is args[m]]
+            units = fsdp_units(self.state.fsdp_plugin, args[m]) if self.is_fsdp2 else None
+            model, opts = setup_for_host(self.engine, args[m], [args[i] for i in mine],
+                                         shard=self.is_fsdp2, units=units)
+            args[m] = model
+            for i, opt in zip(mine, opts):
+                args[i] = opt
+        # FSDP2: the model comes sharded; Accelerate keeps it and maps the optimizer's
+        # parameters onto the same (sharded) ones
+        out = super().prepare(*args, device_placement=device_placement)
+        out = list(out) if isinstance(out, tuple) else [out]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _owner(self, optimizer, models: list[nn.Module]):
+        """The model among ``models`` whose parameters ``optimizer`` holds (None: a model
+        prepared earlier, refused at a master-weight policy)."""
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for model in models:
+            if held & {id(p) for p in model.parameters()}:
+                return model
+        earlier = [m for m in self.engine.models if held & {id(p) for p in m.parameters()}]
+        if earlier and self.engine.policy.master_weights:
+            raise ValueError("this optimizer is over a model prepared in an earlier prepare() "
+                             "call; at a master-weight policy the engine builds the fp32 masters "
+                             "with the optimizer: pass the model and its optimizer to one "
+                             "prepare() call")
+        if not earlier:
+            raise ValueError("this optimizer holds none of the parameters of the models given "
+                             "to prepare(); pass the model and its optimizer to one prepare() "
+                             "call")
+        return None
+
+    def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode=False):
+        """``Accelerator.prepare_model``; under DDP, 16-bit gradients are averaged in fp32."""
+        wrapped = super().prepare_model(model, device_placement=device_placement,
+                                        evaluation_mode=evaluation_mode)
+        handler = getattr(self, "ddp_handler", None)
+        if handler is None or str(getattr(handler, "comm_hook", "no")).endswith("no"):
+            reduce_in_fp32(wrapped)
+        return wrapped
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+        """``Accelerator.save_state``: the masters in the optimizer's state, the engine's state
+        in ``scaler.pt``.
+
+        Raises:
+            ValueError: under FSDP2 with a compact master method (see
+                :func:`check_sharded_checkpoint`).
+        """
+        if self.is_fsdp2:
+            check_sharded_checkpoint(self.engine, "save_state()")
+        return super().save_state(output_dir, safe_serialization, **kwargs)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _engine_optimizers(self, optimizer=None) -> list:
+        chosen = self._optimizers if optimizer is None else (
+            optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        return [_inner(o) for o in chosen]
+
+    def unscale_gradients(self, optimizer=None) -> None:
+        """Make the gradients the true ones (``engine.unscale_``; once per step)."""
+        if not self.engine.scaler.is_enabled():
+            return
+        for opt in self._engine_optimizers(optimizer):
+            self.scaler.unscale_(opt)
+
+    def _optimizer_of(self, parameters) -> Any:
+        """The prepared optimizer that steps ``parameters``."""
+        params = [p for p in parameters if p.requires_grad]
+        wanted = {id(p) for p in params}
+        found = [o for o in self._engine_optimizers() if wanted & _model_params(o)]
+        if len(found) != 1 or not wanted <= _model_params(found[0]):
+            raise ValueError(f"clip_grad_norm_/clip_grad_value_ under mixprec clip the "
+                             f"parameters of one prepared optimizer (the engine clips what it "
+                             f"steps); these {len(params)} parameters belong to {len(found)} "
+                             f"prepared optimizer(s) or only partly to one: pass "
+                             f"model.parameters() of the model prepared with its optimizer")
+        return found[0]
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Clip the true gradients of the optimizer that holds ``parameters`` to ``max_norm``;
+        returns their total norm before clipping (a tensor; across ranks under FSDP2)."""
+        return self.engine.clip_grad_norm_(self._optimizer_of(parameters), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value) -> None:
+        """Clamp the true gradients of the optimizer that holds ``parameters``."""
+        self.engine.clip_grad_value_(self._optimizer_of(parameters), clip_value)
+
+
+def check_host_precision(accelerator) -> None:
+    """Refuse an accelerator configured for its own mixed precision (environment or config)."""
+    if accelerator.mixed_precision != "no" or getattr(accelerator, "native_amp", False):
+        raise ValueError(f"the accelerator was configured for mixed precision "
+                         f"({accelerator.mixed_precision!r}, e.g. by ACCELERATE_MIXED_PRECISION "
+                         f"or an accelerate config): unset it; the MixedPrecision engine "
+                         f"decides the precision")
