@@ -35,17 +35,11 @@ from torch import nn
 
 from .. import formats
 from ..fp8.convert import fp8_modules
-from ..parallel.env import is_main_process, world_size
+from ..parallel.env import is_main_process
 from ..scaling.unscale import total_norm
 from ..shards import local, replicated
-from .ranks import RankReduction, is_sharded
-from .statistics import (
-    UpdateProbe,
-    gradient_pairs,
-    lost_fraction,
-    output_amax,
-    underflow_counts,
-)
+from .ranks import RankReduction, lost_fraction, mesh_of
+from .statistics import UpdateProbe, gradient_pairs, output_amax, underflow_counts
 
 __all__ = ["PrecisionMonitor"]
 
@@ -150,8 +144,9 @@ class PrecisionMonitor:
         self._scale = scaler.scale_tensor.detach().clone() if scaler.is_enabled() else None
         grads = gradient_pairs(optimizer)
         dense = [g for g in grads.values() if not g.is_sparse]
-        sharded = any(is_sharded(p) for p in grads)
-        self._sharded = self._sharded or sharded
+        mesh = mesh_of(grads)
+        sharded = mesh is not None
+        self._mesh = mesh if self._mesh is None else self._mesh
         if norm is not None:  # the clip's norm: the whole model's (FSDP: replicated)
             self._norm_sq.append(replicated(norm).float().pow(2))
         else:  # over this rank's shards under FSDP: the ranks' squares add up
@@ -248,7 +243,7 @@ class PrecisionMonitor:
     def _combine(self) -> dict:
         """The step's statistics, combined over the ranks when they were measured on shards
         (one collective; see :mod:`mixprec.monitor.ranks`), else this rank's own."""
-        reduction = RankReduction(active=self._sharded and world_size() > 1)
+        reduction = RankReduction.over(self._mesh)
         out = {}
         if self._loss is not None:
             out["loss"] = reduction.add(self._loss / self._window, "mean")
@@ -274,7 +269,7 @@ class PrecisionMonitor:
     def _reset_step(self) -> None:
         self._norm_sq: list[torch.Tensor] = []         # whole-model norms (squared)
         self._shard_norm_sq: list[torch.Tensor] = []   # this rank's shards' norms (squared)
-        self._sharded = False
+        self._mesh = None   # the device mesh of sharded parameters (FSDP), else None
         self._underflow: dict[str, torch.Tensor] = {}
         self._amax: dict[str, torch.Tensor] = {}
         self._lost: dict[str, torch.Tensor] = {}

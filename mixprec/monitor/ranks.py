@@ -25,14 +25,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankReduction", "Reduced", "is_sharded"]
+__all__ = ["RankReduction", "Reduced", "mesh_of", "lost_fraction"]
 
 _KINDS = ("sum", "max", "min", "mean")
 
 
-def is_sharded(tensor) -> bool:
-    """True for an FSDP2 shard (a ``DTensor``)."""
-    return callable(getattr(tensor, "to_local", None))
+def mesh_of(tensors) -> object | None:
+    """The device mesh of the first FSDP2-sharded tensor (a ``DTensor``) among ``tensors``, or
+    None when none is sharded."""
+    return next((t.device_mesh for t in tensors if callable(getattr(t, "to_local", None))), None)
+
+
+def lost_fraction(total: torch.Tensor) -> torch.Tensor:
+    """The fraction of an update lost, ``1 - <taken, intended> / <intended, intended>``, from
+    ``total = [<taken, intended>, <intended, intended>]`` (summed over parameters, and over the
+    ranks' shards): 0 when nothing was intended; float32."""
+    ratio = torch.where(total[1] > 0, total[0] / total[1].clamp(min=1e-300),
+                        torch.ones_like(total[0]))
+    return (1 - ratio).float()
 
 
 class Reduced:
@@ -57,6 +67,14 @@ class RankReduction:
         self.active = active
         self.group = group
         self._items: list[Reduced] = []
+
+    @classmethod
+    def over(cls, mesh) -> "RankReduction":
+        """Over the ranks that share out the parameters: a 1-D device mesh's, or the last
+        (sharding) dimension's of a hybrid one; inactive for None or one rank."""
+        if mesh is None or mesh.size(mesh.ndim - 1) <= 1:
+            return cls(active=False)
+        return cls(active=True, group=mesh.get_group(mesh.ndim - 1))
 
     def add(self, value: torch.Tensor, kind: str) -> Reduced:
         """Register ``value`` (a tensor of any shape) to be combined by ``kind``: "sum",

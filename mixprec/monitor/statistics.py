@@ -31,8 +31,9 @@ from ..master.states import COMPENSATION_KEY
 from ..master.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
 from ..shards import local
+from .ranks import lost_fraction
 
-__all__ = ["gradient_pairs", "underflow_counts", "output_amax", "UpdateProbe", "lost_fraction"]
+__all__ = ["gradient_pairs", "underflow_counts", "output_amax", "UpdateProbe"]
 
 
 def gradient_pairs(optimizer) -> dict[torch.Tensor, torch.Tensor]:
@@ -172,14 +173,6 @@ class UpdateProbe:
     def lost(self) -> dict[str, torch.Tensor]:
         """Layer name -> the fraction of its intended update the real step did not keep."""
         return {name: lost_fraction(total) for name, total in self.sums().items()}
-
-
-def lost_fraction(total: torch.Tensor) -> torch.Tensor:
-    """``1 - <taken, intended> / <intended, intended>`` from :meth:`UpdateProbe.sums` (0 when
-    nothing was intended), float32."""
-    ratio = torch.where(total[1] > 0, total[0] / total[1].clamp(min=1e-300),
-                        torch.ones_like(total[0]))
-    return (1 - ratio).float()
 
 
 _FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)

@@ -135,6 +135,7 @@ def convert_checkpoint(src, dst) -> None:
     Raises:
         FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
         ValueError: ``dst`` is a directory, or ``src`` is not a Trainer checkpoint.
+        RuntimeError: the shards in ``src`` cannot be read (a damaged directory).
 
     Example:
         >>> mp.convert_checkpoint("run/ckpt-step400", "run/step400.pt")  # doctest: +SKIP
