@@ -16,7 +16,8 @@ from parallel_cases import TOLERANCE, fit, launch, max_diff, resume_case
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings(
-                  r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),
+                  r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning",
+                  "ignore::mixprec.hardware.SlowDtypeWarning"),
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="needs torch.distributed with gloo")]
 

@@ -34,7 +34,9 @@ weight rounded to nearest. Where the value lies exactly half an ulp between two 
 (a 16-bit compensation can round to that tie), the new weight may be the other neighbour, and
 the compensation the optimizer's ``state_dict`` brings next belongs to the saved one: the pair
 would be an ulp off. So loading the optimizer keeps the values the pairs held just before: a
-weight whose value minus the loaded compensation is exactly a 16-bit number becomes that number.
+weight whose value minus the loaded compensation is exactly a 16-bit number becomes that number
+(:func:`keep_pair`; an FSDP Trainer loading a one-process file applies it to its shards with
+the file's values).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from torch.distributed.tensor import DTensor
 from .buckets import PER_PARAMETER_OPTIMIZERS
 from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state", "register_kahan"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state", "register_kahan",
+           "keep_pair"]
 
 #: torch optimizers whose every floating state tensor but ``step`` is shaped as its parameter.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -147,11 +150,18 @@ def _take_values(optimizer, state_dict) -> None:
 
 def _keep_values(optimizer) -> None:
     values = _VALUES.pop(optimizer, None) or {}
-    with torch.no_grad():
-        for param, value in values.items():
-            comp = optimizer.compensation(param)
-            if comp is None or comp.shape != param.shape:
-                continue
-            weight = value - comp.float()
-            exact = weight.to(param.dtype)
-            param.copy_(torch.where(exact.float() == weight, exact, param))
+    for param, value in values.items():
+        comp = optimizer.compensation(param)
+        if comp is not None and comp.shape == param.shape:
+            keep_pair(param, comp, value)
+
+
+@torch.no_grad()
+def keep_pair(weight: torch.Tensor, comp: torch.Tensor, value: torch.Tensor) -> None:
+    """Make the Kahan pair (``weight``, loaded ``comp``) stand for the fp32 ``value`` the
+    saved pair held: where ``value - comp`` is exactly a 16-bit number, ``weight`` becomes it
+    (elsewhere it keeps its value, ``value`` rounded to nearest). Plain tensors (this rank's
+    shards under FSDP)."""
+    target = value.to(torch.float32) - comp.float()
+    exact = target.to(weight.dtype)
+    weight.copy_(torch.where(exact.float() == target, exact, weight))

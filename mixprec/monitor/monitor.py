@@ -13,10 +13,16 @@ Lightning plugin and ``MixprecTrainer``'s engine), it records every ``every``-th
   ``mixprec/N/fp8_input_scale`` and ``mixprec/N/fp8_weight_scale`` (``fmax / amax``: the
   tensorwise scale its casts use).
 
+Under FSDP each rank measures its own shards and its own part of the batch; at a recorded step
+the ranks' parts are combined (:mod:`mixprec.monitor.ranks`: norms as the root of the summed
+squares, fractions from summed counts, amax as the maximum, the loss as the mean), so every rank
+records what one process would for the whole model and the global batch, and rank 0 writes it.
+
 Cost: between recorded steps, one device add per loss (no host sync) and no hooks at all; the
 forward hooks that read activations exist only during a recorded step. A recorded step measures
 the gradients, steps an fp32 copy of the optimizer over the watched parameters (the intended
-update) and reads everything with one host sync.
+update) and reads everything with one host sync (under FSDP, after one ``all_gather`` of the
+ranks' partial statistics).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from .. import formats
 from ..fp8.convert import fp8_modules
 from ..parallel.env import is_main_process
 from ..scaling.unscale import total_norm
+from ..shards import local, replicated
+from .ranks import RankReduction, lost_fraction, mesh_of
 from .statistics import UpdateProbe, gradient_pairs, output_amax, underflow_counts
 from .writers import as_writers
 
@@ -134,11 +142,16 @@ class PrecisionMonitor:
         self._scale = scaler.scale_tensor.detach().clone() if scaler.is_enabled() else None
         grads = gradient_pairs(optimizer)
         dense = [g for g in grads.values() if not g.is_sparse]
-        if norm is None:
+        mesh = mesh_of(grads)
+        sharded = mesh is not None
+        self._mesh = mesh if self._mesh is None else self._mesh
+        if norm is not None:  # the clip's norm: the whole model's (FSDP: replicated)
+            self._norm_sq.append(replicated(norm).float().pow(2))
+        else:  # over this rank's shards under FSDP: the ranks' squares add up
             norm = total_norm(dense, 2.0, scaler.scale_tensor.device)
             if carried is not None:
                 norm = norm / carried.to(norm.device)
-        self._norm_sq.append(norm.float().pow(2))
+            (self._shard_norm_sq if sharded else self._norm_sq).append(norm.float().pow(2))
         smallest = formats.get(self._engine.policy.compute_dtype).min_normal
         scale = scaler.scale_tensor if scaler.is_enabled() else torch.ones(
             (), device=scaler.scale_tensor.device)
@@ -157,7 +170,7 @@ class PrecisionMonitor:
         """The update each layer lost, when ``optimizer`` stepped (a recorded step only)."""
         probe = self._probes.pop(id(optimizer), None)
         if probe is not None and stepped:
-            self._lost.update(probe.lost())
+            self._lost.update(probe.sums())
 
     def end_step(self, applied: bool) -> None:
         """Close the step: record it when it is a recorded one, then move on."""
@@ -179,6 +192,7 @@ class PrecisionMonitor:
         self._disarm()
         scalars: dict = {"step": self.step}
         names, values = [], []
+        ranks = self._combine()
 
         def put(name: str, value) -> None:
             scalars[name] = None  # keeps the order; device values are filled in below
@@ -188,27 +202,29 @@ class PrecisionMonitor:
             else:
                 scalars[name] = float(value)
 
-        if self._loss is not None:
-            put("mixprec/loss", self._loss / self._window)
+        if "loss" in ranks:
+            put("mixprec/loss", ranks["loss"].value)
         put("mixprec/loss_scale", self._scale if self._scale is not None else 1.0)
         put("mixprec/skipped_steps", self._engine.scaler.skipped_steps)
-        if self._norm_sq:
-            put("mixprec/grad_norm", torch.stack([n.to(self._norm_sq[0].device)
-                                                  for n in self._norm_sq]).sum().sqrt())
+        if "norm_sq" in ranks:
+            put("mixprec/grad_norm", ranks["norm_sq"].value.sqrt())
         fmax = formats.get(self._engine.policy.compute_dtype).max
         for name in self._layers:
-            counts = self._underflow.get(name)
+            counts = ranks.get(("underflow", name))
             if counts is not None:
+                counts = counts.value
                 put(f"mixprec/{name}/grad_underflow", counts[0] / counts[1].clamp(min=1))
-            amax = self._amax.get(name)
+            amax = ranks.get(("amax", name))
             if amax is not None:
+                amax = amax.value
                 put(f"mixprec/{name}/act_amax", amax)
                 put(f"mixprec/{name}/act_headroom",
                     torch.log2(fmax / amax.double().clamp(min=1e-300)).float())
-            if name in self._lost:
-                put(f"mixprec/{name}/weight_update_lost", self._lost[name])
-            for key, value in self._fp8_scales.get(name, {}).items():
-                put(f"mixprec/{name}/fp8_{key}_scale", value)
+            lost = ranks.get(("lost", name))
+            if lost is not None:
+                put(f"mixprec/{name}/weight_update_lost", lost_fraction(lost.value))
+            for key in self._fp8_scales.get(name, {}):
+                put(f"mixprec/{name}/fp8_{key}_scale", ranks[("fp8", name, key)].value)
         if values:
             device = values[0].device
             numbers = torch.stack([v.detach().to(device, torch.float64).reshape(())
@@ -222,8 +238,36 @@ class PrecisionMonitor:
         self._loss, self._window = None, 0
         self._reset_step()
 
+    def _combine(self) -> dict:
+        """The step's statistics, combined over the ranks when they were measured on shards
+        (one collective; see :mod:`mixprec.monitor.ranks`), else this rank's own."""
+        reduction = RankReduction.over(self._mesh)
+        out = {}
+        if self._loss is not None:
+            out["loss"] = reduction.add(self._loss / self._window, "mean")
+        if self._norm_sq or self._shard_norm_sq:
+            first = (self._norm_sq or self._shard_norm_sq)[0]
+            whole = sum((n.double().to(first.device) for n in self._norm_sq),
+                        torch.zeros((), dtype=torch.float64, device=first.device))
+            shards = sum((n.double().to(first.device) for n in self._shard_norm_sq),
+                         torch.zeros((), dtype=torch.float64, device=first.device))
+            out["norm_sq"] = _Sum(whole, reduction.add(shards, "sum"))
+        for name, counts in self._underflow.items():
+            out[("underflow", name)] = reduction.add(counts, "sum")
+        for name, amax in self._amax.items():
+            out[("amax", name)] = reduction.add(amax, "max")
+        for name, sums in self._lost.items():
+            out[("lost", name)] = reduction.add(sums, "sum")
+        for name, scales in self._fp8_scales.items():
+            for key, value in scales.items():
+                out[("fp8", name, key)] = reduction.add(value, "min")
+        reduction.run()
+        return out
+
     def _reset_step(self) -> None:
-        self._norm_sq: list[torch.Tensor] = []
+        self._norm_sq: list[torch.Tensor] = []         # whole-model norms (squared)
+        self._shard_norm_sq: list[torch.Tensor] = []   # this rank's shards' norms (squared)
+        self._mesh = None   # the device mesh of sharded parameters (FSDP), else None
         self._underflow: dict[str, torch.Tensor] = {}
         self._amax: dict[str, torch.Tensor] = {}
         self._lost: dict[str, torch.Tensor] = {}
@@ -262,9 +306,23 @@ def _fp8_scales(module: nn.Module, args) -> dict[str, torch.Tensor]:
     if inputs is not None:
         out["input"] = _FP8_MAX / inputs.clamp(min=1e-12)
     weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        out["weight"] = _FP8_MAX / weight.detach().abs().amax().float().clamp(min=1e-12)
+    if isinstance(weight, torch.Tensor):  # FSDP: this rank's shard (the ranks take the min)
+        mine = local(weight.detach())
+        amax = (mine.abs().amax().float() if mine.numel()
+                else torch.zeros((), dtype=torch.float32, device=mine.device))
+        out["weight"] = _FP8_MAX / amax.clamp(min=1e-12)
     return out
+
+
+class _Sum:
+    """A whole-model squared norm plus the ranks' summed shard squares (``value``)."""
+
+    def __init__(self, whole: torch.Tensor, shards):
+        self.whole, self.shards = whole, shards
+
+    @property
+    def value(self) -> torch.Tensor:
+        return (self.whole + self.shards.value.to(self.whole.device)).float()
 
 
 def _own_parameters(module: nn.Module) -> list[torch.Tensor]:

@@ -17,7 +17,8 @@
   update landed exactly, 1 when it rounded away, a little off 0 (either sign) for stochastic
   rounding, which is exact only on average.
 
-Sharded parameters (FSDP) are measured on this rank's shards (the gradient norm too).
+Sharded parameters (FSDP) are measured on this rank's shards; the monitor adds the ranks' parts
+up at a recorded step (:mod:`mixprec.monitor.ranks`), so what it records is the whole model's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..master.states import COMPENSATION_KEY
 from ..master.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
 from ..shards import local
+from .ranks import lost_fraction
 
 __all__ = ["gradient_pairs", "underflow_counts", "output_amax", "UpdateProbe"]
 
@@ -152,8 +154,9 @@ class UpdateProbe:
         probe.step()
 
     @torch.no_grad()
-    def lost(self) -> dict[str, torch.Tensor]:
-        """Layer name -> the fraction of its intended update the real step did not keep."""
+    def sums(self) -> dict[str, torch.Tensor]:
+        """Layer name -> ``[<taken, intended>, <intended, intended>]`` (float64) over its
+        parameters (this rank's shards of sharded ones: the ranks' sums add up)."""
         now = kept_values(self.optimizer, self.copies, copy=False)
         sums = {}  # per parameter, once (a tied weight belongs to two layers)
         for p, copy in self.copies.items():
@@ -163,14 +166,14 @@ class UpdateProbe:
         out = {}
         for name, params in self.layers.items():
             params = [p for p in params if p in sums]
-            if not params:
-                continue
-            total = torch.stack([sums[p].double().to(sums[params[0]].device)
-                                 for p in params]).sum(0)
-            ratio = torch.where(total[1] > 0, total[0] / total[1].clamp(min=1e-300),
-                                torch.ones_like(total[0]))
-            out[name] = (1 - ratio).float()
+            if params:
+                out[name] = torch.stack([sums[p].double().to(sums[params[0]].device)
+                                         for p in params]).sum(0)
         return out
+
+    def lost(self) -> dict[str, torch.Tensor]:
+        """Layer name -> the fraction of its intended update the real step did not keep."""
+        return {name: lost_fraction(total) for name, total in self.sums().items()}
 
 
 _FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)

@@ -22,6 +22,10 @@ FP8 layers (``fp8=``): with the tensorwise recipe, their weights are all-gathere
 whole weight, then gathered at one byte per value); rowwise recipes gather in the policy's
 dtype and cast after.
 
+Every rank starts from the first rank's initialisation: its parameters and buffers are broadcast
+before the model is prepared and sharded (as ``DistributedDataParallel`` does), so ranks seeded
+differently still train one model.
+
 Gradients are reduce-scattered in ``reduce_dtype`` (fp32 by default at every level) and averaged
 over the ranks. Sharding units: every module held in an ``nn.ModuleList`` (transformer blocks)
 plus the root, or the ``units`` you name.
@@ -32,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,7 +54,9 @@ from . import env
 from .ddp import reduce_dtype_of
 from .env import is_fsdp
 
-__all__ = ["fsdp", "default_units", "wrap_optimizer"]
+__all__ = ["fsdp", "default_units", "wrap_optimizer", "broadcast_from_first_rank"]
+
+_BUCKET = 1 << 26  # elements per broadcast (256 MB of fp32)
 
 
 def default_units(model: nn.Module) -> list[str]:
@@ -146,6 +153,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
          emulate_fp16="auto", mixed_precision: MixedPrecision | None = None):
     """Prepare ``model`` for ``level`` and shard it with FSDP2, in one call, on every rank.
 
+    Every rank starts from the first rank's parameters and buffers (broadcast before preparing,
+    as DDP does): each rank shards the same model even when the ranks were seeded differently.
     The fp32 shards are the master weights at O2 (see the module docstring for each level), so
     the optimizer is never wrapped in a :class:`mixprec.MasterWeightOptimizer`. An optimizer
     built over the unsharded model is rebound in place to the sharded parameters (same object,
@@ -208,6 +217,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     names = _check_optimizer(model, optimizer)
     unit_names = _unit_names(model, units)
     env.require_group("mp.parallel.fsdp")
+    broadcast_from_first_rank(model, mesh)
     originals = {n: p.data for n, p in model.named_parameters()}
     fp8_names, chooser = split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     prepare_many(model, [], resolve_policy(level, dtype, keep_fp32, policy, module_device(model),
@@ -257,6 +267,39 @@ def wrap_optimizer(model: nn.Module, optimizer, originals: dict):
     if policy is None or not is_fsdp(model):
         raise ValueError("wrap_optimizer takes a model that mp.parallel.fsdp prepared and sharded")
     return _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
+
+
+def broadcast_from_first_rank(model: nn.Module, mesh=None) -> None:
+    """Give every rank the first rank's parameters and buffers, in place (the first rank of
+    ``mesh``'s group, else global rank 0): one broadcast per dtype and 2**26 elements."""
+    group = mesh.get_group() if mesh is not None else None
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    kinds: dict = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and t.numel():
+            kinds.setdefault((t.device.type, t.dtype), []).append(t.detach())
+    with torch.no_grad():
+        for tensors in kinds.values():
+            bucket: list[torch.Tensor] = []
+            held = 0
+            for t in tensors:
+                bucket.append(t)
+                held += t.numel()
+                if held >= _BUCKET:
+                    _broadcast_bucket(bucket, src, group)
+                    bucket, held = [], 0
+            if bucket:
+                _broadcast_bucket(bucket, src, group)
+
+
+def _broadcast_bucket(tensors: list[torch.Tensor], src: int, group) -> None:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    wire = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # gloo sends no bool
+    dist.broadcast(wire, src=src, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(wire[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
 
 
 def _sharded_originals(model: nn.Module, originals: dict) -> dict:

@@ -7,6 +7,7 @@ The one place that knows every strategy (:mod:`.strategy` for one process and DD
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from ..parallel import env, reduce_dtype_of
 from .strategy import DDPStrategy, Strategy
 
-__all__ = ["STRATEGIES", "resolve_strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "resolve_strategy", "make_strategy", "warn_single_of_many"]
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 
@@ -36,7 +37,8 @@ def resolve_strategy(strategy: str) -> str:
 
 
 def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32") -> "Strategy":
-    """The :class:`Strategy` for a Trainer's ``strategy`` and ``reduce_dtype`` arguments.
+    """The :class:`Strategy` for a Trainer's ``strategy`` and ``reduce_dtype`` arguments
+    (``"single"`` in a run of several processes warns: :func:`warn_single_of_many`).
 
     Raises:
         ValueError: an unknown strategy or reduce dtype.
@@ -44,8 +46,35 @@ def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32") -> "Strate
     reduce = reduce_dtype_of(reduce_dtype)
     name = resolve_strategy(strategy)
     if name == "single":
+        warn_single_of_many()
         return Strategy(reduce)
     if name == "ddp":
         return DDPStrategy(reduce)
     # FSDP2 takes ~0.8 s to import: load the FSDP strategy only when it is asked for.
     return importlib.import_module(".sharded", __package__).FSDPStrategy(reduce)
+
+
+def _processes() -> tuple[int, str]:
+    """(how many processes this run has, where that was read), 1 for one process."""
+    if env.is_initialized():
+        return dist.get_world_size(), "a default process group"
+    if env.launched_by_torchrun():
+        return env.world_size(), "WORLD_SIZE"
+    return 1, ""
+
+
+def warn_single_of_many(stacklevel: int = 4) -> bool:
+    """Warn when ``strategy="single"`` runs in one of several processes (torchrun with
+    ``WORLD_SIZE`` > 1, or a default process group of more than one rank): each rank would train
+    its own copy on all the data and write the same checkpoint and log paths. Returns whether it
+    warned."""
+    world, source = _processes()
+    if world <= 1:
+        return False
+    warnings.warn(f"strategy='single' in a run of {world} processes ({source}; this is rank "
+                  f"{env.rank()}): every rank trains its own copy of the model on all of the "
+                  f"data and writes the same checkpoint and log paths. Pass strategy='ddp' or "
+                  f"'fsdp' (or 'auto') to train one model across the ranks, or start one "
+                  f"process (python train.py, not torchrun)", UserWarning,
+                  stacklevel=stacklevel)
+    return True

@@ -20,14 +20,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..master.checkpoint import MASTERS_KEY
+from ..master.loadcheck import keep_pair
+from ..master.states import COMPENSATION_KEY
+from ..shards import local
 from . import state as ts
 
-__all__ = ["convert_checkpoint", "read_directory", "read_meta", "load_file_sharded", "META"]
+__all__ = ["convert_checkpoint", "read_directory", "read_meta", "load_file_sharded", "META",
+           "checkpoint_io"]
 
 META = "trainer.pt"
 
@@ -43,12 +48,28 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def checkpoint_io(action, what: str, path) -> None:
+    """Run a DCP save or load; its ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` lets through) becomes a ``RuntimeError`` naming the path."""
+    try:
+        action()
+    except CheckpointException as exc:
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"  # (exception, traceback)
+                           for r, (e, _) in sorted(exc.failures.items()))
+        raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed ({causes})") from exc
+
+
 def read_directory(path) -> dict:
     """An FSDP checkpoint directory as the dict a one-process checkpoint file holds.
 
     Reads every shard in this process (no process group needed): the full model and optimizer
     state must fit in CPU memory. When the optimizer had no state yet at saving time,
-    ``"optimizer"`` is None and ``"param_groups"`` holds the groups' options.
+    ``"optimizer"`` is None and ``"param_groups"`` holds the groups' options. A Kahan weight's
+    model entry becomes weight + compensation, the fp32 value a one-process file holds.
+
+    Raises:
+        FileNotFoundError: no ``trainer.pt`` (or a rank's RNG file) in ``path``.
+        RuntimeError: the shards cannot be read (a damaged directory); names ``path``.
     """
     path = Path(path)
     meta = read_meta(path)
@@ -56,12 +77,25 @@ def read_directory(path) -> dict:
              for r in range(meta["world_size"])]
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(path, whole)
+        checkpoint_io(lambda: dcp_to_torch_save(path, whole), "reading", path)
         content = torch.load(whole, map_location="cpu", weights_only=True)
     ckpt = {**meta, "model": content["model"], "ranks": ranks, "optimizer": None}
     if meta["param_groups"] is None:
         ckpt["optimizer"] = _by_position(content["optimizer"])
+        ckpt["model"] = _kahan_values(content["model"], content["optimizer"]["state"])
     return ckpt
+
+
+def _kahan_values(model: dict, state: dict) -> dict:
+    """Model entries by name, a Kahan weight's (its 16-bit value, saved in fp32) replaced by
+    weight + compensation: exact in fp32, and what a one-process file holds for it."""
+    out = dict(model)
+    for name, entry in state.items():
+        comp = entry.get(COMPENSATION_KEY) if isinstance(entry, dict) else None
+        weight = out.get(name)
+        if torch.is_tensor(comp) and torch.is_tensor(weight) and comp.shape == weight.shape:
+            out[name] = weight.to(comp.dtype).float() + comp.float()
+    return out
 
 
 def _by_position(osd: dict) -> dict:
@@ -101,6 +135,7 @@ def convert_checkpoint(src, dst) -> None:
     Raises:
         FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
         ValueError: ``dst`` is a directory, or ``src`` is not a Trainer checkpoint.
+        RuntimeError: the shards in ``src`` cannot be read (a damaged directory).
 
     Example:
         >>> mp.convert_checkpoint("run/ckpt-step400", "run/step400.pt")  # doctest: +SKIP
@@ -133,6 +168,24 @@ def load_file_sharded(trainer, ckpt: dict) -> None:
     state = {i: {k: _shard_like(v, params[i]) for k, v in entry.items()}
              for i, entry in osd["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": osd["param_groups"]})
+    _kahan_pairs(trainer.model, optimizer, ckpt["model"])
+
+
+def _kahan_pairs(model, optimizer, values: dict) -> None:
+    """Each Kahan pair as it was saved: the model load rounded the file's fp32 value (weight +
+    compensation) to the nearest 16-bit weight, which at a tie (weight + compensation exactly
+    half an ulp from the weight) is the other neighbour; the weight becomes the value minus the
+    loaded compensation where that is exact, as in one process
+    (:func:`mixprec.master.loadcheck.keep_pair`, on this rank's shards)."""
+    compensation = getattr(optimizer, "compensation", None)
+    if not callable(compensation):
+        return
+    for name, param in model.named_parameters():
+        comp, value = compensation(param), values.get(name)
+        if (comp is None or comp.dtype != param.dtype or not torch.is_tensor(value)
+                or value.shape != param.shape):
+            continue  # no Kahan compensation (a split remainder is an int16)
+        keep_pair(local(param.detach()), local(comp), local(_shard_like(value.float(), param)))
 
 
 def _shard_like(value, param: torch.Tensor):

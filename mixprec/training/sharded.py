@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -28,7 +27,7 @@ from ..parallel import env
 from ..parallel.sharding import fsdp
 from ..policy import Policy
 from . import state as ts
-from .portable import META, load_file_sharded, read_meta
+from .portable import META, checkpoint_io, load_file_sharded, read_meta
 from .strategy import DistributedStrategy, rank_checkpoint
 
 __all__ = ["FSDPStrategy"]
@@ -55,11 +54,12 @@ class FSDPStrategy(DistributedStrategy):
                              f"a new path")
         tmp = path.with_name(f".{path.name}.saving")
         error = None
-        if self.is_main:
-            error = _try(lambda: shutil.rmtree(tmp) if tmp.exists() else None)
+        if self.is_main:  # this path's temporary, and others that interrupted saves left
+            error = _try(lambda: (shutil.rmtree(tmp) if tmp.exists() else None,
+                                  ts.remove_stale_temporaries(path.parent)))
         self.agree(error, f"preparing {str(tmp)!r}")
         tensors, groups = _sharded_state(trainer)
-        _checkpoint_io(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), "saving", path)
+        checkpoint_io(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), "saving", path)
         ranks = self.rank_states(trainer)
         if self.is_main:
             meta = {**ts.trainer_meta(trainer), "world_size": env.world_size(),
@@ -77,6 +77,8 @@ class FSDPStrategy(DistributedStrategy):
             return self._load_file(trainer, path)
         error, meta = None, None
         try:
+            if self.is_main:  # of saves an interrupted run left
+                ts.remove_stale_temporaries(path.parent)
             meta = read_meta(path)
             ts.check_compatible(trainer, meta, path)
             rank_file = path / f"rank{env.rank() % meta['world_size']}.pt"
@@ -88,12 +90,12 @@ class FSDPStrategy(DistributedStrategy):
         if meta["param_groups"] is None:
             state = dict(zip(("model", "optimizer"), get_state_dict(trainer.model,
                                                                     trainer.optimizer)))
-            _checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
+            checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         else:  # saved before the optimizer had state: weights and hyper-parameters only
             state = {"model": get_model_state_dict(trainer.model)}
-            _checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
+            checkpoint_io(lambda: dcp.load(state, checkpoint_id=str(path)), "loading", path)
             set_model_state_dict(trainer.model, state["model"])
             trainer.optimizer.state.clear()
             for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
@@ -104,6 +106,8 @@ class FSDPStrategy(DistributedStrategy):
         """A one-process or DDP checkpoint file: every rank reads it and keeps its shards."""
         error, ckpt = None, None
         try:
+            if self.is_main:  # of saves an interrupted run left
+                ts.remove_stale_temporaries(path.parent)
             ckpt = ts.read_checkpoint(path)
             ts.check_compatible(trainer, ckpt, path)
             ckpt = rank_checkpoint(ckpt, path, env.rank(), env.world_size())
@@ -120,17 +124,6 @@ def _load_rest(trainer, ckpt: dict) -> None:
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(ckpt["scheduler"])
     ts.restore_progress(trainer, ckpt)
-
-
-def _checkpoint_io(action, what: str, path: Path) -> None:
-    """Run a DCP save or load; its ``CheckpointException`` (a ``BaseException``, which
-    ``except Exception`` lets through) becomes a ``RuntimeError`` naming the path."""
-    try:
-        action()
-    except CheckpointException as exc:
-        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"  # (exception, traceback)
-                           for r, (e, _) in sorted(exc.failures.items()))
-        raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed ({causes})") from exc
 
 
 def _sharded_state(trainer) -> tuple[dict, list | None]:

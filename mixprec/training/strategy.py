@@ -150,6 +150,7 @@ class Strategy:
         ts.atomic_save(ts.trainer_state(trainer), path)
 
     def load(self, trainer, path) -> None:
+        ts.remove_stale_temporaries(Path(path).parent)  # of saves an interrupted run left
         ckpt = read_any(path, trainer.optimizer)
         ts.load_trainer_state(trainer, rank_checkpoint(ckpt, path, 0, 1), path)
 
@@ -312,6 +313,8 @@ class DDPStrategy(DistributedStrategy):
     def load(self, trainer, path) -> None:
         error = None
         try:
+            if self.is_main:  # of saves an interrupted run left
+                ts.remove_stale_temporaries(Path(path).parent)
             ckpt = rank_checkpoint(read_any(path, trainer.optimizer), path, env.rank(),
                                    env.world_size())
             ts.load_trainer_state(trainer, ckpt, path)
