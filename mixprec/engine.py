@@ -26,8 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
 from typing import Any
 
@@ -35,30 +33,23 @@ import torch
 from torch import nn
 
 from . import hardware, lowbit, vocabulary
+from .engine_checks import (
+    check_max_norm,
+    check_monitor,
+    check_policy,
+    positive_finite,
+    same_apart_from_marks,
+)
 from .engine_parallel import check_not_wrapped, check_owned
 from .fp8.choice import split_spec, with_modules
 from .master.params import show_master_grads
-from .monitor import PrecisionMonitor
 from .policy import Policy
-from .precision_map import PrecisionMap
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.unscale import total_norm
 from .shards import replicated
 
 __all__ = ["MixedPrecision", "check_max_norm", "engine_for"]
-
-
-def check_max_norm(max_grad_norm) -> None:
-    """Raise ValueError unless ``max_grad_norm`` is None or a positive finite number."""
-    if max_grad_norm is not None and not _positive_finite(max_grad_norm):
-        raise ValueError(f"max_grad_norm must be None or a positive finite number; "
-                         f"got {max_grad_norm!r}")
-
-
-def _positive_finite(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0 < value < math.inf)
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
@@ -179,7 +170,7 @@ class MixedPrecision:
         if prepared is None:
             raise ValueError("adopt() takes a model prepared for this run's policy; this one was "
                              "not prepared (use setup())")
-        if self.policy is not None and not _same_apart_from_marks(prepared, self.policy):
+        if self.policy is not None and not same_apart_from_marks(prepared, self.policy):
             raise ValueError(f"this model was prepared with {prepared}, not with this run's "
                              f"{self.policy}")
         if self.policy is None:
@@ -251,7 +242,7 @@ class MixedPrecision:
             ValueError: ``clip_value`` is not a positive finite number.
             RuntimeError: :meth:`clip_grad_norm_` already folded a clip into this step.
         """
-        if not _positive_finite(clip_value):
+        if not positive_finite(clip_value):
             raise ValueError(f"clip_value must be a positive finite number; got {clip_value!r}")
         stage = self._ready().stage_of(optimizer)
         if stage == "folded":
@@ -385,36 +376,3 @@ def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -
                         f"precision keywords build one); got {type(mixed_precision).__name__}")
     vocabulary.check_engine_alone(mixed_precision, options, entry_point)
     return mixed_precision
-
-
-def check_policy(saved: dict | None, policy: Policy | None, where: str = "this checkpoint"):
-    """Refuse a saved policy (a :meth:`Policy.state_dict`) that differs from ``policy`` in
-    value (the ``level`` label aside: see :class:`Policy`)."""
-    if saved is None or policy is None:
-        same = saved is None and policy is None
-    else:
-        same = Policy.from_state_dict(saved) == policy
-    if not same:
-        shown = "none" if saved is None else str(Policy.from_state_dict(saved))
-        raise ValueError(f"{where} was made under the policy {shown}, but this run uses "
-                         f"{policy}: load it into a run with the same policy")
-
-
-def check_monitor(monitor):
-    """``monitor`` itself when it is None or a :class:`mixprec.PrecisionMonitor`."""
-    if monitor is not None and not isinstance(monitor, PrecisionMonitor):
-        raise TypeError(f"monitor must be a mixprec.PrecisionMonitor or None; "
-                        f"got {type(monitor).__name__}")
-    return monitor
-
-
-def _same_apart_from_marks(prepared: Policy, policy: Policy) -> bool:
-    """A prepared model's policy adds to the run's modules map the model's to_float marks, and
-    the names of the low-bit layers chosen for it when the map left the choice to prepare."""
-    blank = PrecisionMap()
-    if dataclasses.replace(prepared, modules=blank) != dataclasses.replace(policy, modules=blank):
-        return False
-    kept = all(prepared.modules.get(k) == v for k, v in policy.modules.items() if v.gemm is None)
-    by_type = any(not isinstance(k, str) and v.lowbit for k, v in policy.modules.items())
-    names = None if by_type else policy.fp8_modules
-    return kept and (names is None or set(prepared.fp8_modules or ()) == set(names))

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..engine import check_max_norm
+from ..engine_checks import check_max_norm
 
 __all__ = ["check_options", "check_device", "check_reiterable", "length"]
 

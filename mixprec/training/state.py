@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..engine import check_policy
+from ..engine_checks import check_policy
 
 CHECKPOINT_FORMAT = "mixprec.trainer/2"
 
