@@ -27,7 +27,8 @@ of Lightning's precision hooks lands on the engine:
   through ``engine.clip_grad_norm_``, by value through ``engine.clip_grad_value_``; ``p.grad``
   read after clipping is the clipped, true gradient (at O2 the fp32 masters' gradients, and the
   16-bit model gradients rounded from them).
-* ``optimizer.step(closure, **kwargs)``: the keywords go on to the optimizer's ``step``.
+* ``optimizer.step(closure, **kwargs)``: the keywords go on to the optimizer's ``step`` (at O2
+  through the fp32-master wrapper; a compact master method refuses them).
 * ``monitor=``: a :class:`mixprec.PrecisionMonitor` records the run; its scalars also go to
   the trainer's loggers (``logger.log_metrics``), TensorBoard, CSV or W&B alike.
 * ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
@@ -52,6 +53,7 @@ from torch import nn
 from .. import vocabulary
 from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
+from ..master.optimizer import MasterWeightOptimizer
 from ..master.wrapper import is_wrapped
 from ..monitor import CallbackWriter
 from ..policy import Policy
@@ -281,10 +283,11 @@ class MixprecPrecision(Precision):
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Closure, true gradients, Lightning's hooks and clipping, then the engine's step
         (``kwargs`` go on to ``optimizer.step``, as with Lightning's own plugins)."""
-        if kwargs and is_wrapped(optimizer):
-            raise TypeError(f"optimizer.step() got {sorted(kwargs)}: at a master-weight level "
-                            f"the optimizer is mixprec's {type(optimizer).__name__}, whose step "
-                            f"takes no other arguments than a closure")
+        if kwargs and is_wrapped(optimizer) and not isinstance(optimizer, MasterWeightOptimizer):
+            raise TypeError(f"optimizer.step() got {sorted(kwargs)}: the optimizer is mixprec's "
+                            f"{type(optimizer).__name__}, whose own kernels update the weights "
+                            f"(the keywords cannot reach your optimizer's step): use "
+                            f"master='fp32', which passes them on")
         inner = optimizer.inner if is_wrapped(optimizer) else optimizer
         if isinstance(inner, torch.optim.LBFGS):
             raise TypeError("LBFGS re-evaluates its closure inside step(), after the overflow "

@@ -59,16 +59,16 @@ def reshare_hooks(wrapper, inner: torch.optim.Optimizer) -> None:
         setattr(inner, name, getattr(wrapper, name))
 
 
-def raw_step(optimizer: torch.optim.Optimizer, closure=None) -> Any:
+def raw_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
     """``optimizer``'s own ``step`` without torch's hook wrapper (no step hooks, global or
-    per-instance: the wrapper's ``step()`` ran them). An LR scheduler built on ``optimizer``
-    still sees that it stepped."""
+    per-instance: the wrapper's ``step()`` ran them), with ``kwargs`` (the ones the wrapper's
+    ``step`` was given). An LR scheduler built on ``optimizer`` still sees that it stepped."""
     step = type(optimizer).step
     if getattr(step, "hooked", False):  # torch's profile_hook_step around the class's step
         step = step.__wrapped__
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # what the scheduler's own step wrapper records
-    return step(optimizer) if closure is None else step(optimizer, closure)
+    return step(optimizer, **kwargs) if closure is None else step(optimizer, closure, **kwargs)
 
 
 def has_step_pre_hooks(wrapper) -> bool:

@@ -1,10 +1,7 @@
 """``MasterWeightOptimizer``: fp32 master copies of low-precision parameters.
 
-Why masters: a bf16 weight near 1.0 has an ulp of 2**-7. An update smaller than half of that
-(2**-8) rounds away completely, on every step, so a model whose weights live in bf16 (or fp16)
-silently stops learning wherever updates are small. Keeping an fp32 copy of each low-precision
-weight (the master), applying the optimizer to it and writing the rounded result back lets those
-small updates accumulate until they move the low-precision weight.
+Why masters: an update below half a bf16 ulp (2**-8 near 1.0) rounds away on every step; an fp32
+copy (the master), stepped and written back rounded, lets such updates accumulate.
 
 **torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects:
 LR schedulers, code that edits ``"lr"``, and hooks registered on the wrapper work as for any torch
@@ -39,22 +36,17 @@ An optimizer that is not per-parameter gets all its fp32 gradients at once, duri
   its master's gradient is made again from it.
 * ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
   divided by it as they are read (fp32 parameters' gradients in place).
-* ``drop_master_grads()`` drops the fp32 gradients (a scaler calls it when it skips the step);
-  ``zero_grad()`` clears the model's gradients and drops them too.
+* ``drop_master_grads()`` drops the fp32 gradients (a scaler skipping the step calls it).
 
-A scaler that skips a step simply does not call ``step()``: masters, model parameters and
-optimizer state stay untouched. ``torch.amp.GradScaler`` cannot drive this optimizer (it would
-unscale the fp32 gradients it reads, not the ones the step uses): ``step()`` raises a clear error.
+A scaler that skips a step does not call ``step()``: masters, parameters and state stay untouched.
+``torch.amp.GradScaler`` cannot drive this optimizer (``step()`` raises a clear error).
 
-**Update kernels** (``fused``): ``"auto"`` (default) runs torch's own fused kernel for
-``torch.optim.SGD``/``Adam``/``AdamW`` on CPU and CUDA (``fused=True`` for the call; the inner
-optimizer's own options are restored after) and the inner optimizer's configured step otherwise;
-``False`` always runs the configured step (bitwise what the unwrapped optimizer does on fp32
-tensors); ``"compile"`` runs one ``torch.compile``-d pass per low-precision parameter that reads
-its low-precision gradient, unscales it and writes master, state and rounded weight (SGD/Adam/
-AdamW with fp32 state only; the first step compiles; results agree with the others to a few
-fp32 ulps). See :mod:`mixprec.master.kernels`. bf16 weights are written back rounded to nearest
-with exact ties away from zero (``master="split"``'s rule: the two train bit for bit alike).
+**Update kernels** (``fused``): ``"auto"`` (default) runs torch's fused kernel for SGD/Adam/
+AdamW on CPU and CUDA (``fused=True`` for the call) and the configured step otherwise; ``False``
+always runs the configured step (bitwise the unwrapped optimizer on fp32 tensors); ``"compile"``
+one ``torch.compile``-d pass per low-precision parameter (SGD/Adam/AdamW, fp32 state; a few fp32
+ulps from the others). See :mod:`mixprec.master.kernels`. bf16 weights are written back rounded
+to nearest, exact ties away from zero (``master="split"``'s rule: the two train bit for bit alike).
 
 **Moments in bf16** (``state_dtype="bf16"``): the inner optimizer's moment buffers are stored in
 bf16 and widened to fp32 for each bucket's step, then rounded back stochastically (see
@@ -333,13 +325,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None, *,
-             grad_scale: torch.Tensor | None = None) -> Any:
+             grad_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:
         """Step the masters from the gradients and write them back (see the class docstring).
 
         Args:
             closure: re-evaluates the model and returns the loss (as for any torch optimizer);
                 the model sees the current masters before each re-evaluation.
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
+            kwargs: passed on to the inner optimizer's ``step`` (each time it runs).
 
         Returns:
             What the inner optimizer's ``step`` returns (the closure's loss, or None).
@@ -350,6 +343,13 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """
         self._refuse_torch_grad_scaler()
         self._carry.inv = None
+        self.step_kwargs = kwargs
+        try:
+            return self._step(closure, grad_scale)
+        finally:
+            self.step_kwargs = {}
+
+    def _step(self, closure, grad_scale) -> Any:
         if closure is not None:
             if grad_scale is not None:
                 raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "

@@ -186,8 +186,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def inner_step(self, closure=None) -> Any:
         """Run the inner optimizer's ``step`` (only the step paths call this), without torch's
-        step hooks: ``step()`` ran them once (see :mod:`mixprec.master.hooks`)."""
-        return hooks.raw_step(self.inner, closure)
+        step hooks: ``step()`` ran them once (see :mod:`mixprec.master.hooks`), with the
+        keywords ``step()`` was given (``optimizer.step(closure, **kwargs)``, as Lightning's
+        plugins forward them)."""
+        return hooks.raw_step(self.inner, closure, **getattr(self, "step_kwargs", {}))
 
     def has_step_pre_hooks(self) -> bool:
         """True when step pre-hooks would run on :meth:`step` (a loss scaler then unscales the
