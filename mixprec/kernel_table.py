@@ -160,6 +160,15 @@ class KernelTable:
         ``device_type``."""
         return self.accepts("fused_optimizer", device_type, dtype)
 
+    @staticmethod
+    def fused_optimizer_on_shards(optimizer_type: type) -> bool:
+        """Whether torch's fused kernel of ``optimizer_type`` steps FSDP2 shards (DTensors):
+        DTensor registers a sharding rule for ``_fused_adam_``/``_fused_adamw_``
+        (torch/distributed/tensor/_ops/_pointwise_ops.py), none for ``_fused_sgd_`` (it raises
+        ``NotImplementedError: Operator aten._fused_sgd_.default does not have a sharding
+        strategy registered``)."""
+        return optimizer_type in (torch.optim.Adam, torch.optim.AdamW)
+
     def master_step(self, device_type: str) -> str:
         """The master step a compiling Trainer turns on: ``"compile"`` on the CPU, else
         ``"fused"`` (torch's fused kernels, ``MasterWeightOptimizer(fused="auto")``)."""

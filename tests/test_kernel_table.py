@@ -268,3 +268,21 @@ def test_sharded_bf16_gradients_under_cudas_limits_flag_on_every_rank(tmp_path):
                 ok = torch.isfinite(values)
                 assert ok.sum() == 16 - (bad_row is not None and bad_row // 4 == rank)
                 assert torch.equal(values[ok], mine[ok])
+
+
+def _sharding_rules() -> set[str]:
+    """The aten ops DTensor has a sharding rule for (what an FSDP2 shard can be stepped with)."""
+    import torch.distributed.tensor._ops  # noqa: F401  (registers the rules)
+    from torch.distributed.tensor import DTensor
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return {str(op) for name in dir(prop) if isinstance(getattr(prop, name), dict)
+            for op in getattr(prop, name)}
+
+
+@pytest.mark.parametrize("optimizer_type,op", [(torch.optim.SGD, "aten._fused_sgd_.default"),
+                                               (torch.optim.Adam, "aten._fused_adam_.default"),
+                                               (torch.optim.AdamW, "aten._fused_adamw_.default")])
+def test_fused_optimizers_on_fsdp2_shards_are_the_ones_dtensor_has_a_rule_for(optimizer_type, op):
+    """The table's row is torch's registry: SGD's fused kernel has no DTensor rule (an FSDP2 run
+    whose fp32 norms a compact master stepped with it raised NotImplementedError)."""
+    assert kernel_table.TABLE.fused_optimizer_on_shards(optimizer_type) == (op in _sharding_rules())
