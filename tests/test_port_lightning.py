@@ -638,3 +638,14 @@ def test_fit_at_o2_with_a_torchmetrics_metric():
     assert torch.isfinite(model.mean_loss.compute())
     model.cpu()
     assert model.layer.weight.dtype == torch.bfloat16
+
+
+def test_a_subclass_whose_step_calls_super_takes_keywords_at_o2_whatever_was_built_before():
+    """torch hooks a class's ``step`` once an instance of it exists: with a plain SGD built
+    first, ``super().step()`` inside the user's subclass passes torch's hook wrapper of SGD,
+    which must not take the wrapper's own call for a direct step of the inner optimizer."""
+    torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1).step()  # hooks SGD.step
+    model = boring(TwoOptimizers)
+    fit = trainer(MixprecPrecision(level="O2", dtype="bf16"), max_steps=8)
+    fit.fit(model)
+    assert fit.optimizers[0].inner.seen == ["sgd"] * 3

@@ -68,7 +68,17 @@ def raw_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
         step = step.__wrapped__
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # what the scheduler's own step wrapper records
-    return step(optimizer, **kwargs) if closure is None else step(optimizer, closure, **kwargs)
+    # a subclass whose step calls super().step() goes through torch's hook wrapper of the base
+    # class (once any plain instance of it exists): that call is the wrapper's, not a direct one
+    optimizer.__dict__[STEPPED_BY_WRAPPER] = True
+    try:
+        return step(optimizer, **kwargs) if closure is None else step(optimizer, closure, **kwargs)
+    finally:
+        optimizer.__dict__.pop(STEPPED_BY_WRAPPER, None)
+
+
+#: Set on an inner optimizer while its wrapper steps it (see :func:`raw_step`).
+STEPPED_BY_WRAPPER = "_mixprec_stepped_by_wrapper"
 
 
 def has_step_pre_hooks(wrapper) -> bool:

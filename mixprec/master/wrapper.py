@@ -236,7 +236,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "scaler.update()")
 
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
-        if optimizer is self.inner:
+        if optimizer is self.inner and not optimizer.__dict__.get(hooks.STEPPED_BY_WRAPPER):
             raise RuntimeError(
                 f"this {type(optimizer).__name__} was wrapped in a {type(self).__name__} (by "
                 "mixprec.prepare at level O2, or directly): only the wrapper steps its "
