@@ -27,7 +27,7 @@ demo: $(DEMO_STAMP)
 	$(PY) -m mixprec demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
