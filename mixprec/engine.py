@@ -86,8 +86,9 @@ class MixedPrecision:
         ('O2', True, True)
     """
 
-    def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
+    def __init__(self, level: str = vocabulary.LEVEL, dtype: Any = vocabulary.DTYPE,
+                 loss_scale: Any = "auto", policy: Policy | None = None, *,
+                 keep_fp32=None, low_precision_ops=(),
                  fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
                  fp8: str | None = None, fp8_modules=None, monitor=None):
         if policy is not None and not isinstance(policy, Policy):

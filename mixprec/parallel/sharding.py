@@ -146,8 +146,9 @@ def _policies(policy, reduce_dtype: torch.dtype):
     "master": 'Under FSDP2 "fp32" means the fp32 shards are the masters; the others keep '
               "16-bit shards (see the module docstring).",
     "state_dtype": "O2 only."})
-def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
-         dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
+def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         level: str = vocabulary.Default("O2"),
+         dtype: Any = vocabulary.DTYPE, reduce_dtype: Any = "fp32", units: Iterable | None = None,
          mesh=None, keep_fp32=None, policy: Policy | None = None, low_precision_ops=(),
          fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None,
          emulate_fp16="auto", mixed_precision: MixedPrecision | None = None):
@@ -203,7 +204,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if is_fsdp(model) or policy_of(model) is not None:
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")
-    vocabulary.check_policy_alone(policy, level, dtype, "fsdp", defaults=("O2", "auto"))
+    vocabulary.check_policy_alone(policy, level, dtype, "fsdp")
     if mixed_precision is not None:
         engine_for(fsdp, mixed_precision, level=level, dtype=dtype, keep_fp32=keep_fp32,
                    policy=policy, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
