@@ -38,7 +38,7 @@ from .training import (
                        Trainer,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "__version__",
