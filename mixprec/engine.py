@@ -363,7 +363,7 @@ class MixedPrecision:
 
 def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -> MixedPrecision:
     """The engine an integration runs on: ``mixed_precision`` itself (then every other option of
-    ``entry_point`` must be at its default), or one built from ``options`` (the precision
+    ``entry_point`` must be left at its default), or one built from ``options`` (the precision
     keywords, ``loss_scale``, ``emulate_fp16``, ``monitor``).
 
     Raises:

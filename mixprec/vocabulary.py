@@ -12,6 +12,8 @@ Each entry point spells the keywords out as its own parameters (``inspect.signat
 and IDEs see them); :func:`takes` fills their ``Args`` entries into its docstring from the
 declarations below and checks, at import, that the signature's defaults are the declared ones,
 unless the entry point states why its default differs (``parallel.fsdp`` defaults to O2).
+``level`` and ``dtype`` default to :class:`Default` strings (``'O1'``, ``'auto'`` to every
+reader), so that one given beside ``policy=`` is refused even at its default value.
 
 The apex compatibility layer (:mod:`mixprec.compat.apex_amp`) keeps apex's own names
 (``opt_level``, ``keep_batchnorm_fp32``, ...): it exists to run apex code unchanged.
@@ -306,7 +308,8 @@ def check_engine_alone(engine, given: dict[str, Any], entry_point) -> None:
     """Refuse keywords beside a ready engine (``mixed_precision=``), which already holds them.
 
     ``given``: keyword -> value as passed to ``entry_point``; a value other than the
-    signature's default is refused.
+    signature's default is refused (``level``/``dtype``: any value passed, as their
+    :class:`Default` tells).
 
     Raises:
         TypeError: naming the keywords given beside the engine.
