@@ -6,6 +6,12 @@ else its model parameter's gradient; divides what it reads by ``grad_scale`` whe
 still carry a loss scale; steps the inner optimizer on the masters; and writes the masters back
 into the model parameters, rounded to nearest even. fp32 parameters in the groups are their own
 masters: their gradients are unscaled in place.
+
+Where a bucket runs torch's fused kernel, the loss scale is handed to it (``grad_scale``: it
+divides each gradient as it reads it, and writes the quotient back), and so is a scaler's
+overflow flag (``found_inf``: the kernel skips on the device and takes back its step count), as
+``torch.amp.GradScaler`` hands them to a fused optimizer: no unscale pass and no host read.
+:func:`skips_on_device` says when a whole step can take the flag.
 """
 
 from __future__ import annotations
@@ -15,28 +21,69 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..scaling.unscale import unscale_
-from . import kernels, states
+from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 from .split_bits import round_into_
 
-__all__ = ["bucketed_step", "compiled_step", "closure_step"]
+__all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device"]
 
 
-def bucketed_step(opt, grad_scale: torch.Tensor | None) -> None:
+def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the step reads for ``t`` (a master's fp32 one if current, else its model
+    parameter's), or None: ``t`` is not stepped."""
+    if not is_master(t):
+        return t.grad
+    grad = valid_grad(t)
+    return t.model_param.grad if grad is None else grad
+
+
+def skips_on_device(opt) -> bool:
+    """True when the next ``step(found_inf=...)`` of master optimizer ``opt`` can skip on the
+    device: every tensor it steps goes through torch's fused kernel (``fused="auto"``), fp32
+    moments (bf16 ones are rounded stochastically, which would draw bits on a skipped step),
+    no step hooks (they must not run on a skipped step), and every stepped tensor already has
+    its optimizer state (a first step would make it: torch's fused SGD starts its momentum
+    buffers as ``empty_like``, and Adam's state would appear on a skipped step)."""
+    if opt.fused != "auto" or opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
+        return False
+    inner = opt.inner
+    stepped = [t for g in opt.param_groups for t in g["params"] if _step_grad(t) is not None]
+    if (kernels.torch_fused_problem(inner, stepped, _step_grad) is not None
+            or any(isinstance(t, DTensor) for t in stepped)):  # FSDP2: the scale stays apart
+        return False
+    sgd = type(inner) is torch.optim.SGD
+    for group in inner.param_groups:
+        key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
+        if key is not None and any(key not in inner.state.get(t, ()) for t in group["params"]
+                                   if _step_grad(t) is not None):
+            return False
+    return True
+
+
+def bucketed_step(opt, grad_scale: torch.Tensor | None,
+                  found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
     per-parameter; see :mod:`mixprec.master.buckets`)."""
-    inv = None if grad_scale is None else grad_scale.reciprocal()
+    inverse: list[torch.Tensor] = []  # grad_scale's reciprocal, made if a bucket needs it
+
+    def inv() -> torch.Tensor:
+        if not inverse:
+            inverse.append(grad_scale.reciprocal())
+        return inverse[0]
+
     buckets = opt.buckets()
     try:
         for bucket in buckets:
-            _step_bucket(opt, bucket, inv, alone=len(buckets) == 1)
+            _step_bucket(opt, bucket, grad_scale, found_inf, inv, alone=len(buckets) == 1)
     finally:
         opt.scratch.release()  # transient: the fp32 gradients do not outlive the step
 
 
-def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> None:
+def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, inv,
+                 alone: bool) -> None:
     dense, sparse, held, own, stepped = [], [], [], [], []
     for tensors in bucket:
         for t in tensors:
@@ -61,19 +108,41 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> Non
         for t, view in zip(dense, views):
             set_grad(t, view)
         made = [derive_grad(t, None) for t in sparse]
-        if inv is not None:
-            unscale_(own + held + views + made, inv)
         tensors = [t for ts in bucket for t in ts]
         fused = (opt.fused == "auto"
                  and kernels.torch_fused_problem(opt.inner, tensors) is None)
+        # the kernel divides by the scale (FSDP2 shards: unscaled apart, as before)
+        folds = fused and not any(isinstance(t, DTensor) for t in tensors)
+        if not folds and found_inf is not None:
+            raise RuntimeError("step(found_inf=...) needs torch's fused kernel for every tensor; "
+                               "call it only when skips_on_device() is True")
+        if grad_scale is not None and not folds:
+            unscale_(own + held + views + made, inv())
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
+                (_amp_arguments(opt.inner, grad_scale, found_inf) if folds
+                 else contextlib.nullcontext()), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
             round_into_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
+
+
+@contextlib.contextmanager
+def _amp_arguments(inner, grad_scale, found_inf):
+    """Inside the block, torch's fused step of ``inner`` divides the gradients by
+    ``grad_scale`` and skips when ``found_inf`` is 1 (torch's optimizers read these attributes,
+    which ``torch.amp.GradScaler`` sets for a fused optimizer)."""
+    if grad_scale is None and found_inf is None:
+        yield
+        return
+    inner.grad_scale, inner.found_inf = grad_scale, found_inf
+    try:
+        yield
+    finally:
+        del inner.grad_scale, inner.found_inf
 
 
 def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:

@@ -17,7 +17,6 @@ Two kinds of optimizer are driven:
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -25,11 +24,20 @@ from torch import nn
 
 from ..shards import local as _local
 from ..shards import replicated as _replicated
+from . import args as checks
 from . import unscale as passes
 from .gradscaler import GradScalerInterface
 from .protocol import owns_gradients
-from .records import SEQUENCE, Counters, OptimizerRecord, Stage, StageBook, check_not_stepped
-from .state import ScaleState, positive_scale
+from .records import (
+    SEQUENCE,
+    Counters,
+    OptimizerRecord,
+    QueuedStep,
+    Stage,
+    StageBook,
+    check_not_stepped,
+)
+from .state import ScaleState
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -121,7 +129,7 @@ class LossScaler(GradScalerInterface):
             return type(loss)(self.scale(x) for x in loss)
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
-                            f"them; got {_describe(loss)}")
+                            f"them; got {checks.describe(loss)}")
         if not self._scales:
             return loss
         if self._state.device != loss.device and not self._stages:
@@ -178,7 +186,7 @@ class LossScaler(GradScalerInterface):
             ValueError: a bad ``max_norm`` or ``norm_type``.
             RuntimeError: called twice, or after step(), in one iteration.
         """
-        _check_clip_args(max_norm, norm_type)
+        checks.check_clip_args(max_norm, norm_type)
         if owns_gradients(optimizer):
             record = self._stages.get(optimizer)
             if record is None or record.stage is Stage.READY:
@@ -200,9 +208,14 @@ class LossScaler(GradScalerInterface):
 
         Under ``torch.distributed`` the overflow flag is first all-reduced (max) over
         ``process_group``, so every rank skips together. A skipped step leaves the parameters
-        and all optimizer state untouched. One host sync (reading the flag), none when this
-        scaler does not check; one more on a step that overflowed. Extra arguments go to
-        ``optimizer.step``.
+        and all optimizer state untouched. Extra arguments go to ``optimizer.step``.
+
+        Host syncs: none when this scaler does not check. An optimizer that skips on the device
+        (a :class:`mixprec.MasterWeightOptimizer` whose step runs torch's fused kernels:
+        ``skips_on_device()``) is handed the flag with the step, as ``torch.amp.GradScaler``
+        hands it to a fused optimizer: its kernels skip on the device, and the flag is read
+        once, after the optimizer's step is queued (for the return value). Any other optimizer: the
+        flag is read before its step. One more read on a step that overflowed.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
@@ -211,12 +224,19 @@ class LossScaler(GradScalerInterface):
             TypeError: a closure was passed (it would recompute scaled gradients after the check).
             RuntimeError: step() was already called on this optimizer since the last update().
         """
+        return self.read_step(self.queue_step(optimizer, *args, **kwargs), updated=False)
+
+    def queue_step(self, optimizer, *args, **kwargs) -> QueuedStep:
+        """:meth:`step` up to the read of the overflow flag: an optimizer that skips on the
+        device is stepped with the flag and nothing is read; :meth:`read_step` tells whether it
+        stepped (call it after :meth:`update` to queue the scale update before the read too, as
+        :meth:`mixprec.MixedPrecision.step` does)."""
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise TypeError("step() does not take a closure: it would recompute scaled gradients "
                             "after the inf/NaN check. Compute the loss, call "
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
                             "optimizer.step(closure) directly when not scaling")
-        _check_optimizer(optimizer)
+        checks.check_optimizer(optimizer)
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
@@ -225,20 +245,59 @@ class LossScaler(GradScalerInterface):
         if record is None or record.stage is Stage.READY:
             record = self._prepare_step(optimizer, owner)
         record.stage = Stage.STEPPED
-        if self._checks and self._overflowed(record):
-            self._counters.skipped_steps += 1
-            if self._next_overflow_raises():
-                record.bad_params = passes.nonfinite_param_names(
-                    _grad_pairs(optimizer, owner), self._param_names(optimizer))
-            if owner:
-                optimizer.drop_master_grads()
-            return False
+        queued = QueuedStep(optimizer, record, owner)
+        flag = record.found_inf if self._checks else None
+        if flag is not None:
+            flag = record.found_inf = self._reduced(flag)
+            if owner and checks.skips_on_device(optimizer):  # no read: the kernels skip
+                optimizer.step(*args, grad_scale=record.grad_scale, found_inf=flag, **kwargs)
+                queued.flag = flag
+                return queued
+            if bool(flag.item()):
+                self._count_skip(queued, updated=False)
+                queued.stepped = False
+                return queued
         if owner:
             optimizer.step(*args, grad_scale=record.grad_scale, **kwargs)
         else:
             optimizer.step(*args, **kwargs)
         self._counters.applied_steps += 1
-        return True
+        queued.stepped = True
+        return queued
+
+    def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
+        """Whether the step :meth:`queue_step` queued was applied (True) or skipped; reads the
+        overflow flag when the optimizer skipped on the device (a host sync).
+
+        Args:
+            queued: what :meth:`queue_step` returned.
+            updated: :meth:`update` already ran for this iteration.
+
+        Raises:
+            NonFiniteGradientsError: with ``updated``, gradients stayed non-finite at
+                ``min_scale`` for ``max_skips_at_min`` steps in a row (without it,
+                :meth:`update` raises).
+        """
+        if queued.stepped is not None:
+            return queued.stepped
+        queued.stepped = not bool(queued.flag.item())
+        if queued.stepped:
+            self._counters.applied_steps += 1
+        else:
+            self._count_skip(queued, updated)
+        return queued.stepped
+
+    def _count_skip(self, queued: QueuedStep, updated: bool) -> None:
+        self._counters.skipped_steps += 1
+        opt = queued.optimizer
+        if self._next_overflow_raises(updated):
+            names = passes.nonfinite_param_names(checks.grad_pairs(opt, queued.owner),
+                                                 checks.param_names(opt, self._modules))
+            if updated:
+                raise self._persistent_overflow_error(names)
+            queued.record.bad_params = names
+        if queued.owner:
+            opt.drop_master_grads()
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the scale from the steps since the last update() and start a new iteration.
@@ -258,7 +317,7 @@ class LossScaler(GradScalerInterface):
                 ``max_skips_at_min`` steps in a row (dynamic scaling).
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
-            self._set_scale(_as_number(new_scale, "new_scale"))
+            self._set_scale(checks.as_number(new_scale, "new_scale"))
             self._stages.clear()
             return
         stepped = self._stages.stepped()
@@ -268,7 +327,9 @@ class LossScaler(GradScalerInterface):
         self._stages.clear()
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
-            self._state = self._adjust(torch.stack([f.to(self._state.device) for f in flags]).sum())
+            found = (flags[0] if len(flags) == 1
+                     else torch.stack([f.to(self._state.device) for f in flags]).amax())
+            self._state = self._adjust(found)
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
             names = list(dict.fromkeys(n for names in bad for n in names))
@@ -282,7 +343,9 @@ class LossScaler(GradScalerInterface):
     def _adjust(self, found_inf: torch.Tensor) -> ScaleState:
         return self._state
 
-    def _next_overflow_raises(self) -> bool:
+    def _next_overflow_raises(self, updated: bool = False) -> bool:
+        """Whether an overflow of this step reaches the persistent-overflow limit (``updated``:
+        the scale update after it already ran). Read on a step that overflowed."""
         return False
 
     def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
@@ -301,7 +364,7 @@ class LossScaler(GradScalerInterface):
         return self._state.scale.double().reciprocal().float()
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
-        _check_optimizer(optimizer)
+        checks.check_optimizer(optimizer)
         return self._stages.ready(optimizer, what)
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
@@ -334,67 +397,9 @@ class LossScaler(GradScalerInterface):
         record.stage = Stage.UNSCALED
         return total
 
-    def _overflowed(self, record: OptimizerRecord) -> bool:
-        found = record.found_inf
-        if found is None:
-            return False
+    def _reduced(self, found: torch.Tensor) -> torch.Tensor:
+        """The overflow flag of every rank (max over ``process_group``; no host read)."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
-        return bool(found.item())
-
-    def _param_names(self, optimizer) -> dict[int, str]:
-        """id(model parameter) -> a name: attached modules' names, else the position."""
-        model_param = getattr(optimizer, "model_param", None)
-        if not (owns_gradients(optimizer) and callable(model_param)):
-            model_param = _same
-        names = {id(model_param(p)): f"param_groups[{g}][{i}]"
-                 for g, group in enumerate(optimizer.param_groups)
-                 for i, p in enumerate(group["params"])}
-        for ref in self._modules:
-            module = ref()
-            if module is not None:
-                names.update({id(p): n for n, p in module.named_parameters()})
-        return names
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if owner:
-        return optimizer.grads_for_step()
-    return [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-            if p.grad is not None]
-
-
-def _check_clip_args(max_norm, norm_type) -> None:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-            or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite number; got {max_norm!r}")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
-            or not norm_type > 0:
-        raise ValueError(f"norm_type must be a positive number or float('inf'); "
-                         f"got {norm_type!r}")
-
-
-def _as_number(value, what: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{what} must be a number or a 1-element tensor; got a tensor of "
-                             f"shape {tuple(value.shape)}")
-        value = value.item()
-    return positive_scale(what, value)
-
-
-def _check_optimizer(optimizer) -> None:
-    if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
-        raise TypeError(f"expected a torch.optim.Optimizer (or MasterWeightOptimizer); "
-                        f"got {_describe(optimizer)}")
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of {x.dtype}"
-    return f"{type(x).__name__} {x!r}"
+        return found

@@ -107,21 +107,21 @@ def adjust_scale(state: ScaleState, found_inf: torch.Tensor, config: DynamicConf
         by ``growth_factor`` (never above ``max_scale``, so never to inf).
     """
     found = found_inf.to(state.device) > 0
-    hyst_full = torch.full_like(state.hysteresis_tracker, config.hysteresis)
-    hyst = torch.where(found, state.hysteresis_tracker - 1, hyst_full)
+    hyst = torch.where(found, state.hysteresis_tracker - 1, config.hysteresis)
     back_off = found & (hyst <= 0)
-    growth = torch.where(found, torch.zeros_like(state.growth_tracker), state.growth_tracker + 1)
+    growth = torch.where(found, 0, state.growth_tracker + 1)
     grow = growth >= config.growth_interval
-    smaller = torch.clamp(state.scale * config.backoff_factor, min=config.min_scale)
-    larger = torch.clamp(state.scale * config.growth_factor, max=config.max_scale)
-    scale = torch.where(back_off, smaller, torch.where(grow, larger, state.scale))
+    # the scale lies in [min_scale, max_scale], so one clamp bounds a backoff from below and a
+    # growth from above
+    factor = torch.where(back_off, config.backoff_factor,
+                         torch.where(grow, config.growth_factor, 1.0))
+    scale = torch.clamp(state.scale * factor, config.min_scale, config.max_scale)
     at_min = found & (state.scale <= config.min_scale)
     return ScaleState(
         scale=scale,
-        growth_tracker=torch.where(grow, torch.zeros_like(growth), growth),
-        hysteresis_tracker=torch.where(back_off, hyst_full, hyst),
-        skips_at_min=torch.where(at_min, state.skips_at_min + 1,
-                                 torch.zeros_like(state.skips_at_min)),
+        growth_tracker=torch.where(grow, 0, growth),
+        hysteresis_tracker=torch.where(back_off, config.hysteresis, hyst),
+        skips_at_min=torch.where(at_min, state.skips_at_min + 1, 0),
     )
 
 
