@@ -21,6 +21,10 @@ The paths:
   factor of 1 where it accepts the dtype (one launch per group; on the CPU as fast as one
   ``torch.aminmax`` per tensor on one 4M-element tensor and 8-30x faster on 400 small ones,
   fp16 and bf16, one or two threads); else ``"inf_norm"``.
+* **dynamic loss-scale update** (:meth:`KernelTable.scale_update_path`): ``"amp"``, torch's
+  ``_amp_update_scale_`` (the one kernel ``torch.amp.GradScaler`` runs), where it takes the
+  float32 scale, for a scaler without hysteresis; else ``"where"``, element-wise ops on the 0-d
+  state tensors (hysteresis, or a device without the kernel).
 * **torch's fused optimizers** (:meth:`KernelTable.fused_optimizer`): ``fused=True`` SGD, Adam
   and AdamW where the device and dtype have a fused kernel.
 * **the master step a compiling Trainer turns on** (:meth:`KernelTable.master_step`):
@@ -71,6 +75,10 @@ LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
     # the gradients and state of the masters' dtype. On other devices (MPS: no fp64) mixprec
     # takes the optimizer's own foreach step.
     "fused_optimizer": {"cpu": FLOATS, "cuda": FLOATS, "other": ()},
+    # torch._amp_update_scale_(scale, growth_tracker, found_inf, growth, backoff, interval):
+    # a float32 scale and an int32 tracker (ATen/native/cpu/AmpGradScalerKernels.cpp,
+    # ATen/native/cuda/AmpKernels.cu); MPS has one too, not relied on here.
+    "amp_update_scale": {"cpu": (F32,), "cuda": (F32,), "other": ()},
     # torch._foreach_norm(tensors, ord=inf): floating dtypes (CUDA:
     # AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16), max_propagate_nan; CPU: one
     # linalg.vector_norm per tensor). An empty tensor has no inf-norm on the CPU: left out.
@@ -90,6 +98,7 @@ LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
 #: :meth:`KernelTable.imposing`).
 KERNELS: dict[str, Callable] = {
     "amp_check_and_unscale": torch._amp_foreach_non_finite_check_and_unscale_,
+    "amp_update_scale": torch._amp_update_scale_,
 }
 
 _NORM_KINDS = {"batch_norm": "batch_norm_low_input", "layer_norm": "layer_group_norm_low_input",
@@ -154,6 +163,14 @@ class KernelTable:
         if self.accepts("amp_check_and_unscale", device_type, dtype):
             return "amp"
         return "inf_norm"
+
+    def scale_update_path(self, device_type: str, hysteresis: int) -> str:
+        """``"amp"`` (torch's ``_amp_update_scale_``, one launch) or ``"where"`` (element-wise
+        ops) for a dynamic scale update of a float32 scale on ``device_type``; torch's kernel
+        knows no hysteresis (``hysteresis`` > 1 takes ``"where"``)."""
+        if hysteresis == 1 and self.accepts("amp_update_scale", device_type, F32):
+            return "amp"
+        return "where"
 
     def fused_optimizer(self, device_type: str, dtype: torch.dtype) -> bool:
         """Whether torch's fused SGD/Adam/AdamW kernel steps ``dtype`` tensors on
