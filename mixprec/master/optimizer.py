@@ -15,12 +15,10 @@ whose results do not depend on which parameters are stepped together: those are 
 at a time. The inner optimizer itself must no longer be stepped directly (its ``param_groups``
 now hold masters): its ``step()`` raises a ``RuntimeError`` that says to use the wrapper.
 
-**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one.
-``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``) into one
-scratch buffer per device, freed when the step ends (``fused="compile"`` needs none). Bytes per
-low-precision parameter: 2 (weight) + 4 (master) + 2 (gradient) + the optimizer state (SGD
-with momentum 4, Adam 8; half that with ``state_dtype="bf16"``); the bucket exists only during
-``step()``, when the activations are gone (all of it for an optimizer not per-parameter).
+**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one:
+``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``; all at once
+for an optimizer not per-parameter) into a scratch buffer freed when the step ends. Bytes per
+16-bit parameter: 2 (weight) + 4 (master) + 2 (gradient) + the state (SGD momentum 4, Adam 8).
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`, what mixprec's scalers call):
 
@@ -70,7 +68,6 @@ from .params import (
 )
 from .rounding import DEFAULT_SEED, RoundingGenerator
 from .split_bits import round_into_
-from .steps import skips_on_device
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -290,8 +287,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         made earlier are replaced. No host sync.
 
         Returns:
-            A 0-d float32 tensor, > 0 when some gradient held inf or NaN, on the device of the
-            first gradient (or the CPU when there is none).
+            A 0-d float32 flag, 1 when a gradient held inf/NaN, on the first gradient's device.
         """
         self._carry.inv = None
         made, fp32 = [], []
@@ -313,10 +309,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
             set_grad(p, grad)
         return found
 
+    def settle_grads_(self, grad_scale: torch.Tensor) -> torch.Tensor:
+        """``unscale_grads_`` with the step's arithmetic (:func:`.steps.settle_grads`)."""
+        return steps.settle_grads(self, grad_scale)
+
     # -- the step ------------------------------------------------------------------------------
     def skips_on_device(self) -> bool:
         """Whether ``step(found_inf=f)`` can skip on the device (:func:`.steps.skips_on_device`)."""
-        return skips_on_device(self)
+        return steps.skips_on_device(self)
 
     def step(self, closure: Callable[[], Any] | None = None, *,
              grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,

@@ -28,7 +28,8 @@ from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 from .split_bits import round_into_
 
-__all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device"]
+__all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
+           "settle_grads"]
 
 
 def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
@@ -40,50 +41,90 @@ def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
     return t.model_param.grad if grad is None else grad
 
 
+def _stepped(opt) -> list[torch.Tensor]:
+    return [t for g in opt.param_groups for t in g["params"] if _step_grad(t) is not None]
+
+
+def folds_scale(opt) -> bool:
+    """True when the step hands the loss scale to torch's fused kernel (``grad_scale``: it
+    divides each gradient by it) for every tensor, rather than multiplying the gradients by its
+    inverse first: ``fused="auto"`` and a fused kernel for every stepped tensor (FSDP2 shards
+    are unscaled apart, as before)."""
+    tensors = [t for g in opt.param_groups for t in g["params"]]  # as the buckets decide
+    return (opt.fused == "auto"
+            and kernels.torch_fused_problem(opt.inner, tensors, _step_grad) is None
+            and not any(isinstance(t, DTensor) for t in tensors))
+
+
 def skips_on_device(opt) -> bool:
     """True when the next ``step(found_inf=...)`` of master optimizer ``opt`` can skip on the
-    device: every tensor it steps goes through torch's fused kernel (``fused="auto"``), fp32
-    moments (bf16 ones are rounded stochastically, which would draw bits on a skipped step),
-    no step hooks (they must not run on a skipped step), and every stepped tensor already has
-    its optimizer state (a first step would make it: torch's fused SGD starts its momentum
-    buffers as ``empty_like``, and Adam's state would appear on a skipped step)."""
-    if opt.fused != "auto" or opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
+    device: the loss scale folds into torch's fused kernels (:func:`folds_scale`), fp32 moments
+    (bf16 ones are rounded stochastically, which would draw bits on a skipped step), no step
+    hooks (they must not run on a skipped step), and every stepped tensor already has its
+    optimizer state (a first step would make it: torch's fused SGD starts its momentum buffers
+    as ``empty_like``, and Adam's state would appear on a skipped step)."""
+    if opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
         return False
-    inner = opt.inner
-    stepped = [t for g in opt.param_groups for t in g["params"] if _step_grad(t) is not None]
-    if (kernels.torch_fused_problem(inner, stepped, _step_grad) is not None
-            or any(isinstance(t, DTensor) for t in stepped)):  # FSDP2: the scale stays apart
+    if not folds_scale(opt):
         return False
+    inner, chosen = opt.inner, set(map(id, _stepped(opt)))
     sgd = type(inner) is torch.optim.SGD
     for group in inner.param_groups:
         key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
         if key is not None and any(key not in inner.state.get(t, ()) for t in group["params"]
-                                   if _step_grad(t) is not None):
+                                   if id(t) in chosen):
             return False
     return True
+
+
+def settle_grads(opt, grad_scale: torch.Tensor) -> torch.Tensor:
+    """Make ``opt``'s fp32 gradients as ``step(grad_scale=...)`` reads them (the model's read as
+    them, rounded) and return the 0-d inf/NaN flag: divided by ``grad_scale`` where the step
+    folds it into torch's kernel (:func:`folds_scale`), else times its inverse, so a clip
+    applied before the step (``LossScaler.settle_``) steps bitwise as one inside it."""
+    inv = grad_scale.reciprocal()
+    if not folds_scale(opt):
+        return opt.unscale_grads_(inv)
+    found = opt.unscale_grads_(None)
+    masters = [t for g in opt.param_groups for t in g["params"] if is_master(t)]
+    made = [(t, g) for t, g in ((t, valid_grad(t)) for t in masters) if g is not None]
+    own = [t.grad for g in opt.param_groups for t in g["params"]
+           if not is_master(t) and t.grad is not None]
+    with torch.no_grad():
+        for tensors in _by_device([g for _, g in made] + own).values():
+            torch._foreach_div_(tensors, grad_scale.to(tensors[0].device))
+        unscale_([t.model_param.grad for t, _ in made], inv)
+    for t, grad in made:  # the model gradients changed version: made from them still
+        set_grad(t, grad)
+    return found
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
 
 
 def bucketed_step(opt, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
     per-parameter; see :mod:`mixprec.master.buckets`)."""
-    inverse: list[torch.Tensor] = []  # grad_scale's reciprocal, made if a bucket needs it
-
-    def inv() -> torch.Tensor:
-        if not inverse:
-            inverse.append(grad_scale.reciprocal())
-        return inverse[0]
-
+    folds = grad_scale is not None and folds_scale(opt)  # one rule for all (settle_grads)
+    inv = None if folds or grad_scale is None else grad_scale.reciprocal()
     buckets = opt.buckets()
     try:
         for bucket in buckets:
-            _step_bucket(opt, bucket, grad_scale, found_inf, inv, alone=len(buckets) == 1)
+            _step_bucket(opt, bucket, grad_scale if folds else None, found_inf, inv,
+                         alone=len(buckets) == 1)
     finally:
         opt.scratch.release()  # transient: the fp32 gradients do not outlive the step
 
 
 def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, inv,
                  alone: bool) -> None:
+    """Step one bucket: the kernel divides by ``grad_scale`` (folded) or the gradients are
+    multiplied by ``inv`` first (at most one of them is given)."""
     dense, sparse, held, own, stepped = [], [], [], [], []
     for tensors in bucket:
         for t in tensors:
@@ -111,17 +152,14 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
         tensors = [t for ts in bucket for t in ts]
         fused = (opt.fused == "auto"
                  and kernels.torch_fused_problem(opt.inner, tensors) is None)
-        # the kernel divides by the scale (FSDP2 shards: unscaled apart, as before)
-        folds = fused and not any(isinstance(t, DTensor) for t in tensors)
-        if not folds and found_inf is not None:
+        if (grad_scale is not None or found_inf is not None) and not fused:
             raise RuntimeError("step(found_inf=...) needs torch's fused kernel for every tensor; "
                                "call it only when skips_on_device() is True")
-        if grad_scale is not None and not folds:
-            unscale_(own + held + views + made, inv())
+        if inv is not None:
+            unscale_(own + held + views + made, inv)
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
-                (_amp_arguments(opt.inner, grad_scale, found_inf) if folds
-                 else contextlib.nullcontext()), \
+                _amp_arguments(opt.inner, grad_scale, found_inf), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:

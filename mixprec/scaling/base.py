@@ -7,12 +7,10 @@ Two kinds of optimizer are driven:
 
 * a plain torch optimizer: its gradients are in ``param_groups``; the scaler unscales them in
   place (one fused pass that also checks for inf/NaN) and calls ``step()``;
-* an optimizer that owns the gradients its step reads (:class:`mixprec.MasterWeightOptimizer`,
-  or any object with ``grads_for_step``, ``unscale_grads_`` and ``drop_master_grads``): the
-  scaler checks the gradients it reads, and passes the factor they still carry as
-  ``step(grad_scale=...)``, so the optimizer unscales them while it reads them; an explicit
-  ``unscale_`` asks it for unscaled fp32 gradients (``unscale_grads_``). See the protocol in
-  :mod:`mixprec.scaling.protocol`.
+* an optimizer that owns the gradients its step reads (:class:`mixprec.MasterWeightOptimizer`;
+  the protocol in :mod:`mixprec.scaling.protocol`): the scaler checks the gradients it reads
+  and passes the factor they still carry as ``step(grad_scale=...)`` (and, where it skips on
+  the device, the overflow flag as ``found_inf``); ``unscale_`` asks for fp32 gradients.
 """
 
 from __future__ import annotations
@@ -101,7 +99,11 @@ class LossScaler(GradScalerInterface):
         gradients (and the model's, rounded) read as the clipped true ones the step uses."""
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.UNSCALED and record.grad_scale is not None:
-            optimizer.unscale_grads_(record.grad_scale.reciprocal())
+            settle = getattr(optimizer, "settle_grads_", None)  # as its step would divide
+            if callable(settle):
+                settle(record.grad_scale)
+            else:
+                optimizer.unscale_grads_(record.grad_scale.reciprocal())
             record.grad_scale = None
 
     def is_enabled(self) -> bool:
@@ -211,11 +213,10 @@ class LossScaler(GradScalerInterface):
         and all optimizer state untouched. Extra arguments go to ``optimizer.step``.
 
         Host syncs: none when this scaler does not check. An optimizer that skips on the device
-        (a :class:`mixprec.MasterWeightOptimizer` whose step runs torch's fused kernels:
-        ``skips_on_device()``) is handed the flag with the step, as ``torch.amp.GradScaler``
-        hands it to a fused optimizer: its kernels skip on the device, and the flag is read
-        once, after the optimizer's step is queued (for the return value). Any other optimizer: the
-        flag is read before its step. One more read on a step that overflowed.
+        (``skips_on_device()``: a master optimizer on torch's fused kernels) gets the flag with
+        its step, as ``torch.amp.GradScaler`` hands it to a fused optimizer, and the flag is read
+        once, after the step is queued; any other optimizer reads it before its step. One more
+        read on a step that overflowed.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
@@ -227,10 +228,8 @@ class LossScaler(GradScalerInterface):
         return self.read_step(self.queue_step(optimizer, *args, **kwargs), updated=False)
 
     def queue_step(self, optimizer, *args, **kwargs) -> QueuedStep:
-        """:meth:`step` up to the read of the overflow flag: an optimizer that skips on the
-        device is stepped with the flag and nothing is read; :meth:`read_step` tells whether it
-        stepped (call it after :meth:`update` to queue the scale update before the read too, as
-        :meth:`mixprec.MixedPrecision.step` does)."""
+        """:meth:`step` up to the read of the flag; :meth:`read_step` reads it (after
+        :meth:`update`, the scale update is queued before the read too: ``MixedPrecision.step``)."""
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise TypeError("step() does not take a closure: it would recompute scaled gradients "
                             "after the inf/NaN check. Compute the loss, call "
@@ -266,12 +265,8 @@ class LossScaler(GradScalerInterface):
         return queued
 
     def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
-        """Whether the step :meth:`queue_step` queued was applied (True) or skipped; reads the
-        overflow flag when the optimizer skipped on the device (a host sync).
-
-        Args:
-            queued: what :meth:`queue_step` returned.
-            updated: :meth:`update` already ran for this iteration.
+        """Whether the step ``queued`` (from :meth:`queue_step`) was applied; reads the flag when
+        the optimizer skips on the device (a host sync). ``updated``: :meth:`update` ran.
 
         Raises:
             NonFiniteGradientsError: with ``updated``, gradients stayed non-finite at
@@ -344,8 +339,7 @@ class LossScaler(GradScalerInterface):
         return self._state
 
     def _next_overflow_raises(self, updated: bool = False) -> bool:
-        """Whether an overflow of this step reaches the persistent-overflow limit (``updated``:
-        the scale update after it already ran). Read on a step that overflowed."""
+        """Whether this overflow reaches the limit (``updated``: the scale update counted it)."""
         return False
 
     def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
