@@ -110,7 +110,9 @@ def adjust_scale(state: ScaleState, found_inf: torch.Tensor, config: DynamicConf
         by ``growth_factor`` (never above ``max_scale``, so never to inf).
     """
     table = kernel_table.TABLE
-    if table.scale_update_path(state.device.type, config.hysteresis) == "amp":
+    # torch's kernel keeps the scale when a growth overflows fp32 (the bound here: max_scale)
+    finite = config.max_scale * config.growth_factor <= _FP32_MAX
+    if finite and table.scale_update_path(state.device.type, config.hysteresis) == "amp":
         return _adjust_amp(state, found_inf, config, table.kernel("amp_update_scale"))
     found = found_inf.to(state.device) > 0
     hysteresis, zero, backoff, growth_factor, one = _constants(config, state.device)
