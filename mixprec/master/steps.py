@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import kernel_table
 from ..scaling.unscale import unscale_
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
@@ -41,40 +42,55 @@ def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
     return t.model_param.grad if grad is None else grad
 
 
-def _stepped(opt) -> list[torch.Tensor]:
-    return [t for g in opt.param_groups for t in g["params"] if _step_grad(t) is not None]
+def device_plan(opt) -> tuple[bool, bool]:
+    """``(folds, ready)`` for master optimizer ``opt``, in one pass over its tensors: ``folds``,
+    the step hands the loss scale to torch's fused kernel for every tensor (``fused="auto"``, a
+    fused kernel for every tensor's device and dtype, no sparse gradient, no FSDP2 shard: those
+    are unscaled apart, as before); ``ready``, every tensor the step reads a gradient for already
+    has its optimizer state (Adam's ``step``; SGD's ``momentum_buffer`` when it has momentum)."""
+    inner = opt.inner
+    if opt.fused != "auto" or kernels.torch_fused_problem(inner, ()) is not None:
+        return False, False
+    table, fused_ok = kernel_table.TABLE, {}
+    state, ready = inner.state, True
+    sgd = type(inner) is torch.optim.SGD
+    for group in inner.param_groups:
+        key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
+        for t in group["params"]:
+            kind = (t.device.type, t.dtype)
+            ok = fused_ok.get(kind)
+            if ok is None:
+                ok = fused_ok[kind] = table.fused_optimizer(*kind)
+            if not ok or isinstance(t, DTensor):
+                return False, False
+            grad = _step_grad(t)
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                return False, False
+            if ready and key is not None and key not in state.get(t, ()):
+                ready = False
+    return True, ready
 
 
 def folds_scale(opt) -> bool:
     """True when the step hands the loss scale to torch's fused kernel (``grad_scale``: it
     divides each gradient by it) for every tensor, rather than multiplying the gradients by its
-    inverse first: ``fused="auto"`` and a fused kernel for every stepped tensor (FSDP2 shards
-    are unscaled apart, as before)."""
-    tensors = [t for g in opt.param_groups for t in g["params"]]  # as the buckets decide
-    return (opt.fused == "auto"
-            and kernels.torch_fused_problem(opt.inner, tensors, _step_grad) is None
-            and not any(isinstance(t, DTensor) for t in tensors))
+    inverse first (see :func:`device_plan`)."""
+    return device_plan(opt)[0]
 
 
 def skips_on_device(opt) -> bool:
     """True when the next ``step(found_inf=...)`` of master optimizer ``opt`` can skip on the
-    device: the loss scale folds into torch's fused kernels (:func:`folds_scale`), fp32 moments
-    (bf16 ones are rounded stochastically, which would draw bits on a skipped step), no step
-    hooks (they must not run on a skipped step), and every stepped tensor already has its
-    optimizer state (a first step would make it: torch's fused SGD starts its momentum buffers
-    as ``empty_like``, and Adam's state would appear on a skipped step)."""
+    device: the loss scale folds into torch's fused kernels and every stepped tensor already has
+    its optimizer state (:func:`device_plan`: a first step would make it: torch's fused SGD
+    starts its momentum buffers as ``empty_like``, and Adam's state would appear on a skipped
+    step), fp32 moments (bf16 ones are rounded stochastically, which would draw bits on a
+    skipped step), and no step hooks (they must not run on a skipped step)."""
     if opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
         return False
-    if not folds_scale(opt):
-        return False
-    inner, chosen = opt.inner, set(map(id, _stepped(opt)))
-    sgd = type(inner) is torch.optim.SGD
-    for group in inner.param_groups:
-        key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
-        if key is not None and any(key not in inner.state.get(t, ()) for t in group["params"]
-                                   if id(t) in chosen):
-            return False
-    return True
+    folds, ready = device_plan(opt)
+    return folds and ready
 
 
 def settle_grads(opt, grad_scale: torch.Tensor) -> torch.Tensor:
@@ -110,7 +126,8 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
     per-parameter; see :mod:`mixprec.master.buckets`)."""
-    folds = grad_scale is not None and folds_scale(opt)  # one rule for all (settle_grads)
+    # one rule for all buckets (and settle_grads); a found_inf the step took implies it
+    folds = grad_scale is not None and (found_inf is not None or folds_scale(opt))
     inv = None if folds or grad_scale is None else grad_scale.reciprocal()
     buckets = opt.buckets()
     try:
