@@ -16,8 +16,10 @@ mutable shells around it (the shared shell, :class:`LossScaler`, is in
 :mod:`mixprec.scaling.base`; the fused gradient pass in :mod:`mixprec.scaling.unscale`).
 
 Host-device syncs (they matter on CUDA): ``step()`` reads the overflow flag once (and once more on
-a step that overflowed, to check the ``min_scale`` limit); ``get_scale()`` and ``state_dict()``
-read the scale. ``scale()``, ``unscale_()`` and ``update()`` never sync.
+a step that overflowed, to check the ``min_scale`` limit): after the optimizer's step is queued
+when the optimizer skips on the device (torch's fused kernels take the flag), else before it;
+``get_scale()`` and ``state_dict()`` read the scale. ``scale()``, ``unscale_()`` and ``update()``
+never sync.
 """
 
 from __future__ import annotations
@@ -126,10 +128,12 @@ class DynamicLossScaler(LossScaler):
     def _adjust(self, found_inf):
         return adjust_scale(self._state, found_inf, self.config)
 
-    def _next_overflow_raises(self) -> bool:
+    def _next_overflow_raises(self, updated: bool = False) -> bool:
         limit = self.config.max_skips_at_min
         if limit is None:
             return False
+        if updated:  # the update counted this overflow: at min_scale it added a skip
+            return int(self._state.skips_at_min.item()) >= limit
         at_min, skips = torch.stack([(self._state.scale <= self.config.min_scale).int(),
                                      self._state.skips_at_min]).tolist()
         return bool(at_min) and skips + 1 >= limit
