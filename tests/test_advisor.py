@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import cli
-from mixprec.advisor.fp8sim import fp8_matmul
+from mixprec.lowbit.fp8sim import fp8_matmul
 from mixprec.advisor.planted import outlier_case, overflow_case
 from mixprec.benchmodels import get_model
 from mixprec.commands.demo import DigitsCNN, digits_data

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, Weig
 
 import mixprec as mp
 from mixprec.cli import main as cli_main
-from mixprec.parallel import env
+from mixprec import distenv as env
 from mixprec.parallel.plan import parse_count, plan
 from mixprec.training import state as ts
 from mixprec.training.choose import make_strategy, resolve_strategy

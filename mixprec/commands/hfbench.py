@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from ..fp8.backend import quiet_import
+from ..lowbit.backend import quiet_import
 from ..master.kernels import compile_master_step
 
 __all__ = ["HF_MODELS", "ROWS", "LEGEND", "run_hf_bench", "format_hf_table", "run_from_args",

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..parallel import env, reduce_dtype_of
+from .. import distenv as env
+from ..parallel import reduce_dtype_of
 from .strategy import DDPStrategy, Strategy
 
 __all__ = ["STRATEGIES", "resolve_strategy", "make_strategy", "warn_single_of_many"]

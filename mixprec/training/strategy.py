@@ -25,7 +25,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ..parallel import ddp, env
+from .. import distenv as env
+from ..parallel import ddp
 from ..policy import Policy
 from ..prepare import module_device, prepare_many
 from . import state as ts
