@@ -25,6 +25,6 @@ __all__ = ["ddp", "fsdp", "world_size", "rank", "local_rank", "is_main_process",
 
 
 def __getattr__(name: str):
-    if name == "fsdp":  # lazy: FSDP2's import cost (see the module docstring)
-        return importlib.import_module(".sharding", __name__).fsdp
+    if name == "fsdp":  # FSDP2's import cost (see the module docstring)
+        return importlib.import_module(".sharding", __name__).fsdp  # lazy: PEP 562
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
