@@ -41,7 +41,7 @@ Kernels that need no choice: ``torch._foreach_copy_`` (gradients into fp32 scrat
 back into 16-bit weights), ``_foreach_zero_`` and ``_foreach_add_`` take every dtype on every
 device (torch falls back to one kernel per tensor where its multi-tensor path does not apply).
 mixprec calls no ``torch._scaled_mm`` itself: torchao's FP8 and MXFP8 layers do; which GPUs
-run them is a compute-capability check (:func:`mixprec.fp8.backend.check_device`,
+run them is a compute-capability check (:func:`mixprec.lowbit.backend.check_device`,
 :meth:`mixprec.lowbit.mxfp8.MXFP8.native`), not a dtype limit.
 """
 

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["local", "replicated"]
+__all__ = ["local", "replicated", "is_dtensor", "dtensor_class"]
+
+_DTENSOR = "torch.distributed.tensor"
+
+
+def is_dtensor(t) -> bool:
+    """True for a ``DTensor`` (an FSDP2 shard), checked without importing
+    ``torch.distributed.tensor`` (half a second; ``import mixprec`` does not load it): a process
+    that holds a DTensor has imported it."""
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor``, where a DTensor exists (:func:`is_dtensor`)."""
+    return sys.modules[_DTENSOR].DTensor
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

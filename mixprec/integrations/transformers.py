@@ -57,7 +57,7 @@ import torch
 
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
-from ..fp8.backend import quiet_import
+from ..lowbit.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
 from .accelerate import (

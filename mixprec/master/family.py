@@ -38,10 +38,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..scaling.unscale import unscale_
-from ..shards import local
+from ..shards import is_dtensor, local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
 from .loadstore import load, stored
@@ -100,7 +99,7 @@ class _Plan:
         shifts, offset = [], 0
         zero = torch.zeros((), dtype=torch.int32)
         for size, shard in zip(sizes, shards):
-            shift = int(shard_key(zero, shard)) if isinstance(shard, DTensor) else 0
+            shift = int(shard_key(zero, shard)) if is_dtensor(shard) else 0
             shifts.append(_wrap(shift - offset * _GOLDEN))
             offset += size
         sizes[-1] += self.pad

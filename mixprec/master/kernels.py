@@ -29,9 +29,9 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import kernel_table
+from ..shards import is_dtensor
 from .guard import GuardedKernel
 from .split_bits import split_high
 
@@ -98,7 +98,7 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors,
         if not kernel_table.TABLE.fused_optimizer(t.device.type, t.dtype):
             return f"a {t.dtype} tensor on {t.device}"
         table = kernel_table.TABLE
-        if isinstance(t, DTensor) and not table.fused_optimizer_on_shards(type(optimizer)):
+        if is_dtensor(t) and not table.fused_optimizer_on_shards(type(optimizer)):
             return f"an FSDP2 shard: torch's fused {type(optimizer).__name__} takes no DTensor"
         grad = t.grad if grad_of is None else grad_of(t)
         if grad is not None and grad.is_sparse:

@@ -45,8 +45,8 @@ import weakref
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..shards import is_dtensor
 from .buckets import PER_PARAMETER_OPTIMIZERS
 from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
@@ -145,7 +145,7 @@ def register_kahan(optimizer) -> None:
 
 def _take_values(optimizer, state_dict) -> None:
     _VALUES[optimizer] = {p: v for p, v in optimizer.fp32_values().items()
-                          if not isinstance(p, DTensor)}
+                          if not is_dtensor(p)}
 
 
 def _keep_values(optimizer) -> None:

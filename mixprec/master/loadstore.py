@@ -8,9 +8,8 @@ flat buffers (:mod:`.family`).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..shards import local
+from ..shards import dtensor_class, is_dtensor, local
 from .rounding import round_stochastically, stochastic_round, weyl16
 from .split_bits import (
     split_load,
@@ -40,11 +39,11 @@ def load(weight: torch.Tensor, comp: torch.Tensor | None) -> torch.Tensor:
 def _on_local(fn, weight: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
     """``fn`` of plain tensors, or of FSDP2 shards (re-wrapped like ``weight``: bitcasts need
     this rank's own tensor)."""
-    if not isinstance(weight, DTensor):
+    if not is_dtensor(weight):
         return fn(weight, *tensors)
     out = fn(weight.to_local(), *map(local, tensors))
-    return DTensor.from_local(out, weight.device_mesh, weight.placements, shape=weight.shape,
-                              stride=weight.stride())
+    return dtensor_class().from_local(out, weight.device_mesh, weight.placements,
+                                      shape=weight.shape, stride=weight.stride())
 
 
 def store(weight: torch.Tensor, comp: torch.Tensor | None, new: torch.Tensor,

@@ -30,12 +30,12 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import masters
 from ..dtypes import to_dtype
 from ..masters.kahan import COMPENSATION_KEY
 from ..masters.split import REMAINDER_KEY
+from ..shards import dtensor_class, is_dtensor
 from .rounding import RoundingGenerator, shard_key, stochastic_round
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
@@ -72,7 +72,7 @@ def check_state_dtype(state_dtype) -> torch.dtype:
 def _plain(value) -> bool:
     """A plain (or DTensor) tensor; library subclasses (torchao's quantized states) are not
     touched."""
-    return type(value) in (torch.Tensor, DTensor)
+    return type(value) is torch.Tensor or (is_dtensor(value) and type(value) is dtensor_class())
 
 
 def is_moment(key, value, param: torch.Tensor) -> bool:
@@ -101,10 +101,10 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
 
 def _map_local(value: torch.Tensor, fn) -> torch.Tensor:
     """``fn`` of a tensor, or of a DTensor's local shard (re-wrapped with its placements)."""
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         return fn(value)
-    return DTensor.from_local(fn(value.to_local()), value.device_mesh, value.placements,
-                              shape=value.shape, stride=value.stride())
+    return dtensor_class().from_local(fn(value.to_local()), value.device_mesh,
+                                      value.placements, shape=value.shape, stride=value.stride())
 
 
 @contextlib.contextmanager

@@ -42,7 +42,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .. import distenv as env
 from .. import vocabulary
+from ..distenv import is_fsdp
 from ..engine import MixedPrecision, engine_for
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
@@ -50,9 +52,7 @@ from ..master import is_master_optimizer
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
-from . import env
 from .ddp import reduce_dtype_of
-from .env import is_fsdp
 
 __all__ = ["fsdp", "default_units", "wrap_optimizer", "broadcast_from_first_rank"]
 

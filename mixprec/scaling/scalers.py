@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from ..dtypes import to_dtype
-from ..policy import Policy
 from .base import LossScaler
 from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
 
@@ -293,7 +292,7 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
 
 
 def _auto_spec(dtype):
-    if isinstance(dtype, Policy):
+    if hasattr(dtype, "loss_scale"):  # a Policy (scaling sits below the policy that names it)
         return dtype.loss_scale
     if dtype is None:
         raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') "
