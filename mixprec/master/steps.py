@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import kernel_table
+from ..shards import is_dtensor
 from ..scaling.unscale import unscale_
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
@@ -61,7 +61,7 @@ def device_plan(opt) -> tuple[bool, bool]:
             ok = fused_ok.get(kind)
             if ok is None:
                 ok = fused_ok[kind] = table.fused_optimizer(*kind)
-            if not ok or isinstance(t, DTensor):
+            if not ok or is_dtensor(t):
                 return False, False
             grad = _step_grad(t)
             if grad is None:
