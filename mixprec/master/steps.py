@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from .. import kernel_table
-from ..shards import is_dtensor
 from ..scaling.unscale import unscale_
+from ..shards import is_dtensor
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 from .split_bits import round_into_
