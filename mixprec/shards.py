@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["local", "replicated"]
+__all__ = ["local", "replicated", "dtensor_type", "is_dtensor", "like_shard"]
+
+
+def dtensor_type() -> type | None:
+    """torch's ``DTensor`` class once ``torch.distributed.tensor`` is loaded, else None (no
+    tensor can be a DTensor before that: asking does not load it, a few seconds at import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(t) -> bool:
+    """True for a ``DTensor`` (an FSDP2 shard), without loading ``torch.distributed.tensor``."""
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def like_shard(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` (this rank's part) placed as the DTensor ``like`` is; ``out`` itself where
+    ``like`` is a plain tensor."""
+    if not is_dtensor(like):
+        return out
+    return type(like).from_local(out, like.device_mesh, like.placements, shape=like.shape,
+                                 stride=like.stride())
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ import time
 import torch
 
 from ..fp8.backend import quiet_import
-from ..master.kernels import compile_master_step
+from ..master import compile_master_step
 
 __all__ = ["HF_MODELS", "ROWS", "LEGEND", "run_hf_bench", "format_hf_table", "run_from_args",
            "parse_rows", "quiet_profiler"]
@@ -105,7 +105,7 @@ def _batch(sizes: dict) -> dict:
 def _setup(model_name: str, row: str, sizes: dict, compile: bool = False):
     """(model, optimizer, step) for one row, the model built from the same seed; ``compile``:
     a mixprec row's forward (loss included) under ``torch.compile``, its master step compiled
-    where :func:`~mixprec.master.kernels.compile_master_step` applies."""
+    where :func:`~mixprec.master.compile_master_step` applies."""
     import mixprec as mp
     torch.manual_seed(0)
     with quiet_import():  # transformers' model modules import torchao when it is installed

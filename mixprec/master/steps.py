@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from ..masters.split_bits import round_into_
 from ..scaling.unscale import unscale_
 from . import kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
-from .split_bits import round_into_
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step"]
 

@@ -18,8 +18,8 @@ step, which draws nothing, leaves it untouched.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..shards import is_dtensor
 
 __all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
            "round_stochastically", "shard_key", "weyl16",
@@ -85,8 +85,11 @@ def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     get with ``key`` (``tensor`` itself otherwise), so sharded training rounds each element as
     one process does. Exact for shards that are contiguous runs of the flat tensor (FSDP2's
     row shards); other layouts still get distinct, unbiased bits."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return key
+    # import time: only reached for a DTensor, whose module is loaded already
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                      tensor.placements)
     strides = torch.empty(tensor.shape, device="meta").stride()
