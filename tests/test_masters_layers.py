@@ -89,6 +89,9 @@ def test_split_stores_and_loads_its_master_exactly_in_both_views():
     w2, r2 = weight.clone(), rem.clone()
     Split.store(*Split.kernel_views(w2, r2), new * 3, key)  # in place, through the words
     assert torch.equal(Split.load(w2, r2), new * 3)
+    on_gpu = (torch.empty(8, dtype=torch.bfloat16, device="meta"),
+              torch.empty(8, dtype=torch.int16, device="meta"))
+    assert all(a is b for a, b in zip(Split.kernel_views(*on_gpu), on_gpu))  # Triton: int16
 
 
 def test_kahan_and_stochastic_store_what_they_load():
