@@ -49,8 +49,8 @@ import torch
 
 import mixprec as mp
 from mixprec.commands.doctor import doctor_report
-from mixprec.fp8.backend import quiet_import
 from mixprec.hardware import SlowDtypeWarning
+from mixprec.lowbit.backend import quiet_import
 
 MASTERS = ("fp32", "split", "kahan", "stochastic")
 STATES = ("fp32", "bf16", "8-bit")

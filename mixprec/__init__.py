@@ -2,10 +2,17 @@
 
 Levels O0-O3, autocast with custom op lists, fp32 master weights, loss scaling, a training API
 and numerics diagnostics. ``import mixprec as mp``.
+
+``import mixprec`` loads the core (policies, ``prepare``, the engine, master weights, loss
+scaling, autocast, the low-bit formats). The rest (the advisor, the monitor, the diagnostics,
+the Trainer, the distributed helpers) is loaded on first use of its name (``mp.advise``,
+``mp.Trainer``, ``mp.parallel``, ...): see ``_LAZY``.
 """
 
-from . import debug, formats, lowbit, masters, monitor, parallel
-from .advisor import Advice, advise
+import importlib
+from typing import TYPE_CHECKING
+
+from . import formats, lowbit, masters
 from .autocast import autocast
 from .casting import to_float
 from .emulation import emulate_fp16
@@ -14,7 +21,6 @@ from .footprint import bytes_per_parameter
 from .fp8 import fp8_modules
 from .hardware import SlowDtypeWarning, device_capabilities
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
-from .monitor import PrecisionMonitor
 from .oplists import OpListWarning, op_lists
 from .policy import NormLayer, Policy, is_norm_layer
 from .precision import Precision
@@ -28,17 +34,38 @@ from .scaling import (
                       make_loss_scaler,
 )
 from .statedict import fp32_state_dict
-from .training import (
-                       Accuracy,
-                       Callback,
-                       FP8Monitor,
-                       History,
-                       LossMonitor,
-                       ModelCheckpoint,
-                       Trainer,
-)
 
-__version__ = "0.3.0"
+#: name -> (module, attribute or None for the module itself): loaded on first use (PEP 562)
+_LAZY = {
+    "debug": ("debug", None),
+    "monitor": ("monitor", None),
+    "parallel": ("parallel", None),
+    "advisor": ("advisor", None),
+    "training": ("training", None),
+    "advise": ("advisor", "advise"),
+    "Advice": ("advisor", "Advice"),
+    "PrecisionMonitor": ("monitor", "PrecisionMonitor"),
+    "convert_checkpoint": ("training.portable", "convert_checkpoint"),
+    **{name: ("training", name) for name in ("Trainer", "History", "Callback", "LossMonitor",
+                                             "FP8Monitor", "ModelCheckpoint", "Accuracy")},
+}
+
+if TYPE_CHECKING:  # what _LAZY loads, for type checkers and editors
+    from . import debug, monitor, parallel
+    from .advisor import Advice, advise
+    from .monitor import PrecisionMonitor
+    from .training import (
+                           Accuracy,
+                           Callback,
+                           FP8Monitor,
+                           History,
+                           LossMonitor,
+                           ModelCheckpoint,
+                           Trainer,
+    )
+    from .training.portable import convert_checkpoint
+
+__version__ = "0.5.0"
 
 __all__ = [
     "__version__",
@@ -96,7 +123,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "convert_checkpoint":  # deferred: torch.distributed.checkpoint's import cost
-        from .training.portable import convert_checkpoint
-        return convert_checkpoint
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The names of ``_LAZY``, imported on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(f".{module}", __name__)  # lazy: import cost, see above
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

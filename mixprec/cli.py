@@ -14,27 +14,16 @@ to be given twice (argparse would keep the last one silently); list options say 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
 from . import __version__
+from .commands import advise, bench, demo, doctor, formats, plan, report
 from .commands.args import Parser
 
 # Subcommand modules, in the order ``mixprec --help`` lists them.
-COMMANDS = (
-    "formats",
-    "doctor",
-    "bench",
-    "demo",
-    "plan",
-    "advise",
-    "report",
-)
-
-
-def _modules() -> dict:
-    return {name: importlib.import_module(f"mixprec.commands.{name}") for name in COMMANDS}
+COMMANDS = {module.__name__.rpartition(".")[2]: module
+            for module in (formats, doctor, bench, demo, plan, advise, report)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in _modules().values():
+    for module in COMMANDS.values():
         module.register(sub)
     return parser
 
@@ -54,7 +43,7 @@ def normalize_argv(argv: list[str]) -> list[str]:
     for i, token in enumerate(argv):
         if not token.startswith("-"):
             rest = argv[i + 1:]
-            for module in _modules().values():
+            for module in COMMANDS.values():
                 hook = getattr(module, "normalize_argv", None)
                 if hook is not None:
                     rest = hook(token, rest)

@@ -86,8 +86,9 @@ class MixedPrecision:
         ('O2', True, True)
     """
 
-    def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, *, keep_fp32=None, low_precision_ops=(),
+    def __init__(self, level: str = vocabulary.LEVEL, dtype: Any = vocabulary.DTYPE,
+                 loss_scale: Any = "auto", policy: Policy | None = None, *,
+                 keep_fp32=None, low_precision_ops=(),
                  fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
                  fp8: str | None = None, fp8_modules=None, monitor=None):
         if policy is not None and not isinstance(policy, Policy):
@@ -303,7 +304,10 @@ class MixedPrecision:
             True when every optimizer stepped; False when any was skipped (inf/NaN gradients:
             its weights and state are untouched, and the scale backed off).
 
-        Host syncs: one per optimizer (the overflow flag), as :meth:`LossScaler.step`.
+        Host syncs: one per optimizer (the overflow flag, for the return value). Where the
+        optimizer skips on the device (a master optimizer on torch's fused kernels), its step
+        and the scale update are queued first and the flag is read after them, so the read
+        stalls no part of the step; otherwise it is read before the optimizer's step.
 
         Raises:
             ValueError: no optimizer, or a bad ``max_grad_norm``.
@@ -313,17 +317,20 @@ class MixedPrecision:
         check_max_norm(max_grad_norm)
         scaler = self._ready()
         watch = self.monitor is not None and self.monitor.recording
-        applied = True
+        queued = []
         for opt in optimizers:
             self._check_owned(opt)
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
-            stepped = bool(scaler.step(opt, **kwargs))
+            queued.append(scaler.queue_step(opt, **kwargs))
+        scaler.update()
+        applied = True
+        for opt, step in zip(optimizers, queued):
+            stepped = scaler.read_step(step)  # the one host read, after the step is queued
             if watch:
                 self.monitor.after_step(opt, stepped)
             applied = stepped and applied
-        scaler.update()
         if self.monitor is not None:
             self.monitor.end_step(applied)
         return applied
@@ -362,7 +369,7 @@ class MixedPrecision:
 
 def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -> MixedPrecision:
     """The engine an integration runs on: ``mixed_precision`` itself (then every other option of
-    ``entry_point`` must be at its default), or one built from ``options`` (the precision
+    ``entry_point`` must be left at its default), or one built from ``options`` (the precision
     keywords, ``loss_scale``, ``emulate_fp16``, ``monitor``).
 
     Raises:

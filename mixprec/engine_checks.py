@@ -6,12 +6,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .monitor import PrecisionMonitor
 from .policy import Policy
 from .precision_map import PrecisionMap
 
-__all__ = ["check_max_norm", "check_policy", "check_monitor", "positive_finite",
+__all__ = ["EngineObserver", "check_max_norm", "check_policy", "check_monitor", "positive_finite",
            "same_apart_from_marks"]
+
+
+class EngineObserver:
+    """What :class:`mixprec.MixedPrecision` accepts as ``monitor=``
+    (:class:`mixprec.PrecisionMonitor` derives from it). The engine calls ``watch(model,
+    engine)`` when it prepares a model, ``observe_loss(loss)`` on each backward,
+    ``before_step(optimizer, norm)`` and ``after_step(optimizer, stepped)`` around each step
+    while ``recording``, and ``end_step(applied)``. The engine sits below the monitor: it knows
+    this base and never imports the monitor (``import mixprec`` does not load it)."""
 
 
 def check_max_norm(max_grad_norm) -> None:
@@ -40,8 +48,9 @@ def check_policy(saved: dict | None, policy: Policy | None, where: str = "this c
 
 
 def check_monitor(monitor):
-    """``monitor`` itself when it is None or a :class:`mixprec.PrecisionMonitor`."""
-    if monitor is not None and not isinstance(monitor, PrecisionMonitor):
+    """``monitor`` itself when it is None or a :class:`mixprec.PrecisionMonitor` (an
+    :class:`EngineObserver`)."""
+    if monitor is not None and not isinstance(monitor, EngineObserver):
         raise TypeError(f"monitor must be a mixprec.PrecisionMonitor or None; "
                         f"got {type(monitor).__name__}")
     return monitor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .parallel import env
+from . import distenv as env
 from .policy import Policy
 
 __all__ = ["check_not_wrapped", "check_owned"]

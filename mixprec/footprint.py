@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .master.params import held_grad
 from .master.states import BUFFER_KEYS, GENERATOR_KEY
+from .shards import is_dtensor
 
 __all__ = ["bytes_per_parameter", "tensor_bytes"]
 
@@ -28,7 +28,7 @@ def tensor_bytes(t) -> int:
     quantized optimizer states) as the sum of the tensors it is made of."""
     if not torch.is_tensor(t):
         return 0
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return tensor_bytes(t.to_local())
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
@@ -38,7 +38,7 @@ def tensor_bytes(t) -> int:
 
 
 def _local_numel(p: torch.Tensor) -> int:
-    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return p.to_local().numel() if is_dtensor(p) else p.numel()
 
 
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | None = None

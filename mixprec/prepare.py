@@ -152,8 +152,9 @@ def _with_fp8(policy: Policy, fp8, fp8_modules) -> Policy:
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.EMULATION)
-def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O1",
-            dtype: Any = "auto", keep_fp32=None, policy: Policy | None = None,
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+            level: str = vocabulary.LEVEL,
+            dtype: Any = vocabulary.DTYPE, keep_fp32=None, policy: Policy | None = None,
             low_precision_ops=(), fp32_ops=(), emulate_fp16="auto", master: str | None = None,
             state_dtype=None, fp8: str | None = None, fp8_modules=None):
     """Set a model (and its optimizer) up for a precision level or policy.

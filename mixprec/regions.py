@@ -30,7 +30,6 @@ model pickles, deep-copies and compiles into one ``torch.compile`` graph.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast import PrecisionContext, cast_floating, context_active
 from .dtypes import TRAINING_DTYPES
+from .forwards import ForwardWrapper
 from .outputs import cast_outputs
 
 __all__ = ["Region", "ForwardWrapper", "Entry", "Island", "RegionWrapper", "assign_regions",
@@ -87,29 +87,6 @@ def _needs_cast(tree, dtype: torch.dtype) -> bool:
 
 
 # -- forward wrappers ------------------------------------------------------------------------------
-class ForwardWrapper:
-    """Replaces ``module.forward`` (as an instance attribute, picklable); ``call_inner`` runs the
-    forward it replaced: an earlier wrapper, else the class's own ``forward``. Its signature is
-    that forward's (``inspect.signature(model.forward)`` reads it: Hugging Face's Trainer picks
-    the input columns it keeps from it)."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        # a wrapper installed before this one, else None: the class's own forward
-        self.inner = module.__dict__.get("forward")
-
-    def call_inner(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        inner = self.inner if self.inner is not None else \
-            type(self.module).forward.__get__(self.module)
-        return inspect.signature(inner)
-
-
 class Entry(ForwardWrapper):
     """The prepared model's entry: inputs to the compute dtype, the policy's context, outputs.
 

@@ -6,20 +6,22 @@ import sys
 
 import torch
 
-__all__ = ["local", "replicated", "dtensor_type", "is_dtensor", "like_shard"]
+__all__ = ["local", "replicated", "is_dtensor", "dtensor_class", "like_shard"]
 
-
-def dtensor_type() -> type | None:
-    """torch's ``DTensor`` class once ``torch.distributed.tensor`` is loaded, else None (no
-    tensor can be a DTensor before that: asking does not load it, a few seconds at import)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
+_DTENSOR = "torch.distributed.tensor"
 
 
 def is_dtensor(t) -> bool:
-    """True for a ``DTensor`` (an FSDP2 shard), without loading ``torch.distributed.tensor``."""
-    cls = dtensor_type()
-    return cls is not None and isinstance(t, cls)
+    """True for a ``DTensor`` (an FSDP2 shard), checked without importing
+    ``torch.distributed.tensor`` (half a second; ``import mixprec`` does not load it): a process
+    that holds a DTensor has imported it."""
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor``, where a DTensor exists (:func:`is_dtensor`)."""
+    return sys.modules[_DTENSOR].DTensor
 
 
 def like_shard(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -27,8 +29,8 @@ def like_shard(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     ``like`` is a plain tensor."""
     if not is_dtensor(like):
         return out
-    return type(like).from_local(out, like.device_mesh, like.placements, shape=like.shape,
-                                 stride=like.stride())
+    return dtensor_class().from_local(out, like.device_mesh, like.placements, shape=like.shape,
+                                      stride=like.stride())
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

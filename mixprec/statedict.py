@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision
 from .master import CompactMasterOptimizer, MasterWeightOptimizer
-from .parallel.env import is_fsdp, unwrap
 from .regions import Entry
 from .shards import local as _local
 

@@ -12,6 +12,8 @@ Each entry point spells the keywords out as its own parameters (``inspect.signat
 and IDEs see them); :func:`takes` fills their ``Args`` entries into its docstring from the
 declarations below and checks, at import, that the signature's defaults are the declared ones,
 unless the entry point states why its default differs (``parallel.fsdp`` defaults to O2).
+``level`` and ``dtype`` default to :class:`Default` strings (``'O1'``, ``'auto'`` to every
+reader), so that one given beside ``policy=`` is refused even at its default value.
 
 The apex compatibility layer (:mod:`mixprec.compat.apex_amp`) keeps apex's own names
 (``opt_level``, ``keep_batchnorm_fp32``, ...): it exists to run apex code unchanged.
@@ -26,12 +28,38 @@ import textwrap
 import warnings
 from typing import Any, Callable
 
-__all__ = ["Keyword", "KEYWORDS", "PRECISION", "LOOP", "MARKER", "ALIASES", "UNSET", "takes",
-           "keywords_of", "alias", "check_engine_alone", "EMULATION", "DISTRIBUTED",
-           "COMPILE", "RESOLVED", "check_policy_alone", "KeywordClash"]
+__all__ = ["Default", "LEVEL", "DTYPE", "Keyword", "KEYWORDS", "PRECISION", "LOOP", "MARKER",
+           "ALIASES", "UNSET", "takes", "keywords_of", "alias", "check_engine_alone", "EMULATION",
+           "DISTRIBUTED", "COMPILE", "RESOLVED", "check_policy_alone", "KeywordClash", "is_given"]
 
 #: The docstring line :func:`takes` replaces with the keywords' ``Args`` entries.
 MARKER = "{precision keywords}"
+
+
+class Default(str):
+    """A keyword's default as a signature holds it: the value itself (a ``str`` equal to it, so
+    code, ``help()`` and ``inspect.signature`` read ``'O1'``), told apart from the same value
+    passed explicitly by its type. ``level``/``dtype`` beside ``policy=`` are refused when given
+    at all, their defaults included; only these objects mean "not given".
+
+    A copy or a pickle is the plain value (nothing of this class reaches a checkpoint).
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (str, (str(self),))
+
+
+def is_given(value: Any) -> bool:
+    """Whether ``value`` was passed by the caller (not a signature's :class:`Default`)."""
+    return not isinstance(value, Default)
+
+
+#: ``level``'s declared default, as every entry point's signature holds it.
+LEVEL = Default("O1")
+#: ``dtype``'s declared default, as every entry point's signature holds it.
+DTYPE = Default("auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +111,17 @@ class Keyword:
 
 
 _DECLARED = (
-    Keyword("level", "O1", '"O0", "O1", "O2" or "O3"',
+    Keyword("level", LEVEL, '"O0", "O1", "O2" or "O3"',
             "O0: fp32; O1: fp32 weights, the forward under autocast; O2: 16-bit weights "
             "(norms and ``keep_fp32`` modules in fp32) trained through masters; O3: all "
             "16-bit (see :func:`mixprec.prepare`). Not given together with ``policy``.",
             ("O0", "O1", "O2", "O3")),
-    Keyword("dtype", "auto", '"bf16", "fp16", a torch dtype, or "auto"',
+    Keyword("dtype", DTYPE, '"bf16", "fp16", a torch dtype, or "auto"',
             'The low-precision dtype; "auto" is the fast 16-bit type of the model\'s device, '
             "resolved on it."),
     Keyword("policy", None, "a :class:`mixprec.Policy`, or None",
             "Every choice set directly, instead of ``level``/``dtype``; a ``level`` or ``dtype`` "
-            "given beside it (not at its default) is refused."),
+            "given beside it (any value, its default included) is refused."),
     Keyword("keep_fp32", None, "None, an ``nn.Module`` subclass, a qualified module name, or a "
             "list of them",
             "Extra modules whose parameters and compute stay fp32 (added to the policy's)."),
@@ -217,7 +245,10 @@ def takes(*names: str, differs: dict[str, tuple[Any, str]] | None = None,
 
     It checks that the signature has each as a keyword parameter whose default is the declared
     one (or ``differs[name] = (default, why)``), and replaces the :data:`MARKER` line of the
-    docstring with their ``Args`` entries (``notes[name]``: a sentence added to one).
+    docstring with their ``Args`` entries (``notes[name]``: a sentence added to one). A keyword
+    declared with a :class:`Default` (``level``, ``dtype``) must default to one in the signature
+    (``level=vocabulary.LEVEL``, or ``vocabulary.Default("O2")`` where it differs), so that the
+    entry point can tell it from the same value passed explicitly.
 
     Raises:
         TypeError: at import, a keyword missing from the signature or with another default.
@@ -231,6 +262,8 @@ def takes(*names: str, differs: dict[str, tuple[Any, str]] | None = None,
         params = inspect.signature(obj).parameters
         for name in names:
             expected = differs[name][0] if name in differs else KEYWORDS[name].default
+            if isinstance(KEYWORDS[name].default, Default):
+                expected = Default(expected)
             param = params.get(name)
             if param is None or param.kind not in (param.KEYWORD_ONLY,
                                                     param.POSITIONAL_OR_KEYWORD):
@@ -238,6 +271,10 @@ def takes(*names: str, differs: dict[str, tuple[Any, str]] | None = None,
             if name in (*LOOP[1:], *EMULATION, *DISTRIBUTED, *COMPILE) \
                     and param.kind is not param.KEYWORD_ONLY:
                 raise TypeError(f"{obj.__qualname__} must take {name!r} keyword-only")
+            if isinstance(expected, Default) and not isinstance(param.default, Default):
+                raise TypeError(f"{obj.__qualname__}'s {name}= must default to "
+                                f"vocabulary.Default({str(expected)!r}): a plain "
+                                f"{param.default!r} cannot be told from one passed explicitly")
             if not _same(param.default, expected):
                 raise TypeError(f"{obj.__qualname__}'s {name}= defaults to {param.default!r}; "
                                 f"the vocabulary declares {expected!r}")
@@ -271,7 +308,8 @@ def check_engine_alone(engine, given: dict[str, Any], entry_point) -> None:
     """Refuse keywords beside a ready engine (``mixed_precision=``), which already holds them.
 
     ``given``: keyword -> value as passed to ``entry_point``; a value other than the
-    signature's default is refused.
+    signature's default is refused (``level``/``dtype``: any value passed, as their
+    :class:`Default` tells).
 
     Raises:
         TypeError: naming the keywords given beside the engine.
@@ -292,22 +330,18 @@ class KeywordClash(TypeError, ValueError):
     earlier versions raised)."""
 
 
-def check_policy_alone(policy, level: Any, dtype: Any, entry_point: str,
-                       defaults: tuple[Any, Any] | None = None) -> None:
-    """Refuse ``level``/``dtype`` given beside ``policy``: a value other than the entry point's
-    default (``defaults``; the declared ones when None) is a second answer to the same question.
-    A value equal to the default cannot be told from an absent one and passes.
+def check_policy_alone(policy, level: Any, dtype: Any, entry_point: str) -> None:
+    """Refuse ``level``/``dtype`` given beside ``policy``: any value the caller passed, the
+    default included, is a second answer to the question the policy answers. Only the
+    signature's own :class:`Default` means "not given".
 
     Raises:
         KeywordClash: naming ``policy=`` and the keywords given beside it.
     """
     if policy is None:
         return
-    level_default, dtype_default = defaults or (KEYWORDS["level"].default,
-                                                KEYWORDS["dtype"].default)
-    given = [f"{name}={value!r}" for name, value, default in (
-        ("level", level, level_default), ("dtype", dtype, dtype_default))
-        if not _same(value, default)]
-    if given:
-        raise KeywordClash(f"{entry_point} got policy={policy} and {', '.join(given)}: pass "
+    shown = [f"{name}={value!r}" for name, value in (("level", level), ("dtype", dtype))
+             if is_given(value)]
+    if shown:
+        raise KeywordClash(f"{entry_point} got policy={policy} and {', '.join(shown)}: pass "
                            f"either policy= or level=/dtype=, not both")

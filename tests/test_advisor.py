@@ -11,10 +11,10 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import cli
-from mixprec.advisor.fp8sim import fp8_matmul
 from mixprec.advisor.planted import outlier_case, overflow_case
 from mixprec.benchmodels import get_model
 from mixprec.commands.demo import DigitsCNN, digits_data
+from mixprec.lowbit.fp8sim import fp8_matmul
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 

@@ -9,14 +9,15 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec import distenv as env
 from mixprec import hardware
 from mixprec.advisor.capture import cuda_indices
 from mixprec.commands import doctor, memory
 from mixprec.compat.apex_casts import disable_casts
-from mixprec.fp8 import backend, choice
+from mixprec.fp8 import choice
+from mixprec.lowbit import backend
 from mixprec.lowbit.mxfp8 import MXFP8
 from mixprec.master import compact_kernels
-from mixprec.parallel import env
 from mixprec.parallel.ddp import _comm_hook, device_ids_for
 from mixprec.training.checks import check_device
 from mixprec.training.state import capture_rng, restore_rng

@@ -166,7 +166,7 @@ def test_monitor_is_quiet_on_an_ordinary_model():
 def test_the_table_stays_fp32_under_a_16_bit_default_dtype():
     """Inside a Lightning O3 step torch's default dtype is bf16: the table was made in it, and
     its call counter stopped at 256 (bf16 counts integers exactly to 2**8 only)."""
-    from mixprec.fp8.stats import FIELDS, LayerStats
+    from mixprec.lowbit.stats import FIELDS, LayerStats
 
     stats = LayerStats({"input": torch.float8_e4m3fn}, {"input": None})
     previous = torch.get_default_dtype()

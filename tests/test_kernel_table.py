@@ -24,7 +24,7 @@ CUDA_AMP_DTYPES = (F16, F32, F64)  # AT_DISPATCH_FLOATING_TYPES_AND_HALF in AmpK
 UNSCALE = {("cpu", d): "amp" for d in (F16, BF16, F32, F64)}
 UNSCALE.update({("cuda", d): "amp" for d in CUDA_AMP_DTYPES} | {("cuda", BF16): "inf_norm"})
 UNSCALE.update({(t, d): "inf_norm" for t in ("mps", "xpu") for d in (F16, BF16, F32, F64)})
-CHECK = {("cpu", d): "aminmax" for d in (F16, BF16, F32, F64)}
+CHECK = {("cpu", d): "amp" for d in (F16, BF16, F32, F64)}
 CHECK.update({("cuda", d): "amp" for d in CUDA_AMP_DTYPES} | {("cuda", BF16): "inf_norm"})
 CHECK.update({(t, d): "inf_norm" for t in ("mps", "xpu") for d in (F16, BF16, F32, F64)})
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
 
 import mixprec as mp
+from mixprec import distenv as env
 from mixprec.cli import main as cli_main
-from mixprec.parallel import env
 from mixprec.parallel.plan import parse_count, plan
 from mixprec.training import state as ts
 from mixprec.training.choose import make_strategy, resolve_strategy

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from mixprec.fp8 import backend
+from mixprec.lowbit import backend
 
 pytest.importorskip("torchao.float8")
 

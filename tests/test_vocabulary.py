@@ -64,6 +64,9 @@ def test_each_entry_point_takes_the_declared_keywords_and_defaults(name):
         param = params[keyword]
         assert param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD), keyword
         expected = differs.get(keyword, vocabulary.KEYWORDS[keyword].default)
+        if keyword in ("level", "dtype"):  # a Default: told apart from the value passed
+            assert type(param.default) is vocabulary.Default, keyword
+            expected = vocabulary.Default(expected)
         assert type(param.default) is type(expected) and param.default == expected, keyword
         if keyword in KEYWORD_ONLY:
             assert param.kind is param.KEYWORD_ONLY, keyword
@@ -106,7 +109,7 @@ def test_setup_and_the_apex_layer_take_none_of_the_keywords():
 
 
 def test_the_declaration_checks_signatures_and_docstrings():
-    def good(*, level="O1", dtype="auto"):
+    def good(*, level=vocabulary.LEVEL, dtype=vocabulary.DTYPE):
         """Doc.
 
         Args:
@@ -114,8 +117,9 @@ def test_the_declaration_checks_signatures_and_docstrings():
         """
 
     assert "level: \"O0\"" in vocabulary.takes("level", "dtype")(good).__doc__
+    assert "Default: 'O1'." in good.__doc__  # the Default reads as its value
 
-    def other_default(*, level="O2"):
+    def other_default(*, level=vocabulary.Default("O2")):
         """{precision keywords}"""
 
     with pytest.raises(TypeError, match=r"other_default's level= defaults to 'O2'; the "
@@ -123,13 +127,20 @@ def test_the_declaration_checks_signatures_and_docstrings():
         vocabulary.takes("level")(other_default)
     assert vocabulary.takes("level", differs={"level": ("O2", "why")})(other_default)
 
-    def missing(*, level="O1"):
+    def plain(*, level="O1"):  # cannot be told from level="O1" passed beside policy=
+        """{precision keywords}"""
+
+    with pytest.raises(TypeError, match=r"plain's level= must default to "
+                                        r"vocabulary.Default\('O1'\): a plain 'O1'"):
+        vocabulary.takes("level")(plain)
+
+    def missing(*, level=vocabulary.LEVEL):
         """{precision keywords}"""
 
     with pytest.raises(TypeError, match="must take the keyword 'dtype'"):
         vocabulary.takes("level", "dtype")(missing)
 
-    def unmarked(*, level="O1"):
+    def unmarked(*, level=vocabulary.LEVEL):
         """No marker."""
 
     with pytest.raises(TypeError, match="needs one"):
@@ -457,11 +468,37 @@ def test_policy_with_a_level_or_dtype_beside_it_is_refused_everywhere(name, tmp_
         def call(**kw):
             build(name, model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path,
                   policy=given, **kw)
-    for kw, shown in (({"level": "O3"}, "level='O3'"), ({"dtype": "fp16"}, "dtype='fp16'")):
+    # any value given, the entry point's own default included ("O1", or "O2" for fsdp/plan)
+    defaults = {k: str(v) for k, v in at_defaults(name.partition("[")[0]).items()
+                if k in ("level", "dtype")}
+    cases = [({"level": "O3"}, "level='O3'"), ({"dtype": "fp16"}, "dtype='fp16'"),
+             ({"level": defaults["level"]}, f"level='{defaults['level']}'"),
+             ({"dtype": defaults["dtype"]}, f"dtype='{defaults['dtype']}'"),
+             ({"level": "O2", "dtype": "bf16"}, "level='O2', dtype='bf16'")]
+    for kw, shown in cases:
         with pytest.raises(TypeError, match=rf"got policy=O2.* and {shown}: pass either policy= "
                                             r"or level=/dtype=, not both"):
             call(**kw)
     assert issubclass(vocabulary.KeywordClash, ValueError)  # what earlier versions raised
+
+
+@pytest.mark.parametrize("name", [n for n, (_, names, _) in ENTRY_POINTS.items()
+                                  if "policy" in names])
+def test_the_defaults_read_as_values_and_copy_as_plain_strings(name):
+    """The signature's Default is the value for every reader (==, str, repr, a dict key), and
+    a copy or pickle of it is the plain str (nothing of the class reaches a checkpoint)."""
+    import copy
+    import pickle
+
+    entry = ENTRY_POINTS[name][0]
+    for keyword in ("level", "dtype"):
+        default = inspect.signature(entry).parameters[keyword].default
+        plain = str(default)
+        assert not vocabulary.is_given(default) and vocabulary.is_given(plain)
+        assert default == plain and repr(default) == repr(plain) and {plain: 1}[default] == 1
+        assert f"{default}" == plain and type(f"{default}") is str
+        for copied in (pickle.loads(pickle.dumps(default)), copy.deepcopy(default)):
+            assert type(copied) is str and copied == plain
 
 
 def test_advise_fp8_recipe_is_a_deprecated_alias_of_fp8():

@@ -5,7 +5,7 @@
 The script ends right after collectives, as many training scripts do: gloo's worker threads
 still let go of the last collectives' tensors then, which takes the GIL, and a worker that asks
 for it once the interpreter is finalizing aborts the process (SIGABRT). Without
-``mixprec.parallel.env.settle`` at exit, 9 of 20 launches aborted (DDP and FSDP alike).
+``mixprec.distenv.settle`` at exit, 9 of 20 launches aborted (DDP and FSDP alike).
 """
 
 import argparse

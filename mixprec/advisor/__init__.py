@@ -3,7 +3,6 @@ bf16, fp16 or FP8, and what each costs, then turns that into a :class:`~mixprec.
 
 * :mod:`.capture`: the fp32 reference pass and passes that leave no trace on the model;
 * :mod:`.measure`: one layer in one format (errors, ranges, the loss change);
-* :mod:`.fp8sim`: FP8 GEMMs emulated in fp32 (no torchao needed to advise);
 * :mod:`.advice`: :class:`Advice` (``unsafe``, ``reasons``, ``policy``, ``table``, ``plot``);
 * :mod:`.report`: the table and the plot;
 * :mod:`.planted`: two models with a planted problem (fp16 overflow, an FP8 outlier).

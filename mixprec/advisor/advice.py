@@ -250,7 +250,8 @@ class Advice:
                           "measured, and bf16 is measured by default")}, notes={
         "dtype": '"bf16" or "fp16" only, measured.',
         "fp8": "Its verdicts must have been measured (see :meth:`precision_map`)."})
-    def policy(self, level: str = "O2", dtype="bf16", fp8: str | None = None) -> Policy:
+    def policy(self, level: str = vocabulary.Default("O2"), dtype=vocabulary.Default("bf16"),
+               fp8: str | None = None) -> Policy:
         """The level's policy with the advisor's decisions (:meth:`precision_map`) as its
         ``modules`` map, after the level's own entries (O2: norm layers in fp32).
 

@@ -32,7 +32,8 @@ from torch.func import functional_call
 
 from .. import lowbit
 from ..autocast import PrecisionContext, cast_floating
-from ..fp8.choice import gemm_dims, is_conv1d
+from ..fp8.choice import gemm_dims
+from ..lowbit.base import is_conv1d
 from ..scaling import DynamicLossScaler
 from .capture import LayerCall, isolated, loss_of
 

@@ -2,7 +2,7 @@
 
 ``stats = mp.debug.fp8_stats(model)`` makes every FP8 layer of a prepared model (see
 :func:`mixprec.fp8_modules`) record, on each call, the amax, scale, saturation and underflow of
-its input, weight and output gradient in their FP8 formats (see :mod:`mixprec.fp8.stats`; for
+its input, weight and output gradient in their FP8 formats (see :mod:`mixprec.lowbit.stats`; for
 MXFP8 layers per 32-value block, with the range of the block scales). The
 numbers stay on the device: recording costs a few reductions per layer and call, and no host
 sync. Reading them (:meth:`FP8Stats.summary`, :meth:`table`, :meth:`plot`, :meth:`alerts`) is
@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from ..fp8.choice import FP8_ATTR
 from ..fp8.convert import fp8_modules, unwrap
-from ..fp8.stats import ROLES, LayerStats, attach, detach
+from ..lowbit.base import FP8_ATTR
+from ..lowbit.stats import ROLES, LayerStats, attach, detach
 from ..policy import FP8_RECIPES
 
 __all__ = ["fp8_stats", "FP8Stats", "FP8RangeWarning"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 import warnings
 from typing import Callable
 
@@ -38,25 +37,17 @@ from torch import nn
 
 from ..casting import marks_map, module_device, module_dtypes
 from ..lowbit import Float8, shorthands
+from ..lowbit.base import is_conv1d
 from ..policy import Policy
 from ..precision import Precision
 
-__all__ = ["FP8_ATTR", "is_conv1d", "gemm_dims", "ineligible", "eligible_layers",
+__all__ = ["gemm_dims", "ineligible", "eligible_layers",
            "default_choice", "choose", "with_modules", "split_spec", "why_none_chosen"]
 
-FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its low-bit format
 _NONE = Precision()
 
 
 FORMATS = "a mixprec.lowbit format, or one of " + ", ".join(map(repr, shorthands()))
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """True for a Hugging Face ``Conv1D`` (checked without importing transformers: a model that
-    holds one has imported it)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    cls = getattr(utils, "Conv1D", None)
-    return cls is not None and isinstance(module, cls)
 
 
 def gemm_dims(module: nn.Module) -> tuple[int, int] | None:

@@ -11,9 +11,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..casting import module_device
+from ..lowbit.base import FP8_ATTR
 from ..policy import Policy
 from . import speed
-from .choice import FP8_ATTR, gemm_dims
+from .choice import gemm_dims
 
 __all__ = ["convert", "fp8_modules", "all_gather_in_fp8", "unwrap"]
 

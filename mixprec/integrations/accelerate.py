@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import distenv as env
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
-from ..fp8.backend import quiet_import
-from ..parallel import env
+from ..lowbit.backend import quiet_import
 from ..parallel.ddp import cast_reduce_hook
 from ..parallel.sharding import fsdp
 from ..policy import Policy
@@ -96,7 +96,7 @@ def _refuse(name: str) -> None:
 
 def _broadcast_weights(model: nn.Module) -> None:
     """Rank 0's fp32 weights and buffers on every rank, before the masters are copied; the
-    gloo workers are let finish at interpreter exit (:func:`mixprec.parallel.env.settle`)."""
+    gloo workers are let finish at interpreter exit (:func:`mixprec.distenv.settle`)."""
     if env.world_size() > 1:
         env.require_group("MixprecAccelerator and MixprecTrainer")
         with torch.no_grad():
@@ -232,8 +232,9 @@ class MixprecAccelerator(accelerate.Accelerator):
         False
     """
 
-    def __init__(self, *args: Any, mixed_precision: Any = None, level: str = "O1",
-                 dtype: Any = "auto", loss_scale: Any = "auto", policy: Policy | None = None,
+    def __init__(self, *args: Any, mixed_precision: Any = None, level: str = vocabulary.LEVEL,
+                 dtype: Any = vocabulary.DTYPE, loss_scale: Any = "auto",
+                 policy: Policy | None = None,
                  keep_fp32=None, low_precision_ops=(), fp32_ops=(), master=None,
                  state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
                  monitor=None, **kwargs: Any):

@@ -147,8 +147,9 @@ class MixprecPrecision(Precision):
         ...                     enable_progress_bar=False, enable_checkpointing=False)
     """
 
-    def __init__(self, level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
-                 policy: Policy | None = None, *, monitor=None, keep_fp32=None,
+    def __init__(self, level: str = vocabulary.LEVEL, dtype: Any = vocabulary.DTYPE,
+                 loss_scale: Any = "auto", policy: Policy | None = None, *,
+                 monitor=None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, emulate_fp16="auto",
                  mixed_precision: MixedPrecision | None = None):

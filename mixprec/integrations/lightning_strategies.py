@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import distenv as env
 from ..engine import MixedPrecision
-from ..parallel import env
 from ..parallel.ddp import cast_reduce_hook
 from ..parallel.sharding import fsdp, wrap_optimizer  # lightning imports FSDP2 already
 from ..prepare import module_device, policy_of, prepare_many, wrap_late

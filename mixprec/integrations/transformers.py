@@ -57,7 +57,7 @@ import torch
 
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
-from ..fp8.backend import quiet_import
+from ..lowbit.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
 from .accelerate import (
@@ -119,7 +119,8 @@ class MixprecTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, mixed_precision: MixedPrecision | None = None,
-                 level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto",
+                 level: str = vocabulary.LEVEL, dtype: Any = vocabulary.DTYPE,
+                 loss_scale: Any = "auto",
                  policy: Policy | None = None, keep_fp32=None, low_precision_ops=(), fp32_ops=(),
                  master=None, state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
                  monitor=None, **kwargs: Any):

@@ -23,13 +23,24 @@ format, once, where it enters mixprec.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, ClassVar
 
 from ..components import Component, Registry
 
-__all__ = ["LowBitFormat", "register", "resolve", "shorthands", "formats"]
+__all__ = ["LowBitFormat", "register", "resolve", "shorthands", "formats", "FP8_ATTR",
+           "is_conv1d"]
 
 _REGISTRY = Registry("low-bit format", "format")
+FP8_ATTR = "_mixprec_fp8"  # set on a converted layer: its low-bit format
+
+
+def is_conv1d(module) -> bool:
+    """True for a Hugging Face ``Conv1D`` (checked without importing transformers: a model that
+    holds one has imported it)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(utils, "Conv1D", None)
+    return cls is not None and isinstance(module, cls)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,7 +89,7 @@ class LowBitFormat(Component):
 
     def convert(self, model, names: tuple[str, ...]) -> None:
         """Swap the named layers of ``model`` for layers running the format, in place; each is
-        marked with the format (``mixprec.fp8.choice.FP8_ATTR``)."""
+        marked with the format (:data:`FP8_ATTR`)."""
         raise NotImplementedError
 
     def before_sharding(self, model, names: list[str]) -> list[str]:
@@ -105,7 +116,7 @@ class LowBitFormat(Component):
                 f"do not carry over. Measure {type(self).__name__} with mp.advise")
 
     def recorder(self, module):
-        """A :class:`mixprec.fp8.stats.LayerStats` for a converted layer."""
+        """A :class:`mixprec.lowbit.stats.LayerStats` for a converted layer."""
         raise NotImplementedError
 
     def simulate(self, x, w_t):

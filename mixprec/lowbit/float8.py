@@ -7,16 +7,20 @@
 
 GEMM dimensions must be multiples of 16 (FP8 tensor cores need it; a CPU does not enforce it,
 so mixprec checks it everywhere). The layers are torchao's ``Float8Linear`` (and mixprec's
-``Float8Conv1D`` for Hugging Face's Conv1D): see :mod:`mixprec.fp8.layers`.
+``Float8Conv1D`` for Hugging Face's Conv1D): see :mod:`mixprec.lowbit.float8_layers`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import ClassVar
 
+import torch
+
+from . import backend
 from .base import LowBitFormat, register
+from .fp8sim import float8_matmul
+from .stats import LayerStats, scaled_fractions
 
 __all__ = ["Float8", "RECIPES"]
 
@@ -24,10 +28,6 @@ __all__ = ["Float8", "RECIPES"]
 RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise",
            "rowwise_gw_hp": "rowwise_with_gw_hp"}
 _AXES = {"input": -1, "weight": 0, "grad_output": -1}  # rowwise: the axis each role scales along
-
-
-def _fp8():
-    return importlib.import_module("mixprec.fp8")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,10 +68,10 @@ class Float8(LowBitFormat):
 
     # -- preparing ---------------------------------------------------------------------------
     def require(self) -> None:
-        _fp8().backend.require()
+        backend.require()
 
     def check_device(self, device) -> None:
-        _fp8().backend.check_device(device)
+        backend.check_device(device)
 
     def config(self, *, all_gather: bool = False):
         """torchao's ``Float8LinearConfig`` of the recipe (``all_gather``: FSDP2 gathers the
@@ -79,26 +79,26 @@ class Float8(LowBitFormat):
         if all_gather and self.rowwise:
             raise ValueError(f"FP8 all-gather needs the 'tensorwise' recipe; got "
                              f"{self.recipe!r}")
-        return _fp8().backend.float8_config(RECIPES[self.recipe], all_gather=all_gather)
+        return backend.float8_config(RECIPES[self.recipe], all_gather=all_gather)
 
     def shape_filter(self):
         """torchao's filter of the layers too small to gain from FP8 on an H100 (the
         rowwise_gw_hp recipe uses the rowwise rule)."""
-        return _fp8().backend.shape_filter(RECIPES["rowwise" if self.rowwise else "tensorwise"])
+        return backend.shape_filter(RECIPES["rowwise" if self.rowwise else "tensorwise"])
 
     def convert(self, model, names: tuple[str, ...]) -> None:
-        importlib.import_module("mixprec.fp8.layers").convert(model, names, self)
+        from . import float8_layers  # optional: imports torchao
+        float8_layers.convert(model, names, self)
 
     def before_sharding(self, model, names: list[str]) -> list[str]:
         """Tensorwise: torchao's FSDP2 float8 all-gather for the layers' weights."""
         if self.rowwise:
             return []
-        layers = importlib.import_module("mixprec.fp8.layers")
-        return layers.cast_weights_for_all_gather(model, names, self.config(all_gather=True))
+        from . import float8_layers  # optional: imports torchao
+        return float8_layers.cast_weights_for_all_gather(model, names, self.config(all_gather=True))
 
     # -- measuring ---------------------------------------------------------------------------
     def recorder(self, module):
-        from ..fp8.stats import LayerStats
         cfg = module.config
         casts = {"input": cfg.cast_config_input, "weight": cfg.cast_config_weight,
                  "grad_output": cfg.cast_config_grad_output}
@@ -125,13 +125,9 @@ class Float8(LowBitFormat):
                 f"fp8={base!r})")
 
     def simulate(self, x, w_t):
-        from ..advisor.fp8sim import float8_matmul
         return float8_matmul(x, w_t, self.rowwise, self.weight_grad_in_fp8)
 
     def ranges(self, x, w_t, grad) -> dict[str, tuple]:
-        import torch
-
-        from ..fp8.stats import scaled_fractions
         e4m3 = torch.float8_e4m3fn
         tensors = {"input": (x, e4m3), "weight": (w_t, e4m3),
                    "grad_output": (grad, e4m3 if self.rowwise else torch.float8_e5m2)}

@@ -21,10 +21,10 @@ from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-from ..fp8.choice import FP8_ATTR, is_conv1d
-from ..fp8.layers import probe, record
-from ..fp8.stats import stats_of
-from ..regions import ForwardWrapper
+from ..forwards import ForwardWrapper
+from .base import FP8_ATTR, is_conv1d
+from .float8_layers import probe, record
+from .stats import stats_of
 
 __all__ = ["mx_linear", "MXForward", "convert"]
 

@@ -16,13 +16,13 @@ and all-gathered by FSDP2 in their policy's dtype; the layers quantize after the
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import ClassVar
 
 import torch
 
-from . import blocks
+from . import backend, blocks
 from .base import LowBitFormat, register
+from .stats import LayerStats
 
 __all__ = ["MXFP8"]
 
@@ -70,8 +70,7 @@ class MXFP8(LowBitFormat):
 
     # -- preparing ---------------------------------------------------------------------------
     def require(self) -> None:
-        importlib.import_module("mixprec.fp8.backend").require(
-            "MXFP8 layers", "torchao.prototype.moe_training.mxfp8_linear")
+        backend.require("MXFP8 layers", "torchao.prototype.moe_training.mxfp8_linear")
 
     def check_device(self, device) -> None:
         if self.emulate is False and not self.native(torch.device(device)):
@@ -80,11 +79,11 @@ class MXFP8(LowBitFormat):
                                f"{device}. Use MXFP8() (emulated off sm100)")
 
     def convert(self, model, names: tuple[str, ...]) -> None:
-        importlib.import_module("mixprec.lowbit.mx_layers").convert(model, names, self)
+        from . import mx_layers  # optional: imports torchao
+        mx_layers.convert(model, names, self)
 
     # -- measuring ---------------------------------------------------------------------------
     def recorder(self, module):
-        from ..fp8.stats import LayerStats
         e4m3 = torch.float8_e4m3fn
         return LayerStats(dict.fromkeys(blocks.AXES, e4m3), dict(blocks.AXES), block=blocks.MX)
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks"]
+__all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks",
+           "has_step_hooks"]
 
 #: The per-instance hook dicts of ``torch.optim.Optimizer``.
 HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -88,3 +89,11 @@ def has_step_pre_hooks(wrapper) -> bool:
         return True
     return any(h != wrapper._refuse_direct_step
                for h in wrapper._optimizer_step_pre_hooks.values())
+
+
+def has_step_hooks(wrapper) -> bool:
+    """True when step pre- or post-hooks would run on the wrapper's ``step()`` (a step that
+    may be skipped on the device then reads the overflow flag first: the hooks run only when
+    it steps)."""
+    return (has_step_pre_hooks(wrapper) or bool(wrapper._optimizer_step_post_hooks)
+            or bool(getattr(torch_optimizer, "_global_optimizer_post_hooks", None)))

@@ -85,8 +85,10 @@ def check_compilable(optimizer: torch.optim.Optimizer) -> None:
                          "fused='auto' or False for other optimizers or options")
 
 
-def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors) -> str | None:
-    """Why torch's fused kernel can't step ``tensors`` with ``optimizer`` (None when it can)."""
+def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors,
+                        grad_of: Callable | None = None) -> str | None:
+    """Why torch's fused kernel can't step ``tensors`` with ``optimizer`` (None when it can);
+    ``grad_of(t)`` is the gradient the step reads for ``t`` (default: ``t.grad``)."""
     if type(optimizer) not in _TORCH_FUSED_TYPES:
         return f"{type(optimizer).__name__} has no fused kernel in torch"
     for group in optimizer.param_groups:
@@ -98,7 +100,8 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors) -> str | None
         table = kernel_table.TABLE
         if is_dtensor(t) and not table.fused_optimizer_on_shards(type(optimizer)):
             return f"an FSDP2 shard: torch's fused {type(optimizer).__name__} takes no DTensor"
-        if t.grad is not None and t.grad.is_sparse:
+        grad = t.grad if grad_of is None else grad_of(t)
+        if grad is not None and grad.is_sparse:
             return "a sparse gradient"
     return None
 

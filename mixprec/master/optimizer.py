@@ -1,7 +1,7 @@
 """``MasterWeightOptimizer``: fp32 master copies of low-precision parameters.
 
-Why masters: an update below half a bf16 ulp (2**-8 near 1.0) rounds away on every step; an fp32
-copy (the master), stepped and written back rounded, lets such updates accumulate.
+Why masters: an update below half a bf16 ulp rounds away on every step; an fp32 copy (the
+master), stepped and written back rounded, lets such updates accumulate.
 
 **torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects:
 LR schedulers, code that edits ``"lr"``, and hooks registered on the wrapper work as for any torch
@@ -15,14 +15,10 @@ whose results do not depend on which parameters are stepped together: those are 
 at a time. The inner optimizer itself must no longer be stepped directly (its ``param_groups``
 now hold masters): its ``step()`` raises a ``RuntimeError`` that says to use the wrapper.
 
-**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one.
-``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``), into one
-scratch buffer per device that is reused from bucket to bucket and freed when the step ends,
-steps that bucket and writes it back; ``fused="compile"`` reads the low-precision gradients
-directly and needs no scratch. Bytes per low-precision parameter: 2 (weight) + 4 (master) + 2
-(gradient) + the optimizer state (SGD with momentum 4, Adam 8; half that with
-``state_dtype="bf16"``); the bucket exists only during ``step()``, when the activations are gone.
-An optimizer that is not per-parameter gets all its fp32 gradients at once, during ``step()``.
+**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one:
+``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``; all at once
+for an optimizer not per-parameter) into a scratch buffer freed when the step ends. Bytes per
+16-bit parameter: 2 (weight) + 4 (master) + 2 (gradient) + the state (SGD momentum 4, Adam 8).
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`, what mixprec's scalers call):
 
@@ -30,33 +26,24 @@ An optimizer that is not per-parameter gets all its fp32 gradients at once, duri
   own dtypes: what a scaler checks for inf/NaN and measures for clipping.
 * ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master from the model's
   gradient times ``inv_scale``, unscales the fp32 parameters' gradients in place, and returns a
-  0-d inf/NaN flag (> 0: overflow), in one pass over each gradient. The model's low-precision
+  0-d inf/NaN flag (1: overflow), in one pass over each gradient. The model's low-precision
   gradients are unscaled in place too, so every reader (``grad_report``,
   ``clip_grad_norm_(model.parameters())``) sees true values. After a change to a model gradient,
   its master's gradient is made again from it.
 * ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
-  divided by it as they are read (fp32 parameters' gradients in place).
+  divided by it as they are read (fp32 parameters' gradients in place; by torch's fused kernel).
+* ``step(found_inf=f)``, where ``skips_on_device()``: torch's fused kernels skip on the device
+  when the 0/1 flag ``f`` is 1 (no host read); masters, parameters and state stay untouched.
 * ``drop_master_grads()`` drops the fp32 gradients (a scaler skipping the step calls it).
+  ``torch.amp.GradScaler`` cannot drive this optimizer (``step()`` raises a clear error).
 
-A scaler that skips a step does not call ``step()``: masters, parameters and state stay untouched.
-``torch.amp.GradScaler`` cannot drive this optimizer (``step()`` raises a clear error).
-
-**Update kernels** (``fused``): ``"auto"`` (default) runs torch's fused kernel for SGD/Adam/
-AdamW on CPU and CUDA (``fused=True`` for the call) and the configured step otherwise; ``False``
-always runs the configured step (bitwise the unwrapped optimizer on fp32 tensors); ``"compile"``
-one ``torch.compile``-d pass per low-precision parameter (SGD/Adam/AdamW, fp32 state; a few fp32
-ulps from the others). See :mod:`mixprec.master.kernels`. bf16 weights are written back rounded
-to nearest, exact ties away from zero (``master="split"``'s rule: the two train bit for bit alike).
-
-**Moments in bf16** (``state_dtype="bf16"``): the inner optimizer's moment buffers are stored in
-bf16 and widened to fp32 for each bucket's step, then rounded back stochastically (see
-:mod:`mixprec.master.states`); the rounding generator's state travels in ``state_dict``.
-
-Host-device synchronisation: ``step()``, ``unscale_grads_()``, ``zero_grad()``, ``state_dict()``
-and ``load_state_dict()`` add none (all copies are asynchronous device ops), except that
-``fused="compile"`` reads Adam's ``step`` when that state lives on a GPU.
-
-The pieces are listed in :mod:`mixprec.master`.
+**Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
+CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
+compiled pass per low-precision parameter (:mod:`mixprec.master.kernels`). bf16 weights are
+written back rounded to nearest, exact ties away from zero (``master="split"``'s rule).
+``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
+(:mod:`mixprec.master.states`). No method syncs with the host, except that ``fused="compile"``
+reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.master`.
 """
 
 from __future__ import annotations
@@ -300,8 +287,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         made earlier are replaced. No host sync.
 
         Returns:
-            A 0-d float32 tensor, > 0 when some gradient held inf or NaN, on the device of the
-            first gradient (or the CPU when there is none).
+            A 0-d float32 flag, 1 when a gradient held inf/NaN, on the first gradient's device.
         """
         self._carry.inv = None
         made, fp32 = [], []
@@ -323,15 +309,25 @@ class MasterWeightOptimizer(WrappedOptimizer):
             set_grad(p, grad)
         return found
 
+    def settle_grads_(self, grad_scale: torch.Tensor) -> torch.Tensor:
+        """``unscale_grads_`` with the step's arithmetic (:func:`.steps.settle_grads`)."""
+        return steps.settle_grads(self, grad_scale)
+
     # -- the step ------------------------------------------------------------------------------
+    def skips_on_device(self) -> bool:
+        """Whether ``step(found_inf=f)`` can skip on the device (:func:`.steps.skips_on_device`)."""
+        return steps.skips_on_device(self)
+
     def step(self, closure: Callable[[], Any] | None = None, *,
-             grad_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:
+             grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+             **kwargs: Any) -> Any:
         """Step the masters from the gradients and write them back (see the class docstring).
 
         Args:
             closure: re-evaluates the model and returns the loss (as for any torch optimizer);
                 the model sees the current masters before each re-evaluation.
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
+            found_inf: a 0-d float32 flag, 1 to skip (on the device), or None.
             kwargs: passed on to the inner optimizer's ``step`` (each time it runs).
 
         Returns:
@@ -339,31 +335,35 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
         Raises:
             RuntimeError: driven by ``torch.amp.GradScaler``; a ``closure`` together with
-                ``grad_scale``.
+                ``grad_scale`` or ``found_inf``; ``found_inf`` while not ``skips_on_device()``.
         """
         self._refuse_torch_grad_scaler()
         self._carry.inv = None
         self.step_kwargs = kwargs
         try:
-            return self._step(closure, grad_scale)
+            return self._step(closure, grad_scale, found_inf)
         finally:
             self.step_kwargs = {}
 
-    def _step(self, closure, grad_scale) -> Any:
+    def _step(self, closure, grad_scale, found_inf) -> Any:
         if closure is not None:
-            if grad_scale is not None:
-                raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "
-                                   "recomputes the gradients")
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError("step() takes a closure or a grad_scale/found_inf, not both: a "
+                                   "closure recomputes the gradients")
             return steps.closure_step(self, closure)
         if grad_scale is not None:
             check_grad_scale(grad_scale)
+        if found_inf is not None and not self.skips_on_device():
+            raise RuntimeError("step(found_inf=...) takes the flag only where skips_on_device() "
+                               "is True (torch's fused kernel for every tensor, fp32 moments, "
+                               "no step hooks, optimizer state made); read the flag and skip")
         self._check_fp16_changes()
         if self._fused == "compile":
             steps.compiled_step(self, grad_scale)
         else:
-            steps.bucketed_step(self, grad_scale)
+            steps.bucketed_step(self, grad_scale, found_inf)
         if grad_scale is not None:  # reads after the step see the true gradients (torch.amp)
-            self._carry.inv = grad_scale.double().reciprocal().float()
+            self._carry.carry(grad_scale)
         if self.state_dtype != torch.float32:  # bf16 moments are rounded stochastically
             states.record_generator(self.inner, self.rounding)
         return None

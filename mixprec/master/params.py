@@ -38,13 +38,29 @@ class GradCarry:
     ``inv`` is None (they carry nothing, or an unknown factor, e.g. an un-unscaled loss scale
     before a scaler's step) or a 0-d tensor they must be multiplied by to read as the true
     gradients (set after a step that unscaled them on the fly, so reads after ``step()`` see the
-    true gradients, as with ``torch.amp``).
+    true gradients, as with ``torch.amp``). :meth:`carry` records the scale itself: its inverse
+    is made when first read (no kernel on a step nobody reads a gradient after).
     """
 
-    __slots__ = ("inv",)
+    __slots__ = ("_inv", "_scale")
 
     def __init__(self):
-        self.inv: torch.Tensor | None = None
+        self._inv: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+
+    @property
+    def inv(self) -> torch.Tensor | None:
+        if self._inv is None and self._scale is not None:
+            self._inv, self._scale = self._scale.double().reciprocal().float(), None
+        return self._inv
+
+    @inv.setter
+    def inv(self, value: torch.Tensor | None) -> None:
+        self._inv, self._scale = value, None
+
+    def carry(self, scale: torch.Tensor) -> None:
+        """The gradients carry ``scale`` (a 0-d tensor, not changed in place afterwards)."""
+        self._inv, self._scale = None, scale
 
     def __reduce__(self):  # a copy starts carrying nothing (the gradients are not copied)
         return (GradCarry, ())

@@ -36,7 +36,7 @@ from ..dtypes import to_dtype
 from ..masters.kahan import COMPENSATION_KEY
 from ..masters.rounding import RoundingGenerator, shard_key, stochastic_round
 from ..masters.split import REMAINDER_KEY
-from ..shards import dtensor_type, like_shard, local
+from ..shards import dtensor_class, is_dtensor, like_shard, local
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
            "OWN_KEYS", "check_state_dtype",
@@ -72,7 +72,7 @@ def check_state_dtype(state_dtype) -> torch.dtype:
 def _plain(value) -> bool:
     """A plain (or DTensor) tensor; library subclasses (torchao's quantized states) are not
     touched."""
-    return type(value) is torch.Tensor or type(value) is dtensor_type()
+    return type(value) is torch.Tensor or (is_dtensor(value) and type(value) is dtensor_class())
 
 
 def is_moment(key, value, param: torch.Tensor) -> bool:

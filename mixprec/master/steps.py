@@ -6,6 +6,12 @@ else its model parameter's gradient; divides what it reads by ``grad_scale`` whe
 still carry a loss scale; steps the inner optimizer on the masters; and writes the masters back
 into the model parameters, rounded to nearest even. fp32 parameters in the groups are their own
 masters: their gradients are unscaled in place.
+
+Where a bucket runs torch's fused kernel, the loss scale is handed to it (``grad_scale``: it
+divides each gradient as it reads it, and writes the quotient back), and so is a scaler's
+overflow flag (``found_inf``: the kernel skips on the device and takes back its step count), as
+``torch.amp.GradScaler`` hands them to a fused optimizer: no unscale pass and no host read.
+:func:`skips_on_device` says when a whole step can take the flag.
 """
 
 from __future__ import annotations
@@ -16,27 +22,126 @@ from typing import Any
 
 import torch
 
+from .. import kernel_table
 from ..masters.split_bits import round_into_
 from ..scaling.unscale import unscale_
-from . import kernels, states
+from ..shards import is_dtensor
+from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
-__all__ = ["bucketed_step", "compiled_step", "closure_step"]
+__all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
+           "settle_grads"]
 
 
-def bucketed_step(opt, grad_scale: torch.Tensor | None) -> None:
+def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the step reads for ``t`` (a master's fp32 one if current, else its model
+    parameter's), or None: ``t`` is not stepped."""
+    if not is_master(t):
+        return t.grad
+    grad = valid_grad(t)
+    return t.model_param.grad if grad is None else grad
+
+
+def device_plan(opt) -> tuple[bool, bool]:
+    """``(folds, ready)`` for master optimizer ``opt``, in one pass over its tensors: ``folds``,
+    the step hands the loss scale to torch's fused kernel for every tensor (``fused="auto"``, a
+    fused kernel for every tensor's device and dtype, no sparse gradient, no FSDP2 shard: those
+    are unscaled apart, as before); ``ready``, every tensor the step reads a gradient for already
+    has its optimizer state (Adam's ``step``; SGD's ``momentum_buffer`` when it has momentum)."""
+    inner = opt.inner
+    if opt.fused != "auto" or kernels.torch_fused_problem(inner, ()) is not None:
+        return False, False
+    table, fused_ok = kernel_table.TABLE, {}
+    state, ready = inner.state, True
+    sgd = type(inner) is torch.optim.SGD
+    for group in inner.param_groups:
+        key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
+        for t in group["params"]:
+            kind = (t.device.type, t.dtype)
+            ok = fused_ok.get(kind)
+            if ok is None:
+                ok = fused_ok[kind] = table.fused_optimizer(*kind)
+            if not ok or is_dtensor(t):
+                return False, False
+            grad = _step_grad(t)
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                return False, False
+            if ready and key is not None and key not in state.get(t, ()):
+                ready = False
+    return True, ready
+
+
+def folds_scale(opt) -> bool:
+    """True when the step hands the loss scale to torch's fused kernel (``grad_scale``: it
+    divides each gradient by it) for every tensor, rather than multiplying the gradients by its
+    inverse first (see :func:`device_plan`)."""
+    return device_plan(opt)[0]
+
+
+def skips_on_device(opt) -> bool:
+    """True when the next ``step(found_inf=...)`` of master optimizer ``opt`` can skip on the
+    device: the loss scale folds into torch's fused kernels and every stepped tensor already has
+    its optimizer state (:func:`device_plan`: a first step would make it: torch's fused SGD
+    starts its momentum buffers as ``empty_like``, and Adam's state would appear on a skipped
+    step), fp32 moments (bf16 ones are rounded stochastically, which would draw bits on a
+    skipped step), and no step hooks (they must not run on a skipped step)."""
+    if opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
+        return False
+    folds, ready = device_plan(opt)
+    return folds and ready
+
+
+def settle_grads(opt, grad_scale: torch.Tensor) -> torch.Tensor:
+    """Make ``opt``'s fp32 gradients as ``step(grad_scale=...)`` reads them (the model's read as
+    them, rounded) and return the 0-d inf/NaN flag: divided by ``grad_scale`` where the step
+    folds it into torch's kernel (:func:`folds_scale`), else times its inverse, so a clip
+    applied before the step (``LossScaler.settle_``) steps bitwise as one inside it."""
+    inv = grad_scale.reciprocal()
+    if not folds_scale(opt):
+        return opt.unscale_grads_(inv)
+    found = opt.unscale_grads_(None)
+    masters = [t for g in opt.param_groups for t in g["params"] if is_master(t)]
+    made = [(t, g) for t, g in ((t, valid_grad(t)) for t in masters) if g is not None]
+    own = [t.grad for g in opt.param_groups for t in g["params"]
+           if not is_master(t) and t.grad is not None]
+    with torch.no_grad():
+        for tensors in _by_device([g for _, g in made] + own).values():
+            torch._foreach_div_(tensors, grad_scale.to(tensors[0].device))
+        unscale_([t.model_param.grad for t, _ in made], inv)
+    for t, grad in made:  # the model gradients changed version: made from them still
+        set_grad(t, grad)
+    return found
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def bucketed_step(opt, grad_scale: torch.Tensor | None,
+                  found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
     per-parameter; see :mod:`mixprec.master.buckets`)."""
-    inv = None if grad_scale is None else grad_scale.reciprocal()
+    # one rule for all buckets (and settle_grads); a found_inf the step took implies it
+    folds = grad_scale is not None and (found_inf is not None or folds_scale(opt))
+    inv = None if folds or grad_scale is None else grad_scale.reciprocal()
     buckets = opt.buckets()
     try:
         for bucket in buckets:
-            _step_bucket(opt, bucket, inv, alone=len(buckets) == 1)
+            _step_bucket(opt, bucket, grad_scale if folds else None, found_inf, inv,
+                         alone=len(buckets) == 1)
     finally:
         opt.scratch.release()  # transient: the fp32 gradients do not outlive the step
 
 
-def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> None:
+def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, inv,
+                 alone: bool) -> None:
+    """Step one bucket: the kernel divides by ``grad_scale`` (folded) or the gradients are
+    multiplied by ``inv`` first (at most one of them is given)."""
     dense, sparse, held, own, stepped = [], [], [], [], []
     for tensors in bucket:
         for t in tensors:
@@ -61,19 +166,38 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], inv, alone: bool) -> Non
         for t, view in zip(dense, views):
             set_grad(t, view)
         made = [derive_grad(t, None) for t in sparse]
-        if inv is not None:
-            unscale_(own + held + views + made, inv)
         tensors = [t for ts in bucket for t in ts]
         fused = (opt.fused == "auto"
                  and kernels.torch_fused_problem(opt.inner, tensors) is None)
+        if (grad_scale is not None or found_inf is not None) and not fused:
+            raise RuntimeError("step(found_inf=...) needs torch's fused kernel for every tensor; "
+                               "call it only when skips_on_device() is True")
+        if inv is not None:
+            unscale_(own + held + views + made, inv)
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
+                _amp_arguments(opt.inner, grad_scale, found_inf), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
             round_into_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
+
+
+@contextlib.contextmanager
+def _amp_arguments(inner, grad_scale, found_inf):
+    """Inside the block, torch's fused step of ``inner`` divides the gradients by
+    ``grad_scale`` and skips when ``found_inf`` is 1 (torch's optimizers read these attributes,
+    which ``torch.amp.GradScaler`` sets for a fused optimizer)."""
+    if grad_scale is None and found_inf is None:
+        yield
+        return
+    inner.grad_scale, inner.found_inf = grad_scale, found_inf
+    try:
+        yield
+    finally:
+        del inner.grad_scale, inner.found_inf
 
 
 def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:

@@ -87,9 +87,8 @@ def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     row shards); other layouts still get distinct, unbiased bits."""
     if not is_dtensor(tensor):
         return key
-    # import time: only reached for a DTensor, whose module is loaded already
+    # torch's DTensor helper (loaded with DTensor itself: see mixprec.shards.is_dtensor)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                      tensor.placements)
     strides = torch.empty(tensor.shape, device="meta").stride()

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..distenv import is_main_process
+from ..engine_checks import EngineObserver
 from ..fp8.convert import fp8_modules
-from ..parallel.env import is_main_process
 from ..scaling.unscale import total_norm
 from ..shards import local, replicated
 from .ranks import RankReduction, lost_fraction, mesh_of
@@ -47,7 +48,7 @@ __all__ = ["PrecisionMonitor"]
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-class PrecisionMonitor:
+class PrecisionMonitor(EngineObserver):
     """Record a mixed-precision run every few steps: loss scale, skips, gradient norm, and per
     layer gradient underflow, activation range and the update lost to rounding.
 

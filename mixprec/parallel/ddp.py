@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import distenv as env
 from ..dtypes import dtype_name, to_dtype
 from ..prepare import policy_of
-from . import env
 
 __all__ = ["ddp", "reduce_dtype_of", "cast_reduce_hook", "REDUCE_DTYPES"]
 

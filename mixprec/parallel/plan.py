@@ -116,7 +116,7 @@ def _given(policy, level, dtype) -> Policy:
     """``policy=``, which comes instead of ``level``/``dtype``."""
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
-    vocabulary.check_policy_alone(policy, level, dtype, "plan", defaults=("O2", "bf16"))
+    vocabulary.check_policy_alone(policy, level, dtype, "plan")
     return policy
 
 
@@ -142,7 +142,8 @@ def _check(level, strategy: str, world: int, optimizer: str) -> tuple:
     "level": ("O2", "the level a memory plan is usually asked about: 16-bit weights with masters"),
     "dtype": ("bf16", '"auto" has no device to resolve on: a plan is for the cluster you name, '
                       "not this machine")})
-def plan(params, *, level: str = "O2", dtype="bf16", strategy: str = "fsdp", world: int = 1,
+def plan(params, *, level: str = vocabulary.Default("O2"), dtype=vocabulary.Default("bf16"),
+         strategy: str = "fsdp", world: int = 1,
          optimizer: str = "adamw", reduce_dtype="fp32", policy: Policy | None = None,
          master=None, state_dtype=None) -> MemoryPlan:
     """Bytes per rank and gradient traffic per step of one set-up, on paper.

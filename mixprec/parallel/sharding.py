@@ -42,7 +42,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .. import distenv as env
 from .. import vocabulary
+from ..distenv import is_fsdp
 from ..engine import MixedPrecision, engine_for
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
@@ -50,9 +52,7 @@ from ..master import build, is_master_optimizer
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
-from . import env
 from .ddp import reduce_dtype_of
-from .env import is_fsdp
 
 __all__ = ["fsdp", "default_units", "wrap_optimizer", "broadcast_from_first_rank"]
 
@@ -146,8 +146,9 @@ def _policies(policy, reduce_dtype: torch.dtype):
     "master": 'Under FSDP2 "fp32" means the fp32 shards are the masters; the others keep '
               "16-bit shards (see the module docstring).",
     "state_dtype": "O2 only."})
-def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, level: str = "O2",
-         dtype: Any = "auto", reduce_dtype: Any = "fp32", units: Iterable | None = None,
+def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         level: str = vocabulary.Default("O2"),
+         dtype: Any = vocabulary.DTYPE, reduce_dtype: Any = "fp32", units: Iterable | None = None,
          mesh=None, keep_fp32=None, policy: Policy | None = None, low_precision_ops=(),
          fp32_ops=(), master=None, state_dtype=None, fp8=None, fp8_modules=None,
          emulate_fp16="auto", mixed_precision: MixedPrecision | None = None):
@@ -203,7 +204,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, le
     if is_fsdp(model) or policy_of(model) is not None:
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")
-    vocabulary.check_policy_alone(policy, level, dtype, "fsdp", defaults=("O2", "auto"))
+    vocabulary.check_policy_alone(policy, level, dtype, "fsdp")
     if mixed_precision is not None:
         engine_for(fsdp, mixed_precision, level=level, dtype=dtype, keep_fp32=keep_fp32,
                    policy=policy, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,

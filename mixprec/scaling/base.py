@@ -7,17 +7,14 @@ Two kinds of optimizer are driven:
 
 * a plain torch optimizer: its gradients are in ``param_groups``; the scaler unscales them in
   place (one fused pass that also checks for inf/NaN) and calls ``step()``;
-* an optimizer that owns the gradients its step reads (:class:`mixprec.MasterWeightOptimizer`,
-  or any object with ``grads_for_step``, ``unscale_grads_`` and ``drop_master_grads``): the
-  scaler checks the gradients it reads, and passes the factor they still carry as
-  ``step(grad_scale=...)``, so the optimizer unscales them while it reads them; an explicit
-  ``unscale_`` asks it for unscaled fp32 gradients (``unscale_grads_``). See the protocol in
-  :mod:`mixprec.scaling.protocol`.
+* an optimizer that owns the gradients its step reads (:class:`mixprec.MasterWeightOptimizer`;
+  the protocol in :mod:`mixprec.scaling.protocol`): the scaler checks the gradients it reads
+  and passes the factor they still carry as ``step(grad_scale=...)`` (and, where it skips on
+  the device, the overflow flag as ``found_inf``); ``unscale_`` asks for fp32 gradients.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -25,11 +22,20 @@ from torch import nn
 
 from ..shards import local as _local
 from ..shards import replicated as _replicated
+from . import args as checks
 from . import unscale as passes
 from .gradscaler import GradScalerInterface
 from .protocol import owns_gradients
-from .records import SEQUENCE, Counters, OptimizerRecord, Stage, StageBook, check_not_stepped
-from .state import ScaleState, positive_scale
+from .records import (
+    SEQUENCE,
+    Counters,
+    OptimizerRecord,
+    QueuedStep,
+    Stage,
+    StageBook,
+    check_not_stepped,
+)
+from .state import ScaleState
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -93,7 +99,11 @@ class LossScaler(GradScalerInterface):
         gradients (and the model's, rounded) read as the clipped true ones the step uses."""
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.UNSCALED and record.grad_scale is not None:
-            optimizer.unscale_grads_(record.grad_scale.reciprocal())
+            settle = getattr(optimizer, "settle_grads_", None)  # as its step would divide
+            if callable(settle):
+                settle(record.grad_scale)
+            else:
+                optimizer.unscale_grads_(record.grad_scale.reciprocal())
             record.grad_scale = None
 
     def is_enabled(self) -> bool:
@@ -121,7 +131,7 @@ class LossScaler(GradScalerInterface):
             return type(loss)(self.scale(x) for x in loss)
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
-                            f"them; got {_describe(loss)}")
+                            f"them; got {checks.describe(loss)}")
         if not self._scales:
             return loss
         if self._state.device != loss.device and not self._stages:
@@ -178,7 +188,7 @@ class LossScaler(GradScalerInterface):
             ValueError: a bad ``max_norm`` or ``norm_type``.
             RuntimeError: called twice, or after step(), in one iteration.
         """
-        _check_clip_args(max_norm, norm_type)
+        checks.check_clip_args(max_norm, norm_type)
         if owns_gradients(optimizer):
             record = self._stages.get(optimizer)
             if record is None or record.stage is Stage.READY:
@@ -200,9 +210,13 @@ class LossScaler(GradScalerInterface):
 
         Under ``torch.distributed`` the overflow flag is first all-reduced (max) over
         ``process_group``, so every rank skips together. A skipped step leaves the parameters
-        and all optimizer state untouched. One host sync (reading the flag), none when this
-        scaler does not check; one more on a step that overflowed. Extra arguments go to
-        ``optimizer.step``.
+        and all optimizer state untouched. Extra arguments go to ``optimizer.step``.
+
+        Host syncs: none when this scaler does not check. An optimizer that skips on the device
+        (``skips_on_device()``: a master optimizer on torch's fused kernels) gets the flag with
+        its step, as ``torch.amp.GradScaler`` hands it to a fused optimizer, and the flag is read
+        once, after the step is queued; any other optimizer reads it before its step. One more
+        read on a step that overflowed.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
@@ -211,12 +225,17 @@ class LossScaler(GradScalerInterface):
             TypeError: a closure was passed (it would recompute scaled gradients after the check).
             RuntimeError: step() was already called on this optimizer since the last update().
         """
+        return self.read_step(self.queue_step(optimizer, *args, **kwargs), updated=False)
+
+    def queue_step(self, optimizer, *args, **kwargs) -> QueuedStep:
+        """:meth:`step` up to the read of the flag; :meth:`read_step` reads it (after
+        :meth:`update`, the scale update is queued before the read too: ``MixedPrecision.step``)."""
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise TypeError("step() does not take a closure: it would recompute scaled gradients "
                             "after the inf/NaN check. Compute the loss, call "
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
                             "optimizer.step(closure) directly when not scaling")
-        _check_optimizer(optimizer)
+        checks.check_optimizer(optimizer)
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
@@ -225,20 +244,55 @@ class LossScaler(GradScalerInterface):
         if record is None or record.stage is Stage.READY:
             record = self._prepare_step(optimizer, owner)
         record.stage = Stage.STEPPED
-        if self._checks and self._overflowed(record):
-            self._counters.skipped_steps += 1
-            if self._next_overflow_raises():
-                record.bad_params = passes.nonfinite_param_names(
-                    _grad_pairs(optimizer, owner), self._param_names(optimizer))
-            if owner:
-                optimizer.drop_master_grads()
-            return False
+        queued = QueuedStep(optimizer, record, owner)
+        flag = record.found_inf if self._checks else None
+        if flag is not None:
+            flag = record.found_inf = self._reduced(flag)
+            if owner and checks.skips_on_device(optimizer):  # no read: the kernels skip
+                optimizer.step(*args, grad_scale=record.grad_scale, found_inf=flag, **kwargs)
+                queued.flag = flag
+                return queued
+            if bool(flag.item()):
+                self._count_skip(queued, updated=False)
+                queued.stepped = False
+                return queued
         if owner:
             optimizer.step(*args, grad_scale=record.grad_scale, **kwargs)
         else:
             optimizer.step(*args, **kwargs)
         self._counters.applied_steps += 1
-        return True
+        queued.stepped = True
+        return queued
+
+    def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
+        """Whether the step ``queued`` (from :meth:`queue_step`) was applied; reads the flag when
+        the optimizer skips on the device (a host sync). ``updated``: :meth:`update` ran.
+
+        Raises:
+            NonFiniteGradientsError: with ``updated``, gradients stayed non-finite at
+                ``min_scale`` for ``max_skips_at_min`` steps in a row (without it,
+                :meth:`update` raises).
+        """
+        if queued.stepped is not None:
+            return queued.stepped
+        queued.stepped = not bool(queued.flag.item())
+        if queued.stepped:
+            self._counters.applied_steps += 1
+        else:
+            self._count_skip(queued, updated)
+        return queued.stepped
+
+    def _count_skip(self, queued: QueuedStep, updated: bool) -> None:
+        self._counters.skipped_steps += 1
+        opt = queued.optimizer
+        if self._next_overflow_raises(updated):
+            names = passes.nonfinite_param_names(checks.grad_pairs(opt, queued.owner),
+                                                 checks.param_names(opt, self._modules))
+            if updated:
+                raise self._persistent_overflow_error(names)
+            queued.record.bad_params = names
+        if queued.owner:
+            opt.drop_master_grads()
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the scale from the steps since the last update() and start a new iteration.
@@ -258,7 +312,7 @@ class LossScaler(GradScalerInterface):
                 ``max_skips_at_min`` steps in a row (dynamic scaling).
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
-            self._set_scale(_as_number(new_scale, "new_scale"))
+            self._set_scale(checks.as_number(new_scale, "new_scale"))
             self._stages.clear()
             return
         stepped = self._stages.stepped()
@@ -268,7 +322,9 @@ class LossScaler(GradScalerInterface):
         self._stages.clear()
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
-            self._state = self._adjust(torch.stack([f.to(self._state.device) for f in flags]).sum())
+            found = (flags[0] if len(flags) == 1
+                     else torch.stack([f.to(self._state.device) for f in flags]).amax())
+            self._state = self._adjust(found)
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
             names = list(dict.fromkeys(n for names in bad for n in names))
@@ -282,7 +338,8 @@ class LossScaler(GradScalerInterface):
     def _adjust(self, found_inf: torch.Tensor) -> ScaleState:
         return self._state
 
-    def _next_overflow_raises(self) -> bool:
+    def _next_overflow_raises(self, updated: bool = False) -> bool:
+        """Whether this overflow reaches the limit (``updated``: the scale update counted it)."""
         return False
 
     def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
@@ -301,7 +358,7 @@ class LossScaler(GradScalerInterface):
         return self._state.scale.double().reciprocal().float()
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
-        _check_optimizer(optimizer)
+        checks.check_optimizer(optimizer)
         return self._stages.ready(optimizer, what)
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
@@ -334,67 +391,9 @@ class LossScaler(GradScalerInterface):
         record.stage = Stage.UNSCALED
         return total
 
-    def _overflowed(self, record: OptimizerRecord) -> bool:
-        found = record.found_inf
-        if found is None:
-            return False
+    def _reduced(self, found: torch.Tensor) -> torch.Tensor:
+        """The overflow flag of every rank (max over ``process_group``; no host read)."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
-        return bool(found.item())
-
-    def _param_names(self, optimizer) -> dict[int, str]:
-        """id(model parameter) -> a name: attached modules' names, else the position."""
-        model_param = getattr(optimizer, "model_param", None)
-        if not (owns_gradients(optimizer) and callable(model_param)):
-            model_param = _same
-        names = {id(model_param(p)): f"param_groups[{g}][{i}]"
-                 for g, group in enumerate(optimizer.param_groups)
-                 for i, p in enumerate(group["params"])}
-        for ref in self._modules:
-            module = ref()
-            if module is not None:
-                names.update({id(p): n for n, p in module.named_parameters()})
-        return names
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if owner:
-        return optimizer.grads_for_step()
-    return [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-            if p.grad is not None]
-
-
-def _check_clip_args(max_norm, norm_type) -> None:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-            or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite number; got {max_norm!r}")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
-            or not norm_type > 0:
-        raise ValueError(f"norm_type must be a positive number or float('inf'); "
-                         f"got {norm_type!r}")
-
-
-def _as_number(value, what: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{what} must be a number or a 1-element tensor; got a tensor of "
-                             f"shape {tuple(value.shape)}")
-        value = value.item()
-    return positive_scale(what, value)
-
-
-def _check_optimizer(optimizer) -> None:
-    if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
-        raise TypeError(f"expected a torch.optim.Optimizer (or MasterWeightOptimizer); "
-                        f"got {_describe(optimizer)}")
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of {x.dtype}"
-    return f"{type(x).__name__} {x!r}"
+        return found

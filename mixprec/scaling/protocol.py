@@ -16,8 +16,19 @@ integrations) drive it through these four calls, and through nothing else:
   (> 0: overflow). Afterwards the gradients read as unscaled wherever torch code looks.
 * ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): divide by
   it while reading them. A scaler that clips folds the clip factor into ``s``.
-* ``drop_master_grads()``: the step is skipped: drop what ``unscale_grads_`` made. A skipped
-  step never calls ``step()``, so weights and optimizer state stay untouched.
+* ``drop_master_grads()``: the step is skipped: drop what ``unscale_grads_`` made. A step
+  skipped on the host never calls ``step()``, so weights and optimizer state stay untouched.
+
+Two optional calls (:class:`mixprec.MasterWeightOptimizer` has them):
+
+* ``skips_on_device()`` and ``step(grad_scale=s, found_inf=f)``: where the first is True, the
+  scaler does not read the 0/1 overflow flag ``f`` before the step but hands it over, as
+  ``torch.amp.GradScaler`` hands it to torch's fused optimizers: their kernels skip on the
+  device (weights, moments and step counts untouched), and the flag is read after the step is
+  queued.
+* ``settle_grads_(s)``: ``unscale_grads_`` with the step's own arithmetic for the factor ``s``
+  (torch's fused kernels divide by it), so a clip applied before the step steps bitwise as one
+  folded into it. Without it the scaler calls ``unscale_grads_(1 / s)``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import enum
 
 import torch
 
-__all__ = ["Stage", "OptimizerRecord", "StageBook", "Counters", "SEQUENCE", "check_not_stepped"]
+__all__ = ["Stage", "OptimizerRecord", "QueuedStep", "StageBook", "Counters", "SEQUENCE",
+           "check_not_stepped"]
 
 #: The call order of one iteration, quoted by every error about it.
 SEQUENCE = ("the order per iteration is scale(loss).backward() -> [unscale_(opt) or "
@@ -44,6 +45,25 @@ class OptimizerRecord:
     found_inf: torch.Tensor | None = None
     grad_scale: torch.Tensor | None = None
     bad_params: list[str] | None = None
+
+
+@dataclasses.dataclass
+class QueuedStep:
+    """A step a scaler queued (``LossScaler.queue_step``).
+
+    Attributes:
+        optimizer: the optimizer stepped.
+        record: its record in this iteration.
+        owner: it owns the gradients its step reads.
+        flag: the 0-d overflow flag its kernels skip on (None: the outcome is known).
+        stepped: applied (True), skipped (False), or None until the flag is read.
+    """
+
+    optimizer: object
+    record: OptimizerRecord
+    owner: bool
+    flag: torch.Tensor | None = None
+    stepped: bool | None = None
 
 
 @dataclasses.dataclass

@@ -16,8 +16,10 @@ mutable shells around it (the shared shell, :class:`LossScaler`, is in
 :mod:`mixprec.scaling.base`; the fused gradient pass in :mod:`mixprec.scaling.unscale`).
 
 Host-device syncs (they matter on CUDA): ``step()`` reads the overflow flag once (and once more on
-a step that overflowed, to check the ``min_scale`` limit); ``get_scale()`` and ``state_dict()``
-read the scale. ``scale()``, ``unscale_()`` and ``update()`` never sync.
+a step that overflowed, to check the ``min_scale`` limit): after the optimizer's step is queued
+when the optimizer skips on the device (torch's fused kernels take the flag), else before it;
+``get_scale()`` and ``state_dict()`` read the scale. ``scale()``, ``unscale_()`` and ``update()``
+never sync.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 import torch
 
 from ..dtypes import to_dtype
-from ..policy import Policy
 from .base import LossScaler
 from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
 
@@ -126,10 +127,12 @@ class DynamicLossScaler(LossScaler):
     def _adjust(self, found_inf):
         return adjust_scale(self._state, found_inf, self.config)
 
-    def _next_overflow_raises(self) -> bool:
+    def _next_overflow_raises(self, updated: bool = False) -> bool:
         limit = self.config.max_skips_at_min
         if limit is None:
             return False
+        if updated:  # the update counted this overflow: at min_scale it added a skip
+            return int(self._state.skips_at_min.item()) >= limit
         at_min, skips = torch.stack([(self._state.scale <= self.config.min_scale).int(),
                                      self._state.skips_at_min]).tolist()
         return bool(at_min) and skips + 1 >= limit
@@ -289,7 +292,7 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
 
 
 def _auto_spec(dtype):
-    if isinstance(dtype, Policy):
+    if hasattr(dtype, "loss_scale"):  # a Policy (scaling sits below the policy that names it)
         return dtype.loss_scale
     if dtype is None:
         raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') "

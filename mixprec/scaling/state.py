@@ -6,9 +6,12 @@ Kept apart from the scaler objects in :mod:`mixprec.scaling`, which are thin she
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
+
+from .. import kernel_table
 
 __all__ = ["ScaleState", "DynamicConfig", "adjust_scale", "positive_scale", "check_keys"]
 
@@ -106,23 +109,59 @@ def adjust_scale(state: ScaleState, found_inf: torch.Tensor, config: DynamicConf
         counts overflows in a row) and, after ``growth_interval`` clean steps, multiplies the scale
         by ``growth_factor`` (never above ``max_scale``, so never to inf).
     """
+    table = kernel_table.TABLE
+    # torch's kernel keeps the scale when a growth overflows fp32 (the bound here: max_scale)
+    finite = config.max_scale * config.growth_factor <= _FP32_MAX
+    if finite and table.scale_update_path(state.device.type, config.hysteresis) == "amp":
+        return _adjust_amp(state, found_inf, config, table.kernel("amp_update_scale"))
     found = found_inf.to(state.device) > 0
-    hyst_full = torch.full_like(state.hysteresis_tracker, config.hysteresis)
-    hyst = torch.where(found, state.hysteresis_tracker - 1, hyst_full)
+    hysteresis, zero, backoff, growth_factor, one = _constants(config, state.device)
+    hyst = torch.where(found, state.hysteresis_tracker - 1, hysteresis)
     back_off = found & (hyst <= 0)
-    growth = torch.where(found, torch.zeros_like(state.growth_tracker), state.growth_tracker + 1)
+    growth = torch.where(found, zero, state.growth_tracker + 1)
     grow = growth >= config.growth_interval
-    smaller = torch.clamp(state.scale * config.backoff_factor, min=config.min_scale)
-    larger = torch.clamp(state.scale * config.growth_factor, max=config.max_scale)
-    scale = torch.where(back_off, smaller, torch.where(grow, larger, state.scale))
+    # the scale lies in [min_scale, max_scale], so one clamp bounds a backoff from below and a
+    # growth from above
+    factor = torch.where(back_off, backoff, torch.where(grow, growth_factor, one))
+    scale = torch.clamp(state.scale * factor, config.min_scale, config.max_scale)
     at_min = found & (state.scale <= config.min_scale)
     return ScaleState(
         scale=scale,
-        growth_tracker=torch.where(grow, torch.zeros_like(growth), growth),
-        hysteresis_tracker=torch.where(back_off, hyst_full, hyst),
-        skips_at_min=torch.where(at_min, state.skips_at_min + 1,
-                                 torch.zeros_like(state.skips_at_min)),
+        growth_tracker=torch.where(grow, zero, growth),
+        hysteresis_tracker=torch.where(back_off, hysteresis, hyst),
+        skips_at_min=torch.where(at_min, state.skips_at_min + 1, zero),
     )
+
+
+def _adjust_amp(state: ScaleState, found_inf: torch.Tensor, config: DynamicConfig,
+                kernel) -> ScaleState:
+    """:func:`adjust_scale` without hysteresis, by torch's ``_amp_update_scale_`` (the update
+    ``torch.amp.GradScaler`` runs: back off on an overflow, grow when the clean steps reach the
+    interval) on copies of the state, then bounded to ``[min_scale, max_scale]``."""
+    found = found_inf.to(state.device, torch.float32)
+    scale = state.scale.clone()
+    # torch grows when the count reaches the interval exactly: a count past it (the interval
+    # was lowered) grows at once, as the element-wise update does
+    growth = torch.clamp(state.growth_tracker, max=config.growth_interval - 1)
+    kernel(scale, growth, found, config.growth_factor, config.backoff_factor,
+           config.growth_interval)
+    scale.clamp_(config.min_scale, config.max_scale)
+    at_min = (found > 0) & (state.scale <= config.min_scale)
+    zero = _constants(config, state.device)[1]
+    return ScaleState(scale=scale, growth_tracker=growth,
+                      hysteresis_tracker=state.hysteresis_tracker,
+                      skips_at_min=torch.where(at_min, state.skips_at_min + 1, zero))
+
+
+@functools.lru_cache(maxsize=16)
+def _constants(config: DynamicConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The update's constants as 0-d tensors on ``device``, made once per config (a Python
+    number in ``torch.where`` is a kernel of its own each time): hysteresis and 0 (int32),
+    backoff factor, growth factor and 1 (float32). Never written."""
+    ints = torch.tensor([config.hysteresis, 0], dtype=torch.int32, device=device)
+    floats = torch.tensor([config.backoff_factor, config.growth_factor, 1.0],
+                          dtype=torch.float32, device=device)
+    return (*ints.unbind(), *floats.unbind())
 
 
 def _finite_number(name: str, value) -> float:

@@ -35,13 +35,30 @@ def _by_device_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.
 
 
 def _flag(flags: dict[torch.device, torch.Tensor], device=None) -> torch.Tensor:
-    """One 0-d flag from per-device flags (on ``device``, else the first flag's device)."""
+    """One 0-d flag from per-device flags (on ``device``, else the first flag's device): 0 or
+    1, as torch's fused optimizers read a ``found_inf`` (they skip at exactly 1)."""
     if not flags:
         return torch.zeros((), dtype=torch.float32, device=device)
     if device is None:
         device = next(iter(flags))
     moved = [f.to(device) for f in flags.values()]
-    return moved[0] if len(moved) == 1 else torch.stack(moved).sum()
+    return moved[0] if len(moved) == 1 else torch.stack(moved).amax()
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(dev: torch.device) -> torch.Tensor:
+    """A 0-d float32 1 on ``dev``, made once (the check kernel's factor; it is only read)."""
+    one = _ONES.get(dev)
+    if one is None:
+        one = _ONES[dev] = torch.ones((), dtype=torch.float32, device=dev)
+    return one
+
+
+def _raise_(found: torch.Tensor, flag: torch.Tensor) -> None:
+    """``found = max(found, flag)`` in place: flags stay 0 or 1."""
+    torch.maximum(found, flag, out=found)
 
 
 def _inf_norm_flag(group: list[torch.Tensor], dev) -> torch.Tensor:
@@ -65,8 +82,8 @@ def check_and_unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor | No
     <mixprec.kernel_table.KernelTable.unscale_path>` picks: one
     ``torch._amp_foreach_non_finite_check_and_unscale_`` (the values are read once, checked and
     written) where the kernel takes the dtype, else one inf-norm check and one foreach multiply.
-    The flag (float32) is > 0 when any value is inf or NaN before the multiplication (those stay
-    non-finite); it lives on ``device`` (default: the first tensor's).
+    The flag (float32) is 1 when any value is inf or NaN before the multiplication (those stay
+    non-finite), else 0; it lives on ``device`` (default: the first tensor's).
 
     Raises:
         TypeError: a gradient of a dtype none of these kernels accepts (float8).
@@ -76,11 +93,10 @@ def check_and_unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor | No
     for (dev, dtype), group in _by_device_dtype(tensors).items():
         found = flags.setdefault(dev, torch.zeros((), dtype=torch.float32, device=dev))
         if table.unscale_path(dev.type, dtype) == "amp":
-            inv = (torch.ones((), dtype=torch.float32, device=dev) if inv_scale is None
-                   else inv_scale.to(dev, torch.float32))
+            inv = _one(dev) if inv_scale is None else inv_scale.to(dev, torch.float32)
             table.kernel("amp_check_and_unscale")(group, found, inv)
             continue
-        found.add_(_inf_norm_flag(group, dev))
+        _raise_(found, _inf_norm_flag(group, dev))
         if inv_scale is not None:
             torch._foreach_mul_(group, inv_scale.to(dev, torch.float32))
     return _flag(flags, device)
@@ -93,14 +109,13 @@ def unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
 
 
 def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
-    """A 0-d float32 flag, > 0 when any value of ``tensors`` is inf or NaN; writes nothing.
+    """A 0-d float32 flag, 1 when any value of ``tensors`` is inf or NaN, else 0; changes no
+    value.
 
     Per (device, dtype) group, the path :meth:`KernelTable.check_path
-    <mixprec.kernel_table.KernelTable.check_path>` picks: on the CPU one ``torch.aminmax`` per
-    tensor (NaN and inf propagate to the minimum or the maximum; up to 5x faster there than the
-    fused check kernel on bf16) and one ``stack`` of all the extremes; elsewhere the fused check
-    kernel with a factor of 1 (it writes the same values back) where it takes the dtype, else one
-    inf-norm check (bf16 on CUDA).
+    <mixprec.kernel_table.KernelTable.check_path>` picks: the fused check kernel with a factor of
+    1 (one launch; it writes the same values back) where it takes the dtype, else one inf-norm
+    check (bf16 on CUDA). Every group of a device sets one flag.
 
     Raises:
         TypeError: a gradient of a dtype none of these kernels accepts (float8).
@@ -108,19 +123,11 @@ def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
     table = kernel_table.TABLE
     flags: dict[torch.device, torch.Tensor] = {}
     for (dev, dtype), group in _by_device_dtype(tensors).items():
-        path = table.check_path(dev.type, dtype)
-        if path == "aminmax":
-            extremes = [v for t in group if t.numel() for v in torch.aminmax(t)]
-            if not extremes:
-                continue
-            bad = (~torch.isfinite(torch.stack(extremes))).any().float()
-        elif path == "amp":
-            bad = torch.zeros((), dtype=torch.float32, device=dev)
-            table.kernel("amp_check_and_unscale")(
-                group, bad, torch.ones((), dtype=torch.float32, device=dev))
+        found = flags.setdefault(dev, torch.zeros((), dtype=torch.float32, device=dev))
+        if table.check_path(dev.type, dtype) == "amp":
+            table.kernel("amp_check_and_unscale")(group, found, _one(dev))
         else:
-            bad = _inf_norm_flag(group, dev)
-        flags[dev] = bad if dev not in flags else flags[dev] + bad
+            _raise_(found, _inf_norm_flag(group, dev))
     return _flag(flags, device)
 
 

@@ -6,13 +6,14 @@ The one place that knows every strategy (:mod:`.strategy` for one process and DD
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from ..parallel import env, reduce_dtype_of
+from .. import distenv as env
+from ..parallel import reduce_dtype_of
+from .sharded import FSDPStrategy
 from .strategy import DDPStrategy, Strategy
 
 __all__ = ["STRATEGIES", "resolve_strategy", "make_strategy", "warn_single_of_many"]
@@ -50,8 +51,7 @@ def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32") -> "Strate
         return Strategy(reduce)
     if name == "ddp":
         return DDPStrategy(reduce)
-    # FSDP2 takes ~0.8 s to import: load the FSDP strategy only when it is asked for.
-    return importlib.import_module(".sharded", __package__).FSDPStrategy(reduce)
+    return FSDPStrategy(reduce)
 
 
 def _processes() -> tuple[int, str]:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..parallel import env
+from .. import distenv as env
 from ..parallel.sharding import fsdp
 from ..policy import Policy
 from . import state as ts

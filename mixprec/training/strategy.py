@@ -25,10 +25,12 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ..parallel import ddp, env
+from .. import distenv as env
+from ..parallel import ddp
 from ..policy import Policy
 from ..prepare import module_device, prepare_many
 from . import state as ts
+from .portable import fill_fresh_optimizer, read_directory
 
 __all__ = ["Strategy", "DistributedStrategy", "DDPStrategy", "distributed_loader",
            "rank_checkpoint"]
@@ -253,7 +255,6 @@ def _collective_failure(exc: BaseException) -> bool:
 def read_any(path, optimizer) -> dict:
     """A checkpoint file, or an FSDP checkpoint directory read whole (in this process)."""
     if Path(path).is_dir():
-        from .portable import fill_fresh_optimizer, read_directory  # DCP: loaded when used
         return fill_fresh_optimizer(read_directory(path), optimizer)
     return ts.read_checkpoint(path)
 

@@ -103,7 +103,8 @@ class Trainer:
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None,
                  optimizer: torch.optim.Optimizer, *,
-                 level: str = "O1", dtype: Any = "auto", loss_scale: Any = "auto", metrics=None,
+                 level: str = vocabulary.LEVEL, dtype: Any = vocabulary.DTYPE,
+                 loss_scale: Any = "auto", metrics=None,
                  scheduler=None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  device=None, callbacks: Iterable[Callback] = (), compile: bool = False,
                  diagnose_overflow: bool = False, progress: bool = True, strategy: str = "auto",

@@ -1,21 +1,21 @@
 """The numbers of an FP8 GEMM, computed in fp32: what the advisor measures FP8 layers with.
 
-An FP8 linear layer (torchao's recipes, see :mod:`mixprec.fp8`) casts each GEMM operand to FP8
-with a dynamic scale, ``q = saturate(x * s)`` with ``s = fmax / amax``, multiplies the FP8
-values exactly and accumulates in fp32, and divides by the scales. :func:`fake_quant` returns
-``q / s`` in fp32, so ``fake_quant(a) @ fake_quant(b)`` is that GEMM's result up to the order of
-fp32 accumulation. :func:`fp8_matmul` does this for the forward GEMM and both backward GEMMs
-(the output gradient in e5m2 for the tensorwise recipe, in e4m3 with rowwise scales for the
-rowwise ones), with autograd. It needs no torchao and runs on any device. Block-scaled formats
-(MXFP8, NVFP4) are simulated by :mod:`mixprec.lowbit.blocks`; :func:`fp8_matmul` runs any
-format's simulation.
+An FP8 linear layer (torchao's recipes, see :mod:`mixprec.lowbit.float8`) casts each GEMM
+operand to FP8 with a dynamic scale, ``q = saturate(x * s)`` with ``s = fmax / amax``,
+multiplies the FP8 values exactly and accumulates in fp32, and divides by the scales.
+:func:`fake_quant` returns ``q / s`` in fp32, so ``fake_quant(a) @ fake_quant(b)`` is that
+GEMM's result up to the order of fp32 accumulation. :func:`float8_matmul` does this for the
+forward GEMM and both backward GEMMs (the output gradient in e5m2 for the tensorwise recipe, in
+e4m3 with rowwise scales for the rowwise ones), with autograd. It needs no torchao and runs on
+any device. Block-scaled formats (MXFP8, NVFP4) are simulated by :mod:`.blocks`;
+:func:`fp8_matmul` runs any format's simulation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import lowbit
+from .base import resolve
 
 __all__ = ["fake_quant", "float8_matmul", "fp8_matmul"]
 
@@ -78,7 +78,7 @@ def float8_matmul(x: torch.Tensor, w_t: torch.Tensor, rowwise: bool = False,
     return out.reshape(*x.shape[:-1], w_t.shape[-1])
 
 
-def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe=lowbit.Float8.recipe) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe="tensorwise") -> torch.Tensor:
     """``x @ w_t`` as the GEMMs of a low-bit format compute it (fp32, autograd included).
 
     Args:
@@ -90,4 +90,4 @@ def fp8_matmul(x: torch.Tensor, w_t: torch.Tensor, recipe=lowbit.Float8.recipe) 
     Raises:
         ValueError: an unknown shorthand.
     """
-    return lowbit.resolve(recipe).simulate(x, w_t)
+    return resolve(recipe).simulate(x, w_t)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lowbit import blocks
+from . import blocks
 
 __all__ = ["ROLES", "FIELDS", "LayerStats", "STATS_ATTR", "stats_of", "attach", "detach",
            "format_name", "scaled_fractions"]

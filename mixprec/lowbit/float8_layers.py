@@ -1,7 +1,8 @@
 """FP8 layers on torchao: ``nn.Linear`` through torchao's ``Float8Linear``, Hugging Face
 ``Conv1D`` through :class:`Float8Conv1D`, one forward for both.
 
-This module imports torchao; :mod:`mixprec.fp8.convert` loads it only when FP8 is asked for.
+This module imports torchao; :meth:`mixprec.lowbit.Float8.convert` loads it only when a model is
+converted.
 
 The forward (:func:`fp8_linear`) runs torchao's FP8 matmul (its autograd function: dynamic
 scales, ``torch._scaled_mm`` for the forward GEMM and both backward GEMMs) in the precision the
@@ -27,9 +28,9 @@ from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_
 from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from ..regions import ForwardWrapper
+from ..forwards import ForwardWrapper
 from . import stats
-from .choice import FP8_ATTR, is_conv1d
+from .base import FP8_ATTR, is_conv1d
 
 __all__ = ["fp8_linear", "record", "probe", "FP8Forward", "Float8Conv1D", "convert",
            "cast_weights_for_all_gather"]
@@ -60,7 +61,7 @@ def fp8_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | Non
             Conv1D's ``weight``), in high precision or already cast to FP8 by an all-gather.
         bias: ``(out_features,)`` or None.
         mm_config: torchao's ``LinearMMConfig``; config: its ``Float8LinearConfig``.
-        recorders: the layer's statistics while it records (see :mod:`mixprec.fp8.stats`).
+        recorders: the layer's statistics while it records (see :mod:`mixprec.lowbit.stats`).
     """
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point():

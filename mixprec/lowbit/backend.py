@@ -69,7 +69,7 @@ def require(what: str = "FP8 layers", module: str = "torchao.float8"):
     """
     try:
         with quiet_import():
-            return importlib.import_module(module)
+            return importlib.import_module(module)  # optional: torchao
     except ImportError as exc:
         raise ImportError(f"{what} run on torchao, which is not installed: {EXTRA_HINT} "
                           f"(or pip install torchao==0.18.0)") from exc
