@@ -31,7 +31,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.benchmodels import get_model
 from mixprec.commands.demo import DigitsCNN, digits_data
-from mixprec.master.rounding import RoundingGenerator, stochastic_round
+from mixprec.masters.rounding import RoundingGenerator, stochastic_round
 
 ROWS = [("fp32", "O0", None, None)] + [
     (f"O2 {m}/{s}", "O2", m, s) for m in ("fp32", "kahan", "stochastic") for s in ("fp32", "bf16")

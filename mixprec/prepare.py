@@ -41,7 +41,7 @@ from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
 from .hfsave import fp32_save_pretrained
-from .master import is_master_optimizer
+from .master import is_master_optimizer, wrap_optimizer
 from .master.wrapper import WrappedOptimizer
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
@@ -351,5 +351,5 @@ def _wrap_optimizer(optimizer, originals: dict[torch.Tensor, torch.Tensor], poli
     cast lost, a split remainder the rest of the exact value)."""
     if isinstance(optimizer, WrappedOptimizer):
         return optimizer
-    return policy.master.wrap(optimizer, state_dtype=policy.state_dtype,
-                              initial_values=originals)
+    return wrap_optimizer(policy.master, optimizer, state_dtype=policy.state_dtype,
+                          initial_values=originals)

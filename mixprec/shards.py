@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-__all__ = ["local", "replicated", "is_dtensor", "dtensor_class"]
+__all__ = ["local", "replicated", "is_dtensor", "dtensor_class", "like_shard"]
 
 _DTENSOR = "torch.distributed.tensor"
 
@@ -22,6 +22,15 @@ def is_dtensor(t) -> bool:
 def dtensor_class() -> type:
     """``torch.distributed.tensor.DTensor``, where a DTensor exists (:func:`is_dtensor`)."""
     return sys.modules[_DTENSOR].DTensor
+
+
+def like_shard(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` (this rank's part) placed as the DTensor ``like`` is; ``out`` itself where
+    ``like`` is a plain tensor."""
+    if not is_dtensor(like):
+        return out
+    return dtensor_class().from_local(out, like.device_mesh, like.placements, shape=like.shape,
+                                      stride=like.stride())
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

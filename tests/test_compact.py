@@ -22,8 +22,8 @@ from torch import nn
 import mixprec as mp
 from mixprec.commands.plan import plan_report
 from mixprec.master import CompactMasterOptimizer
-from mixprec.master.rounding import RoundingGenerator, random16, stochastic_round
 from mixprec.master.states import COMPENSATION_KEY, REMAINDER_KEY
+from mixprec.masters.rounding import RoundingGenerator, random16, stochastic_round
 from mixprec.parallel.plan import plan
 
 pytestmark = pytest.mark.filterwarnings(

@@ -9,7 +9,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer
-from mixprec.master.rounding import (
+from mixprec.masters.rounding import (
     RoundingGenerator,
     stochastic_round,
     stochastic_round_fp16,

@@ -14,7 +14,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.benchmodels import TinyGPT
 from mixprec.master.params import held_grad
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")]

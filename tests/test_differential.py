@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mixprec as mp
 from mixprec.master.params import valid_grad
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::mixprec.hardware.SlowDtypeWarning",

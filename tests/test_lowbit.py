@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning",

@@ -11,7 +11,7 @@ import mixprec as mp
 from mixprec import fp32_state_dict
 from mixprec.master import MasterWeightOptimizer, is_master_optimizer
 from mixprec.master.params import valid_grad
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 
 def written(master, dtype):

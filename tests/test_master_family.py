@@ -20,7 +20,8 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
-from mixprec.master.split_bits import round_into_, split_of
+from mixprec.masters import Kahan
+from mixprec.masters.split_bits import round_into_, split_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
 
@@ -148,7 +149,7 @@ def test_a_group_is_stepped_with_a_fixed_number_of_operations(master):
 def wrong_compiler(fn):
     """A "compiled" store that writes 4.73 times too far (what one torch's Kahan kernel did)."""
     def wrong(weight, comp, new, key):
-        before = family.load(weight, comp)
+        before = Kahan.load(weight, comp)
         return fn(weight, comp, before + (new - before) * -4.73, key)
     return wrong
 
@@ -172,12 +173,14 @@ def run_kahan(steps=4):
 
 def test_a_compiled_kernel_that_disagrees_falls_back_to_eager_with_one_warning(
         monkeypatch, fresh_verdicts):
-    monkeypatch.setattr(family, "_GUARDED", {})  # every kernel eager: the reference
-    monkeypatch.setattr(family, "_kernel", lambda name, compiled: family._KERNELS[name])
+    def eager(method, name, compiled):  # every kernel eager: the reference
+        return family._eager(type(method), name)
+
+    monkeypatch.setattr(family, "_kernel", eager)
     expected = run_kahan()
-    bad = guard.GuardedKernel("group store", family.stored, compiler=wrong_compiler)
-    monkeypatch.setattr(family, "_kernel", lambda name, compiled:
-                        bad if name == "store" else family._KERNELS[name])
+    bad = guard.GuardedKernel("group store (kahan)", Kahan.stored, compiler=wrong_compiler)
+    monkeypatch.setattr(family, "_kernel", lambda method, name, compiled:
+                        bad if name == "store" else eager(method, name, compiled))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = run_kahan()

@@ -20,7 +20,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.master import MasterWeightOptimizer
 from mixprec.master.params import valid_grad
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 
 def written(master, dtype):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master.split_bits import split_high
+from mixprec.masters.split_bits import split_high
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::mixprec.hardware.SlowDtypeWarning",

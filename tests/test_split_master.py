@@ -25,7 +25,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
-from mixprec.master.split_bits import split_load, split_of
+from mixprec.masters.split_bits import split_load, split_of
 
 pytestmark = [pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),

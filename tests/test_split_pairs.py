@@ -10,7 +10,7 @@ fp32 patterns with the edges (ties, infinities, NaNs with payloads) is stored.
 import pytest
 import torch
 
-from mixprec.master.split_bits import (
+from mixprec.masters.split_bits import (
     pair_views,
     split_load,
     split_load_pairs,

@@ -1,4 +1,10 @@
-"""fp32 master weights: :class:`MasterWeightOptimizer` (``mp.fp32_state_dict`` reads them).
+"""The master-weight optimizers: :class:`MasterWeightOptimizer` (fp32 masters, which
+``mp.fp32_state_dict`` reads) and :class:`CompactMasterOptimizer` (split, Kahan, stochastic).
+
+This package sits above :mod:`mixprec.masters` (the methods: their buffers, ``load``/``store``,
+split and rounding arithmetic) and imports it; nothing there imports this package.
+
+* :mod:`.build`: :func:`wrap_optimizer`, the optimizer a method's parameters are stepped by.
 
 * :mod:`.optimizer`: the optimizer wrapper that keeps fp32 masters of low-precision parameters.
 * :mod:`.params`: the master parameter, whose ``.grad`` is its model parameter's gradient.
@@ -8,15 +14,18 @@
 * :mod:`.checkpoint`: masters in the optimizer's ``state_dict``.
 * :mod:`.wrapper`: what every master optimizer shares; :mod:`.hooks` (torch's optimizer hooks
   run once per step, over every parameter); :mod:`.loadcheck` (a loaded ``state_dict`` checked
-  against the parameters, and Kahan pairs split the saved way).
-* :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights with Kahan compensation or
-  stochastic rounding instead of fp32 masters; :mod:`.compact_kernels` (its one-pass kernels),
-  :mod:`.rounding` (stochastic rounding and its generator), :mod:`.states` (bf16 moments).
+  against the parameters).
+* :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights stepped in place through
+  their method's ``load``/``store``; :mod:`.compact_kernels` (its one-pass kernels),
+  :mod:`.family` (a param group at a time through torch's fused kernels), :mod:`.compact_state`,
+  :mod:`.states` (bf16 moments), :mod:`.guard` (compiled kernels checked against eager ones).
 """
 
+from .build import compile_master_step, wrap_optimizer
 from .compact import CompactMasterOptimizer, is_compact_optimizer
 from .optimizer import MasterWeightOptimizer, is_master_optimizer
 from .params import MasterParameter
 
 __all__ = ["MasterWeightOptimizer", "MasterParameter", "is_master_optimizer",
-           "CompactMasterOptimizer", "is_compact_optimizer"]
+           "CompactMasterOptimizer", "is_compact_optimizer", "wrap_optimizer",
+           "compile_master_step"]

@@ -2,17 +2,15 @@
 
 Three ways to keep the updates a 16-bit weight would round away, at 2 or 0 extra bytes per
 parameter instead of an fp32 master's 4 (each a :mod:`mixprec.masters` method, which makes the
-per-parameter buffer):
+per-parameter buffer and reads and writes the fp32 value the optimizer steps: its ``load`` and
+``store``):
 
 * ``master="split"``: an int16 remainder beside each bf16 weight; the pair is an exact fp32
-  master (:mod:`.split_bits`), so the masters evolve bit for bit as fp32 ones.
-* ``master="kahan"``: a 16-bit compensation buffer (Kahan summation, as in "Revisiting
-  BFloat16 Training" and the optimi library) holds what the last rounding of the weight lost;
-  weight + compensation is the value stepped (about 16 significant bits for a bf16 pair, 22
-  for fp16). The compensation itself is rounded stochastically (to nearest, it drifts under
-  many small updates of one sign: :func:`.compact_kernels.store`).
+  master (:mod:`mixprec.masters.split_bits`), so the masters evolve bit for bit as fp32 ones.
+* ``master="kahan"``: a 16-bit compensation buffer holds what the last rounding of the weight
+  lost; weight + compensation is the value stepped (:mod:`mixprec.masters.kahan`).
 * ``master="stochastic"``: no buffer; the updated fp32 value is written into the bf16 weight
-  with stochastic rounding (:mod:`mixprec.master.rounding`), unbiased in expectation.
+  with stochastic rounding (:mod:`mixprec.masters.rounding`), unbiased in expectation.
 
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
@@ -48,7 +46,9 @@ from typing import Any
 
 import torch
 
+from .. import masters
 from ..dtypes import is_low_precision
+from ..masters.rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import local
 from . import compact_kernels as ck
@@ -57,7 +57,6 @@ from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .kernels import torch_fused, torch_fused_problem
 from .params import _is_current, _source_key
-from .rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from .states import OWN_KEYS
 from .wrapper import (
     WrappedOptimizer,
@@ -109,8 +108,6 @@ class CompactMasterOptimizer(WrappedOptimizer):
                  state_dtype="fp32", fused: bool | str = "auto", bucket_mb: float | None = None,
                  initial_values: Mapping[torch.Tensor, torch.Tensor] | None = None,
                  seed: int = DEFAULT_SEED, salt: int = 0) -> None:
-        from .. import masters  # the methods wrap optimizers with this class
-
         check_inner(optimizer, CompactMasterOptimizer)
         check_bucket_mb(bucket_mb)
         method = masters.resolve(master)
@@ -202,7 +199,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         master for ``"split"``, weight + compensation for ``"kahan"``, the weight's upcast for
         ``"stochastic"``."""
         with torch.no_grad():
-            return {p: ck.load(p.detach(), self.compensation(p)) for p in self._low}
+            return {p: ck.value_of(self.master, p.detach(), self.compensation(p))
+                    for p in self._low}
 
     def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
         return self.fp32_values()  # what mp.fp32_state_dict reads
@@ -211,7 +209,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         """Set ``param`` from an fp32 ``value``: rounded to nearest, the compensation taking
         what the rounding lost (``"kahan"``); split exactly (``"split"``)."""
         with torch.no_grad():
-            ck.assign(param, self.compensation(param), value)
+            self.master.assign(param, self.compensation(param), value)
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -312,8 +310,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     others.append(p)
             low.append(items)
             rest.append(others)
-        ck.fast_step(self.inner, low, inv, self.rounding, self._compiled(), self.state_dtype,
-                     self.salt, grouped=self._fused == "auto")
+        ck.fast_step(self.inner, self.master, low, inv, self.rounding, self._compiled(),
+                     self.state_dtype, self.salt, grouped=self._fused == "auto")
         own = [p.grad for ps in rest for p in ps if p.grad is not None]
         if inv is not None and own:
             with torch.no_grad():
@@ -339,7 +337,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
                         if grad is not None:
                             grads.append(grad)
                         continue
-                    temp = ck.load(p.detach(), self.compensation(p)).requires_grad_(True)
+                    temp = ck.value_of(self.master, p.detach(), self.compensation(p))
+                    temp.requires_grad_(True)
                     temp.grad = grad.to(torch.float32, copy=True)
                     grads.append(temp.grad)
                     entry = state.pop(p, {})
@@ -366,7 +365,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             for i, (p, temp, ours) in enumerate(pairs):
                 key = shard_key(keys[i], p).to(p.device)
                 comp = ours.get(self._buffer_key)
-                ck.store(*map(local, (p.detach(), comp, temp.detach())), key)
+                self.master.store(*map(local, (p.detach(), comp, temp.detach())), key)
                 state[p] = {**state.pop(temp, {}), **ours}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -1,12 +1,11 @@
 """One-pass update kernels for compact masters: SGD and Adam/AdamW on 16-bit weights.
 
-Each kernel reads a 16-bit weight (plus its Kahan compensation), its gradient in any dtype, and
-its moments (fp32 or bf16); computes the update in fp32 with torch's single-tensor arithmetic
-(as :mod:`mixprec.master.kernels`); and writes the weight back either compensated (``"kahan"``:
-the weight takes the fp32 result rounded to nearest, the compensation what that rounding lost,
-itself rounded stochastically), split exactly into the weight and an int16 remainder
-(``"split"``), or stochastically rounded (``"stochastic"``), and bf16 moments stochastically
-rounded
+Each kernel reads a 16-bit weight and its buffer through the master method's
+:meth:`~mixprec.masters.MasterMethod.load` (the exact split master, weight + Kahan
+compensation, or the weight), its gradient in any dtype, and its moments (fp32 or bf16);
+computes the update in fp32 with torch's single-tensor arithmetic (as
+:mod:`mixprec.master.kernels`); and writes the result back through the method's
+:meth:`~mixprec.masters.MasterMethod.store`, and bf16 moments stochastically rounded
 (:mod:`mixprec.master.states` says why).
 
 The same Python functions run eagerly (``fused=False``) or compiled by ``torch.compile``
@@ -16,7 +15,7 @@ and compiled rounding draw the same bits). Compiled kernels are checked against 
 twins before they are trusted (:mod:`.guard`). With ``fused="auto"`` (default) torch's fused
 kernel steps a whole param group instead (:func:`fast_step`, :mod:`.family`).
 Hyper-parameters travel as tensors, so a scheduler never recompiles; each kernel compiles once
-per combination of master kind, moment dtype and gradient dtype.
+per combination of master method, moment dtype and gradient dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..shards import local
+from ..masters import MasterMethod
+from ..masters.rounding import RoundingGenerator, shard_key, stochastic_round
+from ..shards import like_shard, local
 from . import family
 from .guard import GuardedKernel
 from .kernels import (
@@ -40,66 +41,81 @@ from .kernels import (
     options_problem,
     sgd_hparams,
 )
-from .loadstore import assign, load, store
-from .loadstore import store_state as _store_state
-from .rounding import RoundingGenerator, shard_key
-from .split_bits import pair_views
 
-__all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "load", "store",
-           "assign", "compensation"]
+__all__ = ["FAST_TYPES", "fast_problem", "can_compile", "fast_step", "value_of",
+           "compensation"]
 
 FAST_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _OFF = ("maximize", "differentiable", "capturable", "amsgrad")
 
 
-# -- the arithmetic (eager or compiled): load/store from .loadstore -------------------------------
-def _sgd(weight, comp, grad, buf, s, hp, keys, nesterov: bool):
-    # hp: -lr, weight_decay, buffer decay, gradient weight, momentum (kernels.sgd_hparams)
-    p = load(weight, comp)
-    g = grad.float() * s + hp[1] * p
-    if buf is not None:
-        b = buf.float() * hp[2] + hp[3] * g
-        _store_state(buf, b, keys[1])
-        g = g + hp[4] * b if nesterov else b
-    store(weight, comp, p + hp[0] * g, keys[0])
+# -- the arithmetic (eager or compiled), per master method: its load/store around the update ----
+def _store_state(buf: torch.Tensor, new: torch.Tensor, key: torch.Tensor) -> None:
+    if buf.dtype == torch.float32:
+        buf.copy_(new)
+    else:
+        buf.copy_(stochastic_round(new, key))
 
 
-def _adam(weight, comp, grad, exp_avg, exp_avg_sq, s, hp, keys):
-    # hp: see kernels.adam_hparams
-    p = load(weight, comp)
-    g = grad.float() * s + hp[0] * p
-    ea = exp_avg.float()
-    ea = ea + hp[2] * (g - ea)
-    eas = exp_avg_sq.float() * hp[3] + hp[4] * g * g
-    _store_state(exp_avg, ea, keys[1])
-    _store_state(exp_avg_sq, eas, keys[2])
-    store(weight, comp, p * hp[1] + hp[7] * (ea / (eas.sqrt() / hp[5] + hp[6])), keys[0])
+def _arithmetic(load: Callable, store: Callable) -> dict[str, Callable]:
+    """The SGD and Adam/AdamW kernels of a method whose ``load``/``store`` these are."""
+
+    def sgd(weight, comp, grad, buf, s, hp, keys, nesterov: bool):
+        # hp: -lr, weight_decay, buffer decay, gradient weight, momentum (kernels.sgd_hparams)
+        p = load(weight, comp)
+        g = grad.float() * s + hp[1] * p
+        if buf is not None:
+            b = buf.float() * hp[2] + hp[3] * g
+            _store_state(buf, b, keys[1])
+            g = g + hp[4] * b if nesterov else b
+        store(weight, comp, p + hp[0] * g, keys[0])
+
+    def adam(weight, comp, grad, exp_avg, exp_avg_sq, s, hp, keys):
+        # hp: see kernels.adam_hparams
+        p = load(weight, comp)
+        g = grad.float() * s + hp[0] * p
+        ea = exp_avg.float()
+        ea = ea + hp[2] * (g - ea)
+        eas = exp_avg_sq.float() * hp[3] + hp[4] * g * g
+        _store_state(exp_avg, ea, keys[1])
+        _store_state(exp_avg_sq, eas, keys[2])
+        store(weight, comp, p * hp[1] + hp[7] * (ea / (eas.sqrt() / hp[5] + hp[6])), keys[0])
+
+    return {"sgd": sgd, "adam": adam}
 
 
-_KERNELS = {"sgd": _sgd, "adam": _adam}
 # the compensation is new - float(bf16(new)): inductor must not drop that round trip
 _OPTIONS = {**compile_options, "emulate_precision_casts": True}
-# variants (master kind, split paired or not, moment dtype, momentum, gradient dtype, and each
+# variants (master method, split paired or not, moment dtype, momentum, gradient dtype, and each
 # parameter's rank and size-1 dims: guards on the flat views' bases) each compile once. Past the
 # limit dynamo runs the step eagerly, an ulp apart from the compiled one (and, under FSDP, on
 # some ranks only): one rank of the two-rank FSDP checkpoint tests compiles 68
 _RECOMPILE_LIMIT = 512
-# each compiled kernel is checked against its eager twin before it is trusted (.guard)
-# and compared on what the weights hold, the moments and the momentum buffer (not the bits of a
-# split pair or Kahan compensation: the fp32 arithmetic before them may round an ulp apart)
-def _outcome(args, _):
-    return [load(args[0], args[1]), *(t for t in args[2:5] if isinstance(t, torch.Tensor)
-                                      and t.is_floating_point() and t.shape == args[2].shape)]
 
 
-_GUARDED = {name: GuardedKernel(f"compact {name}", fn, _OPTIONS,
-                                recompile_limit=_RECOMPILE_LIMIT, outcome=_outcome,
-                                rel_tol=2.0 ** -16)
-            for name, fn in _KERNELS.items()}
+@functools.lru_cache(maxsize=None)
+def _kernels(method: type[MasterMethod]) -> tuple[dict, dict]:
+    """The eager kernels of a method class, and their compiled twins, each checked against its
+    eager one before it is trusted (:mod:`.guard`) on what the weights hold, the moments and the
+    momentum buffer (not the bits of a split pair or Kahan compensation: the fp32 arithmetic
+    before them may round an ulp apart)."""
+    eager = _arithmetic(method.load, method.store)
+
+    def outcome(args, _):
+        return [method.load(args[0], args[1]),
+                *(t for t in args[2:5] if isinstance(t, torch.Tensor)
+                  and t.is_floating_point() and t.shape == args[2].shape)]
+
+    guarded = {name: GuardedKernel(f"compact {name} ({method.name})", fn, _OPTIONS,
+                                   recompile_limit=_RECOMPILE_LIMIT, outcome=outcome,
+                                   rel_tol=2.0 ** -16)
+               for name, fn in eager.items()}
+    return eager, guarded
 
 
-def _kernel(name: str, compiled: bool) -> Callable:
-    return _GUARDED[name] if compiled else _KERNELS[name]
+def _kernel(method: MasterMethod, name: str, compiled: bool) -> Callable:
+    eager, guarded = _kernels(type(method))
+    return guarded[name] if compiled else eager[name]
 
 
 # -- which optimizers and devices ----------------------------------------------------------------
@@ -119,15 +135,18 @@ def can_compile(device_type: str) -> bool:
     return False
 
 
-def _paired(tensors: tuple) -> tuple:
-    """The flat kernel arguments ``(weight, comp, ...)`` with a CPU split pair (bf16 weight,
-    int16 remainder) as int32 pairs where it can be: inductor's CPU code vectorizes int32
-    arithmetic, not int16 (:mod:`.split_bits`). Triton handles int16 well: CUDA keeps it."""
-    weight, comp = tensors[:2]
-    if comp is None or comp.dtype != torch.int16 or weight.device.type != "cpu":
-        return tensors
-    pairs = pair_views(weight, comp)
-    return tensors if pairs is None else (*pairs, *tensors[2:])
+def _paired(method: MasterMethod, tensors: tuple) -> tuple:
+    """The flat kernel arguments ``(weight, comp, ...)``, the weight and buffer as the method's
+    kernels read them (:meth:`~mixprec.masters.MasterMethod.kernel_views`: a CPU split pair as
+    int32 words)."""
+    return (*method.kernel_views(*tensors[:2]), *tensors[2:])
+
+
+def value_of(method: MasterMethod, weight: torch.Tensor,
+             buf: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 value a compact ``weight`` and its buffer hold (a new tensor; an FSDP2 shard's
+    is placed as the shard: the method's arithmetic runs on this rank's part)."""
+    return like_shard(method.load(local(weight), local(buf)), weight)
 
 
 # -- stepping the groups --------------------------------------------------------------------------
@@ -135,7 +154,7 @@ def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def _sgd_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> None:
+def _sgd_group(optimizer, method, group, items, inv, keys, compiled, state_dtype) -> None:
     first_values, later_values, momentum = sgd_hparams(group)
     first_hp = PerDevice(lambda d: hp_tensor(first_values, d))
     later_hp = PerDevice(lambda d: hp_tensor(later_values, d))
@@ -149,11 +168,12 @@ def _sgd_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> Non
             if is_first:
                 buf = state["momentum_buffer"] = _zeros(param, state_dtype)
         hp = (first_hp if is_first else later_hp)(param.device)
-        _kernel("sgd", compiled)(*_paired(flat(*map(local, (param, comp, grad, buf)))),
-                                 inv(param.device), hp, key, bool(group["nesterov"]))
+        tensors = flat(*map(local, (param, comp, grad, buf)))
+        _kernel(method, "sgd", compiled)(*_paired(method, tensors), inv(param.device), hp, key,
+                                         bool(group["nesterov"]))
 
 
-def _adam_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> None:
+def _adam_group(optimizer, method, group, items, inv, keys, compiled, state_dtype) -> None:
     states = []
     for param, _, _ in items:
         state = optimizer.state[param]
@@ -171,11 +191,12 @@ def _adam_group(optimizer, group, items, inv, keys, compiled, state_dtype) -> No
             hp = hps[(param.device, step)] = hp_tensor(adam_hparams(optimizer, group, step),
                                                        param.device)
         tensors = (param, comp, grad, state["exp_avg"], state["exp_avg_sq"])
-        _kernel("adam", compiled)(*_paired(flat(*map(local, tensors))), inv(param.device), hp,
-                                  key)
+        _kernel(method, "adam", compiled)(*_paired(method, flat(*map(local, tensors))),
+                                          inv(param.device), hp, key)
 
 
-def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]],
+def fast_step(optimizer: torch.optim.Optimizer, method: MasterMethod,
+              items_by_group: list[list[tuple]],
               inv_scale: torch.Tensor | None, rounding: RoundingGenerator, compiled: bool,
               state_dtype: torch.dtype, salt: int = 0, grouped: bool = False) -> None:
     """Update compact weights with the one-pass kernels, or a param group at a time with torch's
@@ -183,13 +204,14 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
 
     Args:
         optimizer: the inner SGD/Adam/AdamW (its ``state`` is keyed by the model parameters).
+        method: the compact master method (its load/store read and write the weights).
         items_by_group: per param group, ``(parameter, gradient, compensation or None)``.
         inv_scale: a 0-d tensor the gradients are multiplied by first (None: 1).
         rounding: where the rounding keys come from (three per tensor, drawn every step).
         compiled: run the ``torch.compile``-d kernels, else the same functions eagerly.
         state_dtype: dtype new moment buffers are made in.
         salt: mixed into the keys (DTensor shards need none: their keys are shifted to their
-            place in the full tensor, :func:`.rounding.shard_key`).
+            place in the full tensor, :func:`mixprec.masters.rounding.shard_key`).
         grouped: step each param group (per device and dtypes) at once where torch has a
             fused kernel for it (:func:`.family.group_ready`); the rest per tensor.
     """
@@ -206,13 +228,13 @@ def fast_step(optimizer: torch.optim.Optimizer, items_by_group: list[list[tuple]
             rows = drawn[start:start + len(items)]
             start += len(items)
             if grouped and family.group_ready(optimizer, items):
-                _grouped(optimizer, group, items, inv_scale, rows, state_dtype)
+                _grouped(optimizer, method, group, items, inv_scale, rows, state_dtype)
                 continue
             keys = [shard_key(rows[i], p).to(p.device) for i, (p, _, _) in enumerate(items)]
-            group_step(optimizer, group, items, inv, keys, compiled, state_dtype)
+            group_step(optimizer, method, group, items, inv, keys, compiled, state_dtype)
 
 
-def _grouped(optimizer, group, items, inv_scale, rows, state_dtype) -> None:
+def _grouped(optimizer, method, group, items, inv_scale, rows, state_dtype) -> None:
     """:func:`.family.group_step` per (device, weight dtype, buffer dtype) of one group."""
     kinds: dict[tuple, list[int]] = {}
     for i, (p, _, buf) in enumerate(items):
@@ -220,7 +242,7 @@ def _grouped(optimizer, group, items, inv_scale, rows, state_dtype) -> None:
     for (device, _, _), idx in kinds.items():
         rows_here = rows if len(idx) == len(items) else rows[idx]
         inv = None if inv_scale is None else inv_scale.to(device, torch.float32)
-        family.group_step(optimizer, group, [items[i] for i in idx], inv, rows_here,
+        family.group_step(optimizer, method, group, [items[i] for i in idx], inv, rows_here,
                           state_dtype, can_compile(device.type))
 
 

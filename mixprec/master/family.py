@@ -8,23 +8,25 @@ kernel with the very same arguments, on fp32 values loaded from the 16-bit weigh
 
 1. **load**: the group's weights (and their split remainders or Kahan compensations) are copied
    into one flat buffer each (one ``_foreach_copy_`` per list), and one element-wise kernel over
-   those buffers makes the fp32 values (:func:`.loadstore.load`: the exact split master,
-   weight + compensation, or the weight);
+   those buffers makes the fp32 values (the master method's
+   :meth:`~mixprec.masters.MasterMethod.load`: the exact split master, weight + compensation,
+   or the weight);
 2. **update**: the gradients are copied (and unscaled) into one flat fp32 buffer, and torch's
    fused kernel steps the fp32 values, as it steps fp32 masters: the Adam/SGD arithmetic is
    torch's, written once;
-3. **store**: one element-wise kernel makes the 16-bit results (:func:`.loadstore.stored`:
-   split exactly, Kahan-compensated, or rounded stochastically; it writes into none of its
-   inputs), and one ``_foreach_copy_`` per list copies them into the weights and buffers.
+3. **store**: one element-wise kernel makes the 16-bit results (the method's
+   :meth:`~mixprec.masters.MasterMethod.stored`: split exactly, Kahan-compensated, or rounded
+   stochastically; it writes into none of its inputs), and one ``_foreach_copy_`` per list
+   copies them into the weights and buffers.
    bf16 moments are widened into a flat fp32 buffer for the update and rounded back
    stochastically.
 
 So ``master="split"`` steps its masters bit for bit as fp32 masters do, and its forward weight
-is rounded as fp32 masters round theirs (:func:`.split_bits.round_into_`): the two methods train
-identically. The rounding bits of Kahan and stochastic rounding are those of the per-tensor
-kernels: element ``i`` of a tensor with key ``k`` gets the bits of ``(k, i)`` (a per-element key
-made from the per-tensor keys, shifted by each tensor's place in the flat buffer and, for an
-FSDP2 shard, in its full tensor).
+is rounded as fp32 masters round theirs (:func:`mixprec.masters.split_bits.round_into_`): the
+two methods train identically. The rounding bits of Kahan and stochastic rounding are those of
+the per-tensor kernels: element ``i`` of a tensor with key ``k`` gets the bits of ``(k, i)`` (a
+per-element key made from the per-tensor keys, shifted by each tensor's place in the flat buffer
+and, for an FSDP2 shard, in its full tensor).
 
 Per step and group: a fixed number of launches (about ten), none per tensor; hyper-parameters
 go to torch's kernel as it takes them; step counts stay torch's per-parameter ``step`` tensors, on
@@ -35,17 +37,17 @@ bits).
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
+from ..masters import MasterMethod
+from ..masters.rounding import _GOLDEN, shard_key, stochastic_round
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor, local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
-from .loadstore import load, stored
-from .rounding import _GOLDEN, shard_key, stochastic_round
-from .split_bits import pair_views
 
 __all__ = ["group_ready", "group_step"]
 
@@ -80,12 +82,22 @@ def _round_moment(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 _OPTIONS = {**compile_options, "emulate_precision_casts": True}
-_KERNELS = {"load": load, "store": stored, "round_moment": _round_moment}
-_GUARDED = {name: GuardedKernel(f"group {name}", fn, _OPTIONS) for name, fn in _KERNELS.items()}
 
 
-def _kernel(name: str, compiled: bool):
-    return _GUARDED[name] if compiled else _KERNELS[name]
+def _eager(method: type[MasterMethod], name: str):
+    """The eager kernel ``name`` ("load", "store", "round_moment") of a method class."""
+    return {"load": method.load, "store": method.stored, "round_moment": _round_moment}[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _guarded(method: type[MasterMethod], name: str) -> GuardedKernel:
+    label = f"group {name}" if name == "round_moment" else f"group {name} ({method.name})"
+    return GuardedKernel(label, _eager(method, name), _OPTIONS)
+
+
+def _kernel(method: MasterMethod, name: str, compiled: bool):
+    cls = MasterMethod if name == "round_moment" else type(method)  # one kernel for every method
+    return _guarded(cls, name) if compiled else _eager(cls, name)
 
 
 # -- the plan of a group: sizes, places, rounding-key shifts (made once per set of tensors) -------
@@ -158,7 +170,7 @@ def _lr(group: dict, device: torch.device):
     return lr
 
 
-def _adam(optimizer, group, params, values, grads, plan, keys, state_dtype, compiled):
+def _adam(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled):
     device = values[0].device
     entries = []
     for p in params:
@@ -184,10 +196,10 @@ def _adam(optimizer, group, params, values, grads, plan, keys, state_dtype, comp
           eps=_scalar(group["eps"]), maximize=False, grad_scale=None, found_inf=None)
     for i, (m, w) in enumerate(zip(moments, wide)):
         if m[0].dtype != torch.float32:
-            _round_back(m, w[0], plan, keys[:, i + 1], compiled)
+            _round_back(method, m, w[0], plan, keys[:, i + 1], compiled)
 
 
-def _sgd(optimizer, group, params, values, grads, plan, keys, state_dtype, compiled):
+def _sgd(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled):
     momentum = _scalar(group["momentum"])
     if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
@@ -214,11 +226,12 @@ def _sgd(optimizer, group, params, values, grads, plan, keys, state_dtype, compi
             torch._fused_sgd_([values[i] for i in idx], [grads[i] for i in idx],
                               [lists[i] for i in idx], is_first_step=is_first, **options)
     if wide is not None:
-        _round_back(bufs, wide[0], plan, keys[:, 1], compiled)
+        _round_back(method, bufs, wide[0], plan, keys[:, 1], compiled)
 
 
-def _round_back(moments, wide_flat, plan, keys, compiled) -> None:
-    rounded = _kernel("round_moment", compiled)(wide_flat, plan.element_keys(keys)[:plan.total])
+def _round_back(method, moments, wide_flat, plan, keys, compiled) -> None:
+    keys = plan.element_keys(keys)[:plan.total]
+    rounded = _kernel(method, "round_moment", compiled)(wide_flat, keys)
     torch._foreach_copy_(moments, _unflatten(rounded, moments))
 
 
@@ -226,7 +239,8 @@ def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def group_step(optimizer: torch.optim.Optimizer, group: dict, items: list[tuple],
+def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: dict,
+               items: list[tuple],
                inv: torch.Tensor | None, keys: torch.Tensor, state_dtype: torch.dtype,
                compiled: bool) -> None:
     """Step ``items`` (``(param, grad, buffer or None)`` of one param group, one device, one
@@ -234,6 +248,7 @@ def group_step(optimizer: torch.optim.Optimizer, group: dict, items: list[tuple]
 
     Args:
         optimizer: the inner SGD/Adam/AdamW (its ``state`` keyed by the model parameters).
+        method: the compact master method: its load and store around the update.
         group: the param group the items belong to.
         inv: a 0-d fp32 tensor the gradients are multiplied by first (None: 1).
         keys: ``(len(items), 3)`` int32 rounding keys (weight, first and second moment).
@@ -246,20 +261,18 @@ def group_step(optimizer: torch.optim.Optimizer, group: dict, items: list[tuple]
     flat_w, _ = _gather(weights, weights[0].dtype, plan.total, plan.pad)
     bufs = None if items[0][2] is None else [local(b) for _, _, b in items]
     flat_b = None if bufs is None else _gather(bufs, bufs[0].dtype, plan.total, plan.pad)[0]
-    w, b = flat_w, flat_b
-    if b is not None and b.dtype == torch.int16 and w.device.type == "cpu":
-        w, b = pair_views(w, b) or (w, b)  # inductor vectorizes int32 words, not int16
-    values_flat = _kernel("load", compiled)(w, b)
+    w, b = method.kernel_views(flat_w, flat_b)  # a CPU split pair: int32 words
+    values_flat = _kernel(method, "load", compiled)(w, b)
     values = list(_unflatten(values_flat[:plan.total], weights))
     grads = list(_unflatten(torch.empty(plan.total, device=w.device), weights))
     torch._foreach_copy_(grads, [local(g) for _, g, _ in items])
     if inv is not None:
         unscale_(grads, inv)
     update = _sgd if type(optimizer) is torch.optim.SGD else _adam
-    update(optimizer, group, params, values, grads, plan, keys, state_dtype, compiled)
-    exact = b is not None and b.dtype in (torch.int16, torch.int32)  # split: no random bits
-    key = keys[0, 0].to(w.device) if exact else plan.element_keys(keys[:, 0])
-    new_w, new_b = _kernel("store", compiled)(w, b, values_flat, key)  # writes no input
+    update(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled)
+    key = (plan.element_keys(keys[:, 0]) if method.draws_bits
+           else keys[0, 0].to(w.device))  # exact (split): no random bits
+    new_w, new_b = _kernel(method, "store", compiled)(w, b, values_flat, key)  # writes no input
     torch._foreach_copy_(weights, _unflatten(new_w.view(flat_w.dtype)[:plan.total], weights))
     if bufs is not None:
         torch._foreach_copy_(bufs, _unflatten(new_b.view(flat_b.dtype)[:plan.total], bufs))

@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from .. import kernel_table
+from ..masters.split_bits import split_high
 from ..shards import is_dtensor
 from .guard import GuardedKernel
-from .split_bits import split_high
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
            "torch_fused_problem", "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams",
-           "PerDevice", "hp_tensor", "flat", "compile_options", "compile_master_step"]
+           "PerDevice", "hp_tensor", "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
     "torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
@@ -319,13 +319,3 @@ def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
             rest_lists.append(rest)
     return rest_lists
 
-
-def compile_master_step(optimizer) -> None:
-    """Turn on the compiled master step (``fused="compile"``) of a CPU master optimizer that
-    supports it. Not on CUDA: torch's fused multi-tensor kernels (the default) measured faster
-    there, since the compiled step launches one kernel per parameter (nine-linear on an H100:
-    1.8 vs 2.9 ms per update)."""
-    from .optimizer import is_master_optimizer
-    if (is_master_optimizer(optimizer) and is_compilable(optimizer.inner)
-            and optimizer.state_dtype == torch.float32):
-        optimizer.fused = "compile"

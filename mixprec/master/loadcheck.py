@@ -28,30 +28,20 @@ the optimizer, else its group and index), the state key and both shapes. Moments
 another dtype than the optimizer's ``state_dtype`` are converted after loading (see
 :mod:`mixprec.master.states`).
 
-**A Kahan pair split the saved way** (:func:`register_kahan`). A model ``state_dict`` holds each
-Kahan weight's value (weight + compensation) in fp32; loading it splits the value again, the
-weight rounded to nearest. Where the value lies exactly half an ulp between two 16-bit weights
-(a 16-bit compensation can round to that tie), the new weight may be the other neighbour, and
-the compensation the optimizer's ``state_dict`` brings next belongs to the saved one: the pair
-would be an ulp off. So loading the optimizer keeps the values the pairs held just before: a
-weight whose value minus the loaded compensation is exactly a 16-bit number becomes that number
-(:func:`keep_pair`; an FSDP Trainer loading a one-process file applies it to its shards with
-the file's values).
+A Kahan pair loaded is split the saved way by the method's own load hooks
+(:meth:`mixprec.masters.Kahan.register_load_hooks`).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 
 import torch
 
-from ..shards import is_dtensor
 from .buckets import PER_PARAMETER_OPTIMIZERS
 from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state", "register_kahan",
-           "keep_pair"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state"]
 
 #: torch optimizers whose every floating state tensor but ``step`` is shaped as its parameter.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -130,38 +120,3 @@ def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bo
                     f"optimizer state_dict holds a {value.dtype} Kahan compensation for "
                     f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; load "
                     "a state_dict saved with the same dtype (and master='kahan')")
-
-
-# the values the Kahan pairs held when a load_state_dict call began, until its post-hook
-_VALUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def register_kahan(optimizer) -> None:
-    """Install, on a Kahan ``CompactMasterOptimizer``, the load hooks that split each loaded
-    pair the saved way (see the module docstring); register after its other load hooks."""
-    optimizer.register_load_state_dict_pre_hook(_take_values)
-    optimizer.register_load_state_dict_post_hook(_keep_values)
-
-
-def _take_values(optimizer, state_dict) -> None:
-    _VALUES[optimizer] = {p: v for p, v in optimizer.fp32_values().items()
-                          if not is_dtensor(p)}
-
-
-def _keep_values(optimizer) -> None:
-    values = _VALUES.pop(optimizer, None) or {}
-    for param, value in values.items():
-        comp = optimizer.compensation(param)
-        if comp is not None and comp.shape == param.shape:
-            keep_pair(param, comp, value)
-
-
-@torch.no_grad()
-def keep_pair(weight: torch.Tensor, comp: torch.Tensor, value: torch.Tensor) -> None:
-    """Make the Kahan pair (``weight``, loaded ``comp``) stand for the fp32 ``value`` the
-    saved pair held: where ``value - comp`` is exactly a 16-bit number, ``weight`` becomes it
-    (elsewhere it keeps its value, ``value`` rounded to nearest). Plain tensors (this rank's
-    shards under FSDP)."""
-    target = value.to(torch.float32) - comp.float()
-    exact = target.to(weight.dtype)
-    weight.copy_(torch.where(exact.float() == target, exact, weight))

@@ -54,6 +54,8 @@ from typing import Any
 import torch
 
 from ..dtypes import is_low_precision
+from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
+from ..masters.split_bits import round_into_
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, states, steps
 from .params import (
@@ -66,8 +68,6 @@ from .params import (
     set_grad,
     valid_grad,
 )
-from .rounding import DEFAULT_SEED, RoundingGenerator
-from .split_bits import round_into_
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -110,7 +110,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             a copy. Parameters not in it start from their upcast.
         state_dtype: "fp32" (default) or "bf16": the dtype moment buffers are stored in.
         seed: seed of the generator that rounds bf16 moments (see
-            :mod:`mixprec.master.rounding`).
+            :mod:`mixprec.masters.rounding`).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -258,7 +258,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     def write_back(self) -> None:
         """Copy the masters into the model parameters, rounded to nearest (bf16: exact ties away
-        from zero, as ``master="split"``: :func:`.split_bits.round_into_`)."""
+        from zero, as ``master="split"``: :func:`mixprec.masters.split_bits.round_into_`)."""
         with torch.no_grad():
             for params, masters in self._pairs:
                 round_into_(params, masters)

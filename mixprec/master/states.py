@@ -11,7 +11,7 @@ once its increment is below half an ulp of the state: Adam's ``exp_avg_sq`` with
 adds ``(1 - beta2) * g**2 - (1 - beta2) * v``, i.e. 0.1% of the gap between ``g**2`` and the
 state, while a bf16 ulp is 0.4-0.8% of the value. Rounded to nearest, the state freezes where it
 is (it neither decays when gradients shrink nor grows when they grow) and Adam's step size is
-silently wrong. Rounded stochastically (:mod:`mixprec.master.rounding`), every write-back is
+silently wrong. Rounded stochastically (:mod:`mixprec.masters.rounding`), every write-back is
 unbiased, so the bf16 state follows the fp32 one in expectation, with a noise of about an ulp.
 ``bench/compact_states.py`` measures both.
 
@@ -34,9 +34,9 @@ import torch
 from .. import masters
 from ..dtypes import to_dtype
 from ..masters.kahan import COMPENSATION_KEY
+from ..masters.rounding import RoundingGenerator, shard_key, stochastic_round
 from ..masters.split import REMAINDER_KEY
-from ..shards import dtensor_class, is_dtensor
-from .rounding import RoundingGenerator, shard_key, stochastic_round
+from ..shards import dtensor_class, is_dtensor, like_shard, local
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
            "OWN_KEYS", "check_state_dtype",
@@ -101,10 +101,7 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
 
 def _map_local(value: torch.Tensor, fn) -> torch.Tensor:
     """``fn`` of a tensor, or of a DTensor's local shard (re-wrapped with its placements)."""
-    if not is_dtensor(value):
-        return fn(value)
-    return dtensor_class().from_local(fn(value.to_local()), value.device_mesh,
-                                      value.placements, shape=value.shape, stride=value.stride())
+    return like_shard(fn(local(value)), value)
 
 
 @contextlib.contextmanager

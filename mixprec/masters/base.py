@@ -8,14 +8,21 @@ fp32 copy (:class:`~mixprec.masters.FP32`), the 16-bit weight plus an exact 16-b
 policies) that owns everything depending on which method it is:
 
 * its validation: the 16-bit dtypes it can hold (:meth:`MasterMethod.check_dtype`);
-* how it wraps an optimizer (:meth:`~MasterMethod.wrap`: a
-  :class:`mixprec.MasterWeightOptimizer`, or a :class:`mixprec.master.CompactMasterOptimizer`
-  stepping the weights in place) and, for a compact method, its per-parameter buffer
-  (:attr:`~MasterMethod.buffer_key`, :meth:`~MasterMethod.make_buffer`) and its load hooks;
+* fp32 copies or weights stepped in place (:attr:`~MasterMethod.compact`: the optimizers of
+  :mod:`mixprec.master` wrap accordingly, :func:`mixprec.master.wrap_optimizer`) and, for a
+  compact method, its per-parameter buffer (:attr:`~MasterMethod.buffer_key`,
+  :meth:`~MasterMethod.make_buffer`) and its load hooks;
+* for a compact method, how the fp32 value the optimizer steps is read from the weight and its
+  buffer and written back (:meth:`~MasterMethod.load`, :meth:`~MasterMethod.store`,
+  :meth:`~MasterMethod.stored`, :meth:`~MasterMethod.assign`): the optimizers ask the method,
+  per tensor or over a param group's flat buffers;
 * its size: :meth:`~MasterMethod.master_bytes` per 16-bit parameter;
 * what FSDP2 needs: whether the shards stay fp32 (:attr:`~MasterMethod.compact` is False:
   the fp32 shards are the masters) and whether the wrapped optimizer needs the fp32 values
   from before the cast (:attr:`~MasterMethod.needs_initial_values`).
+
+This package sits below the optimizers (:mod:`mixprec.master` imports it, never the reverse):
+a method is data and arithmetic on tensors, and knows no optimizer class.
 
 :func:`register` adds a method class and its string shorthand; :func:`resolve` turns what a user
 passes as ``master=`` (a shorthand, a method, or a policy's ``state_dict`` entry) into a method,
@@ -47,12 +54,15 @@ class MasterMethod(Component):
         compact: True when there is no fp32 copy: the optimizer steps the 16-bit weights in
             place (:class:`mixprec.master.CompactMasterOptimizer`).
         buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
+        draws_bits: True when :meth:`store` rounds with random bits (it gets a key per
+            element over a param group's flat buffer); False when it is exact.
     """
 
     registry: ClassVar[Registry] = _REGISTRY
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
     compact: ClassVar[bool] = True
     buffer_key: ClassVar[str | None] = None
+    draws_bits: ClassVar[bool] = True
 
     # -- validation ------------------------------------------------------------------------
     def check_dtype(self, dtype: torch.dtype, what: str = "parameters") -> None:
@@ -91,24 +101,46 @@ class MasterMethod(Component):
         fp32 value before the cast; None: the weight as it is); may rewrite ``param``."""
         return None
 
-    def wrap(self, optimizer: torch.optim.Optimizer, *, state_dtype, initial_values=None,
-             sharded: bool = False) -> torch.optim.Optimizer:
-        """``optimizer`` wrapped to step 16-bit parameters with this method.
-
-        Args:
-            optimizer: a torch optimizer over the model's parameters.
-            state_dtype: the moments' dtype (fp32 or bf16).
-            initial_values: 16-bit parameter -> its fp32 value before the cast.
-            sharded: the parameters are FSDP2 shards (fp32 ones when not :attr:`compact`).
-        """
-        from ..master import CompactMasterOptimizer
-
-        return CompactMasterOptimizer(optimizer, self, state_dtype=state_dtype,
-                                      initial_values=initial_values)
-
     def register_load_hooks(self, optimizer) -> None:
         """Install the method's own ``load_state_dict`` hooks on a compact optimizer (after
         its others); default: none."""
+
+    # -- load and store (compact methods) --------------------------------------------------
+    # Static functions of plain tensors (this rank's part of an FSDP2 shard): they run eagerly
+    # and inside compiled kernels (one compile per method class), with the same bits.
+    @staticmethod
+    def load(weight: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+        """The fp32 value a 16-bit ``weight`` and its buffer (None: the method keeps none)
+        stand for (a new tensor)."""
+        raise NotImplementedError("a compact master method defines load()")
+
+    @staticmethod
+    def store(weight: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor,
+              key: torch.Tensor) -> None:
+        """Write the fp32 ``new`` into ``weight`` and its buffer, in place; ``key``: the int32
+        rounding key of the tensor (0-d) or of each element (shaped as ``new``)."""
+        raise NotImplementedError("a compact master method defines store()")
+
+    @staticmethod
+    def stored(weight: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor,
+               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What :meth:`store` writes, as new tensors ``(weight, buffer or None)`` in the dtypes
+        of ``weight`` and ``buf``; writes into none of its inputs (the form the compiled group
+        kernels take: no in-place mutation of inputs inside a compiled graph)."""
+        raise NotImplementedError("a compact master method defines stored()")
+
+    @staticmethod
+    def kernel_views(weight: torch.Tensor, buf: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The views of a flat ``weight`` and buffer the kernels read (default: themselves;
+        :meth:`load`, :meth:`store` and :meth:`stored` take these views)."""
+        return weight, buf
+
+    def assign(self, weight: torch.Tensor, buf: torch.Tensor | None,
+               value: torch.Tensor) -> None:
+        """Set ``weight`` (and its buffer) to the fp32 ``value``, exactly where they can hold
+        it, drawing no random bits (eager; ``weight`` may be an FSDP2 shard)."""
+        raise NotImplementedError("a compact master method defines assign()")
 
 
 def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:

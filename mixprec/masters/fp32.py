@@ -1,5 +1,6 @@
 """``FP32``: an fp32 master copy of every 16-bit parameter (4 bytes each), stepped by the
-optimizer; the 16-bit weight is its round-to-nearest copy (:class:`mixprec.MasterWeightOptimizer`).
+optimizer; the 16-bit weight is its rounded copy (:class:`mixprec.MasterWeightOptimizer`; not
+:attr:`~mixprec.masters.MasterMethod.compact`: no load or store of its own).
 
 Under FSDP2 the fp32 shards are the masters (FSDP casts them to 16 bits when it gathers), so
 the optimizer over them is plain, or wrapped only to keep bf16 moments.
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
-
-import torch
 
 from .base import MasterMethod, register
 
@@ -35,17 +34,6 @@ class FP32(MasterMethod):
     @property
     def needs_initial_values(self) -> bool:
         return not self.compact  # the masters are the fp32 originals
-
-    def wrap(self, optimizer: torch.optim.Optimizer, *, state_dtype, initial_values=None,
-             sharded: bool = False) -> torch.optim.Optimizer:
-        from ..master import MasterWeightOptimizer
-
-        if not sharded:
-            return MasterWeightOptimizer(optimizer, initial_masters=initial_values,
-                                         state_dtype=state_dtype)
-        if state_dtype == torch.float32:  # the fp32 shards are the masters
-            return optimizer
-        return MasterWeightOptimizer(optimizer, fused=False, state_dtype=state_dtype)
 
 
 register(FP32, {"fp32": {}})

@@ -2,10 +2,10 @@
 its bits (rounded), an int16 remainder the rest.
 
 The optimizer reconstructs the fp32 master from the pair bit for bit before each update and
-splits the result again after it (:mod:`mixprec.master.split_bits`), so the masters evolve
-exactly as fp32 masters would; only the forward weight differs from ``master="fp32"``'s: it is
-the master rounded to nearest bf16 with **exact ties rounded away from zero** (torch's cast
-rounds them to even). The idea is Transformer Engine's ``FusedAdam(store_param_remainders=
+splits the result again after it (:mod:`mixprec.masters.split_bits`), so the masters evolve
+exactly as fp32 masters would; the forward weight is the master rounded to nearest bf16 with
+**exact ties rounded away from zero**, as fp32 masters write theirs back (torch's cast rounds
+them to even). The idea is Transformer Engine's ``FusedAdam(store_param_remainders=
 True)``, the default of Megatron-LM's precision-aware optimizer. bf16 weights only: an fp16
 number is not the high half of an fp32 one (use ``"kahan"`` or ``"fp32"`` for fp16).
 """
@@ -19,6 +19,15 @@ import torch
 
 from ..shards import local
 from .base import MasterMethod, register
+from .split_bits import (
+    pair_views,
+    split_load,
+    split_load_pairs,
+    split_of,
+    split_pairs_of,
+    split_store,
+    split_store_pairs,
+)
 
 __all__ = ["Split", "REMAINDER_KEY"]
 
@@ -38,6 +47,7 @@ class Split(MasterMethod):
     name: ClassVar[str] = "split"
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
     buffer_key: ClassVar[str | None] = REMAINDER_KEY
+    draws_bits: ClassVar[bool] = False  # the pair holds the master exactly
 
     def holds(self) -> str:
         return "holds the high half of the master in"
@@ -49,13 +59,44 @@ class Split(MasterMethod):
         return torch.int16
 
     def make_buffer(self, param, initial):
-        from ..master.split_bits import split_store
-
         rem = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
         if initial is not None:  # the weight re-derived from the exact original
             weight, value = local(param.detach()), local(initial.detach())
             split_store(weight, local(rem), value.to(device=weight.device, dtype=torch.float32))
         return rem
+
+    # -- load and store: the exact join and split (mixprec.masters.split_bits) ---------------
+    # An int32 weight is a CPU pair of neighbours as int32 words (kernel_views): inductor's CPU
+    # code vectorizes int32 arithmetic, not int16. Triton handles int16 well: CUDA keeps it.
+    @staticmethod
+    def load(weight, rem):
+        if weight.dtype == torch.int32:
+            return split_load_pairs(weight, rem)
+        return split_load(weight, rem)
+
+    @staticmethod
+    def store(weight, rem, new, key):
+        if weight.dtype == torch.int32:
+            split_store_pairs(weight, rem, new)
+        else:
+            split_store(weight, rem, new)
+
+    @staticmethod
+    def stored(weight, rem, new, key):
+        return split_pairs_of(new) if weight.dtype == torch.int32 else split_of(new)
+
+    @staticmethod
+    def kernel_views(weight, rem):
+        if weight.device.type != "cpu":
+            return weight, rem
+        return pair_views(weight, rem) or (weight, rem)
+
+    def assign(self, weight, rem, value):
+        value = value.to(device=weight.device, dtype=torch.float32)
+        if rem is None:  # not a split weight (an fp32 parameter)
+            weight.copy_(value)
+        else:
+            split_store(*map(local, (weight.detach(), rem, value)))
 
 
 register(Split, {"split": {}})

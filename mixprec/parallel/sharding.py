@@ -48,7 +48,7 @@ from ..distenv import is_fsdp
 from ..engine import MixedPrecision, engine_for
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
-from ..master import is_master_optimizer
+from ..master import build, is_master_optimizer
 from ..master.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
@@ -320,5 +320,5 @@ def _wrap_sharded(optimizer, policy: Policy, initial: dict):
     masters with fp32 moments: the fp32 shards are the masters)."""
     if not policy.master_weights:
         return optimizer
-    return policy.master.wrap(optimizer, state_dtype=policy.state_dtype, initial_values=initial,
-                              sharded=True)
+    return build.wrap_optimizer(policy.master, optimizer, state_dtype=policy.state_dtype,
+                                initial_values=initial, sharded=True)

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..master.checkpoint import MASTERS_KEY
-from ..master.loadcheck import keep_pair
 from ..master.states import COMPENSATION_KEY
+from ..masters.kahan import keep_pair
 from ..shards import local
 from . import state as ts
 
@@ -176,7 +176,7 @@ def _kahan_pairs(model, optimizer, values: dict) -> None:
     compensation) to the nearest 16-bit weight, which at a tie (weight + compensation exactly
     half an ulp from the weight) is the other neighbour; the weight becomes the value minus the
     loaded compensation where that is exact, as in one process
-    (:func:`mixprec.master.loadcheck.keep_pair`, on this rank's shards)."""
+    (:func:`mixprec.masters.kahan.keep_pair`, on this rank's shards)."""
     compensation = getattr(optimizer, "compensation", None)
     if not callable(compensation):
         return

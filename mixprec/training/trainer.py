@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import kernel_table, vocabulary
 from ..engine import engine_for
-from ..master import kernels
+from ..master import compile_master_step
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts
@@ -137,7 +137,7 @@ class Trainer:
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
         if compile and kernel_table.TABLE.master_step(self.device.type) == "compile":
-            kernels.compile_master_step(self.optimizer)  # CUDA: torch's fused kernels, faster
+            compile_master_step(self.optimizer)  # CUDA: torch's fused kernels, faster
         self.history = History()
         self.state = ts.TrainState()
         self.stop_training = False
