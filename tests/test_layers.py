@@ -13,8 +13,8 @@ package's ``__init__.py``). The rules:
    (the module imports an optional dependency) or ``# lazy:`` (a package's PEP 562
    ``__getattr__``, for import time).
 
-``mixprec.master`` and ``mixprec.masters`` form one layer, "master weights", and count as one
-room: their imports of each other are theirs to arrange.
+``mixprec.masters`` (the master methods and their arithmetic) sits one layer below
+``mixprec.master`` (the optimizers that step them).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ LAYERS = (
     ("foundations", ("dtypes", "hardware", "formats", "components", "kernel_table", "shards",
                      "norms", "forwards", "distenv", "oplists", "emulation", "modulecasts",
                      "hfsave", "benchmodels")),
-    ("components", ("lowbit", "scaling", "master", "masters")),
+    ("master methods", ("masters",)),
+    ("components", ("lowbit", "scaling", "master")),
     ("policy and casting", ("precision", "precision_map", "policy", "autocast", "outputs",
                             "regions", "casting")),
     ("preparing a model", ("vocabulary", "fp8", "statedict", "prepare_checks", "prepare",
@@ -47,7 +48,7 @@ LAYERS = (
     ("entry points", ("mixprec", "commands", "cli", "__main__")),
 )
 #: rooms that count as one (see the module docstring)
-SAME_ROOM = {"masters": "master"}
+SAME_ROOM: dict[str, str] = {}
 #: imports allowed to climb: (file, imported room) -> reason (also in docs/internals.md)
 CLIMBS: dict[tuple[str, str], str] = {}
 #: function-level imports of our own modules allowed without a marker: (file, function) -> why
@@ -218,8 +219,6 @@ def _unmarked(imports: list[Import]) -> list[str]:
     for imp in imports:
         if imp.function is None or (imp.file, imp.function) in LISTED:
             continue
-        if _rooms(imp) == ("master", "master"):
-            continue  # the master weights' own arrangement (see the module docstring)
         marker = MARKERS.search(imp.text)
         if marker and marker.group(1) == "lazy" and not (
                 imp.function == "__getattr__" and imp.file.endswith("__init__.py")):
