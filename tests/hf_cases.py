@@ -99,18 +99,18 @@ def accelerate_fit(level, world, *, master=None, shard=False) -> dict:
             "fp32_reduce": getattr(model, "_mixprec_hook", False)}
 
 
-def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6) -> dict:
+def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6, **kw) -> dict:
     """Uninterrupted vs stopped at ``stop_at`` (mid-epoch 2), save_state, load_state, go on."""
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     whole = build(acc, world)
     train(acc, *whole)
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     first = build(acc, world)
     train(acc, *first, stop_at=stop_at)
-    path = os.path.join(out, f"acc-{level}-{master}-{shard}")
+    path = os.path.join(out, f"acc-{level}-{master}-{shard}-{kw.get('state_dtype')}")
     acc.save_state(path)
     before = weights(*first[:2])
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     second = build(acc, world)
     acc.load_state(path)
     loaded = weights(*second[:2])

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import vocabulary
@@ -72,8 +73,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
                       "pip install 'mixprec[accelerate]'") from exc
 
 __all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
-           "refused_host", "fsdp_units",
-           "check_sharded_checkpoint"]
+           "refused_host", "fsdp_units", "lay_out_state"]
 
 _REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
             DistributedType.XLA: "XLA"}
@@ -153,20 +153,20 @@ def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *
     return model, opts
 
 
-def check_sharded_checkpoint(engine: MixedPrecision, what: str) -> None:
-    """Refuse an FSDP2 checkpoint of a compact master method through the host's
-    ``torch.distributed.checkpoint`` optimizer state dict, which does not restore it (its
-    fresh-optimizer step does not fill a compact optimizer's state)."""
-    policy = engine.policy
-    if policy is None or not policy.master_weights:
-        return
-    if policy.master.compact or policy.state_dtype not in (None, torch.float32):
-        raise ValueError(f"{what} under FSDP2 with master={str(policy.master)!r}, state_dtype="
-                         f"{policy.state_dtype} is not "
-                         f"supported: the host's sharded optimizer checkpoint does not restore a "
-                         f"compact optimizer's state; use fp32 masters and moments here, or "
-                         f"mp.Trainer(strategy='fsdp'), whose checkpoints carry every master "
-                         f"method")
+def lay_out_state(model: nn.Module, optimizer) -> None:
+    """Give an FSDP2 optimizer that has not stepped its state's layout before a host loads a
+    sharded checkpoint into it.
+
+    torch's distributed checkpointing lays out a fresh optimizer's state by stepping it once
+    at lr 0 with zero gradients; a host that loads the model first and the optimizer after
+    (Accelerate's ``load_state``, the Trainer's resume) would take that step on the loaded
+    weights, and a compact master's step rewrites them (Kahan recombines and rounds weight and
+    compensation again), or, through the host's optimizer wrapper, runs the engine's step on
+    the loaded scaler. Stepped here, on the engine's optimizer itself, before anything is
+    loaded: everything it touches is overwritten by the load.
+    """
+    if not any(optimizer.state.values()):
+        get_optimizer_state_dict(model, optimizer)
 
 
 def reduce_in_fp32(model: nn.Module) -> None:
@@ -322,17 +322,14 @@ class MixprecAccelerator(accelerate.Accelerator):
         return wrapped
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
-        """``Accelerator.save_state``: the masters in the optimizer's state, the engine's state
-        in ``scaler.pt``.
-
-        Raises:
-            ValueError: under FSDP2 with a compact master method (see
-                :func:`check_sharded_checkpoint`).
-        """
+    def load_state(self, input_dir=None, **kwargs):
+        """``Accelerator.load_state``; under FSDP2 each optimizer's state is first laid out
+        (:func:`lay_out_state`), so loading the model and then its optimizer restores both
+        exactly."""
         if self.is_fsdp2:
-            check_sharded_checkpoint(self.engine, "save_state()")
-        return super().save_state(output_dir, safe_serialization, **kwargs)
+            for model, opt in zip(self._models, self._optimizers):
+                lay_out_state(model, _inner(opt))
+        return super().load_state(input_dir, **kwargs)
 
     # -- the step --------------------------------------------------------------------------------
     def _engine_optimizers(self, optimizer=None) -> list:
