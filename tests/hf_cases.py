@@ -234,13 +234,20 @@ def hf_resume(out, level, world, *, stop_at=6, **kw) -> dict:
                       resumed.mixed_precision.scaler.get_scale())}
 
 
-def hf_load(out, checkpoint, level, world, *, stop_at=6, **kw) -> dict:
-    """``checkpoint`` (of step ``stop_at``) resumed by ``world`` processes: the weights just
-    after loading (a run that ends there), and after training to the end."""
-    there = hf_trainer(os.path.join(out, "loaded"), level, world, max_steps=stop_at, **kw)
-    there.train(resume_from_checkpoint=checkpoint)
+def hf_load(out, checkpoint, level, world, **kw) -> dict:
+    """``checkpoint`` resumed by ``world`` processes: the step and weights just after loading
+    (when training begins), and the weights after training to the end."""
+    import transformers
+
     resumed = hf_trainer(os.path.join(out, "resumed"), level, world, **kw)
+    loaded = {}
+
+    class Keep(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **_):
+            loaded.update(hf_weights(resumed), step=state.global_step)
+
+    resumed.add_callback(Keep())
     resumed.train(resume_from_checkpoint=checkpoint)
-    return {"loaded": hf_weights(there), "steps": (there.state.global_step,
-                                                   resumed.state.global_step),
+    step = loaded.pop("step")
+    return {"loaded": loaded, "steps": (step, resumed.state.global_step),
             "weights": hf_weights(resumed), "engine": resumed.mixed_precision.state_dict()}

@@ -30,8 +30,9 @@ Where each of Accelerate's calls lands on the engine:
   across ranks), steps or skips, updates the scale; ``accelerator.optimizer_step_was_skipped``
   says which, and a prepared scheduler steps only after an applied update.
 * ``save_state``/``load_state``: the masters travel in the optimizer's state (``optimizer.bin``
-  or FSDP2's sharded ``optimizer_0``), the engine's state (policy and scaler) in ``scaler.pt``; a
-  state saved under another policy is refused.
+  or FSDP2's sharded ``optimizer_0``, a compact master's remainder or compensation with them),
+  the engine's state (policy and scaler) in ``scaler.pt``; a state saved under another policy is
+  refused. An FSDP2 state loads at another number of FSDP2 processes, one included.
 * ``unwrap_model(model)``: the prepared model; its ``state_dict()`` holds the fp32 masters, and a
   Hugging Face model's ``save_pretrained`` writes them with a float32 config.
 
@@ -43,6 +44,7 @@ optimizer or sharding takes the step out of the engine's hands).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -325,7 +327,19 @@ class MixprecAccelerator(accelerate.Accelerator):
     def load_state(self, input_dir=None, **kwargs):
         """``Accelerator.load_state``; under FSDP2 each optimizer's state is first laid out
         (:func:`lay_out_state`), so loading the model and then its optimizer restores both
-        exactly."""
+        exactly. A state saved under FSDP2 loads at any number of FSDP2 processes (one
+        included).
+
+        Raises:
+            ValueError: a state saved under FSDP2 (sharded ``pytorch_model_fsdp_0``), given to
+                an accelerator without FSDP2.
+        """
+        if (not self.is_fsdp2 and input_dir is not None
+                and os.path.isdir(os.path.join(input_dir, "pytorch_model_fsdp_0"))):
+            raise ValueError(f"{str(input_dir)!r} was saved under FSDP2 (its model and optimizer "
+                             f"are sharded checkpoints, pytorch_model_fsdp_0 and optimizer_0); "
+                             f"Accelerate loads them only under FSDP2: configure fsdp_version=2 "
+                             f"(it runs in one process too)")
         if self.is_fsdp2:
             for model, opt in zip(self._models, self._optimizers):
                 lay_out_state(model, _inner(opt))

@@ -42,7 +42,9 @@ Several processes (``torchrun``, ``accelerate launch``): the model is prepared i
 ``fsdp_config={"version": 2}``, :func:`mixprec.parallel.fsdp` shards the prepared model with the
 plugin's sharding units, the fp32 shards being the masters); under DDP the 16-bit gradients are
 averaged in fp32 (``_prepare_for_training``). DeepSpeed, FSDP1, XLA and ``DataParallel`` are
-refused, named in the error; so is checkpointing a compact master method under FSDP2.
+refused, named in the error. Under FSDP2 a checkpoint carries every master method (a split
+remainder or Kahan compensation in the FSDP optimizer file) and resumes at another number of
+FSDP2 processes, one included (the Trainer reads an FSDP checkpoint only under FSDP).
 
 The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
 fp32 model. ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
