@@ -258,7 +258,6 @@ def test_an_fsdp2_state_of_two_ranks_loads_into_one_process(ranks, tmp_path):
         two = ranks[0][("resume", True, master, None)]
         one = got[master]
         assert all(torch.equal(one["loaded"][k], two["saved"][k]) for k in two["saved"])
-        print("FIGURE acc 2->1", master, max_diff(one["weights"], two["weights"]))  # TEMP
         assert max_diff(one["weights"], two["weights"]) <= TOLERANCE["O2"]
     acc = hc.accelerator("O2")  # one process without FSDP2: refused, naming it
     hc.build(acc, 1)

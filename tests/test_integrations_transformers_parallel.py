@@ -129,7 +129,6 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_in_one_process(ranks, tmp_path
         one = got[master]
         assert one["steps"] == (6, 8)
         assert all(torch.equal(one["loaded"][k], two["at_save"][k]) for k in two["at_save"])
-        print("FIGURE hf 2->1", master, max_diff(one["weights"], two["weights"]))  # TEMP
         assert max_diff(one["weights"], two["weights"]) <= WEIGHT_TOL
         saved = torch.load(os.path.join(checkpoint, "scaler.pt"), weights_only=True)
         assert saved["policy"] == one["engine"]["policy"]
