@@ -99,18 +99,18 @@ def accelerate_fit(level, world, *, master=None, shard=False) -> dict:
             "fp32_reduce": getattr(model, "_mixprec_hook", False)}
 
 
-def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6) -> dict:
+def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6, **kw) -> dict:
     """Uninterrupted vs stopped at ``stop_at`` (mid-epoch 2), save_state, load_state, go on."""
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     whole = build(acc, world)
     train(acc, *whole)
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     first = build(acc, world)
     train(acc, *first, stop_at=stop_at)
-    path = os.path.join(out, f"acc-{level}-{master}-{shard}")
+    path = os.path.join(out, f"acc-{level}-{master}-{shard}-{kw.get('state_dtype')}")
     acc.save_state(path)
     before = weights(*first[:2])
-    acc = accelerator(level, master=master, shard=shard)
+    acc = accelerator(level, master=master, shard=shard, **kw)
     second = build(acc, world)
     acc.load_state(path)
     loaded = weights(*second[:2])
@@ -119,7 +119,20 @@ def accelerate_resume(out, level, world, *, master=None, shard=False, stop_at=6)
     a, b = weights(*whole[:2]), weights(*second[:2])
     return {"equal": all(torch.equal(a[k], b[k]) for k in a),
             "loaded": all(torch.equal(before[k], loaded[k]) for k in before),
-            "files": sorted(os.listdir(path)), "path": path}
+            "files": sorted(os.listdir(path)), "path": path, "saved": before, "weights": a}
+
+
+def accelerate_load(path, level, world, *, shard=False, stop_at=6, **kw) -> dict:
+    """A state saved at step ``stop_at`` loaded by ``world`` processes (the same global batch),
+    then trained to the end: the weights just after loading, and at the end."""
+    acc = accelerator(level, shard=shard, **kw)
+    model, opt, data = build(acc, world)
+    acc.load_state(path)
+    loaded = weights(model, opt)
+    per_epoch = len(data)
+    train(acc, model, opt, data, first_epoch=stop_at // per_epoch, skip=stop_at % per_epoch)
+    return {"loaded": loaded, "weights": weights(model, opt),
+            "engine": acc.engine.state_dict()}
 
 
 # -- the Hugging Face Trainer -----------------------------------------------------------------
@@ -194,9 +207,19 @@ def hf_fit(out, level, world, **kw) -> dict:
 
 def hf_resume(out, level, world, *, stop_at=6, **kw) -> dict:
     """Uninterrupted vs resumed from the checkpoint of step ``stop_at`` (mid-epoch 2)."""
+    import transformers
+
     name = f"hf-{level}-{kw.get('master')}-{kw.get('shard', False)}"
     whole = hf_trainer(os.path.join(out, name), level, world, save_strategy="steps",
                        save_steps=stop_at, **kw)
+    at_save = {}
+
+    class Keep(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **_):
+            if state.global_step == stop_at:  # every rank (the fp32 values are gathered)
+                at_save.update(hf_weights(whole))
+
+    whole.add_callback(Keep())
     whole.train()
     checkpoint = os.path.join(out, name, f"checkpoint-{stop_at}")
     resumed = hf_trainer(os.path.join(out, name + "-resumed"), level, world, **kw)
@@ -206,6 +229,25 @@ def hf_resume(out, level, world, *, stop_at=6, **kw) -> dict:
     whole.save_model(saved)
     return {"equal": all(torch.equal(a[k], b[k]) for k in a), "weights": a,
             "loss": hf_losses(whole), "checkpoint": checkpoint, "saved": saved,
-            "files": sorted(os.listdir(checkpoint)),
+            "files": sorted(os.listdir(checkpoint)), "at_save": at_save,
             "scale": (whole.mixed_precision.scaler.get_scale(),
                       resumed.mixed_precision.scaler.get_scale())}
+
+
+def hf_load(out, checkpoint, level, world, **kw) -> dict:
+    """``checkpoint`` resumed by ``world`` processes: the step and weights just after loading
+    (when training begins), and the weights after training to the end."""
+    import transformers
+
+    resumed = hf_trainer(os.path.join(out, "resumed"), level, world, **kw)
+    loaded = {}
+
+    class Keep(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **_):
+            loaded.update(hf_weights(resumed), step=state.global_step)
+
+    resumed.add_callback(Keep())
+    resumed.train(resume_from_checkpoint=checkpoint)
+    step = loaded.pop("step")
+    return {"loaded": loaded, "steps": (step, resumed.state.global_step),
+            "weights": hf_weights(resumed), "engine": resumed.mixed_precision.state_dict()}

@@ -244,7 +244,7 @@ def test_a_remainder_of_another_dtype_is_refused():
     sd = copy.deepcopy(opt.state_dict())
     for entry in sd["state"].values():
         if "remainder" in entry:
-            entry["remainder"] = entry["remainder"].to(torch.int32)
-    with pytest.raises(ValueError, match="torch.int32 'remainder' buffer .*keeps it in "
+            entry["remainder"] = entry["remainder"].to(torch.int64)  # int32: FSDP2's wire form
+    with pytest.raises(ValueError, match="torch.int64 'remainder' buffer .*keeps it in "
                                          "torch.int16"):
         opt.load_state_dict(sd)

@@ -30,8 +30,9 @@ Where each of Accelerate's calls lands on the engine:
   across ranks), steps or skips, updates the scale; ``accelerator.optimizer_step_was_skipped``
   says which, and a prepared scheduler steps only after an applied update.
 * ``save_state``/``load_state``: the masters travel in the optimizer's state (``optimizer.bin``
-  or FSDP2's sharded ``optimizer_0``), the engine's state (policy and scaler) in ``scaler.pt``; a
-  state saved under another policy is refused.
+  or FSDP2's sharded ``optimizer_0``, a compact master's remainder or compensation with them),
+  the engine's state (policy and scaler) in ``scaler.pt``; a state saved under another policy is
+  refused. An FSDP2 state loads at another number of FSDP2 processes, one included.
 * ``unwrap_model(model)``: the prepared model; its ``state_dict()`` holds the fp32 masters, and a
   Hugging Face model's ``save_pretrained`` writes them with a float32 config.
 
@@ -43,11 +44,13 @@ optimizer or sharding takes the step out of the engine's hands).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distenv as env
@@ -72,8 +75,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
                       "pip install 'mixprec[accelerate]'") from exc
 
 __all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
-           "refused_host", "fsdp_units",
-           "check_sharded_checkpoint"]
+           "refused_host", "fsdp_units", "lay_out_state"]
 
 _REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
             DistributedType.XLA: "XLA"}
@@ -153,20 +155,20 @@ def setup_for_host(engine: MixedPrecision, model: nn.Module, optimizers: list, *
     return model, opts
 
 
-def check_sharded_checkpoint(engine: MixedPrecision, what: str) -> None:
-    """Refuse an FSDP2 checkpoint of a compact master method through the host's
-    ``torch.distributed.checkpoint`` optimizer state dict, which does not restore it (its
-    fresh-optimizer step does not fill a compact optimizer's state)."""
-    policy = engine.policy
-    if policy is None or not policy.master_weights:
-        return
-    if policy.master.compact or policy.state_dtype not in (None, torch.float32):
-        raise ValueError(f"{what} under FSDP2 with master={str(policy.master)!r}, state_dtype="
-                         f"{policy.state_dtype} is not "
-                         f"supported: the host's sharded optimizer checkpoint does not restore a "
-                         f"compact optimizer's state; use fp32 masters and moments here, or "
-                         f"mp.Trainer(strategy='fsdp'), whose checkpoints carry every master "
-                         f"method")
+def lay_out_state(model: nn.Module, optimizer) -> None:
+    """Give an FSDP2 optimizer that has not stepped its state's layout before a host loads a
+    sharded checkpoint into it.
+
+    torch's distributed checkpointing lays out a fresh optimizer's state by stepping it once
+    at lr 0 with zero gradients; a host that loads the model first and the optimizer after
+    (Accelerate's ``load_state``, the Trainer's resume) would take that step on the loaded
+    weights, and a compact master's step rewrites them (Kahan recombines and rounds weight and
+    compensation again), or, through the host's optimizer wrapper, runs the engine's step on
+    the loaded scaler. Stepped here, on the engine's optimizer itself, before anything is
+    loaded: everything it touches is overwritten by the load.
+    """
+    if not any(optimizer.state.values()):
+        get_optimizer_state_dict(model, optimizer)
 
 
 def reduce_in_fp32(model: nn.Module) -> None:
@@ -323,17 +325,26 @@ class MixprecAccelerator(accelerate.Accelerator):
         return wrapped
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
-        """``Accelerator.save_state``: the masters in the optimizer's state, the engine's state
-        in ``scaler.pt``.
+    def load_state(self, input_dir=None, **kwargs):
+        """``Accelerator.load_state``; under FSDP2 each optimizer's state is first laid out
+        (:func:`lay_out_state`), so loading the model and then its optimizer restores both
+        exactly. A state saved under FSDP2 loads at any number of FSDP2 processes (one
+        included).
 
         Raises:
-            ValueError: under FSDP2 with a compact master method (see
-                :func:`check_sharded_checkpoint`).
+            ValueError: a state saved under FSDP2 (sharded ``pytorch_model_fsdp_0``), given to
+                an accelerator without FSDP2.
         """
+        if (not self.is_fsdp2 and input_dir is not None
+                and os.path.isdir(os.path.join(input_dir, "pytorch_model_fsdp_0"))):
+            raise ValueError(f"{str(input_dir)!r} was saved under FSDP2 (its model and optimizer "
+                             f"are sharded checkpoints, pytorch_model_fsdp_0 and optimizer_0); "
+                             f"Accelerate loads them only under FSDP2: configure fsdp_version=2 "
+                             f"(it runs in one process too)")
         if self.is_fsdp2:
-            check_sharded_checkpoint(self.engine, "save_state()")
-        return super().save_state(output_dir, safe_serialization, **kwargs)
+            for model, opt in zip(self._models, self._optimizers):
+                lay_out_state(model, _inner(opt))
+        return super().load_state(input_dir, **kwargs)
 
     # -- the step --------------------------------------------------------------------------------
     def _engine_optimizers(self, optimizer=None) -> list:

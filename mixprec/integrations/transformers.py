@@ -42,7 +42,9 @@ Several processes (``torchrun``, ``accelerate launch``): the model is prepared i
 ``fsdp_config={"version": 2}``, :func:`mixprec.parallel.fsdp` shards the prepared model with the
 plugin's sharding units, the fp32 shards being the masters); under DDP the 16-bit gradients are
 averaged in fp32 (``_prepare_for_training``). DeepSpeed, FSDP1, XLA and ``DataParallel`` are
-refused, named in the error; so is checkpointing a compact master method under FSDP2.
+refused, named in the error. Under FSDP2 a checkpoint carries every master method (a split
+remainder or Kahan compensation in the FSDP optimizer file) and resumes at another number of
+FSDP2 processes, one included (the Trainer reads an FSDP checkpoint only under FSDP).
 
 The model is prepared when training starts: ``evaluate()`` before the first ``train()`` runs the
 fp32 model. ``TrainingArguments(fp16=True)``/``bf16=True`` are refused (accelerate's autocast and
@@ -61,8 +63,8 @@ from ..lowbit.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
 from .accelerate import (
-    check_sharded_checkpoint,
     fsdp_units,
+    lay_out_state,
     reduce_in_fp32,
     refused_host,
     setup_for_host,
@@ -80,7 +82,8 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
 __all__ = ["MixprecTrainer", "EngineGradScaler"]
 
 _LOOP_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "create_optimizer",
-               "create_accelerator_and_postprocess", "save_model", "_prepare_for_training")
+               "create_accelerator_and_postprocess", "save_model", "_prepare_for_training",
+               "_load_from_checkpoint")
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
@@ -166,9 +169,6 @@ class MixprecTrainer(transformers.Trainer):
             return self.optimizer  # a later train(): the model is prepared already
         optimizer = super().create_optimizer(model)
         shard = _is_fsdp2(self)
-        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy)
-        if shard and str(saves) != "no":
-            check_sharded_checkpoint(self.mixed_precision, "checkpointing")
         units = fsdp_units(self.accelerator.state.fsdp_plugin, self.model) if shard else None
         self.model, (optimizer,) = setup_for_host(self.mixed_precision, self.model, [optimizer],
                                                   shard=shard, units=units)
@@ -182,6 +182,14 @@ class MixprecTrainer(transformers.Trainer):
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
         reduce_in_fp32(model)
         return model, train_dataloader
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The Trainer's own; under FSDP2 the optimizer's state is first laid out
+        (:func:`mixprec.integrations.accelerate.lay_out_state`), so that loading the model and
+        then the optimizer restores both exactly."""
+        if _is_fsdp2(self) and self._engine_optimizer is not None:
+            lay_out_state(self.model, self._engine_optimizer)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     # -- the step --------------------------------------------------------------------------------
     def _clip_grad_norm(self, model):

@@ -25,9 +25,8 @@ per-tensor functions eagerly. Compiled kernels are checked against their eager t
 are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
 ``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient
 fp32 copies (the compact value, gradient, moments), a bucket at a time for torch's
-per-parameter optimizers, all at once otherwise; the results are written back split,
-compensated or rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32
-masters.
+per-parameter optimizers, all at once otherwise; the results are written back split, compensated
+or rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
@@ -52,7 +51,7 @@ from ..masters.rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import local
 from . import compact_kernels as ck
-from . import states
+from . import compact_state, states
 from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .kernels import torch_fused, torch_fused_problem
@@ -132,6 +131,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         states.register(self)
         self.register_load_state_dict_post_hook(load_generator)
         method.register_load_hooks(self)
+        compact_state.register(self)
 
     def __repr__(self) -> str:
         dt = str(self.state_dtype).replace('torch.', '')

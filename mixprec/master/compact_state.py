@@ -16,9 +16,14 @@ they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.maste
 
 from __future__ import annotations
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..shards import local
 from . import states
 
-__all__ = ["save_pending", "load_generator", "share_with_inner"]
+__all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped", "register",
+           "widen_sharded", "narrow_wide"]
 
 
 def save_pending(optimizer, state: dict) -> dict:
@@ -49,3 +54,69 @@ def share_with_inner(optimizer) -> None:
     optimizer.inner.state = optimizer.state
     optimizer._rebuild()
     optimizer.drop_master_grads()
+
+
+def hold_unstepped(optimizer) -> None:
+    """load_state_dict post-hook (the last): buffers loaded for parameters never stepped (a
+    state saved before the first step, or a host's ``state_dict()``/``load_state_dict()``
+    round trip when it wraps the optimizer, as Accelerate's does) are held aside again, so an
+    optimizer that has not stepped still has an empty ``state``: torch's distributed
+    checkpointing takes a non-empty state for a laid-out one and would load into too few
+    entries."""
+    key = optimizer._buffer_key
+    if key is None:
+        return
+    for p in optimizer._low:
+        entry = optimizer.state.get(p)
+        if entry is not None and set(entry) == {key}:
+            optimizer._pending[p] = entry[key]
+            del optimizer.state[p]
+
+
+def widen_sharded(optimizer, state: dict) -> dict:
+    """state_dict post-hook: an int16 buffer sharded by FSDP2 (the split remainder, a
+    ``DTensor``) is given as int32, the same integers: a full state dict gathers each shard,
+    and gloo cannot all-gather or broadcast int16 ("Invalid scalar type"); NCCL can, but one
+    format serves both. :func:`narrow_wide` makes it int16 again on load."""
+    key = optimizer._buffer_key
+    if key is None:
+        return state
+    for index, entry in list(state["state"].items()):
+        value = entry.get(key)
+        if isinstance(value, DTensor) and value.dtype == torch.int16:
+            state["state"][index] = {**entry, key: value.to(torch.int32)}  # the live entry
+    return state                                                           # stays int16
+
+
+def narrow_wide(optimizer, state_dict: dict) -> dict:
+    """load_state_dict pre-hook (the first): an int32 buffer that :func:`widen_sharded` gave
+    is int16 again, before the buffer checks and torch's load.
+
+    Raises:
+        ValueError: an int32 buffer holding a value outside int16 (not one this hook's
+            counterpart wrote).
+    """
+    key, saved = optimizer._buffer_key, state_dict.get("state")
+    if key is None or not isinstance(saved, dict):
+        return state_dict
+    narrowed = dict(saved)
+    for index, entry in saved.items():
+        value = entry.get(key) if isinstance(entry, dict) else None
+        if not torch.is_tensor(value) or value.dtype != torch.int32:
+            continue
+        shard = local(value)
+        if shard.numel() and (shard.min() < -2 ** 15 or shard.max() >= 2 ** 15):
+            raise ValueError(f"the optimizer state's {key!r} of parameter {index} is int32 with "
+                             f"values outside int16; a {key!r} is an int16 (saved widened to "
+                             f"int32 under FSDP2): this state was not written by mixprec")
+        narrowed[index] = {**entry, key: value.to(torch.int16)}
+    return {**state_dict, "state": narrowed}
+
+
+def register(optimizer) -> None:
+    """Install the hooks above that are not installed one by one: :func:`widen_sharded`
+    (after :func:`save_pending`), :func:`narrow_wide` (first of the load pre-hooks) and
+    :func:`hold_unstepped` (last of the load post-hooks)."""
+    optimizer.register_state_dict_post_hook(widen_sharded)
+    optimizer.register_load_state_dict_pre_hook(narrow_wide, prepend=True)
+    optimizer.register_load_state_dict_post_hook(hold_unstepped)
