@@ -17,9 +17,8 @@ they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.maste
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..shards import local
+from ..shards import is_dtensor, local
 from . import states
 
 __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped", "register",
@@ -83,7 +82,7 @@ def widen_sharded(optimizer, state: dict) -> dict:
         return state
     for index, entry in list(state["state"].items()):
         value = entry.get(key)
-        if isinstance(value, DTensor) and value.dtype == torch.int16:
+        if is_dtensor(value) and value.dtype == torch.int16:
             state["state"][index] = {**entry, key: value.to(torch.int32)}  # the live entry
     return state                                                           # stays int16
 
