@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import mixprec as mp
 from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
 
+SPLIT = ("O2", "bf16", "split")
 CLIP = 0.05  # below every step's gradient norm: a clip norm measured on one shard would show
 
 
@@ -52,15 +53,17 @@ class LeftToThePlugin(Classifier):
         pass
 
 
-def strategy_for(name: str):
+def strategy_for(name: str, sharded_checkpoint: bool = False):
+    """``ModelParallelStrategy`` saves one file (every rank's shards gathered, which one process
+    can resume from) unless ``sharded_checkpoint`` (its default: a directory of shards)."""
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=False)
+                                     save_distributed_checkpoint=sharded_checkpoint)
     return name
 
 
 def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=None,
-        module_class=None) -> dict:
+        module_class=None, sharded_checkpoint=False) -> dict:
     """One fit; the fp32 weights (gathered under FSDP2) and, with ``save``, a checkpoint."""
     level, dtype, master = config
     environment = dict(os.environ)
@@ -68,8 +71,8 @@ def fit(strategy: str, config, *, world: int, epochs: int, ckpt_path=None, save=
         module_class = Sharded if strategy == "fsdp2" and world > 1 else Classifier
     module = module_class()
     plugin = MixprecPrecision(level=level, dtype=dtype, master=master)
-    trainer = L.Trainer(accelerator="cpu", devices=world,
-                        strategy=strategy_for(strategy) if world > 1 else "auto",
+    chosen = strategy_for(strategy, sharded_checkpoint) if world > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=chosen,
                         plugins=[plugin], max_epochs=epochs, gradient_clip_val=CLIP,
                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False)
@@ -109,6 +112,15 @@ def rank_case(rank, out, strategy, configs):
         resumed = fit(strategy, config, world=2, epochs=2, ckpt_path=path)
         results[name(config)] = {"whole": whole, "resumed": resumed, "ckpt": path}
     if strategy == "fsdp2":
-        results["left to the plugin"] = fit(strategy, ("O2", "bf16", None), world=2, epochs=2,
+        results["left to the plugin"] = fit(strategy, ("O2", "fp16", None), world=2, epochs=2,
                                             module_class=LeftToThePlugin)
+        path = os.path.join(out, "fsdp2-split-sharded")  # the strategy's default: a directory
+        fit(strategy, SPLIT, world=2, epochs=1, save=path, sharded_checkpoint=True)
+        results["split, sharded checkpoint"] = fit(strategy, SPLIT, world=2, epochs=2,
+                                                   ckpt_path=path, sharded_checkpoint=True)
     return results
+
+
+def launch_case(rank, out, strategy):
+    """One 2-rank launch of the 20-in-a-row loops: O2 bf16, 2 epochs; rank's fp32 weights."""
+    return fit(strategy, ("O2", "bf16", None), world=2, epochs=2)["weights"]

@@ -59,6 +59,7 @@ from ..monitor import CallbackWriter
 from ..policy import Policy
 from ..prepare import policy_of
 from ..regions import Entry
+from . import lightning_checkpoints as checkpoints
 from . import lightning_strategies as strategies
 
 try:
@@ -212,6 +213,7 @@ class MixprecPrecision(Precision):
                                            prepared)
         else:
             optimizers = self._setup(module, list(optimizers))
+        checkpoints.register(module, optimizers)
         self._context = _entry_context(module)
         _log_to_loggers(self.engine.monitor, module)
         configs = [self._skip_aware(config, optimizers) for config in lr_schedulers]

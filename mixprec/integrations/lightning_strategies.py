@@ -18,6 +18,8 @@ Lightning calls the plugin's ``convert_module`` before the strategy wraps the mo
   shards are the masters (the checkpoints hold them), and ``connect`` wraps the optimizers as
   the master method needs (a compact method's buffers, sharded alike). A model sharded with
   torch's own ``fully_shard`` is taken at O0/O1 (fp32 storage) and refused at O2/O3.
+* Checkpoints of the compact master methods under ``ModelParallelStrategy``: see
+  :mod:`.lightning_checkpoints`.
 * Anything else is refused by name: ``FSDPStrategy`` is FSDP1 (its flat parameters leave no
   per-parameter dtype to keep), DeepSpeed brings its own precision and master weights.
 
@@ -49,8 +51,8 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
     raise ImportError("mixprec.integrations.lightning needs the lightning package: "
                       "pip install 'mixprec[lightning]'") from exc
 
-__all__ = ["SUPPORTED", "kind_of", "before_wrap", "lightning_module_of", "attach", "shard",
-           "data_parallel_mesh"]
+__all__ = ["SUPPORTED", "kind_of", "strategy_of", "before_wrap", "lightning_module_of",
+           "attach", "shard", "data_parallel_mesh"]
 
 SUPPORTED = ("SingleDeviceStrategy, DDPStrategy ('ddp', 'ddp_spawn', 'ddp_fork', "
              "'ddp_notebook') and ModelParallelStrategy (FSDP2)")
@@ -78,7 +80,8 @@ def kind_of(strategy) -> str:
                        f"{why.get(name, 'a strategy mixprec does not know how to prepare for')}")
 
 
-def _strategy(module: nn.Module):
+def strategy_of(module: nn.Module):
+    """The strategy of ``module``'s trainer (None outside a trainer)."""
     trainer = getattr(module, "_trainer", None)
     return None if trainer is None else trainer.strategy
 
@@ -87,7 +90,7 @@ def before_wrap(engine: MixedPrecision, module: nn.Module) -> dict | None:
     """``convert_module``: prepare ``module`` before the strategy wraps it (DDP) or shard it
     (FSDP2). Returns what :func:`attach` needs (the fp32 values the cast replaced), or None
     when ``connect`` prepares the model (one device, or a model prepared by an earlier run)."""
-    strategy = _strategy(module)
+    strategy = strategy_of(module)
     kind = kind_of(strategy)
     if kind == "single" or policy_of(module) is not None:
         return None
@@ -178,5 +181,5 @@ def _reduce_in_fp32(model: DistributedDataParallel, module: pl.LightningModule) 
     """Average 16-bit gradient buckets in fp32 (one rounding), as ``mp.parallel.ddp`` does,
     unless the strategy registered a communication hook of its own."""
     low = any(p.is_floating_point() and p.element_size() < 4 for p in module.parameters())
-    if low and getattr(_strategy(module), "_ddp_comm_hook", None) is None:
+    if low and getattr(strategy_of(module), "_ddp_comm_hook", None) is None:
         model.register_comm_hook(None, cast_reduce_hook(torch.float32))

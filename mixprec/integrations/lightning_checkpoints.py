@@ -1,0 +1,106 @@
+"""Lightning checkpoints of the compact master methods that resume bitwise under every
+strategy :class:`~mixprec.integrations.lightning.MixprecPrecision` runs under.
+
+``ModelParallelStrategy`` (FSDP2) saves through torch's distributed state-dict functions: a
+one-file checkpoint (``save_distributed_checkpoint=False``) gathers every optimizer state to
+rank 0, and resuming from it broadcasts each state from rank 0 to the ranks' shards; a sharded
+one writes each rank's shards. Two things would keep such a resume from being bitwise:
+
+* ``master="split"``: gloo (the CPU backend) has no int16 collectives, so gathering or
+  broadcasting the int16 remainder fails ("Invalid scalar type"). The optimizer's
+  ``state_dict`` therefore holds the remainders widened to int32 under this strategy, and
+  loading narrows an int32 remainder back to int16 (exactly: a value outside int16's range is
+  refused) under any strategy, so such a checkpoint also resumes in one process.
+* ``master="kahan"``: Lightning loads an FSDP2 model one sub-module at a time, then, before
+  loading the optimizer's state, steps the optimizer once with zero gradients and a zero
+  learning rate so that its state exists (torch's ``set_optimizer_state_dict``). That step
+  adds each weight's compensation to it: a compensation left from before the load (the
+  initial weights') would move the loaded weight. So each module holding a Kahan weight gets a
+  load pre-hook that sets the pair from the loaded value, as the prepared model's own hook
+  does when it is loaded whole.
+
+Under ``ModelParallelStrategy`` the checkpoint's ``state_dict`` of a compact master method
+holds the 16-bit weights (in fp32); the remainder or compensation that makes each an exact
+or near-fp32 master is in the optimizer state (``mp.fp32_state_dict(model, optimizer)`` joins
+them).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..master.states import COMPENSATION_KEY, REMAINDER_KEY
+from ..shards import local
+from . import lightning_strategies as strategies
+
+__all__ = ["register"]
+
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose hooks are registered
+
+
+def register(module: nn.Module, optimizers: list) -> None:
+    """Register the hooks above on each compact master optimizer of ``module``'s run (once)."""
+    sharded = strategies.kind_of(strategies.strategy_of(module)) == "fsdp2"
+    for optimizer in optimizers:
+        key = getattr(optimizer, "_buffer_key", None)
+        if key not in (REMAINDER_KEY, COMPENSATION_KEY) or optimizer in _HOOKED:
+            continue
+        _HOOKED.add(optimizer)
+        if key == REMAINDER_KEY:
+            optimizer.register_load_state_dict_pre_hook(_narrow_remainders, prepend=True)
+            if sharded:
+                optimizer.register_state_dict_post_hook(_widen_remainders)
+        elif sharded:
+            _compensations_follow_loads(module, optimizer)
+
+
+def _widen_remainders(optimizer, state_dict: dict) -> dict:
+    state = state_dict["state"]  # its entries are the optimizer's own: replaced, not changed
+    for index, entry in list(state.items()):
+        value = entry.get(REMAINDER_KEY) if isinstance(entry, dict) else None
+        if isinstance(value, torch.Tensor) and value.dtype == torch.int16:
+            state[index] = {**entry, REMAINDER_KEY: value.to(torch.int32)}
+    return state_dict
+
+
+def _narrow_remainders(optimizer, state_dict):
+    state = state_dict.get("state") if isinstance(state_dict, dict) else None
+    if not isinstance(state, dict):
+        return None  # torch's own checks name what is wrong
+    narrowed = dict(state)
+    for index, entry in state.items():
+        value = entry.get(REMAINDER_KEY) if isinstance(entry, dict) else None
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
+            continue
+        part = local(value)
+        if part.numel() and (int(part.min()) < -2**15 or int(part.max()) >= 2**15):
+            raise ValueError(f"optimizer state_dict holds an int32 split remainder (state "
+                             f"{index!r}) with values outside int16's range "
+                             f"[{-2**15}, {2**15 - 1}]: not a remainder saved widened from int16")
+        narrowed[index] = {**entry, REMAINDER_KEY: value.to(torch.int16)}
+    return {**state_dict, "state": narrowed}
+
+
+def _compensations_follow_loads(model: nn.Module, optimizer) -> None:
+    """A load_state_dict pre-hook on each module holding a Kahan weight of ``optimizer``: the
+    pair takes the loaded fp32 value (the weight rounded to nearest, the compensation the rest),
+    also where the module is loaded alone, as Lightning loads FSDP2 models."""
+    ref = weakref.ref(optimizer)
+
+    def load(module, state_dict, prefix, *args) -> None:
+        opt = ref()
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if (opt is not None and torch.is_tensor(value) and value.shape == param.shape
+                    and isinstance(value, DTensor) == isinstance(param, DTensor)
+                    and opt.compensation(param) is not None):
+                opt.load_fp32_(param, value)
+
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in model.modules():
+        if any(id(p) in held for p in module.parameters(recurse=False)):
+            module.register_load_state_dict_pre_hook(load)
