@@ -268,35 +268,6 @@ def _under(module: nn.Module, strategy) -> nn.Module:
     return module
 
 
-def test_split_remainders_are_saved_as_int32_under_model_parallel_and_load_back_exactly():
-    """gloo has no int16 collectives: Lightning's FSDP2 checkpoint gathers (and a resume
-    broadcasts) the remainders as int32; the live state stays int16, and a one-process run
-    (no widening) loads the int32 file back to the same fp32 masters, bitwise."""
-    _, module, opt = _stepped("split")
-    checkpoints.register(_under(module, ModelParallelStrategy()), [opt])
-    saved = opt.state_dict()
-    remainders = [e["remainder"] for e in saved["state"].values() if "remainder" in e]
-    assert remainders and all(r.dtype == torch.int32 for r in remainders)
-    assert all(e["remainder"].dtype == torch.int16 for e in opt.state.values()
-               if "remainder" in e)
-    _, fresh, fresh_opt = _stepped("split", steps=0)
-    checkpoints.register(_under(fresh, None), [fresh_opt])  # one process
-    fresh.load_state_dict(module.state_dict())
-    fresh_opt.load_state_dict(saved)
-    want, got = mp.fp32_state_dict(module, opt), mp.fp32_state_dict(fresh, fresh_opt)
-    assert all(torch.equal(want[k], got[k]) for k in want)
-
-
-def test_an_int32_remainder_outside_int16s_range_is_refused():
-    _, module, opt = _stepped("split", steps=1)
-    checkpoints.register(_under(module, ModelParallelStrategy()), [opt])
-    saved = opt.state_dict()
-    index = next(i for i, e in saved["state"].items() if "remainder" in e)
-    saved["state"][index]["remainder"] = saved["state"][index]["remainder"] + 2**16
-    with pytest.raises(ValueError, match="outside int16's range"):
-        opt.load_state_dict(saved)
-
-
 def test_kahan_pairs_take_a_sub_modules_own_load_under_model_parallel():
     """Lightning loads an FSDP2 model one sub-module at a time: each Kahan pair must stand for
     the loaded value (weight to nearest, compensation the rest), not keep a compensation from

@@ -6,11 +6,10 @@ one-file checkpoint (``save_distributed_checkpoint=False``) gathers every optimi
 rank 0, and resuming from it broadcasts each state from rank 0 to the ranks' shards; a sharded
 one writes each rank's shards. Two things would keep such a resume from being bitwise:
 
-* ``master="split"``: gloo (the CPU backend) has no int16 collectives, so gathering or
-  broadcasting the int16 remainder fails ("Invalid scalar type"). The optimizer's
-  ``state_dict`` therefore holds the remainders widened to int32 under this strategy, and
-  loading narrows an int32 remainder back to int16 (exactly: a value outside int16's range is
-  refused) under any strategy, so such a checkpoint also resumes in one process.
+* ``master="split"``: gloo (the CPU backend) has no int16 collectives. The compact optimizer
+  itself gives a sharded int16 remainder as int32 in its ``state_dict`` and narrows it back on
+  load (``mixprec.master.compact_state``), so one-file and sharded checkpoints resume bitwise,
+  also in one process: nothing Lightning-specific is needed.
 * ``master="kahan"``: Lightning loads an FSDP2 model one sub-module at a time, then, before
   loading the optimizer's state, steps the optimizer once with zero gradients and a zero
   learning rate so that its state exists (torch's ``set_optimizer_state_dict``). That step
@@ -31,10 +30,9 @@ import weakref
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..master.states import COMPENSATION_KEY, REMAINDER_KEY
-from ..shards import local
+from ..master.states import COMPENSATION_KEY
+from ..shards import is_dtensor
 from . import lightning_strategies as strategies
 
 __all__ = ["register"]
@@ -47,42 +45,10 @@ def register(module: nn.Module, optimizers: list) -> None:
     sharded = strategies.kind_of(strategies.strategy_of(module)) == "fsdp2"
     for optimizer in optimizers:
         key = getattr(optimizer, "_buffer_key", None)
-        if key not in (REMAINDER_KEY, COMPENSATION_KEY) or optimizer in _HOOKED:
+        if key != COMPENSATION_KEY or not sharded or optimizer in _HOOKED:
             continue
         _HOOKED.add(optimizer)
-        if key == REMAINDER_KEY:
-            optimizer.register_load_state_dict_pre_hook(_narrow_remainders, prepend=True)
-            if sharded:
-                optimizer.register_state_dict_post_hook(_widen_remainders)
-        elif sharded:
-            _compensations_follow_loads(module, optimizer)
-
-
-def _widen_remainders(optimizer, state_dict: dict) -> dict:
-    state = state_dict["state"]  # its entries are the optimizer's own: replaced, not changed
-    for index, entry in list(state.items()):
-        value = entry.get(REMAINDER_KEY) if isinstance(entry, dict) else None
-        if isinstance(value, torch.Tensor) and value.dtype == torch.int16:
-            state[index] = {**entry, REMAINDER_KEY: value.to(torch.int32)}
-    return state_dict
-
-
-def _narrow_remainders(optimizer, state_dict):
-    state = state_dict.get("state") if isinstance(state_dict, dict) else None
-    if not isinstance(state, dict):
-        return None  # torch's own checks name what is wrong
-    narrowed = dict(state)
-    for index, entry in state.items():
-        value = entry.get(REMAINDER_KEY) if isinstance(entry, dict) else None
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
-            continue
-        part = local(value)
-        if part.numel() and (int(part.min()) < -2**15 or int(part.max()) >= 2**15):
-            raise ValueError(f"optimizer state_dict holds an int32 split remainder (state "
-                             f"{index!r}) with values outside int16's range "
-                             f"[{-2**15}, {2**15 - 1}]: not a remainder saved widened from int16")
-        narrowed[index] = {**entry, REMAINDER_KEY: value.to(torch.int16)}
-    return {**state_dict, "state": narrowed}
+        _compensations_follow_loads(module, optimizer)
 
 
 def _compensations_follow_loads(model: nn.Module, optimizer) -> None:
@@ -96,7 +62,7 @@ def _compensations_follow_loads(model: nn.Module, optimizer) -> None:
         for name, param in module.named_parameters(recurse=False):
             value = state_dict.get(prefix + name)
             if (opt is not None and torch.is_tensor(value) and value.shape == param.shape
-                    and isinstance(value, DTensor) == isinstance(param, DTensor)
+                    and is_dtensor(value) == is_dtensor(param)
                     and opt.compensation(param) is not None):
                 opt.load_fp32_(param, value)
 
