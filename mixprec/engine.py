@@ -42,6 +42,7 @@ from .engine_checks import (
 )
 from .engine_parallel import check_not_wrapped, check_owned
 from .fp8.choice import split_spec, with_modules
+from .master.compact_state import show_held
 from .master.params import show_master_grads
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
@@ -268,6 +269,7 @@ class MixedPrecision:
             scaler.settle_(optimizer)
         elif scaler.stage_of(optimizer) == "unscaled":
             show_master_grads(optimizer.param_groups)
+            show_held(optimizer)
 
     def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the true gradients ``optimizer`` will step with, as they stand (what

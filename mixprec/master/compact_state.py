@@ -20,6 +20,7 @@ import torch
 
 from ..shards import is_dtensor, local
 from . import states
+from .params import _is_current, _source_key
 
 __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped", "register",
            "widen_sharded", "narrow_wide"]
@@ -119,3 +120,17 @@ def register(optimizer) -> None:
     optimizer.register_state_dict_post_hook(widen_sharded)
     optimizer.register_load_state_dict_pre_hook(narrow_wide, prepend=True)
     optimizer.register_load_state_dict_post_hook(hold_unstepped)
+
+
+def show_held(optimizer) -> None:
+    """After the fp32 copies a compact optimizer holds of fp16 gradients changed in place (a
+    clip), the model's gradients read as them (rounded to fp16), and the copies stay the ones
+    the step uses: code reading ``model.parameters()`` sees the values the step will use."""
+    held = getattr(optimizer, "_grads32", None)
+    pairs = [(p, copy) for p, (copy, key) in (held or {}).items() if _is_current(key, p.grad)]
+    if not pairs:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([p.grad for p, _ in pairs], [copy for _, copy in pairs])
+    for p, copy in pairs:  # the model's gradients changed version: the copies still current
+        held[p] = (copy, _source_key(p.grad))

@@ -168,13 +168,12 @@ class LossScaler(GradScalerInterface):
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients the step will use to ``max_norm``; return their norm.
 
-        Unscales first if ``unscale_`` was not called. For a
-        :class:`mixprec.MasterWeightOptimizer` that has no fp32 gradients yet, the norm is
-        measured on the model's low-precision gradients (accumulated in float32) and the clip
-        factor is folded into the step's unscaling, so clipping costs one read of the gradients
-        and no fp32 copy. Otherwise the gradients in ``param_groups`` are clipped in place with
-        ``torch.nn.utils.clip_grad_norm_``. An inf/NaN gradient makes the norm non-finite (and
-        the step is skipped when this scaler checks for overflow). No host sync.
+        Unscales first if ``unscale_`` was not called. For an optimizer that owns its gradients
+        (mixprec's) with none unscaled yet, the norm is measured on the model's gradients and the
+        clip folded into the step's unscaling (one read, no fp32 copy). Otherwise the gradients
+        the step reads are clipped in place as ``torch.nn.utils.clip_grad_norm_`` does (a compact
+        optimizer's fp32 copies of fp16 gradients included). An inf/NaN gradient makes the norm
+        non-finite (the step is then skipped when this scaler checks). No host sync.
 
         Args:
             optimizer: the optimizer whose gradients to clip.
@@ -189,20 +188,19 @@ class LossScaler(GradScalerInterface):
             RuntimeError: called twice, or after step(), in one iteration.
         """
         checks.check_clip_args(max_norm, norm_type)
-        if owns_gradients(optimizer):
-            record = self._stages.get(optimizer)
-            if record is None or record.stage is Stage.READY:
-                return self._fold_clip(optimizer, max_norm, norm_type)
+        record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
+        if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
+        elif owner:
+            return self._fold_clip(optimizer, max_norm, norm_type)
         else:
-            record = self._stages.get(optimizer)
-            if record is None or record.stage is Stage.READY:
-                self.unscale_(optimizer)
-            else:
-                check_not_stepped(record, "clip_grad_norm_()")
+            self.unscale_(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return torch.zeros((), dtype=torch.float32, device=self._state.device)
+        ids, step = {id(p) for p in params}, optimizer.grads_for_step() if owner else []
+        if any(id(p) in ids and g is not p.grad for p, g in step):  # a compact one's fp32 copies
+            return passes.clip_norm_([g for _, g in step], max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def step(self, optimizer, *args, **kwargs) -> bool:

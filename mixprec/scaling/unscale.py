@@ -150,6 +150,17 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0, device=None)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
+def clip_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s arithmetic on gradient tensors rather than on
+    parameters (a compact optimizer's fp32 copies of fp16 gradients): the total norm, then each
+    gradient times ``min(max_norm / (norm + 1e-6), 1)``; returns the norm. No host sync."""
+    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, _), group in _by_device_dtype(grads).items():
+        torch._foreach_mul_(group, coef.to(device))
+    return total
+
+
 def unscale_and_check_(param_groups, inv_scale: torch.Tensor, out_device) -> torch.Tensor:
     """Unscale every gradient of ``param_groups`` in place; return the 0-d inf/NaN flag.
 
