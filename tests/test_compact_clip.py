@@ -41,5 +41,5 @@ def test_kahan_fp16_clipped_after_unscale_steps_as_fp32_masters_do(unscale_first
     # Kahan's masters carry ~22 bits: measured 1.3e-7 from fp32 masters over 3 steps
     for key in fp32:
         torch.testing.assert_close(kahan[key], fp32[key], rtol=0, atol=1e-6)
-    # the model's fp16 gradients read as the clipped ones (measured 2.6e-5 from the clip, fp16 rounding)
+    # the model's fp16 gradients read as the clipped ones (measured 2.6e-5 off: fp16 rounding)
     assert shown == pytest.approx([CLIP] * 3, rel=1e-4)
