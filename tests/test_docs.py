@@ -171,10 +171,15 @@ def test_a_diff_block_runs_as_its_new_side():
     assert new_side([" a = 1", "-b = 2", "+b = 3", ""]) == ["a = 1", "b = 3", ""]
 
 
+# the advisor's page measures its planted cases and trains FP8 layers (about a minute here)
+SLOW_DOCS = {"precision-advisor.md"}
+
+
 @pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning",
                             # torch's own, from importing transformers first in a process
                             r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_DOCS
+                                  else p for p in DOCS], ids=lambda p: p.name)
 def test_python_blocks_run_as_written(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files the examples write (checkpoints, plots) land here
     printed: list[tuple[str, int, str]] = []
