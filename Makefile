@@ -1,11 +1,11 @@
-# `make demo` and `make test` do all the set-up on a fresh machine.
+# `make demo`, `make test` and `make test-all` do all the set-up on a fresh machine.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 DEMO_STAMP := $(VENV)/.mixprec-demo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench docs-figures venv clean gpu-check
+.PHONY: demo test test-all lint bench docs-figures venv clean gpu-check
 
 # torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
 $(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
@@ -26,8 +26,15 @@ venv: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) -m mixprec demo
 
+# two worker processes, a file each (a file's launched gloo ranks stay in one worker)
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
+# the fast default: every module's quick tests; `make test-all` adds the `slow` ones (what CI runs)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PYTEST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

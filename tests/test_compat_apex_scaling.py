@@ -124,12 +124,13 @@ def _run_amp(spec, level, how, multiple_scalers, inject):
         if inject is None or inject[0] != i:
             for opt, ref in zip(opts, ref_grads[i]):
                 for master, g in zip(amp.master_params(opt), ref):
-                    torch.testing.assert_close(master.grad.float(), g, rtol=1e-3, atol=1e-3)
+                    # measured: equal (powers-of-two scales, values exact in 16 bits)
+                    torch.testing.assert_close(master.grad.float(), g, rtol=0, atol=0)
         for opt in opts:
             opt.step()
     for model, ref in zip(models, ref_final):
         for p, r in zip(model.trained(), ref):
-            torch.testing.assert_close(p.float(), r, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(p.float(), r, rtol=0, atol=0)  # measured: equal
     for opt in opts:
         for master in amp.master_params(opt):
             model_param = opt.inner.model_param(master) if level == "O2" else master
@@ -346,7 +347,8 @@ def test_clip_master_params_after_scale_loss():
     norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
     ref(x).pow(2).mean().backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    torch.testing.assert_close(norm, ref_norm, rtol=2e-2, atol=0)   # the true (unscaled) norm
+    # the true (unscaled) norm: measured 1.3e-3 relative (bf16 gradients)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-2, atol=0)
     total = torch.cat([m.grad.flatten() for m in amp.master_params(opt)]).norm()
     assert total == pytest.approx(1.0, rel=1e-4)
     assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
@@ -435,7 +437,7 @@ def test_add_param_group_after_initialize(level):
             list(run)
             got = [p for m in models for p in m.trained()]
             for g, e in zip(got, expected):
-                torch.testing.assert_close(g.float(), e, rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(g.float(), e, rtol=0, atol=0)  # measured: equal
 
 
 # -- checkpoints (test_checkpointing) ------------------------------------------------------------

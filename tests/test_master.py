@@ -364,7 +364,8 @@ def test_step_with_closure_and_lbfgs():
 
     first = opt.step(closure)
     assert first.item() == pytest.approx(target.pow(2).sum().item())
-    torch.testing.assert_close(opt.master_param(w), target, rtol=0, atol=2e-2)
+    # measured 6.1e-4 (bf16 gradients of an fp32 quadratic; AVX2 CPU, torch 2.13)
+    torch.testing.assert_close(opt.master_param(w), target, rtol=0, atol=6e-3)
     assert torch.equal(w, written(opt.master_param(w), torch.bfloat16))
 
 

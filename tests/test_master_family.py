@@ -211,6 +211,7 @@ def test_a_compiled_kernel_that_agrees_is_trusted(fresh_verdicts):
     assert list(guard.verdicts().values()) == [True]
 
 
+@pytest.mark.slow  # a fresh process: imports torch, compiles a kernel
 def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
     """torch's compiler emits its own ``torch.jit.script_method`` DeprecationWarning at the first
     compiled step; run in a fresh process with ``-W error::DeprecationWarning``."""

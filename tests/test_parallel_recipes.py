@@ -239,9 +239,10 @@ def test_fsdp_lands_as_close_to_one_process_as_ddp(ranks, recipe):
     assert a["skipped"] == ddp["skipped"] == single["skipped"]
     to_ddp = max_diff(ddp["weights"], single["weights"])
     to_fsdp = max_diff(a["weights"], single["weights"])
-    # measured: FSDP within 1e-6 of DDP's distance in every recipe (DDP: 3e-4 to 9e-3)
-    assert to_fsdp <= to_ddp + 1e-3
-    assert to_fsdp <= 1e-2  # parallel_cases.TOLERANCE["O2"]
+    # measured (AMD EPYC VM, AVX2, torch 2.13.0+cpu): FSDP's distance within 3.9e-4 of DDP's in
+    # every recipe (either side; DDP's: 3.5e-5 to 8.8e-3)
+    assert abs(to_fsdp - to_ddp) <= 1e-3
+    assert to_fsdp <= 1e-2  # parallel_cases.TOLERANCE["O2"]; measured at most 8.7e-3
 
 
 @pytest.mark.parametrize("cell", DIFFERENTIAL, ids=lambda c: "-".join(map(str, c)))
@@ -271,7 +272,8 @@ def test_checkpoints_move_between_fsdp_directories_and_one_process_files(ranks, 
         for name in ("directory", "converted", "into_fsdp"):
             assert c[name]["loaded"] == 0 and c[name]["moments"]
             assert c[name]["step"] == 8  # saved at step 4 (epoch 1), trained on to step 8
-            assert max_diff(c[name]["final"], c["whole"]) <= 1e-2  # as one process vs FSDP
+            # as one process vs FSDP: measured at most 5.8e-4 (was allowed 1e-2)
+            assert max_diff(c[name]["final"], c["whole"]) <= 5e-3
         assert max_diff(c["directory"]["final"], c["converted"]["final"]) == 0
         assert c["into_ddp"] == 0
 
