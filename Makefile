@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.mixprec-installed
 DEMO_STAMP := $(VENV)/.mixprec-demo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint bench docs-figures venv clean gpu-check
+.PHONY: demo test test-all test-slow lint bench docs-figures venv clean gpu-check
 
 # torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
 $(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
@@ -29,12 +29,16 @@ demo: $(DEMO_STAMP)
 # two worker processes, a file each (a file's launched gloo ranks stay in one worker)
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
-# the fast default: every module's quick tests; `make test-all` adds the `slow` ones (what CI runs)
+# the fast default: every module's quick tests; `make test-all` adds the `slow` ones; CI runs both halves
 test: $(STAMP)
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)
+
+# the tests `make test` leaves out (CI runs `make test` then this: together, `make test-all`)
+test-slow: $(STAMP)
+	$(PYTEST) -m slow $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -63,7 +63,7 @@ def hold_unstepped(optimizer) -> None:
     optimizer that has not stepped still has an empty ``state``: torch's distributed
     checkpointing takes a non-empty state for a laid-out one and would load into too few
     entries."""
-    key = optimizer._buffer_key
+    key = getattr(optimizer, "_buffer_key", None)
     if key is None:
         return
     for p in optimizer._low:
@@ -78,11 +78,11 @@ def widen_sharded(optimizer, state: dict) -> dict:
     ``DTensor``) is given as int32, the same integers: a full state dict gathers each shard,
     and gloo cannot all-gather or broadcast int16 ("Invalid scalar type"); NCCL can, but one
     format serves both. :func:`narrow_wide` makes it int16 again on load."""
-    key = optimizer._buffer_key
+    key = getattr(optimizer, "_buffer_key", None)  # the hooks are shared with the inner one
     if key is None:
         return state
     for index, entry in list(state["state"].items()):
-        value = entry.get(key)
+        value = entry.get(key) if isinstance(entry, dict) else None  # a user's hook's entries
         if is_dtensor(value) and value.dtype == torch.int16:
             state["state"][index] = {**entry, key: value.to(torch.int32)}  # the live entry
     return state                                                           # stays int16
@@ -96,7 +96,7 @@ def narrow_wide(optimizer, state_dict: dict) -> dict:
         ValueError: an int32 buffer holding a value outside int16 (not one this hook's
             counterpart wrote).
     """
-    key, saved = optimizer._buffer_key, state_dict.get("state")
+    key, saved = getattr(optimizer, "_buffer_key", None), state_dict.get("state")
     if key is None or not isinstance(saved, dict):
         return state_dict
     narrowed = dict(saved)

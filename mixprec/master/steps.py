@@ -86,7 +86,11 @@ def skips_on_device(opt) -> bool:
     its optimizer state (:func:`device_plan`: a first step would make it: torch's fused SGD
     starts its momentum buffers as ``empty_like``, and Adam's state would appear on a skipped
     step), fp32 moments (bf16 ones are rounded stochastically, which would draw bits on a
-    skipped step), and no step hooks (they must not run on a skipped step)."""
+    skipped step), no step hooks (they must not run on a skipped step), and no caller that
+    tells a skipped step by ``step()`` not being called (``opt.skip_on_device = False``, set by
+    the Accelerate seam: Accelerate's optimizer reports such a step as skipped)."""
+    if not getattr(opt, "skip_on_device", True):
+        return False
     if opt.state_dtype != torch.float32 or hooks.has_step_hooks(opt):
         return False
     folds, ready = device_plan(opt)
