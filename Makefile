@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.mixprec-installed
 DEMO_STAMP := $(VENV)/.mixprec-demo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-slow lint bench docs-figures venv clean gpu-check
+.PHONY: demo test test-all test-slow slow-list lint bench docs-figures venv clean gpu-check
 
 # torch, mixprec and the demo's two packages (scikit-learn, matplotlib): what `make demo` needs
 $(DEMO_STAMP): pyproject.toml mixprec/__init__.py  # the version lives in __init__.py
@@ -39,6 +39,12 @@ test-all: $(STAMP)
 # the tests `make test` leaves out (CI runs `make test` then this: together, `make test-all`)
 test-slow: $(STAMP)
 	$(PYTEST) -m slow $(PYTEST_ARGS)
+
+# re-measure which tests `make test` leaves out (tests/slow_tests.txt: each >= 1 s here)
+slow-list: $(STAMP)
+	MIXPREC_NO_SLOW_LIST=1 $(PYTEST) -m "not slow" --durations=0 -p no:cacheprovider \
+	  > .slow-durations.txt || true
+	$(PY) tests/slow_list.py .slow-durations.txt > tests/slow_tests.txt
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

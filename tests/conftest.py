@@ -1,10 +1,25 @@
+import os
+import pathlib
+
 import pytest
 import torch
 
 from mixprec.compat.apex_state import AMP
 
+SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def slow_ids() -> set[str]:
+    """The test ids tests/slow_tests.txt lists (measured >= 1 s): marked ``slow`` at collection."""
+    return {line.split()[1] for line in SLOW_LIST.read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+
 
 def pytest_collection_modifyitems(config, items):
+    listed = set() if os.environ.get("MIXPREC_NO_SLOW_LIST") else slow_ids()  # make slow-list
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
