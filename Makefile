@@ -40,7 +40,7 @@ test-all: $(STAMP)
 test-slow: $(STAMP)
 	$(PYTEST) -m slow $(PYTEST_ARGS)
 
-# re-measure which tests `make test` leaves out (tests/slow_tests.txt: each >= 1 s here)
+# re-measure which tests `make test` leaves out (tests/slow_tests.txt: each >= 0.3 s here)
 slow-list: $(STAMP)
 	MIXPREC_NO_SLOW_LIST=1 $(PYTEST) -m "not slow" --durations=0 -p no:cacheprovider \
 	  > .slow-durations.txt || true

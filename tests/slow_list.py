@@ -1,7 +1,7 @@
 """Write tests/slow_tests.txt from a ``pytest --durations=0`` report (``make slow-list``): every
 test whose setup, call and teardown took >= ``--min`` seconds together.
 
-    python tests/slow_list.py DURATIONS.txt [--min 1.0] > tests/slow_tests.txt
+    python tests/slow_list.py DURATIONS.txt [--min 0.3] > tests/slow_tests.txt
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def slow_tests(report: str, minimum: float) -> list[tuple[float, str]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("report")
-    p.add_argument("--min", type=float, default=1.0)
+    p.add_argument("--min", type=float, default=0.3)
     args = p.parse_args()
     with open(args.report) as f:
         rows = slow_tests(f.read(), args.min)
