@@ -10,7 +10,7 @@ SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
 
 
 def slow_ids() -> set[str]:
-    """The test ids tests/slow_tests.txt lists (measured >= 0.3 s): marked ``slow`` at collection."""
+    """The ids tests/slow_tests.txt lists (measured >= 0.3 s): marked ``slow`` at collection."""
     return {line.split()[1] for line in SLOW_LIST.read_text().splitlines()
             if line.strip() and not line.startswith("#")}
 
