@@ -57,20 +57,11 @@ docs-figures: $(STAMP)
 	$(PY) bench/docs_figures.py
 
 # on a CUDA machine, with that machine's own python3 and torch: installs nothing from an index
-# and makes no venv. torchao (the FP8 rows) comes from a wheel in .whl/ when one is there (its
-# rows are skipped with a note otherwise). The CUDA-marked tests, then every GPU benchmark row
-# (bench/gpu_check.py), in under 8 minutes; one markdown table with device, torch and commit.
-GPU_PY   ?= python3
-GPU_SITE ?= /tmp/mixprec-gpu-site
+# and makes no venv (bench/gpu_check.sh says what it runs; GPU_OUT, GPU_WORKERS, GPU_BUDGET
+# adjust it). The CUDA-marked tests, then every GPU benchmark row (bench/gpu_check.py), in under
+# 8 minutes; one markdown table with device, torch and commit.
 gpu-check:
-	@PYTHONPATH=$(CURDIR) $(GPU_PY) bench/gpu_check.py --check-cuda
-	@if ls .whl/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl; \
-	else echo "no wheels in .whl/: the FP8 rows run only if torchao is installed here"; fi
-	@status=0; \
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) timeout 150 $(GPU_PY) -m pytest -m cuda -q -p no:cacheprovider tests || status=$$?; \
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) bench/gpu_check.py --budget 300 || status=$$?; \
-	exit $$status
+	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -249,6 +249,13 @@ def main(argv=None) -> int:
             continue
         results += run_group(name, compiled, rows, side, sizes[name], device, steps,
                              args.rounds, warmup)
+        if args.out:  # the table so far: a run stopped from outside still leaves its rows
+            partial = table(results, f"{device_line(device)}; partial, "
+                            f"{time.perf_counter() - start:.0f} s so far",
+                            {m: s["label"] for m, s in sizes.items()})
+            pathlib.Path(args.out).write_text(partial + "\n")
+        print(f"[gpu-check] {name} {'compiled' if compiled else 'eager'} done at "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     header = (f"{device_line(device)}; batch {sizes['gpt2']['batch']} x {sizes['gpt2']['seq']}; "
               f"ms/step = median of {args.rounds} rounds of {steps} steps; "
               f"{time.perf_counter() - start:.0f} s in all")

@@ -339,3 +339,13 @@ def test_bench_table_footnotes_each_note():
     o1 = next(line for line in lines if line.startswith("O1"))
     assert "nan(1)(2)" in o1.split()
     assert "(1) O1: first reason" in lines and "(2) O1: second reason" in lines
+
+
+def test_doctor_probes_the_gpu_by_default_where_torch_sees_one(monkeypatch):
+    """On a GPU machine a bare `mixprec doctor` reports the GPU, not the host CPU."""
+    assert doctor.resolve_device("cpu") == "cpu"
+    assert doctor.resolve_device("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert doctor.resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert doctor.resolve_device("auto") == "cuda"

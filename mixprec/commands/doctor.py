@@ -276,9 +276,17 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     return shape
 
 
+def resolve_device(name: str) -> str:
+    """``"auto"``: the GPU where torch sees one (``"cuda"``), else ``"cpu"``; any other name as
+    given."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def _run(args) -> int:
-    rep = doctor_report(args.device, _parse_shape(args.shape), measure=not args.no_measure,
-                        budget_s=args.budget)
+    rep = doctor_report(resolve_device(args.device), _parse_shape(args.shape),
+                        measure=not args.no_measure, budget_s=args.budget)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -292,7 +300,9 @@ def register(subparsers) -> None:
                               "fast, measure matmul GFLOP/s per dtype, and say what dtype='auto' "
                               "means. Slow kernels are measured at a smaller shape, so it takes "
                               "seconds.")
-    p.add_argument("--device", default="cpu", help="device to probe (default: cpu)")
+    p.add_argument("--device", default="auto",
+                   help="device to probe: auto (the GPU where torch sees one, else the CPU), "
+                   "cpu, cuda, cuda:1, ... (default: auto)")
     p.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
                    help="GEMM shape M,K,N for the throughput probe (default: %(default)s)")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",

@@ -55,7 +55,6 @@ import torch
 
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
-from ..masters.split_bits import round_into_
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, states, steps
 from .params import (
@@ -76,6 +75,7 @@ from .wrapper import (
     not_ours,
     stale_fp16_error,
 )
+from .write_back import round_into_
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 

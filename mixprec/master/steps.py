@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from .. import kernel_table
-from ..masters.split_bits import round_into_
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
+from .write_back import round_into_
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
            "settle_grads"]

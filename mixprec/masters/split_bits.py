@@ -32,6 +32,7 @@ results are bit for bit those above.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -68,11 +69,13 @@ def split_high(new: torch.Tensor) -> torch.Tensor:
     return (new.to(torch.bfloat16).view(torch.int16) | tie).view(torch.bfloat16)
 
 
-def round_into_(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+def round_into_(params: list[torch.Tensor], values: list[torch.Tensor],
+                round_flat: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Write fp32 ``values`` into 16-bit ``params`` (same shapes), rounded as the split rounds
     (to nearest, exact ties away from zero) for bf16 and by torch's cast otherwise: one rule for
     the forward weight of fp32 and split masters. A few passes over one flat copy per call, not a
-    kernel per tensor; no host sync."""
+    kernel per tensor; no host sync. ``round_flat`` (flat fp32 -> flat bf16, the same bits)
+    replaces those passes: :mod:`mixprec.master.write_back` hands its compiled pass here."""
     bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
     if len(bf16) < len(params):
         others = [i for i, p in enumerate(params) if p.dtype != torch.bfloat16]
@@ -84,10 +87,13 @@ def round_into_(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     for indices in by_device.values():
         ps = [params[i] for i in indices]
         flat = torch._C._nn.flatten_dense_tensors([values[i].to(ps[0].device) for i in indices])
-        weights = flat.to(torch.bfloat16)
-        # (not in place: a single contiguous tensor is flattened as a view of itself)
-        ties = flat.view(torch.int32).bitwise_and(0x1FFFF).eq_(0x8000)
-        weights.view(torch.int16).bitwise_or_(ties)
+        if round_flat is not None:
+            weights = round_flat(flat)
+        else:
+            weights = flat.to(torch.bfloat16)
+            # (not in place: a single contiguous tensor is flattened as a view of itself)
+            ties = flat.view(torch.int32).bitwise_and(0x1FFFF).eq_(0x8000)
+            weights.view(torch.int16).bitwise_or_(ties)
         torch._foreach_copy_(ps, torch._C._nn.unflatten_dense_tensors(weights, ps))
 
 
