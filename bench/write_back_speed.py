@@ -1,7 +1,8 @@
-"""The bf16 write-back of fp32 masters, three ways, timed side by side in interleaved rounds:
+"""The bf16 write-back of fp32 masters, four ways, timed side by side in interleaved rounds:
 torch's own cast (``torch._foreach_copy_``: to nearest, ties to even; the floor), the eager
-passes of the split's rounding (ties away from zero), and the one compiled pass
-(``mixprec.master.write_back``, what CUDA runs). Bandwidth-bound: the ratios are what matter.
+passes of the split's rounding (ties away from zero) over one flat copy, the same passes over
+cache-sized pieces (what the CPU runs), and the one compiled pass (what CUDA runs; see
+``mixprec.master.write_back``). Bandwidth-bound: the ratios are what matter.
 
     python bench/write_back_speed.py [--device cuda] [--tensors 40] [--numel 500000] [--rounds 7]
 """
@@ -53,8 +54,18 @@ def main(argv=None) -> int:
         finally:
             kernel_table.TABLE = plain_table
 
+    chunks_table = kernel_table.TABLE.imposing("cpu", on=device.type)
+
+    def chunks():
+        kernel_table.TABLE = chunks_table
+        try:
+            write_back.round_into_(params, values)
+        finally:
+            kernel_table.TABLE = plain_table
+
     ways = {"torch cast (ties to even)": lambda: torch._foreach_copy_(params, values),
-            "eager passes (ties away)": lambda: split_bits.round_into_(params, values),
+            "flat passes (ties away)": lambda: split_bits.round_into_(params, values),
+            "passes in pieces (ties away)": chunks,
             "compiled pass (ties away)": compiled}
     times = {name: [] for name in ways}
     for _ in range(args.rounds):

@@ -46,10 +46,32 @@ def cuda_row(monkeypatch):
     guard.forget_verdicts()
 
 
-def test_the_table_compiles_the_write_back_on_cuda_only():
+def test_the_table_compiles_the_write_back_on_cuda_and_cuts_it_into_pieces_on_the_cpu():
     assert kernel_table.TABLE.write_back_path("cuda") == "compiled"
-    assert kernel_table.TABLE.write_back_path("cpu") == "eager"
+    assert kernel_table.TABLE.write_back_path("cpu") == "chunks"
+    assert kernel_table.TABLE.write_back_path("mps") == "flat"
     assert kernel_table.TABLE.imposing("cuda").write_back_path("cpu") == "compiled"
+
+
+def test_cpu_pieces_write_the_bits_of_one_flat_pass(monkeypatch):
+    """Small tensors go together, a large contiguous one in slices, a large transposed one
+    whole; fp16 weights by torch's cast: every bit as the flat passes write them."""
+    monkeypatch.setattr(write_back, "CHUNK", 64)
+    values = special_values()
+    cut = [values[:10], values[10:40], values[40:300], values[300:500].reshape(10, 20).t(),
+           values[500:530], values[530:4000], values[4000:4100].reshape(10, 10)]
+    dtypes = [torch.bfloat16] * 6 + [torch.float16]
+    params = [torch.empty(v.shape, dtype=d) for v, d in zip(cut, dtypes)]
+    flat = [torch.empty(v.shape, dtype=d) for v, d in zip(cut, dtypes)]
+    sizes = [sum(p.numel() for p in ps) for ps, _ in write_back._pieces(params, cut)]
+    assert max(s for s in sizes if s != 200) <= 64 and 200 in sizes  # the transposed one whole
+    assert sum(sizes) == sum(v.numel() for v in cut)
+    write_back.round_into_(params, cut)
+    split_bits.round_into_(flat, cut)
+    for p, f in zip(params, flat):
+        nan = f.isnan()
+        assert torch.equal(p[~nan].view(torch.int16), f[~nan].view(torch.int16))
+        assert bool(p[nan].isnan().all())
 
 
 def test_eager_write_back_runs_no_compiled_kernel_on_the_cpu_row():
