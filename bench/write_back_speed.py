@@ -44,29 +44,24 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     values = [torch.randn(args.numel, device=device, generator=gen) for _ in range(args.tensors)]
     params = [torch.empty(args.numel, dtype=torch.bfloat16, device=device) for _ in values]
-    compiled_table = kernel_table.TABLE.imposing("cuda", on=device.type)
     plain_table = kernel_table.TABLE
 
-    def compiled():
-        kernel_table.TABLE = compiled_table
-        try:
-            write_back.round_into_(params, values)
-        finally:
-            kernel_table.TABLE = plain_table
+    def under(row: str):
+        """mixprec's write-back along the path ``row``'s devices take."""
+        table = plain_table.imposing(row, on=device.type)
 
-    chunks_table = kernel_table.TABLE.imposing("cpu", on=device.type)
-
-    def chunks():
-        kernel_table.TABLE = chunks_table
-        try:
-            write_back.round_into_(params, values)
-        finally:
-            kernel_table.TABLE = plain_table
+        def run():
+            kernel_table.TABLE = table
+            try:
+                write_back.round_into_(params, values)
+            finally:
+                kernel_table.TABLE = plain_table
+        return run
 
     ways = {"torch cast (ties to even)": lambda: torch._foreach_copy_(params, values),
             "flat passes (ties away)": lambda: split_bits.round_into_(params, values),
-            "passes in pieces (ties away)": chunks,
-            "compiled pass (ties away)": compiled}
+            "passes in pieces (ties away)": under("cpu"),
+            "compiled pass (ties away)": under("cuda")}
     times = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, fn in ways.items():
