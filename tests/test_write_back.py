@@ -7,6 +7,9 @@ paths."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 from torch import nn
@@ -164,3 +167,16 @@ def test_cuda_compiled_write_back_is_trusted_and_writes_the_split_bits():
     assert torch.equal(out[~nan].view(torch.int16),
                        split_bits.split_of(values)[0][~nan].view(torch.int16))
     assert bool(out[nan].isnan().all())
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_the_write_back_benchmark_times_four_ways(capsys):
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench/write_back_speed.py"
+    spec = importlib.util.spec_from_file_location("write_back_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tensors", "3", "--numel", "1000", "--rounds", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    for way in ("torch cast", "flat passes", "passes in pieces", "compiled pass"):
+        assert way in out
