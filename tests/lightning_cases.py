@@ -10,6 +10,7 @@ import os
 
 import lightning.pytorch as L  # noqa: E402
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from parallel_cases import GLOBAL_BATCH, Net, dataset
@@ -124,3 +125,36 @@ def rank_case(rank, out, strategy, configs):
 def launch_case(rank, out, strategy):
     """One 2-rank launch of the 20-in-a-row loops: O2 bf16, 2 epochs; rank's fp32 weights."""
     return fit(strategy, ("O2", "bf16", None), world=2, epochs=2)["weights"]
+
+
+def fit_alone(strategy: str, config, accelerator: str = "cpu", epochs: int = 2) -> dict:
+    """One process on one device under ``strategy``: ``"auto"`` (none), ``"ddp"`` or
+    ``"fsdp2"`` (``ModelParallelStrategy`` over one rank); the fp32 weights and the backend of
+    the process group Lightning made (None without one), which is destroyed afterwards."""
+    level, dtype, master = config
+    seen = {}
+
+    class Backend(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["backend"] = dist.get_backend() if dist.is_initialized() else None
+
+    chosen = {"auto": "auto", "ddp": "ddp",
+              "fsdp2": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)}
+    module = (Sharded if strategy == "fsdp2" else Classifier)()
+    plugin = MixprecPrecision(level=level, dtype=dtype, master=master)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=chosen[strategy],
+                        plugins=[plugin], max_epochs=epochs, gradient_clip_val=CLIP,
+                        callbacks=[Backend()], logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    data = DataLoader(dataset(), batch_size=GLOBAL_BATCH, sampler=sampler(1))
+    environment = dict(os.environ)
+    try:
+        trainer.fit(module, data)
+        weights = mp.fp32_state_dict(trainer.lightning_module, trainer.optimizers[0])
+        weights = {k: v.detach().cpu() for k, v in weights.items()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+    return {"weights": weights, "backend": seen.get("backend")}

@@ -205,6 +205,34 @@ def test_twenty_launches_in_a_row_exit_zero(strategy, tmp_path):
         print(f"FIGURE lightning {strategy} launch {i + 1}/20 exit 0")
 
 
+# -- one rank of a strategy: on the CPU (gloo), and on a GPU (NCCL) --------------------------------
+@pytest.mark.slow
+@gloo
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_one_rank_of_a_strategy_trains_like_no_strategy(strategy):
+    """DDP and FSDP2 over a one-rank process group: the plugin's seams with the strategy's own
+    collectives, against the same fit with no strategy (O2 bf16). DDP's all-reduce over one
+    rank leaves the gradients as they are (measured: bitwise); FSDP2's fp32 shards step apart
+    by fp32 roundings (measured 3.0e-8)."""
+    alone = lc.fit_alone("auto", ("O2", "bf16", None))
+    got = lc.fit_alone(strategy, ("O2", "bf16", None))
+    assert alone["backend"] is None and got["backend"] == "gloo"
+    diff = max_diff(got["weights"], alone["weights"])
+    print(f"FIGURE lightning one {strategy} rank vs none: {diff:.1e}")
+    assert diff <= (0.0 if strategy == "ddp" else 1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_on_a_gpu_one_nccl_rank_trains_like_no_strategy(strategy):
+    """The same on a CUDA GPU, where Lightning's strategies make an NCCL process group."""
+    alone = lc.fit_alone("auto", ("O2", "bf16", None), accelerator="gpu")
+    got = lc.fit_alone(strategy, ("O2", "bf16", None), accelerator="gpu")
+    assert got["backend"] == "nccl"
+    assert max_diff(got["weights"], alone["weights"]) <= TOLERANCE["O2"]
+
+
 # -- refusals and the seams' logic (no process group) ---------------------------------------------
 def test_fsdp1_and_deepspeed_are_refused_naming_why_and_what_to_use():
     with pytest.raises(RuntimeError, match="FSDPStrategy: it is FSDP1.*ModelParallelStrategy"):
