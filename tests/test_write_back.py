@@ -16,7 +16,7 @@ from torch import nn
 
 from mixprec import kernel_table
 from mixprec.master import guard, write_back
-from mixprec.master.compact_kernels import can_compile
+from mixprec.master.guard import can_compile
 from mixprec.master.optimizer import MasterWeightOptimizer
 from mixprec.masters import split_bits
 

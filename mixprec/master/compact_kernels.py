@@ -21,8 +21,6 @@ per combination of master method, moment dtype and gradient dtype.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import shutil
 from collections.abc import Callable
 
 import torch
@@ -31,7 +29,7 @@ from ..masters import MasterMethod
 from ..masters.rounding import RoundingGenerator, shard_key, stochastic_round
 from ..shards import like_shard, local
 from . import family
-from .guard import GuardedKernel
+from .guard import GuardedKernel, can_compile
 from .kernels import (
     PerDevice,
     adam_hparams,
@@ -122,17 +120,6 @@ def _kernel(method: MasterMethod, name: str, compiled: bool) -> Callable:
 def fast_problem(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the one-pass kernels can't step ``optimizer`` (None when they can)."""
     return options_problem(optimizer, {t: _OFF for t in FAST_TYPES})
-
-
-@functools.lru_cache(maxsize=None)
-def can_compile(device_type: str) -> bool:
-    """True when ``torch.compile`` can build kernels for ``device_type`` here (CPU: a C++
-    compiler on the PATH; CUDA: Triton importable)."""
-    if device_type == "cpu":
-        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-    if device_type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return False
 
 
 def _paired(method: MasterMethod, tensors: tuple) -> tuple:

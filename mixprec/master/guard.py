@@ -26,19 +26,33 @@ by torch's internals.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 
 __all__ = ["GuardedKernel", "CompiledKernelWarning", "quiet_compile", "PROBE_ELEMENTS",
-           "verdicts", "forget_verdicts"]
+           "verdicts", "forget_verdicts", "can_compile"]
 
 #: At most this many elements of each element-wise argument are stepped by the check.
 PROBE_ELEMENTS = 256
 _TORCH_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 # (kernel name, device, argument dtypes) -> True (the compiled kernel is trusted) or False
 _VERDICTS: dict[tuple, bool] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def can_compile(device_type: str) -> bool:
+    """True when ``torch.compile`` can build kernels for ``device_type`` here (CPU: a C++
+    compiler on the PATH; CUDA: Triton importable)."""
+    if device_type == "cpu":
+        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    if device_type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return False
 
 
 class CompiledKernelWarning(RuntimeWarning):

@@ -27,8 +27,7 @@ import torch
 
 from .. import kernel_table
 from ..masters import split_bits
-from .compact_kernels import can_compile
-from .guard import GuardedKernel
+from .guard import GuardedKernel, can_compile
 
 __all__ = ["round_into_", "rounded_bits_", "CHUNK"]
 
@@ -37,14 +36,10 @@ CHUNK = 1 << 18
 
 
 def rounded_bits_(flat: torch.Tensor, out: torch.Tensor) -> None:
-    """Write into the int16 ``out`` the bits of the flat fp32 ``flat`` rounded to bf16 as the
-    split rounds (its weight's bits: to nearest, exact ties away from zero; a NaN stays NaN):
-    one pass once compiled."""
-    bits = flat.view(torch.int32)
-    nan = flat != flat
-    top = bits >> 16
-    up = ((bits & 0xFFFF) >= 0x8000) & ~nan
-    out.copy_(torch.where(nan, top | 0x40, top + up.to(torch.int32)).to(torch.int16))
+    """Write into the int16 ``out`` the bits of the split's bf16 weight of the flat fp32
+    ``flat`` (:func:`mixprec.masters.split_bits.split_of`: to nearest, exact ties away from zero;
+    a NaN stays NaN): one pass once compiled (the unused remainder is left out)."""
+    out.copy_(split_bits.split_of(flat)[0].view(torch.int16))
 
 
 _KERNEL = GuardedKernel("fp32-master write-back", rounded_bits_, {"cpp.dynamic_threads": True})
