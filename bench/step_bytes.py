@@ -1,0 +1,237 @@
+"""Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
+
+    python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops] [--json FILE]
+
+A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
+(the third, so the state exists): an op reads each tensor argument and writes each output and
+each argument its schema marks as mutated; the destination of a copy is written, not read; views
+and allocations are left out; every other op is a launch. The model is ``--layers``
+``Linear(width, width)`` layers, AdamW; everything runs eagerly (``TORCHDYNAMO_DISABLE=1``,
+so no compiled kernel hides an op). Rows:
+
+* ``torch.autocast`` bf16 with torch's fused AdamW on the fp32 parameters: the step, and what
+  autocast adds each step outside it (the weight cast in the forward, 6 B/param; the fp32
+  gradient cast in the backward, 6 more, shown apart);
+* mixprec O2 bf16 with fp32 masters, ``master="split"``, ``"kahan"`` and ``"stochastic"``
+  (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW``);
+* O2 written with torch's fused kernel and nothing more, in plain torch: the bf16 gradients
+  widened into fp32 buffers (one ``_foreach_copy_``), torch's fused AdamW on fp32 masters, the
+  masters cast back into the bf16 weights (one ``_foreach_copy_``), run and counted like the rest;
+* the ideal fused O2 step, computed: one pass reading the bf16 gradient and the fp32 master and
+  moments, writing the master, the moments and the bf16 weight (2+4+4+4 + 4+4+4+2 = 28).
+
+``--backward`` adds what each row runs in its forward and its backward beyond a plain bf16
+model's (same layers, same batch; work a method moves into backward hooks shows here), counted
+the same way, and the step plus both. ``--ops`` prints each measured row's traffic by op.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # before torch is imported: eager, nothing compiled
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bytes import ByteCounter, Traffic  # noqa: E402
+
+import mixprec as mp  # noqa: E402
+
+BF16 = torch.bfloat16
+#: The ideal fused O2 AdamW step, bytes per parameter: read bf16 grad, fp32 master, m, v;
+#: write master, m, v and the bf16 weight.
+IDEAL_O2 = (2 + 4 + 4 + 4) + (4 + 4 + 4 + 2)
+#: autocast's weight cast (fp32 read, bf16 written), per parameter, each forward.
+AUTOCAST_CAST = 4 + 2
+MASTERS = {"O2 bf16, fp32 masters": None, 'O2 `master="split"`': "split",
+           'O2 `master="kahan"`': "kahan", 'O2 `master="stochastic"`': "stochastic"}
+FUSED_ONLY = "O2 with torch's fused kernel, nothing more (widen + kernel + cast)"
+
+
+def build(layers: int, width: int, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(dtype)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+class Row:
+    """One way to train the model: ``forward()`` -> loss, ``backward(loss)``, ``step()``,
+    ``zero_grad()``; ``params`` the trained parameters (counted per parameter)."""
+
+    def __init__(self, forward, backward, step, zero_grad, params):
+        self.forward, self.backward, self.step, self.zero_grad = forward, backward, step, zero_grad
+        self.params = list(params)
+
+
+def _plain(model: nn.Module, opt, x: torch.Tensor, autocast: bool = False) -> Row:
+    dtype = next(model.parameters()).dtype
+
+    def forward():
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            return _loss(model(x.to(dtype)))
+    return Row(forward, lambda loss: loss.backward(), opt.step,
+               lambda: opt.zero_grad(set_to_none=True), model.parameters())
+
+
+def autocast_row(layers: int, width: int, x: torch.Tensor) -> Row:
+    model = build(layers, width)
+    return _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), x, True)
+
+
+def bf16_row(layers: int, width: int, x: torch.Tensor) -> Row:
+    """A plain bf16 model with torch's AdamW: the forward and backward the others are read
+    against."""
+    model = build(layers, width, BF16)
+    return _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-3), x)
+
+
+def mixprec_row(layers: int, width: int, x: torch.Tensor, master) -> Row:
+    model = build(layers, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+    model, opt = amp.setup(model, opt)
+    return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
+               lambda: opt.zero_grad(set_to_none=True), model.parameters())
+
+
+def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
+    """O2 in plain torch: bf16 weights, fp32 masters stepped by torch's fused AdamW."""
+    model = build(layers, width)
+    masters = [p.detach().clone() for p in model.parameters()]
+    model.to(BF16)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+
+    def step():
+        torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])  # widen
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)  # torch's cast, round to nearest even
+
+    def zero_grad():
+        for p in params:
+            p.grad = None
+    return Row(lambda: _loss(model(x.to(BF16))), lambda loss: loss.backward(), step, zero_grad,
+               params)
+
+
+def measure(row: Row, steps: int = 3) -> dict[str, Traffic]:
+    """Runs ``steps`` training steps and counts the last one's forward, backward and step."""
+    counted = {}
+    for i in range(steps):
+        last = i == steps - 1
+        with ByteCounter() as fwd:
+            loss = row.forward()
+        with ByteCounter() as bwd:
+            row.backward(loss)
+        with ByteCounter() as stp:
+            row.step()
+        row.zero_grad()
+        if last:
+            counted = {"forward": fwd.traffic, "backward": bwd.traffic, "step": stp.traffic}
+    return counted
+
+
+def numel(row: Row) -> int:
+    return sum(p.numel() for p in row.params)
+
+
+def run(layers: int = 16, width: int = 256, batch: int = 8) -> list[dict]:
+    """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
+    model's, launches. Returns a list of dicts (``name``, ``step``, ``launches``, ``forward``,
+    ``backward``, ``measured``)."""
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
+    ref_row = bf16_row(layers, width, x)
+    ref = measure(ref_row)
+    n = numel(ref_row)
+    makers = [("torch fused AdamW, fp32 params, `torch.autocast` bf16",
+               lambda: autocast_row(layers, width, x))]
+    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m)) for name, m in MASTERS.items()]
+    makers += [(FUSED_ONLY, lambda: fused_only_row(layers, width, x))]
+    rows = []
+    for name, make in makers:
+        row = make()
+        if numel(row) != n:
+            raise RuntimeError(f"{name}: {numel(row)} parameters, expected {n}")
+        got = measure(row)
+        rows.append({
+            "name": name, "measured": True, "step": got["step"].total / n,
+            "launches": got["step"].launches,
+            "forward": (got["forward"].total - ref["forward"].total) / n,
+            "backward": (got["backward"].total - ref["backward"].total) / n,
+            "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
+            "step_launches": dict(got["step"].launches_by_op.most_common())})
+    rows.append({"name": "ideal fused O2 step (computed)", "measured": False,
+                 "step": float(IDEAL_O2), "launches": None, "forward": 0.0, "backward": 0.0})
+    return rows
+
+
+def table(rows: list[dict], backward: bool) -> str:
+    head = "| row | step B/param | launches |"
+    rule = "|---|---:|---:|"
+    if backward:
+        head += " forward + | backward + | step + forward + backward |"
+        rule += "---:|---:|---:|"
+    lines = [head, rule]
+    for r in rows:
+        launches = "-" if r["launches"] is None else str(r["launches"])
+        line = f"| {r['name']} | {r['step']:.1f} | {launches} |"
+        if backward:
+            total = r["step"] + r["forward"] + r["backward"]
+            line += f" {r['forward']:+.1f} | {r['backward']:+.1f} | {total:.1f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--backward", action="store_true",
+                        help="also count the forward and backward beyond a plain bf16 model's")
+    parser.add_argument("--ops", action="store_true", help="print each row's step by op")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
+    args = parser.parse_args(argv)
+    for key in ("layers", "width", "batch"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
+    torch.set_num_threads(1)
+    with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
+        rows = run(args.layers, args.width, args.batch)
+    n = args.layers * (args.width + 1) * args.width
+    print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
+          f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}; "
+          f"bytes read + written per parameter, launches = aten ops that are not views.")
+    print(f"autocast adds {AUTOCAST_CAST} B/param each forward outside the step (its weight cast):"
+          f" step + cast = {rows[0]['step'] + AUTOCAST_CAST:.1f}.\n")
+    print(table(rows, args.backward))
+    if args.ops:
+        for r in rows:
+            if r["measured"]:
+                ops = ", ".join(f"{k} {v:.1f} ({r['step_launches'][k]})"
+                                for k, v in r["step_ops"].items())
+                print(f"\n{r['name']}: {ops}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"layers": args.layers, "width": args.width, "batch": args.batch,
+                       "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows},
+                      f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
