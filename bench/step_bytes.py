@@ -42,6 +42,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bytes import ByteCounter, Traffic  # noqa: E402
+from _plain_o2 import PlainO2  # noqa: E402
 
 import mixprec as mp  # noqa: E402
 
@@ -110,22 +111,9 @@ def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
     model = build(layers, width)
     masters = [p.detach().clone() for p in model.parameters()]
     model.to(BF16)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-
-    def step():
-        torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])  # widen
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_copy_(params, masters)  # torch's cast, round to nearest even
-
-    def zero_grad():
-        for p in params:
-            p.grad = None
-    return Row(lambda: _loss(model(x.to(BF16))), lambda loss: loss.backward(), step, zero_grad,
-               params)
+    o2 = PlainO2(model.parameters(), masters, lr=1e-3)
+    return Row(lambda: _loss(model(x.to(BF16))), lambda loss: loss.backward(), o2.step,
+               o2.zero_grad, o2.params)
 
 
 def measure(row: Row, steps: int = 3) -> dict[str, Traffic]:
