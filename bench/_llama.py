@@ -28,22 +28,32 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BF16 = torch.bfloat16
 
 
+class _Attention(nn.Module):
+    """Causal multi-head attention without bias (no rotary embedding)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (batch, tokens, 3 * dim) -> three (batch, heads, tokens, head_dim)
+        qkv = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
 class _Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int):
         super().__init__()
-        self.heads = heads
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.o = nn.Linear(dim, dim, bias=False)
+        self.attn = _Attention(dim, heads)
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.attn(self.norm1(x))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -95,7 +105,7 @@ def _loop(model, data, forward, backward, update, zero_grad) -> Trainee:
         update()
         spent[0] = time.perf_counter() - start
         zero_grad()
-        return float(loss) * len(data)
+        return float(loss.detach()) * len(data)
     return Trainee(model, None, step, lambda: spent[0])
 
 

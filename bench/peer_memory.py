@@ -119,6 +119,7 @@ def table(summary: dict[str, dict]) -> str:
 def main(argv=None) -> dict:
     sys.path.insert(0, HERE)
     import _llama
+    from _report import load_average, write_json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(_llama.ROWS),
@@ -148,15 +149,12 @@ def main(argv=None) -> dict:
                   f"{got['step_s']:.2f} s, first {got['first_s']:.2f} s", flush=True)
     summary = summarize(runs)
     params = next(iter(summary.values()))["params"]
-    load = os.getloadavg()[0]
     print(f"\n{params / 1e6:.1f}M-parameter Llama-like stack, {_llama.MICRO} micro-batches x "
           f"{_llama.TOKENS} tokens, AdamW, one thread, each row a fresh process; "
-          f"{args.steps} steps, {args.rounds} round(s), medians; load average {load:.1f}\n")
+          f"{args.steps} steps, {args.rounds} round(s), medians; {load_average()}\n")
     print(table(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "rounds": args.rounds, "runs": runs,
-                       "summary": summary}, f, indent=1)
+    write_json(args.json, {"steps": args.steps, "rounds": args.rounds, "runs": runs,
+                           "summary": summary})
     return summary
 
 

@@ -33,7 +33,6 @@ if __name__ == "__main__":
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # before torch is imported: eager, nothing compiled
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -43,6 +42,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bytes import ByteCounter, Traffic  # noqa: E402
 from _plain_o2 import PlainO2  # noqa: E402
+from _report import write_json  # noqa: E402
 
 import mixprec as mp  # noqa: E402
 
@@ -213,11 +213,8 @@ def main(argv=None) -> list[dict]:
                 ops = ", ".join(f"{k} {v:.1f} ({r['step_launches'][k]})"
                                 for k, v in r["step_ops"].items())
                 print(f"\n{r['name']}: {ops}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"layers": args.layers, "width": args.width, "batch": args.batch,
-                       "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows},
-                      f, indent=1)
+    write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch,
+                           "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows})
     return rows
 
 

@@ -24,7 +24,6 @@ step's time).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _llama  # noqa: E402
 from _plain_o2 import PlainO2  # noqa: E402
+from _report import load_average, write_json  # noqa: E402
 
 import mixprec as mp  # noqa: E402
 
@@ -167,17 +167,15 @@ def main(argv=None) -> dict:
         out["step"] = step_part(args.rounds)
         print(f"Weight-bound step: 42.5M-parameter Llama-like stack, {_llama.MICRO} micro-batches"
               f" x {_llama.TOKENS} tokens, AdamW, {head}; {args.rounds} interleaved rounds, "
-              f"load average {os.getloadavg()[0]:.1f}\n")
+              f"{load_average()}\n")
         print(step_table(out["step"]) + "\n", flush=True)
     if args.part in ("update", "both"):
         out["update"] = update_part(args.update_rounds, args.reps)
         print(f"Update alone: 200 x Linear(64, 64) (400 tensors), AdamW, {head}; "
-              f"{args.update_rounds} interleaved rounds of {args.reps} updates, load average "
-              f"{os.getloadavg()[0]:.1f}\n")
+              f"{args.update_rounds} interleaved rounds of {args.reps} updates, "
+              f"{load_average()}\n")
         print(update_table(out["update"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return out
 
 
