@@ -1,5 +1,6 @@
 """bench/step_bytes.py and its counter (bench/_bytes.py): bytes each aten op reads and writes by
-its schema, checked on ops whose traffic is known, and the script's run on a tiny model."""
+its schema, checked on ops whose traffic is known, and the script's run on a tiny model; and the
+rows the step benchmarks (peer_memory.py, step_speed.py) train."""
 
 import importlib.util
 import json
@@ -106,3 +107,20 @@ def test_script_on_a_tiny_model(tmp_path):
     for name in ("O2 bf16, fp32 masters", 'O2 `master="split"`', 'O2 `master="kahan"`',
                  'O2 `master="stochastic"`'):
         assert rows[name]["step"] >= 28 and rows[name]["launches"] >= 1, rows[name]
+
+
+@pytest.mark.parametrize("row", ["autocast", "O2", "optimi-kahan"])
+def test_llama_rows_train_at_a_tiny_size(row):
+    """The rows bench/peer_memory.py and bench/step_speed.py compare build and train (loss
+    falls over 3 steps) on a tiny Llama-like stack; optimi's row needs the bench extra. (The
+    other master methods share O2's builder; their first steps compile, too slow here.)"""
+    if row == "optimi-kahan":
+        pytest.importorskip("optimi")
+    sys.path.insert(0, str(ROOT / "bench"))
+    llama = _load("_llama")
+    trainee = llama.make(row, vocab=64, dim=32, layers=1, heads=2, hidden=64)
+    losses = [trainee.step() for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    assert trainee.timed_update() > 0
+    if row == "O2":
+        assert next(trainee.model.parameters()).dtype == torch.bfloat16
