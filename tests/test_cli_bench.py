@@ -106,7 +106,9 @@ def test_demo_runs_and_writes_the_plot(capsys, tmp_path):
     page = (tmp_path / "demo-report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3 and "What to do" in page
     records = (tmp_path / "demo-precision.jsonl").read_text().splitlines()
-    assert len(records) == 1 and '"mixprec/loss_scale": 16777216.0' in records[0]
+    assert len(records) == 2 and '"mixprec/loss_scale": 16777216.0' in records[0]
+    closing = json.loads(records[1])  # the monitor closed: the run's 6 steps counted
+    assert closing == {"step": 5, "mixprec/steps": 6.0, "mixprec/skipped_steps": 0.0}
 
 
 def test_bench_repeat_pools_the_steps_of_all_rounds(capsys):

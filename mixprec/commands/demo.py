@@ -131,6 +131,8 @@ def run_demo(args, record: Path | None = None) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SlowDtypeWarning)  # fp16 on a CPU: noted in the table
             row = _train_one(level, dtype, data, args, monitor)
+        if monitor is not None:
+            monitor.close()  # the record's closing count: every step, not only the recorded
         if not args.json:
             print(f"  trained {row['level']} {row['dtype']:<4} in {row['seconds']:5.1f} s",
                   flush=True)
