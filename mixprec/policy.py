@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Any
 
@@ -19,18 +20,27 @@ __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "res
            "MASTERS", "STATE_DTYPES", "FP8_RECIPES", "type_path", "type_from_path"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
+_LOG = logging.getLogger("mixprec")
+_told: set[str] = set()  # the devices whose dtype="auto" choice was logged
 
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
     """Resolve a low-precision dtype spec; ``"auto"`` picks the fast 16-bit type of ``device``.
 
-    ``"auto"`` gives bf16 where it is fast (CPU with AVX512-BF16/AMX, CUDA cc >= 8.0), fp16 on
-    CUDA 7.x, else fp32 with a warning that says why. An explicit dtype that is slow on the
-    device gives one :class:`mixprec.hardware.SlowDtypeWarning`.
+    ``"auto"`` gives bf16 where it is fast (on a CPU: where a bf16 GEMM measured at least fp32's
+    rate, see :func:`mixprec.hardware.cpu_gemm_probe`; on CUDA: cc >= 8.0), fp16 on CUDA 7.x,
+    else fp32 with a warning that says why (the measured rates on a CPU). The choice and its
+    reason are logged once per device on the ``"mixprec"`` logger (level INFO), and read back as
+    ``device_capabilities(device)["auto_reason"]``. An explicit dtype that is slow on the device
+    gives one :class:`mixprec.hardware.SlowDtypeWarning`.
     """
     if isinstance(dtype, str) and dtype.strip().lower() == "auto":
         caps = hardware.device_capabilities(device)
         resolved = to_dtype(caps["auto_dtype"])
+        if caps["device"] not in _told:
+            _told.add(caps["device"])
+            _LOG.info("dtype='auto' -> %s on %s: %s", caps["auto_dtype"], caps["device"],
+                      caps["auto_reason"])
         if resolved == torch.float32 and warn:
             warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: "
                           f"{caps['auto_reason']}",

@@ -156,8 +156,9 @@ def test_the_advise_command(capsys):
     code = cli.main(["advise", "--model", "transformer", "--width", "32", "--depth", "1",
                      "--seq-len", "16", "--batch", "2", "--train-steps", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["model"] == "transformer"
-    assert out["policy"]["fp8"] == "tensorwise" and len(out["layers"]) == 10
+    assert code == 0 and out["model"] == "transformer" and len(out["layers"]) == 10
+    if not torch.cuda.is_available():  # FP8 measured, and not advised where it is emulated
+        assert out["policy"]["fp8"] is None and out["fp8_advice"]["layers"] == []
     code = cli.main(["advise", "--model", "nine-linear", "--width", "16", "--depth", "3",
                      "--batch", "4", "--formats", "bf16", "--train-steps", "1"])
     text = capsys.readouterr().out
@@ -170,6 +171,56 @@ def test_the_advise_command(capsys):
     assert "modules=[2:fp32,3:fp32]" in capsys.readouterr().out
     assert cli.main(["advise", "--formats", "int8"]) == 2
     assert "--formats takes" in capsys.readouterr().err
+
+
+def _fp8_net_advice():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 16))
+    x, y = torch.randn(32, 64), torch.randint(0, 16, (32,))
+    return mp.advise(net, (x, y), F.cross_entropy, formats=("bf16", "fp8_e4m3"))
+
+
+def test_fp8_is_advised_only_where_it_gains(monkeypatch):
+    advice = _fp8_net_advice()
+    layers, why = advice.fp8_gains("cpu")
+    assert layers == [] and "FP8 is emulated on a CPU: slower than bf16" in why
+    layers, why = advice.fp8_gains("cuda-sm90")  # 64 wide, 32 tokens: casts dominate
+    assert layers == [] and "no layer is large enough to gain from FP8 on cuda-sm90" in why
+    # a layer estimated faster (shapes imposed): it alone runs FP8, the others stay out
+    monkeypatch.setattr(mp.fp8.speed, "estimate",
+                        lambda k, n, device, tokens: 1.4 if n == 16 else 0.3)
+    layers, why = advice.fp8_gains("cuda-sm90")
+    assert layers == ["4"] and why.startswith("1 of 3 layers that can take FP8 safely")
+    policy = advice.policy("O2", "bf16", fp8="tensorwise", fp8_layers=layers)
+    assert [k for k, v in policy.modules.items() if v.lowbit is not None] == ["4"]
+    assert {k: str(v.gemm) for k, v in policy.modules.items() if k in ("0", "2")} == {
+        "0": "off", "2": "off"}
+
+
+def test_the_advise_command_advises_no_fp8_on_the_cpu_and_takes_dtype_auto(capsys, monkeypatch):
+    from mixprec import hardware
+    monkeypatch.delenv("MIXPRECISION_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(hardware, "cpu_gemm_probe", lambda: {  # bf16 measured slower
+        "fp32_gflops": 80.0, "bf16_gflops": 40.0, "ratio": 0.5, "shape": [1024, 1024, 1024]})
+    args = ["advise", "--model", "planted-overflow", "--formats", "bf16,fp8_e4m3",
+            "--target", "cpu"]
+    assert cli.main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"]["fp8"] is None and out["fp8_advice"]["target"] == "cpu"
+    assert "emulated" in out["fp8_advice"]["why"]
+    assert cli.main([*args, "--dtype", "auto"]) == 0
+    text = capsys.readouterr().out
+    assert "--dtype auto -> fp32 on cpu:" in text and "(0.50x)" in text
+    assert "FP8 on cpu: FP8 is emulated on a CPU" in text
+    assert "advised policy: O2(params=fp32,compute=fp32" in text and "fp8=" not in text
+    monkeypatch.setattr(hardware, "cpu_gemm_probe", lambda: {
+        "fp32_gflops": 80.0, "bf16_gflops": 400.0, "ratio": 5.0, "shape": [1024, 1024, 1024]})
+    assert cli.main([*args, "--dtype", "auto"]) == 0
+    assert "advised policy: O2(params=bf16" in capsys.readouterr().out
+    assert cli.main(["advise", "--model", "planted-overflow", "--formats", "fp16",
+                     "--dtype", "auto", "--target", "cpu"]) == 2
+    assert "--dtype auto is bf16 on cpu" in capsys.readouterr().err
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def test_bench_json_parses_and_rows_are_consistent(capsys, model):
     o0 = rep["rows"][0]
     assert o0["speedup"] == 1.0 and o0["dtype"] == "fp32"
     for r in rep["rows"]:
-        assert r["ms_per_step"] > 0 and r["gflops"] > 0 and len(r["times_ms"]) == 2
+        assert r["ms_per_step"] > 0 and r["gflops"] > 0 and len(r["times_ms"]) == 2 * 3
         assert r["final_loss"] == r["final_loss"]  # not NaN
     assert rep["flops_per_step"] == count_flops(get_model(model, width=8, batch=4, depth=2))
 
@@ -106,7 +106,65 @@ def test_demo_runs_and_writes_the_plot(capsys, tmp_path):
     page = (tmp_path / "demo-report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3 and "What to do" in page
     records = (tmp_path / "demo-precision.jsonl").read_text().splitlines()
-    assert len(records) == 1 and '"mixprec/loss_scale": 16777216.0' in records[0]
+    assert len(records) == 2 and '"mixprec/loss_scale": 16777216.0' in records[0]
+    closing = json.loads(records[1])  # the monitor closed: the run's 6 steps counted
+    assert closing == {"step": 5, "mixprec/steps": 6.0, "mixprec/skipped_steps": 0.0}
+
+
+def test_bench_runs_three_rounds_with_a_bar_on_a_terminal_only(capsys, monkeypatch):
+    from mixprec.commands import progress
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench"])
+    assert args.repeat == 3 and args.no_progress is False
+    assert progress.wanted(args) is False  # stderr captured: no terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert progress.wanted(args) is True
+    assert progress.wanted(parser.parse_args(["bench", "--no-progress"])) is False
+    rep = bench.run_bench(levels=("O0", "O2"), steps=1, warmup=0, reference=False,
+                          isolate=False, show_progress=True, width=8, batch=4, depth=1)
+    err = capsys.readouterr().err
+    assert rep["repeat"] == 3 and all(len(r["times_ms"]) == 3 for r in rep["rows"])
+    assert "mixprec bench nine-linear" in err and "round 3/3: O2" in err
+    assert "6/7" in err and "GEMM peaks" in err  # 2 rows x 3 rounds, then the peaks
+
+
+def _rounds(*ms_per_round):
+    return [{"times_ms": [ms]} for ms in ms_per_round]
+
+
+def test_bench_marks_a_row_whose_rounds_spread_more_than_it_differs_from_o0():
+    rounds = {"O0": _rounds(100.0, 100.0, 100.0),
+              "O2": _rounds(10.9, 160.0, 155.0),   # one round "9.16x": machine noise
+              "O3": _rounds(60.0, 62.0, 61.0)}     # 1.61-1.67x: a real speed-up
+    results = [{"row": name, "speedup": 100.0 / sorted(r["times_ms"][0] for r in rs)[1]}
+               for name, rs in rounds.items()]
+    bench.mark_noise(results, rounds)
+    o0, o2, o3 = results
+    assert o2["round_speedups"] == [9.174, 0.625, 0.645] and o2["noisy"] is True
+    assert o2["spread"] == pytest.approx(100 / 10.9 - 0.625)
+    assert o3["noisy"] is False and o0["noisy"] is False and o0["spread"] == 0.0
+    alone = [{"row": "O2", "speedup": None}]  # no O0 row: no speed-up to judge
+    bench.mark_noise(alone, {"O2": rounds["O2"]})
+    assert alone[0]["noisy"] is False and alone[0]["round_speedups"] is None
+    rep = bench.run_bench(levels=("O0", "O2"), steps=1, warmup=0, reference=False,
+                          isolate=False, width=8, batch=4, depth=1)
+    rep["rows"][1].update(o2, row="O2")
+    text = bench.format_table(rep)
+    line = next(line for line in text.splitlines() if line.startswith("O2"))
+    assert "x~" in line
+    assert "O2: noisy (~): its rounds ran at 9.17x, 0.62x, 0.65x of O0's speed" in text
+
+
+def test_demo_counts_its_steps_on_a_bar(capsys, monkeypatch):
+    import argparse
+
+    from mixprec.commands import demo
+    monkeypatch.setattr(demo, "RUNS", (("O0", "auto"), ("O2", "fp16")))
+    args = argparse.Namespace(epochs=1, width=4, batch=1024, lr=0.1, seed=0, json=False)
+    rows = demo.run_demo(args, None, show_progress=True)
+    out, err = capsys.readouterr()
+    assert len(rows) == 2 and "trained O2 fp16" in out
+    assert "mixprec demo" in err and "/4 " in err and "O2 fp16" in err  # 2 runs x 2 steps
 
 
 def test_bench_repeat_pools_the_steps_of_all_rounds(capsys):

@@ -69,6 +69,18 @@ def test_prepare_does_not_warn_where_fp8_pays_or_on_the_cpu(monkeypatch):
     assert mp.fp8_modules(model) == ["2", "4"]
 
 
+def test_prepare_on_the_cpu_warns_once_that_fp8_is_emulated(monkeypatch):
+    monkeypatch.setattr(speed, "_emulated_warned", set())
+    with pytest.warns(speed.FP8EmulatedWarning, match=r"fp8='tensorwise' on a CPU: .*emulates "
+                      r"the low-bit GEMMs of the 2 converted layers, slower than bf16"):
+        mp.prepare(_net(64), level="O2", dtype="bf16", fp8="tensorwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", speed.FP8EmulatedWarning)
+        mp.prepare(_net(64), level="O2", dtype="bf16", fp8="rowwise")  # once per process
+    # a speed note, as a slow dtype's: the suite's filter for those covers it
+    assert issubclass(speed.FP8EmulatedWarning, mp.SlowDtypeWarning)
+
+
 def test_advisor_reports_each_layers_expected_fp8_speed():
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     x, y = torch.randn(8, 4, 32), torch.randint(0, 16, (8, 4))

@@ -222,12 +222,13 @@ def test_jsonl_writer_writes_one_object_per_recorded_step(tmp_path):
     run("O2", "fp16", monitor, n=6, nan_at=0)
     monitor.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert [r["step"] for r in rows] == [0, 2, 4, 5]  # 5: close()'s count of the 6 steps
     assert rows[0]["mixprec/grad_norm"] == "nan"
     assert rows[1] == {k: pytest.approx(v) for k, v in monitor.records[1].items()}
+    assert rows[3] == {"step": 5, "mixprec/steps": 6.0, "mixprec/skipped_steps": 1.0}
     assert math.isnan(read_run(path)["mixprec/grad_norm"][0][1])
     series = read_run(path)
-    assert series["mixprec/skipped_steps"] == [(0, 1.0), (2, 1.0), (4, 1.0)]
+    assert series["mixprec/skipped_steps"] == [(0, 1.0), (2, 1.0), (4, 1.0), (5, 1.0)]
 
 
 def test_tensorboard_events_read_back_with_the_expected_tags(tmp_path):

@@ -69,7 +69,8 @@ def test_advice_on_a_collapsing_loss_scale_skips_underflow_and_headroom():
     lines = advice(Run(series))
     assert any(line.startswith("The loss scale collapsed from 65536 (step 0) to 128 (step 90)")
                for line in lines)
-    assert any(line.startswith("9 of 91 steps were skipped") for line in lines)
+    # no closing count in the record: counted to its last step, and said so
+    assert any(line.startswith("9 of the first 91 steps were skipped") for line in lines)
     assert any(line.startswith("Layer h.3.mlp: 20.0% of its nonzero gradients fall below fp16's "
                                "smallest normal number from step 50") for line in lines)
     assert any(line.startswith("Layer h.3.mlp's outputs came within 0.0 binades of fp16's "
@@ -104,6 +105,53 @@ def test_the_command_writes_the_page_and_refuses_a_missing_run(o3_run, tmp_path)
     bad = subprocess.run([*env_cmd, str(tmp_path / "none.jsonl")], capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "no run at" in bad.stderr
+
+
+def skipping_run(path, close=True):
+    """40 fp16 steps, recorded every 5 (steps 0 to 35): 7 skipped by an inf loss, 4 of them
+    after the last record (steps 36-39)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    monitor = mp.PrecisionMonitor(every=5, writers=JSONLWriter(path))
+    amp = mp.MixedPrecision("O2", "fp16", monitor=monitor,
+                            loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        loss = F.mse_loss(model(x).float(), y)
+        amp.backward(loss * math.inf if step in (2, 11, 20, 36, 37, 38, 39) else loss)
+        amp.step(opt)
+        opt.zero_grad()
+    if close:
+        monitor.close()
+    return path
+
+
+def test_the_report_counts_every_step_and_prints_what_the_page_shows(tmp_path, capsys):
+    from mixprec import cli
+    run = skipping_run(tmp_path / "run.jsonl")
+    assert cli.main(["report", str(run), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["steps"], shown["steps_exact"], shown["records"], shown["skipped_steps"]) == (
+        40, True, 8, 7.0)
+    assert any(a.startswith("7 of 40 steps were skipped") for a in shown["advice"])
+    assert cli.main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    rows = dict(line.split("  ", 1) for line in lines[:6])
+    assert {k: v.strip() for k, v in rows.items()} == {
+        "steps": "40", "records": "8, steps 0 to 35", "layers watched": "2",
+        "training format": "fp16", "loss": rows["loss"].strip(),
+        "loss scale": "32 to 256, 32 at step 35"}
+    assert "skipped steps    7 of 40 (18%)" in lines
+    assert "worst layers:" in lines and any(line.startswith("  update lost: ") for line in lines)
+    assert "what to do:" in lines and "  - 7 of 40 steps were skipped" in text
+    assert lines[-1] == f"report: {(tmp_path / 'r.html').resolve()}"
+    # not closed: counted to the last record, and said so
+    open_run = Run(read_run(skipping_run(tmp_path / "open.jsonl", close=False)))
+    assert (open_run.step_count, open_run.count_exact, open_run.skipped()) == (36, False, 3.0)
+    assert any(a.startswith("3 of the first 36 steps were skipped") for a in advice(open_run))
 
 
 # -- in a real browser -----------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def test_the_report_command_names_a_missing_run_and_warns_of_two_runs(tmp_path, 
                            for s in (0, 5, 0)))
     assert main(["report", str(two), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["steps"] == 2
+    shown = json.loads(captured.out)  # two records; to the last one's step 5: 6 steps
+    assert (shown["records"], shown["steps"], shown["steps_exact"]) == (2, 6, False)
     assert captured.err == (f"mixprec report: warning: {two}:3: step 0 follows step 5 (line 2): "
                             f"the file holds more than one run, read as one (JSONLWriter(path, "
                             f"mode='a') appends; the default starts the file afresh)\n")

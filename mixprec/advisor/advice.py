@@ -199,7 +199,44 @@ class Advice:
         able = [a for a in self.layers if fmt in a.measurements]
         return [a.name for a in sorted(able, key=lambda a: -a.sensitivity(fmt))]
 
-    def precision_map(self, dtype="bf16", fp8=None) -> PrecisionMap:
+    def fp8_gains(self, device: str = "cpu", dtype="bf16") -> tuple[list[str], str]:
+        """The layers FP8 pays for on a device class, and why (or why none does).
+
+        A layer is advised FP8 when an FP8 policy can convert it, it is safe in FP8 and in the
+        16-bit ``dtype``, and its estimated speed on ``device`` (:meth:`LayerAdvice.fp8_speed`,
+        at the batch's tokens) is at least bf16's. None is on a CPU (FP8 is emulated there,
+        slower), on a GPU without FP8 tensor cores, or where every layer is too small to gain.
+
+        Args:
+            device: "cpu", "cuda-sm89", "cuda-sm90" or "cuda-sm100" (see
+                :func:`mixprec.fp8.speed.device_class`).
+            dtype: the 16-bit format of the policy ("fp32": no 16-bit verdict).
+
+        Returns:
+            ``(names in model order, why)``.
+        """
+        if "fp8_e4m3" not in self.formats:
+            return [], "fp8_e4m3 was not measured"
+        if device not in speed.FIGURES:
+            where = "a CPU" if device == "cpu" else f"{device} (no FP8 tensor cores)"
+            return [], (f"FP8 is emulated on {where}: slower than bf16, never advised for speed "
+                        f"(the fp8 columns give its numerics)")
+        low = to_dtype(dtype, what="dtype")
+        fmt16 = next((k for k, v in SIXTEEN.items() if v == low), None)
+        able = [a for a in self.layers if a.eligible.get("fp8_e4m3") and not a.unsafe("fp8_e4m3")
+                and (fmt16 is None or not a.unsafe(fmt16))]
+        gains = [a.name for a in able if (a.fp8_speed(device) or 0.0) >= 1.0]
+        if gains:
+            return gains, (f"{len(gains)} of {len(able)} layers that can take FP8 safely are "
+                           f"estimated to run faster in it than in bf16 on {device}")
+        if not able:
+            return [], "no layer can take FP8 safely"
+        best = max(able, key=lambda a: a.fp8_speed(device) or 0.0)
+        tokens, k, n = best.gemm
+        return [], (f"no layer is large enough to gain from FP8 on {device}: the best, {best.name} "
+                    f"({tokens} x {k} -> {n}), is estimated at {best.fp8_speed(device):.2f}x bf16")
+
+    def precision_map(self, dtype="bf16", fp8=None, *, fp8_layers=None) -> PrecisionMap:
         """The advisor's decisions as a :class:`mixprec.PrecisionMap`, by qualified name: each
         layer unsafe in the 16-bit ``dtype`` computes in fp32 (``Precision("fp32")``); with
         ``fp8``, each layer the format can convert that is safe in it (and in ``dtype``) runs it
@@ -215,6 +252,8 @@ class Advice:
             fp8: None, or a low-bit format (:mod:`mixprec.lowbit`) or its shorthand
                 ("tensorwise", "rowwise", "rowwise_gw_hp", "mxfp8", "nvfp4"); it needs its
                 advisor format measured ("fp8_e4m3" with the recipe, "mxfp8", "nvfp4").
+            fp8_layers: None, or the only layers that may run ``fp8`` (the others it could
+                convert stay out), such as the first list :meth:`fp8_gains` returns.
 
         Raises:
             ValueError: a format that was not measured, a bad dtype, an FP8 recipe other than
@@ -238,7 +277,9 @@ class Advice:
                 raise ValueError(fmt.unmeasured(seen))
             for a in self.layers:
                 if a.eligible.get(measured) and a.name not in unsafe:
-                    entries[a.name] = Precision(gemm=OFF if a.unsafe(measured) else fmt)
+                    out = a.unsafe(measured) or (fp8_layers is not None
+                                                 and a.name not in fp8_layers)
+                    entries[a.name] = Precision(gemm=OFF if out else fmt)
             if not any(v.gemm is not None for v in entries.values()):
                 entries[nn.Module] = Precision(gemm=OFF)
         return PrecisionMap(entries)
@@ -251,19 +292,21 @@ class Advice:
         "dtype": '"bf16" or "fp16" only, measured.',
         "fp8": "Its verdicts must have been measured (see :meth:`precision_map`)."})
     def policy(self, level: str = vocabulary.Default("O2"), dtype=vocabulary.Default("bf16"),
-               fp8: str | None = None) -> Policy:
+               fp8: str | None = None, *, fp8_layers=None) -> Policy:
         """The level's policy with the advisor's decisions (:meth:`precision_map`) as its
         ``modules`` map, after the level's own entries (O2: norm layers in fp32).
 
         Args:
             {precision keywords}
+            fp8_layers: None, or the only layers that may run ``fp8`` (see
+                :meth:`precision_map`; :meth:`fp8_gains` says which pay on a device).
 
         Raises:
             ValueError: a format that was not measured, a bad level or dtype, an FP8 recipe
                 other than the one measured.
         """
         base = Policy.from_level(level, dtype, warn=False)
-        decisions = self.precision_map(base.compute_dtype, fp8)
+        decisions = self.precision_map(base.compute_dtype, fp8, fp8_layers=fp8_layers)
         return dataclasses.replace(base, modules=base.modules.updated(decisions),
                                    fp8=lowbit.resolve(fp8))
 

@@ -6,6 +6,12 @@ a trained one's) and runs :func:`mixprec.advise` on one of its batches: a table 
 layer, most sensitive first, the reasons for every unsafe layer, the advised policy, and what
 the measurement cost. ``--model planted-overflow`` / ``planted-outlier`` run the two planted
 cases of :mod:`mixprec.advisor.planted` instead (as built: not trained).
+
+The advised policy runs FP8 only in the layers that gain from it on ``--target`` (default: this
+machine's GPU class, else the CPU), by :meth:`mixprec.advisor.Advice.fp8_gains`: on a CPU FP8 is
+emulated and never advised; the fp8 columns still give its numerics. ``--dtype auto`` is the
+fast 16-bit type of the target (on this CPU: measured, see :mod:`mixprec.hardware`); where that
+is fp32 the advised policy has no 16-bit layers, and the output says why.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import sys
 
 import torch
 
-from .. import benchmodels
+from .. import benchmodels, hardware
 from ..advisor import FORMATS, advise
 from ..advisor.planted import CASES
+from ..fp8 import speed
 from ..lowbit.float8 import RECIPES, Float8
 from .args import add_keyword_options, add_model_size_options, given_as
 
@@ -77,6 +84,28 @@ def _check_plot(path: str | None) -> None:
                          f"choose another path")
 
 
+def _target(name: str) -> str:
+    """``--target``: ``"auto"`` is this machine's GPU class where torch sees one, else "cpu"."""
+    if name == "auto":
+        return speed.device_class("cuda") if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _low_dtype(given: str | None, formats, target: str) -> tuple[str | None, str]:
+    """The advised policy's 16-bit format, and a note when ``--dtype auto`` decided it."""
+    if given != "auto":
+        return given or next((f for f in ("bf16", "fp16") if f in formats), None), ""
+    if target == "cpu":
+        caps = hardware.device_capabilities("cpu")
+        low, why = caps["auto_dtype"], caps["auto_reason"]
+    else:
+        low, why = "bf16", f"{target} computes bf16 on its tensor cores"
+    if low != "fp32" and low not in formats:
+        raise ValueError(f"--dtype auto is {low} on {target} ({why}), which --formats "
+                         f"{','.join(formats)} does not measure: add it, or give --dtype")
+    return low, f"--dtype auto -> {low} on {target}: {why}"
+
+
 def _run(args) -> int:
     sizes = {k: getattr(args, k) for k in ("width", "batch", "depth", "seq_len", "image_size")
              if getattr(args, k) is not None}
@@ -85,18 +114,22 @@ def _run(args) -> int:
     if given_as(args, "fp8") == "--fp8-recipe":
         print("mixprec advise: --fp8-recipe is deprecated; pass --fp8 (same values)",
               file=sys.stderr)
+    target = _target(args.target)
+    low, dtype_note = _low_dtype(args.dtype, formats, target)
     advice, bm = run_advise(args.model, formats, args.train_steps, args.seed, args.ablation,
                             args.fp8, **sizes)
-    low = args.dtype or next((f for f in ("bf16", "fp16") if f in formats), None)
+    gains, fp8_why = advice.fp8_gains(target, low or "fp32")
     policy = None
     if low is not None:
         policy = advice.policy(args.level, low,
-                               fp8=args.fp8 if "fp8_e4m3" in formats else None)
+                               fp8=args.fp8 if gains else None, fp8_layers=gains or None)
     if args.plot:
         advice.plot(args.plot)
     if args.json:
         out = {"model": args.model, "sizes": None if bm is None else bm.sizes,
-               **advice.to_dict(), "policy": None if policy is None else policy.state_dict()}
+               **advice.to_dict(), "policy": None if policy is None else policy.state_dict(),
+               "fp8_advice": {"target": target, "layers": gains, "why": fp8_why},
+               "dtype_note": dtype_note}
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(f"{args.model} (planted case, as built)" if bm is None else
@@ -105,6 +138,9 @@ def _run(args) -> int:
     c = advice.cost
     print(f"cost: {c['full_passes']} full forward+backward, {c['layer_passes']} single-layer "
           f"passes, {c['ablation_forwards']} ablation forwards, {c['seconds']:.2f} s")
+    if dtype_note:
+        print(dtype_note)
+    print(f"FP8 on {target}: {fp8_why}")
     if policy is not None:
         print(f"advised policy: {policy}")
         if policy.fp8_modules is not None:
@@ -124,8 +160,13 @@ def register(subparsers) -> None:
         "fp8": (str(Float8()), 'the FP8 recipe the "fp8_e4m3" row measures and the advised '
                                "policy uses; --fp8-recipe: deprecated spelling"),
         "level": ("O2", "the level of the advised policy"),
-        "dtype": (None, "the 16-bit format of the advised policy: the first measured")},
-        choices={"fp8": tuple(RECIPES), "dtype": ("bf16", "fp16")})
+        "dtype": (None, "the 16-bit format of the advised policy: the first measured; auto: "
+                        "the fast one of --target")},
+        choices={"fp8": tuple(RECIPES), "dtype": ("auto", "bf16", "fp16")})
+    p.add_argument("--target", default="auto", choices=("auto", "cpu", *speed.FIGURES),
+                   help="the device class the advice is for: FP8 is advised only for layers "
+                   "estimated to gain on it (auto: this machine's GPU, else cpu, where FP8 is "
+                   "emulated and never advised; default %(default)s)")
     p.add_argument("--train-steps", type=int, default=20,
                    help="fp32 steps before measuring (default %(default)s)")
     add_model_size_options(p)

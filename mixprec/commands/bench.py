@@ -21,6 +21,11 @@ Adam-style optimizer with ``eps`` = :data:`FP16_STATE_EPS` where the model's eps
 smallest normal number (AdamW's 1e-8 rounds to 0 in fp16, and an update then divides 0 by 0);
 the row says so in a note. A row whose final loss is inf/NaN gets a note with the warnings it
 raised.
+
+Timings on a shared machine are noisy: by default every row runs three interleaved rounds, and a
+row whose rounds' speed-ups over O0 spread wider than the row differs from O0 (``|speed-up - 1|``)
+is marked noisy (``~`` in the table, the rounds in a note): its speed-up says nothing. A bar on
+stderr shows the rounds as they run (on a terminal; ``--no-progress`` turns it off).
 """
 
 from __future__ import annotations
@@ -39,16 +44,16 @@ import torch
 from .. import benchmodels
 from ..dtypes import dtype_name
 from ..formats import get as float_format
-from ..hardware import SlowDtypeWarning
+from ..hardware import SlowDtypeWarning, device_capabilities
 from ..policy import LEVELS, Policy, resolve_dtype
 from ..training import Trainer  # imported here, so it is in the memory baseline of a row
-from . import hfbench
+from . import hfbench, progress
 from .args import add_model_size_options, comma_list
 from .memory import peak_mb, reset_peak, synchronize
 from .peaks import TRAINING_GEMMS, faster, is_emulated, matmul_peaks
 
 __all__ = ["run_row", "run_bench", "format_table", "matmul_peaks", "peak_share_text", "register",
-           "TRAINING_GEMMS", "FP16_STATE_EPS"]
+           "TRAINING_GEMMS", "FP16_STATE_EPS", "mark_noise"]
 
 REFERENCE = "torch.autocast"
 #: Adam-style eps of a row whose optimizer state is fp16: a normal fp16 number (the smallest
@@ -217,23 +222,28 @@ def _parse_levels(text: str) -> list[str]:
 
 
 def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype: str = "auto",
-              steps: int = 10, warmup: int = 3, repeat: int = 1, reference: bool = True,
-              isolate: bool = True, device: str = "cpu", compile: bool = False, **sizes) -> dict:
+              steps: int = 5, warmup: int = 3, repeat: int = 3, reference: bool = True,
+              isolate: bool = True, device: str = "cpu", compile: bool = False,
+              show_progress: bool = False, **sizes) -> dict:
     """Run the benchmark and return the report ``--json`` prints.
 
     Rows run in the order given, ``repeat`` rounds (interleaved, so a burst of load elsewhere
     does not hit one row only); a row's time is the median over the timed steps of all its
     rounds, its peak memory the largest of its rounds. Speed-ups are over the O0 row of the same
-    run; achieved GFLOP/s counts the model's matmul/conv/attention FLOPs
-    (``benchmodels.count_flops``) per median step; the GEMM peak of each dtype (the GEMMs of a
-    Linear layer's training step at the model's representative shape) is measured in this run
+    run; each row also gets its rounds' own speed-ups (``round_speedups``: a round's median
+    over O0's in the same round) and ``noisy``, true when they spread wider than the row's
+    speed-up differs from 1 (see :func:`mark_noise`). Achieved GFLOP/s counts the model's
+    matmul/conv/attention FLOPs (``benchmodels.count_flops``) per median step; the GEMM peak of
+    each dtype (the GEMMs of a Linear layer's training step at the model's representative shape)
+    is measured in this run
     by :func:`matmul_peaks`. ``peak_share`` is None where a GEMM was too slow to probe at its
     full shape within the budget (a figure at a smaller shape is no peak for the row). A row
     faster than its peak means the probe ran slower than the row's GEMMs: that dtype is probed
     once more (each GEMM's faster figure is kept), and a row still above it gets
     ``peak_exceeded`` (and the report ``peak_disturbed``), which :func:`format_table` flags.
     ``compile=True``: level rows (not the torch.autocast row) use ``Trainer(compile=True)``; the
-    compile time falls in the warm-up steps and is not in the medians.
+    compile time falls in the warm-up steps and is not in the medians. ``show_progress``: a bar
+    on stderr, one unit per row and round, and one for the GEMM peaks.
     """
     for name, value in (("steps", steps), ("repeat", repeat)):
         if not isinstance(value, int) or value < 1:
@@ -244,11 +254,47 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
     low = dtype_name(resolve_dtype(dtype, device))
     rows = list(levels) + ([REFERENCE] if reference else [])
     rounds: dict[str, list[dict]] = {r: [] for r in rows}
-    for _ in range(repeat):
-        for row in rows:
-            spec = {"model_name": model, "sizes": sizes, "level": row, "dtype": low, "steps": steps,
-                    "warmup": warmup, "device": device, "compile": compile}
-            rounds[row].append(_run_isolated(spec) if isolate else run_row(**spec))
+    with progress.bar(repeat * len(rows) + 1, f"mixprec bench {model}", show_progress,
+                      unit="row") as shown:
+        for i in range(repeat):
+            for row in rows:
+                shown.set_postfix_str(f"round {i + 1}/{repeat}: {row} {low}")
+                spec = {"model_name": model, "sizes": sizes, "level": row, "dtype": low,
+                        "steps": steps, "warmup": warmup, "device": device, "compile": compile}
+                rounds[row].append(_run_isolated(spec) if isolate else run_row(**spec))
+                shown.update(1)
+        shown.set_postfix_str("GEMM peaks")
+        results = _results(bm, rows, rounds, device)
+        shown.update(1)
+    auto = isinstance(dtype, str) and dtype.strip().lower() == "auto"
+    return {"model": model, "sizes": bm.sizes, "flops_per_step": benchmodels.count_flops(bm),
+            "auto_reason": device_capabilities(device)["auto_reason"] if auto else None,
+            "steps": steps, "warmup": warmup, "repeat": repeat, "device": device,
+            "compile": compile, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "isolated": isolate, "gemm_shape": list(bm.gemm_shape),
+            **results}
+
+
+def mark_noise(results: list[dict], rounds: dict[str, list[dict]]) -> None:
+    """Give each row its rounds' speed-ups over O0 (``round_speedups``, a round's median step
+    over O0's median in the same round), their ``spread`` (largest minus smallest) and
+    ``noisy``: more than one round, and a spread wider than the row differs from O0
+    (``|speedup - 1|``). Without an O0 row: None, None, False."""
+    base = rounds.get("O0")
+    for r in results:
+        own = rounds[r["row"]]
+        if not base or r.get("speedup") is None:
+            r["round_speedups"], r["spread"], r["noisy"] = None, None, False
+            continue
+        ups = [statistics.median(b["times_ms"]) / statistics.median(o["times_ms"])
+               for b, o in zip(base, own)]
+        r["round_speedups"] = [round(u, 3) for u in ups]
+        r["spread"] = max(ups) - min(ups)
+        r["noisy"] = len(ups) > 1 and r["spread"] > abs(r["speedup"] - 1)
+
+
+def _results(bm, rows: list[str], rounds: dict[str, list[dict]], device) -> dict:
+    """The pooled rows, their speed-ups, GFLOP/s and GEMM-peak shares, and the peaks."""
     flops = benchmodels.count_flops(bm)
     results = [_pool(rounds[r]) for r in rows]
     base = next((r["ms_per_step"] for r in results if r["row"] == "O0"), None)
@@ -256,6 +302,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
         r["speedup"] = base / r["ms_per_step"] if base else None
         r["gflops"] = flops / (r["ms_per_step"] / 1e3) / 1e9
         r["update_share"] = r["update_ms"] / r["ms_per_step"]
+    mark_noise(results, rounds)
     for r in results:
         r["peak_of"] = _peak_key(r["row"], r["dtype"], device)
     probes = matmul_peaks(sorted({r["peak_of"] for r in results}), bm.gemm_shape, device)
@@ -267,11 +314,7 @@ def run_bench(model: str = "nine-linear", levels=("O0", "O1", "O2", "O3"), dtype
         probe = probes[r["peak_of"]]
         r["peak_share"] = r["gflops"] / probe["gflops"] if probe["full_size"] else None
         r["peak_exceeded"] = r["peak_share"] is not None and r["peak_share"] > 1
-    return {"model": model, "sizes": bm.sizes, "flops_per_step": flops, "steps": steps,
-            "warmup": warmup, "repeat": repeat, "device": device, "compile": compile,
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "isolated": isolate, "gemm_shape": list(bm.gemm_shape),
-            "matmul_peak_gflops": {d: round(p["gflops"], 1) for d, p in probes.items()},
+    return {"matmul_peak_gflops": {d: round(p["gflops"], 1) for d, p in probes.items()},
             "matmul_peak": probes, "peak_reprobed": above,
             "peak_disturbed": any(r["peak_exceeded"] for r in results), "rows": results}
 
@@ -295,15 +338,25 @@ def format_table(rep: dict) -> str:
     sizes = ", ".join(f"{k} {v}" for k, v in rep["sizes"].items())
     n, steps = rep.get("repeat", 1), rep["steps"]  # a row's median pools the steps of its rounds
     pooled = f"{steps} steps" if n == 1 else f"{n * steps} steps ({n} rounds of {steps}, each)"
+    low = next((r["dtype"] for r in rep["rows"] if r["row"] != "O0"), "fp32")
     lines = [f"mixprec bench: {rep['model']} ({sizes}); "
              f"{rep['flops_per_step'] / 1e9:.1f} GFLOP per step; "
              f"median of {pooled} after {rep['warmup']} warm-up; "
              f"{rep['device']}, {rep['threads']} threads, torch {rep['torch']}", "",
+             *([f"dtype 'auto' -> {low}: {rep['auto_reason']}", ""]
+               if rep.get("auto_reason") else []),
              f"{'row':<15}{'dtype':<6}{'ms/step':>9}{'speed-up':>9}{'peak MB':>9}{'final loss':>12}"
              f"{'GFLOP/s':>9}{'% peak':>8} {'update ms':>11}{'update %':>9}"]
     exceeded, footnotes = False, []
     for r in rep["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        if r.get("noisy"):
+            sp += "~"
+            ups = ", ".join(f"{u:.2f}x" for u in r["round_speedups"])
+            footnotes.append(f"({len(footnotes) + 1}) {r['row']}: noisy (~): its rounds ran at "
+                             f"{ups} of O0's speed, a spread of {r['spread']:.2f}, wider than "
+                             f"it differs from O0 ({abs(r['speedup'] - 1):.2f}): its speed-up "
+                             f"says nothing; run more rounds (--repeat) on a quieter machine")
         mem = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "n/a"
         over = r["peak_share"] is not None and r["peak_share"] > 1  # a report from elsewhere too
         exceeded |= over
@@ -361,10 +414,10 @@ def _run(args) -> int:
         raise ValueError(f"unknown model {args.model!r}; choose one of "
                          f"{', '.join([*benchmodels.MODELS, *hfbench.HF_MODELS])}")
     levels = _parse_levels(",".join(args.levels or LEVELS))
-    rep = run_bench(args.model, levels, args.dtype, 10 if args.steps is None else args.steps,
+    rep = run_bench(args.model, levels, args.dtype, 5 if args.steps is None else args.steps,
                     3 if args.warmup is None else args.warmup, args.repeat,
                     not args.no_reference, not args.in_process, args.device,
-                    compile=args.compile, **sizes)
+                    compile=args.compile, show_progress=progress.wanted(args), **sizes)
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
     return 0
 
@@ -380,12 +433,14 @@ def register(subparsers) -> None:
                    help=f"levels, comma-separated or repeated (default {','.join(LEVELS)})")
     p.add_argument("--dtype", default="auto", help="low-precision dtype (default: auto)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per row (default 10; hf- models: 2 per round)")
+                   help="timed steps per row and round (default 5; hf- models: 2)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps first (default 3; hf- models: 2)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds over all rows, interleaved (default 1); a row's median pools the "
-                        "timed steps of all its rounds (--repeat 3 --steps 10: 30 steps)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds over all rows, interleaved (default 3; hf- models: at least 5); "
+                        "a row's median pools the timed steps of all its rounds (--repeat 3 "
+                        "--steps 5: 15 steps); a row whose rounds spread wider than it differs "
+                        "from O0 is marked noisy")
     add_model_size_options(p)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--no-reference", action="store_true", help="skip the plain torch.autocast row")
@@ -396,4 +451,5 @@ def register(subparsers) -> None:
                    help="level rows use Trainer(compile=True): compiled forward+loss and, at O2, "
                         "the fused master step (compile time falls in the warm-up)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    progress.add_option(p)
     p.set_defaults(func=_run)

@@ -1,9 +1,12 @@
 """``mixprec demo``: train a CNN on scikit-learn's handwritten digits in fp32 and mixed precision.
 
 Five runs of the same seeded model on the same seeded data order: O0 (fp32), O1, O2 and O3 with
-the auto dtype, and O2 in fp16 with dynamic loss scaling. Prints one comparison table and writes
+the auto dtype (``--dtype bf16`` to see bf16 where ``auto`` is fp32), and O2 in fp16 with
+dynamic loss scaling. Prints one comparison table and writes
 a PNG with the loss curves and the loss-scale history, and beside it the fp16 run's precision
-record (a :class:`mixprec.PrecisionMonitor` JSONL) and its ``mixprec report`` page.
+record (a :class:`mixprec.PrecisionMonitor` JSONL) and its ``mixprec report`` page. A bar on
+stderr counts the optimizer steps of all five runs (on a terminal; ``--no-progress`` turns it
+off).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..dtypes import dtype_name
-from ..hardware import SlowDtypeWarning
+from ..hardware import SlowDtypeWarning, device_capabilities
 from ..monitor import JSONLWriter, PrecisionMonitor
 from ..monitor.report import write_report
 from ..policy import resolve_dtype
 from ..scaling import DynamicLossScaler
 from ..training import Callback, Trainer
+from . import progress
 from .memory import peak_mb, reset_peak
 
 __all__ = ["digits_data", "DigitsCNN", "run_demo", "register"]
@@ -79,10 +83,20 @@ class _StepTimer(Callback):
         self._t = now
 
 
+class _Ticks(Callback):
+    """Advance a progress bar by one per optimizer step."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def on_step_end(self, trainer, logs):
+        self.bar.update(1)
+
+
 RUNS = (("O0", "auto"), ("O1", "auto"), ("O2", "auto"), ("O3", "auto"), ("O2", "fp16"))
 
 
-def _train_one(level: str, dtype: str, data, args, monitor=None) -> dict:
+def _train_one(level: str, dtype: str, data, args, monitor=None, bar=None) -> dict:
     train, test = data
     torch.manual_seed(args.seed)
     model = DigitsCNN(args.width)
@@ -91,12 +105,13 @@ def _train_one(level: str, dtype: str, data, args, monitor=None) -> dict:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr,
                                                 total_steps=args.epochs * steps_per_epoch)
     timer = _StepTimer()
+    callbacks = [timer] if bar is None else [timer, _Ticks(bar)]
     base = reset_peak(torch.device("cpu"))
     # fp16: a dynamic scaler that starts too high and grows often, so the plot shows it at work
     scaler = (DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=50) if dtype == "fp16"
               else "auto")
     trainer = Trainer(model, F.cross_entropy, opt, level=level, dtype=dtype, loss_scale=scaler,
-                      metrics="accuracy", scheduler=sched, callbacks=[timer], progress=False,
+                      metrics="accuracy", scheduler=sched, callbacks=callbacks, progress=False,
                       monitor=monitor)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True,
                         generator=torch.Generator().manual_seed(args.seed))
@@ -117,24 +132,31 @@ def _warm_up() -> None:
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)  # imports torch._dynamo
 
 
-def run_demo(args, record: Path | None = None) -> list[dict]:
+def run_demo(args, record: Path | None = None, show_progress: bool = False) -> list[dict]:
     """Train every run of :data:`RUNS`; returns one dict per run. With ``record``, the fp16 run
-    is recorded there by a :class:`mixprec.PrecisionMonitor` (every 10 steps, as JSONL)."""
+    is recorded there by a :class:`mixprec.PrecisionMonitor` (every 10 steps, as JSONL). With
+    ``show_progress``, a bar on stderr counts the optimizer steps of all the runs."""
     data = digits_data(args.seed)
     _warm_up()
     rows = []
-    for level, dtype in RUNS:
-        monitor = None
-        if record is not None and dtype == "fp16":
-            record.unlink(missing_ok=True)
-            monitor = PrecisionMonitor(every=10, writers=[JSONLWriter(record)])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SlowDtypeWarning)  # fp16 on a CPU: noted in the table
-            row = _train_one(level, dtype, data, args, monitor)
-        if not args.json:
-            print(f"  trained {row['level']} {row['dtype']:<4} in {row['seconds']:5.1f} s",
-                  flush=True)
-        rows.append(row)
+    steps = len(RUNS) * args.epochs * -(-len(data[0]) // args.batch)
+    with progress.bar(steps, "mixprec demo", show_progress, unit="step") as bar:
+        for level, spec in RUNS:
+            dtype = getattr(args, "dtype", "auto") if spec == "auto" else spec
+            bar.set_postfix_str(f"{level} {dtype}")
+            monitor = None
+            if record is not None and spec == "fp16":  # the fp16 run's record
+                record.unlink(missing_ok=True)
+                monitor = PrecisionMonitor(every=10, writers=[JSONLWriter(record)])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", SlowDtypeWarning)  # fp16 on a CPU: in the table
+                row = _train_one(level, dtype, data, args, monitor, bar)
+            if monitor is not None:
+                monitor.close()  # the record's closing count: every step, not only the recorded
+            if not args.json:
+                progress.say(f"  trained {row['level']} {row['dtype']:<4} in "
+                             f"{row['seconds']:5.1f} s", show_progress)
+            rows.append(row)
     for row in rows:
         row["speedup"] = rows[0]["ms_per_step"] / row["ms_per_step"]
     return rows
@@ -181,13 +203,16 @@ def _run(args) -> int:
     for name in ("epochs", "batch", "width"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be a positive integer; got {getattr(args, name)}")
-    caps_dtype = dtype_name(resolve_dtype("auto", "cpu", warn=False))
+    low = dtype_name(resolve_dtype(args.dtype, "cpu", warn=False))
     if not args.json:
         print(f"mixprec demo: DigitsCNN(width={args.width}) on scikit-learn digits, {args.epochs} "
-              f"epochs, batch {args.batch}; dtype 'auto' -> {caps_dtype}")
+              f"epochs, batch {args.batch}; dtype {args.dtype!r} -> {low}", flush=True)
+        if args.dtype == "auto" and low == "fp32":
+            print(f"  (dtype 'auto' is fp32 here: {device_capabilities('cpu')['auto_reason']}; "
+                  f"--dtype bf16 trains O1-O3 in bf16 anyway)", flush=True)
     out = Path(args.out)
     record = None if args.no_plot else out / "demo-precision.jsonl"
-    rows = run_demo(args, record)
+    rows = run_demo(args, record, progress.wanted(args))
     png = None if args.no_plot else plot(rows, out / "demo.png")
     report = None if args.no_plot else write_report(record, out / "demo-report.html",
                                                     "mixprec demo: the O2 fp16 run")
@@ -216,9 +241,13 @@ def register(subparsers) -> None:
     p.add_argument("--width", type=int, default=64, help="channels of the first conv layer")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16"),
+                   help="the 16-bit type of the O1-O3 runs (default: auto, the fast one here, "
+                   "fp32 where none is)")
     p.add_argument("--out", default="mixprec-out",
                    help="directory for the PNG and the report (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG and no report")
     p.add_argument("--json", action="store_true",
                    help="machine-readable output (includes the curves)")
+    progress.add_option(p)
     p.set_defaults(func=_run)

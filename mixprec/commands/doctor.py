@@ -201,7 +201,9 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True,
         A dict; per dtype (``dtypes``): ``supported``, ``fast``, ``why``, ``mixprec`` (what
         mixprec does about a slow dtype, "" if nothing) and, when measured, ``matmul_gflops``,
         ``matmul_shape`` (where it was measured), ``matmul_full_size``, ``matmul_slow`` and
-        ``matmul_note``.
+        ``matmul_note``; ``auto_dtype`` and ``auto_reason`` (what ``dtype="auto"`` resolves
+        to, and why); ``gemm_probe``: on a CPU, the bf16/fp32 measurement ``auto`` decided
+        from (:func:`mixprec.hardware.cpu_gemm_probe`), else None.
     """
     caps = device_capabilities(device)
     dtypes, reference = {}, None
@@ -231,6 +233,7 @@ def doctor_report(device="cpu", shape=DEFAULT_SHAPE, measure: bool = True,
         "dtypes": dtypes,
         "auto_dtype": caps["auto_dtype"],
         "auto_reason": caps["auto_reason"],
+        "gemm_probe": caps.get("gemm_probe"),
     }
 
 

@@ -4,7 +4,11 @@ RUN is what a :class:`mixprec.PrecisionMonitor` wrote: a JSONL file (``JSONLWrit
 TensorBoard log folder (``TensorBoardWriter``, or any TensorBoard run holding ``mixprec/...``
 scalars). The page (plots inlined; no script, no other file) shows loss and loss scale with the
 skipped steps, the gradient norm, layer x step heatmaps of gradient underflow, update lost and
-activation headroom, and what to do, in words. ``--json`` prints the advice instead.
+activation headroom, and what to do, in words; the terminal gets the same in text (the run at
+a glance, the worst layers per statistic, what to do) and the page's path. ``--json`` prints the
+advice and the counts instead, writing nothing: ``steps`` is the steps the run took (its closing
+count, :meth:`mixprec.PrecisionMonitor.close`'s; else up to the last record, and
+``steps_exact`` is false), ``records`` the recorded steps.
 
 A run that cannot be read (no such path, not the monitor's JSONL, no ``mixprec/...`` scalars)
 is an error naming the path (exit 2); a JSONL file holding more than one run (its steps go back)
@@ -17,7 +21,7 @@ import json
 import sys
 import warnings
 
-from ..monitor.report import Run, advice, read_record, write_report
+from ..monitor.report import Run, advice, read_record, summary_text, write_report
 
 __all__ = ["register"]
 
@@ -26,12 +30,16 @@ def _run(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         try:
+            series = read_record(args.run)
             if args.json:
-                run = Run(read_record(args.run))
-                text = json.dumps({"steps": len(run.steps), "layers": run.layers,
-                                   "format": run.format_name(), "advice": advice(run)}, indent=2)
+                run = Run(series)
+                text = json.dumps({"steps": run.step_count, "steps_exact": run.count_exact,
+                                   "records": len(run.steps), "skipped_steps": run.skipped(),
+                                   "layers": run.layers, "format": run.format_name(),
+                                   "advice": advice(run)}, indent=2)
             else:
-                text = f"report: {write_report(args.run, args.output, args.title).resolve()}"
+                page = write_report(args.run, args.output, args.title).resolve()
+                text = f"{summary_text(series)}\nreport: {page}"
         except FileNotFoundError as exc:  # an OSError, not one the command line reports
             raise ValueError(str(exc)) from None
         finally:

@@ -7,14 +7,15 @@ statistics and their fp32 simulation are :mod:`mixprec.lowbit` (the layer below 
 * :mod:`.speed`: the expected speed of a layer in FP8 from its shape, and the warning when
   ``fp8=`` converts layers too small to gain.
 
-FP8 on a CPU runs (``torch._scaled_mm`` has CPU kernels) for numerics, never speed.
+FP8 on a CPU runs (``torch._scaled_mm`` has CPU kernels) for numerics, never speed: ``prepare``
+says so once per process (:class:`FP8EmulatedWarning`).
 """
 
 from ..lowbit.backend import EXTRA_HINT, require
 from ..lowbit.float8 import RECIPES
 from .choice import eligible_layers
 from .convert import all_gather_in_fp8, convert, fp8_modules
-from .speed import FP8SpeedWarning
+from .speed import FP8EmulatedWarning, FP8SpeedWarning
 
 __all__ = ["fp8_modules", "convert", "eligible_layers", "all_gather_in_fp8", "require",
-           "RECIPES", "EXTRA_HINT", "FP8SpeedWarning"]
+           "RECIPES", "EXTRA_HINT", "FP8SpeedWarning", "FP8EmulatedWarning"]

@@ -25,7 +25,8 @@ def convert(model: nn.Module, policy: Policy) -> None:
     place.
 
     On a CUDA device, warns once (:class:`mixprec.fp8.speed.FP8SpeedWarning`) listing the
-    shapes of the chosen layers that FP8 is not expected to speed up there.
+    shapes of the chosen layers that FP8 is not expected to speed up there; on a CPU, once per
+    process (:class:`mixprec.fp8.speed.FP8EmulatedWarning`) that the format is emulated there.
 
     Raises:
         ImportError: torchao is not installed (the message names ``mixprec[fp8]``).
@@ -40,6 +41,7 @@ def convert(model: nn.Module, policy: Policy) -> None:
     if names:
         device = module_device(model)
         fmt.check_device(device)
+        speed.warn_if_emulated(len(names), device, str(fmt), stacklevel=5)
         if fmt.name == "float8":  # the speed model is dynamic-scaled FP8's (mixprec.fp8.speed)
             modules = dict(model.named_modules())
             shapes = {n: gemm_dims(modules[n]) for n in names if gemm_dims(modules[n])}

@@ -27,7 +27,8 @@ before relying on them. On a CPU, ``torch._scaled_mm`` emulates FP8: it is for n
 never speed.
 
 ``mp.prepare(..., fp8=...)`` on a CUDA device warns once (:class:`FP8SpeedWarning`), listing the
-converted layers' shapes whose estimate is below 1.0x bf16.
+converted layers' shapes whose estimate is below 1.0x bf16; on a CPU it warns once per process
+(:class:`FP8EmulatedWarning`, a :class:`mixprec.SlowDtypeWarning`) that FP8 is emulated there.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ import warnings
 
 import torch
 
-__all__ = ["DeviceFigures", "FIGURES", "TOKENS", "FP8SpeedWarning", "device_class", "estimate",
-           "slow_layers", "warn_if_slow"]
+from ..hardware import SlowDtypeWarning
+
+__all__ = ["DeviceFigures", "FIGURES", "TOKENS", "FP8SpeedWarning", "FP8EmulatedWarning",
+           "device_class", "estimate", "slow_layers", "warn_if_slow", "warn_if_emulated"]
 
 TOKENS = 8192  # the tokens of one step assumed when the batch is not known (8 x 1024)
 _LAUNCH_S = 4e-6  # the fixed cost of one kernel launch
@@ -67,6 +70,15 @@ FIGURES = {
 class FP8SpeedWarning(UserWarning):
     """``fp8=`` converted layers whose GEMMs are too small for FP8 to beat bf16 on the device
     (an estimate from their shapes: see :mod:`mixprec.fp8.speed`)."""
+
+
+class FP8EmulatedWarning(SlowDtypeWarning):
+    """``fp8=`` on a device without FP8 tensor cores (a CPU): ``torch._scaled_mm`` emulates the
+    GEMMs there, slower than bf16's; the numerics are FP8's. Warned once per process and device
+    class."""
+
+
+_emulated_warned: set[str] = set()
 
 
 def device_class(device) -> str:
@@ -129,10 +141,25 @@ def slow_layers(shapes: dict[str, tuple[int, int]], device: str,
     return out
 
 
+def warn_if_emulated(layers: int, device, fmt: str = "FP8", stacklevel: int = 2) -> None:
+    """On a device without FP8 tensor cores (a CPU), warn once per process and device class
+    (:class:`FP8EmulatedWarning`) that the ``layers`` converted layers' GEMMs are emulated."""
+    cls = device_class(device)
+    if cls in FIGURES or cls in _emulated_warned:
+        return
+    _emulated_warned.add(cls)
+    where = "a CPU" if cls == "cpu" else f"this device ({cls}: no FP8 tensor cores)"
+    warnings.warn(
+        f"fp8={fmt!r} on {where}: torch._scaled_mm emulates the low-bit GEMMs of the {layers} "
+        f"converted layer{'s' * (layers != 1)}, slower than bf16 (the format's numerics, not "
+        f"its speed); for speed, train in it on a GPU of compute capability 8.9 or above, and "
+        f"here without fp8=", FP8EmulatedWarning, stacklevel=stacklevel)
+
+
 def warn_if_slow(shapes: dict[str, tuple[int, int]], device, stacklevel: int = 2) -> None:
     """Warn once (:class:`FP8SpeedWarning`) listing the shapes of the layers of ``shapes`` that
-    FP8 is not expected to speed up on ``device`` (CUDA only: on a CPU FP8 is emulated and
-    never faster, which the documentation says once rather than each ``prepare``)."""
+    FP8 is not expected to speed up on ``device`` (CUDA only: elsewhere FP8 is emulated and
+    never faster, which :func:`warn_if_emulated` says)."""
     cls = device_class(device)
     if not cls.startswith("cuda"):
         return

@@ -7,6 +7,8 @@ Lightning plugin and ``MixprecTrainer``'s engine), it records every ``every``-th
 * ``mixprec/loss`` (the mean loss over the steps since the last record), ``mixprec/loss_scale``
   (the scale the recorded step ran at), ``mixprec/skipped_steps`` (steps skipped so far for
   inf/NaN gradients), ``mixprec/grad_norm`` (the true, unscaled, pre-clip gradient norm);
+  :meth:`PrecisionMonitor.close` adds ``mixprec/steps`` (the steps run) and the final
+  ``mixprec/skipped_steps`` at the last step, when it was not a recorded one;
 * per watched layer N: ``mixprec/N/grad_underflow``, ``mixprec/N/act_amax``,
   ``mixprec/N/act_headroom`` and ``mixprec/N/weight_update_lost`` (see
   :mod:`mixprec.monitor.statistics` for what each measures), and for an FP8 layer
@@ -183,8 +185,18 @@ class PrecisionMonitor(EngineObserver):
             self._arm()
 
     def close(self) -> None:
-        """Remove the hooks and close the writers."""
+        """Write the run's closing count, remove the hooks and close the writers.
+
+        When steps ran after the last record, a closing record at the last step holds
+        ``mixprec/steps`` (the steps run) and ``mixprec/skipped_steps``, so that a report
+        counts every step, not only those up to the last record."""
         self._disarm()
+        if self._window and self._engine is not None and is_main_process():
+            closing = {"mixprec/steps": float(self.step),
+                       "mixprec/skipped_steps": float(self._engine.scaler.skipped_steps)}
+            for w in self.writers:
+                w.write(self.step - 1, closing)
+        self._window = 0
         for w in self.writers:
             w.close()
 

@@ -17,7 +17,8 @@ import pathlib
 
 from .writers import read_run
 
-__all__ = ["write_report", "render", "advice", "Run", "read_record"]
+__all__ = ["write_report", "render", "advice", "Run", "read_record", "summary_rows",
+           "summary_text", "worst_layers"]
 
 # what the advice calls a problem
 LOST_LIMIT = 0.25         # a layer losing this much of its updates, on average from some step on
@@ -26,6 +27,7 @@ HEADROOM_LIMIT = 2.0      # binades between the largest activation and the forma
 SCALE_DROP = 2.0 ** 8     # the loss scale falling this far below its largest value
 _FORMAT_MAX = {"fp16": 65504.0, "bf16": 3.3895313892515355e38, "fp32": 3.4028234663852886e38}
 _STATS = ("grad_underflow", "weight_update_lost", "act_headroom", "act_amax")
+_STEPS, _SKIPS = "mixprec/steps", "mixprec/skipped_steps"
 
 
 class Run:
@@ -44,7 +46,19 @@ class Run:
                 layer = "/".join(parts[1:-1])
                 if layer not in self.layers:
                     self.layers.append(layer)
-        self.steps = sorted({s for points in series.values() for s, _ in points})
+        closing = {s for s, _ in series.get(_STEPS, [])}
+        skips = {s for s, _ in series.get(_SKIPS, [])}
+        measured = {s for name, points in series.items() if name not in (_STEPS, _SKIPS)
+                    for s, _ in points}
+        #: the recorded steps (a closing record, :meth:`PrecisionMonitor.close`'s, is none)
+        self.steps = sorted(measured | (skips - closing))
+        counts = series.get(_STEPS, [])
+        #: whether :attr:`step_count` is the run's own count (its closing record), or only
+        #: the steps up to the last record
+        self.count_exact = bool(counts)
+        last = max((s for points in series.values() for s, _ in points), default=-1)
+        #: the steps the run took: its closing count, else up to the last record
+        self.step_count = int(counts[-1][1]) if counts else last + 1
 
     def get(self, name: str) -> list[tuple[int, float]]:
         """The points of ``mixprec/<name>`` (empty when not recorded)."""
@@ -68,6 +82,11 @@ class Run:
             names.append(layer)
             rows.append(row)
         return names, rows
+
+    def skipped(self) -> float:
+        """The steps skipped for inf/NaN gradients, to the end of what the record holds."""
+        skips = self.get("skipped_steps")
+        return skips[-1][1] if skips else 0.0
 
     def skip_steps(self) -> list[int]:
         """Recorded steps whose window held a skipped step (the skip count rose)."""
@@ -116,13 +135,20 @@ def _scale_advice(run: Run) -> list[str]:
                        f"(step {low_step}): some op overflows in the training format. Find it "
                        "with mp.debug.trace_nonfinite and keep it in fp32 (keep_fp32=, "
                        "fp32_ops=), or train in bf16.")
-    if skips and run.steps:
-        total, last = skips[-1][1], max(run.steps) + 1
-        if total > max(2, 0.02 * last):
-            out.append(f"{total:g} of {last} steps were skipped for inf/NaN gradients "
-                       f"({total / last:.0%}): each is a batch the model did not learn from. "
-                       "A scale that backs off more slowly (hysteresis=) or bf16 avoids them.")
+    if skips and run.step_count:
+        total, steps = run.skipped(), _steps_text(run)
+        if total > max(2, 0.02 * run.step_count):
+            out.append(f"{total:g} of {steps} steps were skipped for inf/NaN gradients "
+                       f"({total / run.step_count:.0%}): each is a batch the model did not "
+                       "learn from. A scale that backs off more slowly (hysteresis=) or bf16 "
+                       "avoids them.")
     return out
+
+
+def _steps_text(run: Run) -> str:
+    """The run's step count; "the first N" where the record ends at its last record (no
+    closing count: the monitor was not closed)."""
+    return str(run.step_count) if run.count_exact else f"the first {run.step_count}"
 
 
 def _onset(points: list[tuple[int, float]], limit: float) -> tuple[int, float] | None:
@@ -324,23 +350,75 @@ def render(series: dict[str, list[tuple[int, float]]], title: str = "mixprec run
             + "\n".join(body) + "\n</body></html>\n")
 
 
-def _summary(run: Run) -> str:
-    rows = [("recorded steps", f"{len(run.steps)} (steps {run.steps[0]} to {run.steps[-1]})"
-             if run.steps else "none"), ("layers watched", str(len(run.layers)))]
+def summary_rows(run: Run) -> list[tuple[str, str]]:
+    """The run at a glance, as ``(what, value)`` rows: steps and records, layers, format,
+    loss, loss scale, skipped steps (the page's table, and ``mixprec report``'s text)."""
+    where = (f", steps {run.steps[0]} to {run.steps[-1]}" if run.steps else "")
+    count = (f"{run.step_count}" if run.count_exact else
+             f"{run.step_count} to the last record (the monitor was not closed: steps after "
+             f"it are not counted)")
+    rows = [("steps", count), ("records", f"{len(run.steps)}{where}"),
+            ("layers watched", str(len(run.layers)))]
     if run.format_name():
         rows.append(("training format", run.format_name()))
     loss = run.get("loss")
     if loss:
         rows.append(("loss", f"{loss[0][1]:.4g} at step {loss[0][0]}, {loss[-1][1]:.4g} at "
                              f"step {loss[-1][0]}"))
-    scale = [v for _, v in run.get("loss_scale")]
+    scale = run.get("loss_scale")
     if scale:
-        rows.append(("loss scale", f"{min(scale):g} to {max(scale):g}"))
-    skips = run.get("skipped_steps")
-    if skips:
-        rows.append(("skipped steps", f"{skips[-1][1]:g}"))
+        values = [v for _, v in scale]
+        rows.append(("loss scale", f"{min(values):g} to {max(values):g}, {values[-1]:g} at "
+                                   f"step {scale[-1][0]}"))
+    if run.get("skipped_steps"):
+        share = f" ({run.skipped() / run.step_count:.0%})" if run.step_count else ""
+        rows.append(("skipped steps", f"{run.skipped():g} of {_steps_text(run)}{share}"))
+    return rows
+
+
+#: per layer statistic: (title, how a layer's series is summed up, worst first, unit)
+_WORST = (("gradient underflow", "grad_underflow", max, True, "{:.2%} (most)"),
+          ("update lost", "weight_update_lost", lambda v: sum(v) / len(v), True,
+           "{:.1%} (mean)"),
+          ("activation headroom", "act_headroom", min, False, "{:.1f} binades (least)"))
+
+
+def worst_layers(run: Run, most: int = 3) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Per statistic the heatmaps show, the ``most`` worst layers and their figure:
+    ``[(statistic, [(layer, figure), ...]), ...]`` (statistics not recorded left out)."""
+    out = []
+    for title, stat, reduce, high, text in _WORST:
+        figures = []
+        for layer in run.layers:
+            values = [v for _, v in run.layer(layer, stat) if math.isfinite(v)]
+            if values:
+                figures.append((layer, reduce(values)))
+        figures.sort(key=lambda f: -f[1] if high else f[1])
+        if figures:
+            out.append((title, [(layer, text.format(v)) for layer, v in figures[:most]]))
+    return out
+
+
+def summary_text(series: dict[str, list[tuple[int, float]]]) -> str:
+    """What the report page shows, as text for a terminal: the run at a glance, the worst
+    layers per statistic, and what to do."""
+    run = Run(series)
+    rows = summary_rows(run)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    worst = worst_layers(run)
+    if worst:
+        lines.append("worst layers:")
+        lines += [f"  {title}: " + ", ".join(f"{layer} {v}" for layer, v in layers)
+                  for title, layers in worst]
+    lines.append("what to do:")
+    lines += [f"  - {line}" for line in advice(run)]
+    return "\n".join(lines)
+
+
+def _summary(run: Run) -> str:
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                               for k, v in rows) + "</table>"
+                               for k, v in summary_rows(run)) + "</table>"
 
 
 _NOTHING_TO_JUDGE = ("The run holds no mixprec scalars (names starting 'mixprec/'): it is not "
