@@ -4,10 +4,12 @@ purpose): mp.Trainer, MixprecAccelerator.save_state, MixprecTrainer's checkpoint
 
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from parallel_cases import launch
 from torch import nn
 
 import mixprec as mp
@@ -20,22 +22,25 @@ class Killed(Exception):
     """Stands for the process dying in the middle of a write."""
 
 
-def half_then_die(monkeypatch, when=lambda path: True):
-    """``torch.save`` writes half of the file, then raises (as a killed process would stop),
-    for the paths ``when`` picks; the others are saved as usual."""
+def dying_save(when):
+    """A ``torch.save`` that, for the paths ``when`` picks, writes half of the file and then
+    raises (as a killed process would stop); the others are saved as usual."""
     real = torch.save
 
     def save(obj, f, *args, **kwargs):
         name = str(getattr(f, "name", f))
-        if not when(name):
-            return real(obj, f, *args, **kwargs)
         real(obj, f, *args, **kwargs)
-        path = name if isinstance(name, str) and os.path.isfile(name) else None
-        if path is not None:
-            with open(path, "r+b") as out:
-                out.truncate(os.path.getsize(path) // 2)
+        if not when(name):
+            return
+        if os.path.isfile(name):
+            with open(name, "r+b") as out:
+                out.truncate(os.path.getsize(name) // 2)
         raise Killed(f"killed while writing {name}")
-    monkeypatch.setattr(torch, "save", save)
+    return save
+
+
+def half_then_die(monkeypatch, when=lambda path: True):
+    monkeypatch.setattr(torch, "save", dying_save(when))
 
 
 def flip(path, needle: bytes | None = None, n: int = 64) -> None:
@@ -268,44 +273,108 @@ def hf_trainer(out, **kwargs):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
     rows = [{"input_ids": (torch.arange(8) + i) % 32, "labels": (torch.arange(8) + i) % 32}
-            for i in range(16)]
+            for i in range(8)]
     args = transformers.TrainingArguments(
         str(out), use_cpu=True, report_to=[], per_device_train_batch_size=4, num_train_epochs=1,
-        save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0,
+        save_strategy="steps", save_steps=1, disable_tqdm=True, seed=0,
         train_sampling_strategy="sequential", **kwargs)
     transformers.logging.set_verbosity_error()
     return MixprecTrainer(model, args, train_dataset=rows, level="O2", dtype="bf16")
 
 
 def test_a_trainer_checkpoint_killed_mid_write_is_not_picked_for_resume(tmp_path, monkeypatch):
-    half_then_die(monkeypatch, when=lambda name: "checkpoint-4" in name
+    half_then_die(monkeypatch, when=lambda name: "checkpoint-2" in name
                   and name.endswith("rng_state.pth"))
     with pytest.raises(Killed):
         hf_trainer(tmp_path).train()
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
-    assert integrity.verify_directory(tmp_path / "checkpoint-2")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
+    assert integrity.verify_directory(tmp_path / "checkpoint-1")
     resumed = hf_trainer(tmp_path)
     resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == 4
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    assert resumed.state.global_step == 2
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]
 
 
 def test_resume_refuses_a_damaged_checkpoint_and_verify_false_loads_an_edit(tmp_path):
     hf_trainer(tmp_path, save_total_limit=1).train()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # rotated after the rename
-    flip(tmp_path / "checkpoint-4" / "optimizer.pt")
-    with pytest.raises(ValueError, match=r"'.*checkpoint-4/optimizer\.pt' is damaged"):
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]  # rotated after the rename
+    checkpoint = tmp_path / "checkpoint-2"
+    whole = (checkpoint / "optimizer.pt").read_bytes()
+    flip(checkpoint / "optimizer.pt")
+    with pytest.raises(ValueError, match=r"'.*checkpoint-2/optimizer\.pt' is damaged"):
         hf_trainer(tmp_path).train(resume_from_checkpoint=True)
+    (checkpoint / "optimizer.pt").write_bytes(whole)
 
-    out = tmp_path / "edited"
-    hf_trainer(out, save_total_limit=1).train()
-    state_file = out / "checkpoint-4" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
     state["logging_steps"] = 7  # a deliberate edit
-    state_file.write_text(json.dumps(state))
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match=r"trainer_state\.json' is damaged"):
-        hf_trainer(out).train(resume_from_checkpoint=str(out / "checkpoint-4"))
-    resumed = hf_trainer(out)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"), verify=False)
-    assert resumed.state.global_step == 4
+        hf_trainer(tmp_path).train(resume_from_checkpoint=str(checkpoint))
+    resumed = hf_trainer(tmp_path)
+    resumed.train(resume_from_checkpoint=str(checkpoint), verify=False)
+    assert resumed.state.global_step == 2 and resumed.state.logging_steps == 7
+
+
+# ----------------------------------------------------------------- a rank dies, 2 gloo ranks
+def killed_on_rank_1(rank, out):
+    """Rank 1 dies writing its RNG file: Accelerate's save_state (over an existing state and to a
+    new name), then MixprecTrainer's checkpoint-4; what each rank raised, what is left, and a
+    resume with resume_from_checkpoint=True."""
+    import torch.distributed as dist
+
+    pytest.importorskip("transformers")
+    import hf_cases as hc
+
+    hc.launcher_env(2)
+    got = {}
+    acc = hc.accelerator("O2")
+    model, opt, data = hc.build(acc, 2)
+    hc.train(acc, model, opt, data, stop_at=2)
+    state = os.path.join(out, "state")
+    acc.save_state(state)
+    with mock.patch.object(torch, "save", dying_save(
+            lambda name: rank == 1 and "random_states_1" in name)):
+        for target in (state, os.path.join(out, "state-new")):
+            try:
+                acc.save_state(target)
+            except Exception as exc:
+                got.setdefault("accelerate", []).append(f"{type(exc).__name__}: {exc}")
+    dist.barrier()
+    got["accelerate files"] = sorted(n for n in os.listdir(out) if n.startswith(("state", ".")))
+    got["state whole"] = integrity.verify_directory(state)
+
+    runs = os.path.join(out, "hf")
+    trainer = hc.hf_trainer(runs, "O2", 2, save_strategy="steps", save_steps=2)
+    with mock.patch.object(torch, "save", dying_save(
+            lambda name: rank == 1 and "checkpoint-4" in name and "rng_state_1" in name)):
+        try:
+            trainer.train()
+        except Exception as exc:
+            got["hf"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    got["hf files"] = sorted(os.listdir(runs))
+    resumed = hc.hf_trainer(runs, "O2", 2, save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=True)
+    got["hf resumed to"] = resumed.state.global_step
+    got["hf files after"] = sorted(os.listdir(runs))
+    return got
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_leaves_no_checkpoint_under_its_name(tmp_path):
+    """2 gloo ranks: every rank raises (rank 1 its own error, rank 0 naming rank 1's), nothing
+    half-written is left under a final name, and resume_from_checkpoint=True takes the last
+    whole checkpoint."""
+    pytest.importorskip("accelerate")
+    r0, r1 = launch(killed_on_rank_1, tmp_path, timeout=600)
+    assert all(m.startswith("Killed") for m in r1["accelerate"]) and "Killed" in r1["hf"]
+    assert all(m.startswith("RuntimeError") and "failed on another rank: rank 1: Killed" in m
+               for m in r0["accelerate"])
+    assert r0["hf"].startswith("RuntimeError") and "rank 1: Killed" in r0["hf"]
+    for r in (r0, r1):
+        assert r["accelerate files"] == ["state"] and r["state whole"]
+        assert r["hf files"] == ["checkpoint-2"]
+        assert r["hf resumed to"] == 8
+        assert r["hf files after"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                       "checkpoint-8"]
