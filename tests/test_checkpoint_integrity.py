@@ -244,9 +244,12 @@ def test_automatic_naming_saves_whole_checkpoints_and_loads_the_latest(tmp_path,
     monkeypatch.undo()
     assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
     assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
-    flip(root / "checkpoint_2" / "optimizer.bin")
+    assert acc.save_iteration == 3  # the failed save did not count
+    acc.save_state()
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
+    flip(root / "checkpoint_3" / "optimizer.bin")
     fresh = accelerated(project_config=ProjectConfiguration(**config))[0]
-    with pytest.raises(ValueError, match=r"'.*checkpoint_2/optimizer\.bin' is damaged"):
+    with pytest.raises(ValueError, match=r"'.*checkpoint_3/optimizer\.bin' is damaged"):
         fresh.load_state()
 
 

@@ -370,7 +370,12 @@ class MixprecAccelerator(accelerate.Accelerator):
             finally:
                 config.automatic_checkpoint_naming = auto
         main = self.is_local_main_process if config.save_on_each_node else self.is_main_process
-        save_directory(path, write, main=main, aside=aside)
+        iteration = config.iteration  # Accelerate counts it in the write: back, on a failure
+        try:
+            save_directory(path, write, main=main, aside=aside)
+        except BaseException:
+            config.iteration = iteration
+            raise
         if auto and main and config.total_limit is not None:
             for old in _numbered(path.parent)[:-config.total_limit]:
                 shutil.rmtree(old)

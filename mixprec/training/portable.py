@@ -138,7 +138,8 @@ def convert_checkpoint(src, dst) -> None:
 
     Raises:
         FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
-        ValueError: ``dst`` is a directory, or ``src`` is not a Trainer checkpoint.
+        ValueError: ``dst`` is a directory, ``src`` is not a Trainer checkpoint, or one of its
+            files does not match its checksum.
         RuntimeError: the shards in ``src`` cannot be read (a damaged directory).
 
     Example:
