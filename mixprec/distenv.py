@@ -35,7 +35,7 @@ import torch.distributed as dist
 __all__ = ["world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
            "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
            "require_group", "settle", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV",
-           "SETTLE_GRACE_S"]
+           "SETTLE_GRACE_S", "agree"]
 
 #: Seconds a collective may wait for the other ranks before it raises (unless overridden).
 DEFAULT_TIMEOUT_S = 600.0
@@ -219,6 +219,29 @@ def require_group(what: str) -> None:
                          f"process was not started by a launcher (WORLD_SIZE/RANK unset); "
                          f"{TORCHRUN_HINT}")
     _register_exit_hook()
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank when ``what`` failed on any, so that none waits for the others (a
+    collective: every rank of the default group calls it; without a group of several ranks it
+    raises ``error``, if any).
+
+    Raises:
+        BaseException: ``error`` itself, on the rank where it happened.
+        RuntimeError: on the other ranks, naming each rank's error.
+    """
+    if not is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    message = "" if error is None else f"rank {rank()}: {type(error).__name__}: {error}"
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    if error is not None:
+        raise error
+    failed = [m for m in messages if m]
+    if failed:
+        raise RuntimeError(f"{what} failed on another rank: {'; '.join(failed)}")
 
 
 def is_fsdp(model) -> bool:

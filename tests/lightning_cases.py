@@ -40,6 +40,16 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class Dropping(Classifier):
+    """A Classifier whose blocks drop half their activations: each step draws from the rank's
+    global torch RNG."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net(dropout=0.5)
+
+
 class Sharded(Classifier):
     """ModelParallelStrategy needs configure_model; the plugin shards the blocks as units."""
 
@@ -120,6 +130,17 @@ def rank_case(rank, out, strategy, configs):
         results["split, sharded checkpoint"] = fit(strategy, SPLIT, world=2, epochs=2,
                                                    ckpt_path=path, sharded_checkpoint=True)
     return results
+
+
+def dropout_case(rank, out):
+    """DDP, O2 bf16, a model with dropout: 2 epochs whole; 1 epoch, saved, resumed for epoch 2
+    from another global RNG state."""
+    path, config = os.path.join(out, "dropout.ckpt"), ("O2", "bf16", None)
+    whole = fit("ddp", config, world=2, epochs=2, module_class=Dropping)
+    fit("ddp", config, world=2, epochs=1, save=path, module_class=Dropping)
+    torch.manual_seed(1234 + rank)  # the checkpoint's RNG states must replace this
+    resumed = fit("ddp", config, world=2, epochs=2, ckpt_path=path, module_class=Dropping)
+    return {"whole": whole, "resumed": resumed}
 
 
 def launch_case(rank, out, strategy):

@@ -167,6 +167,34 @@ def test_fit_from_a_checkpoint_resumes_exactly_and_saves_fp32_weights(tmp_path):
     assert again.scaler.state_dict() == uninterrupted.scaler.state_dict()
 
 
+class Dropping(Regressor):
+    """A Regressor with dropout: each step draws from the global torch RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.net.insert(3, nn.Dropout(0.5))
+
+
+def test_a_model_with_dropout_resumes_bitwise_from_an_epoch_end(tmp_path):
+    """Lightning saves no RNG state: the plugin's state carries it (a resumed run otherwise
+    draws other dropout masks than the uninterrupted one)."""
+    batches = data(4, overflow_at=None)
+    whole = Dropping()
+    trainer(MixprecPrecision(level="O2", dtype="bf16"), max_epochs=3).fit(whole, loader(batches))
+
+    fit = trainer(MixprecPrecision(level="O2", dtype="bf16"))
+    fit.fit(Dropping(), loader(batches))
+    fit.save_checkpoint(tmp_path / "epoch0.ckpt")
+    saved = torch.load(tmp_path / "epoch0.ckpt", weights_only=True)["MixprecPrecision"]
+    assert torch.equal(saved["rng_states"][0]["torch"], torch.get_rng_state())
+
+    resumed = Dropping()
+    torch.manual_seed(1234)  # another global RNG state: the checkpoint's must replace it
+    trainer(MixprecPrecision(level="O2", dtype="bf16"), max_epochs=3).fit(
+        resumed, loader(batches), ckpt_path=tmp_path / "epoch0.ckpt")
+    assert max_diff(resumed, whole) == 0.0
+
+
 def test_a_checkpoint_of_another_policy_is_refused_showing_both(tmp_path):
     batches = data(2, overflow_at=None)
     fit = trainer(MixprecPrecision(level="O2", dtype="bf16"))

@@ -35,7 +35,7 @@ DOC = ROOT / "docs" / "internals.md"
 LAYERS = (
     ("foundations", ("dtypes", "hardware", "formats", "components", "kernel_table", "shards",
                      "norms", "forwards", "distenv", "oplists", "emulation", "modulecasts",
-                     "hfsave", "benchmodels")),
+                     "hfsave", "benchmodels", "integrity")),
     ("master methods", ("masters",)),
     ("components", ("lowbit", "scaling", "master")),
     ("policy and casting", ("precision", "precision_map", "policy", "autocast", "outputs",

@@ -236,4 +236,5 @@ def test_fp32_state_dict_gathers_full_plain_tensors(ranks):
         assert sd["types"] == {"Tensor"} and sd["dtypes"] == {torch.float32}
         assert sd["shards_equal"]
         assert sd["checkpoints"] == {"ckpt-step4": [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                    "rank0.pt", "rank1.pt", "trainer.pt"]}
+                                                    "mixprec-checksums.json", "rank0.pt",
+                                                    "rank1.pt", "trainer.pt"]}

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec as mp
+from mixprec.integrity import STALE_AFTER_S, remove_stale_temporaries
 from mixprec.monitor.ranks import RankReduction
-from mixprec.training.state import STALE_AFTER_S, remove_stale_temporaries
 
 
 def _trainer(**kwargs):

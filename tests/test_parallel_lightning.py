@@ -121,6 +121,16 @@ def test_fit_from_a_checkpoint_resumes_bitwise_at_the_same_world_size(ranks):
 
 @pytest.mark.slow
 @gloo
+def test_a_model_with_dropout_resumes_bitwise_under_ddp(tmp_path):
+    """Every rank's RNG states travel in the plugin's state (Lightning saves none)."""
+    for r in launch(lc.dropout_case, tmp_path, timeout=600):
+        assert r["resumed"]["step"] == r["whole"]["step"] == 8
+        a, b = r["whole"]["weights"], r["resumed"]["weights"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@gloo
 def test_under_fsdp2_the_plugin_shards_when_configure_model_does_not(ranks):
     strategy, results = ranks
     if strategy != "fsdp2":

@@ -282,11 +282,11 @@ def test_a_checkpoint_from_another_world_size_loads_only_at_an_epoch_end(tmp_pat
     rng = ts.capture_rng()
     state.update(world_size=2, ranks=[{"rng": rng, "epoch_start_rng": None}] * 2)
     state["counters"]["batch_in_epoch"] = 1
-    torch.save(state, tmp_path / "mid.pt")
+    ts.write_checkpoint(state, tmp_path / "mid.pt")
     with pytest.raises(ValueError, match="saved by 2 process.* middle of an epoch.* has 1"):
         _trainer().load(tmp_path / "mid.pt")
     state["counters"]["batch_in_epoch"] = 0
-    torch.save(state, tmp_path / "end.pt")
+    ts.write_checkpoint(state, tmp_path / "end.pt")
     fresh = _trainer()
     torch.manual_seed(123)
     fresh.load(tmp_path / "end.pt")

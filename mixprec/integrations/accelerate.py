@@ -32,7 +32,9 @@ Where each of Accelerate's calls lands on the engine:
 * ``save_state``/``load_state``: the masters travel in the optimizer's state (``optimizer.bin``
   or FSDP2's sharded ``optimizer_0``, a compact master's remainder or compensation with them),
   the engine's state (policy and scaler) in ``scaler.pt``; a state saved under another policy is
-  refused. An FSDP2 state loads at another number of FSDP2 processes, one included.
+  refused. An FSDP2 state loads at another number of FSDP2 processes, one included. A state is
+  written aside and renamed when every rank is done, with the checksums of its files, which
+  ``load_state`` checks (``verify=False`` skips them).
 * ``unwrap_model(model)``: the prepared model; its ``state_dict()`` holds the fp32 masters, and a
   Hugging Face model's ``save_pretrained`` writes them with a float32 config.
 
@@ -45,6 +47,9 @@ optimizer or sharding takes the step out of the engine's hands).
 from __future__ import annotations
 
 import os
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distenv as env
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
+from ..integrity import save_directory, verify_on_ranks
 from ..lowbit.backend import quiet_import
 from ..parallel.ddp import cast_reduce_hook
 from ..parallel.sharding import fsdp
@@ -325,16 +331,74 @@ class MixprecAccelerator(accelerate.Accelerator):
         return wrapped
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def load_state(self, input_dir=None, **kwargs):
-        """``Accelerator.load_state``; under FSDP2 each optimizer's state is first laid out
-        (:func:`lay_out_state`), so loading the model and then its optimizer restores both
-        exactly. A state saved under FSDP2 loads at any number of FSDP2 processes (one
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
+        """``Accelerator.save_state``, all or nothing: every rank writes into a temporary
+        directory (``.NAME.saving`` beside ``output_dir``; with automatic checkpoint naming,
+        beside ``checkpoints/``), and when every rank is done the main process writes the
+        checksums of its files (``mixprec-checksums.json``) and renames it to its name
+        (:func:`mixprec.integrity.save_directory`). A failure on any rank raises on every rank
+        and leaves nothing under the name. With automatic naming, the oldest checkpoints beyond
+        ``total_limit`` are removed after the save. Save-state pre-hooks see the temporary path.
+
+        Returns:
+            The checkpoint directory, as a string.
+
+        Raises:
+            ValueError: no ``output_dir`` without automatic checkpoint naming; an automatically
+                named checkpoint that exists already.
+        """
+        config = self.project_configuration
+        auto, aside = config.automatic_checkpoint_naming, None
+        if auto:
+            root = Path(self.project_dir) / "checkpoints"
+            path = root / f"checkpoint_{self.save_iteration}"
+            if path.exists():
+                raise ValueError(f"checkpoint directory {str(path)!r} exists already; set "
+                                 f"accelerator.project_configuration.iteration to the iteration "
+                                 f"to continue from")
+            aside = root.parent / f".checkpoints-{path.name}.saving"  # not among checkpoints/
+        elif output_dir is None:
+            raise ValueError("save_state() needs output_dir when automatic checkpoint naming "
+                             "is off (ProjectConfiguration(automatic_checkpoint_naming=True))")
+        else:
+            path = Path(output_dir).expanduser()
+
+        def write(tmp: Path) -> None:
+            config.automatic_checkpoint_naming = False
+            try:
+                accelerate.Accelerator.save_state(self, str(tmp), safe_serialization, **kwargs)
+            finally:
+                config.automatic_checkpoint_naming = auto
+        main = self.is_local_main_process if config.save_on_each_node else self.is_main_process
+        iteration = config.iteration  # Accelerate counts it in the write: back, on a failure
+        try:
+            save_directory(path, write, main=main, aside=aside)
+        except BaseException:
+            config.iteration = iteration
+            raise
+        if auto and main and config.total_limit is not None:
+            for old in _numbered(path.parent)[:-config.total_limit]:
+                shutil.rmtree(old)
+        return str(path)
+
+    def load_state(self, input_dir=None, *, verify: bool = True, **kwargs):
+        """``Accelerator.load_state``, after checking the checksums :meth:`save_state` wrote
+        (``verify=False`` skips that, for a checkpoint edited on purpose; one without
+        ``mixprec-checksums.json`` loads unchecked). Under FSDP2 each optimizer's state is first
+        laid out (:func:`lay_out_state`), so loading the model and then its optimizer restores
+        both exactly. A state saved under FSDP2 loads at any number of FSDP2 processes (one
         included).
 
         Raises:
-            ValueError: a state saved under FSDP2 (sharded ``pytorch_model_fsdp_0``), given to
-                an accelerator without FSDP2.
+            ValueError: a file that does not match its checksum, or is missing (the error names
+                it); a state saved under FSDP2 (sharded ``pytorch_model_fsdp_0``), given to an
+                accelerator without FSDP2.
         """
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            found = _numbered(Path(self.project_dir) / "checkpoints")
+            input_dir = str(found[-1]) if found else None
+        if input_dir is not None and os.path.isdir(input_dir):
+            verify_on_ranks(input_dir, verify=verify)
         if (not self.is_fsdp2 and input_dir is not None
                 and os.path.isdir(os.path.join(input_dir, "pytorch_model_fsdp_0"))):
             raise ValueError(f"{str(input_dir)!r} was saved under FSDP2 (its model and optimizer "
@@ -389,3 +453,12 @@ def check_host_precision(accelerator) -> None:
                          f"({accelerator.mixed_precision!r}, e.g. by ACCELERATE_MIXED_PRECISION "
                          f"or an accelerate config): unset it; the MixedPrecision engine "
                          f"decides the precision")
+
+
+def _numbered(root: Path) -> list[Path]:
+    """The checkpoint directories in ``root``, by the number in their names (as Accelerate's
+    automatic naming orders them)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m[0]), p) for p in root.iterdir() if (m := re.findall(r"\d+", p.name))]
+    return [p for _, p in sorted(found)]

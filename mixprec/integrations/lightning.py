@@ -31,8 +31,10 @@ of Lightning's precision hooks lands on the engine:
   through the fp32-master wrapper; a compact master method refuses them).
 * ``monitor=``: a :class:`mixprec.PrecisionMonitor` records the run; its scalars also go to
   the trainer's loggers (``logger.log_metrics``), TensorBoard, CSV or W&B alike.
-* ``state_dict``/``load_state_dict``: the engine's (policy and scaler) in the checkpoint; the
-  masters travel in the optimizer's state, and the model's ``state_dict`` is fp32.
+* ``state_dict``/``load_state_dict``: the engine's (policy and scaler) and every rank's RNG
+  states (torch, CUDA, numpy, python; Lightning saves none) in the checkpoint, so that a model
+  with dropout resumes exactly; the masters travel in the optimizer's state, and the model's
+  ``state_dict`` is fp32. Lightning writes the checkpoint file itself (its checkpoint IO).
 
 Strategies: one device, DDP (``"ddp"``, ``"ddp_spawn"``, ...) and ``ModelParallelStrategy``
 (FSDP2); with DDP the model is prepared in ``convert_module``, before DDP wraps it, and the
@@ -74,6 +76,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
 __all__ = ["MixprecPrecision", "SkipAwareScheduler"]
 
 _FP32 = torch.float32
+_RNG = "rng_states"  # the plugin's state_dict entry: every rank's RNG states
 
 
 class SkipAwareScheduler:
@@ -326,12 +329,21 @@ class MixprecPrecision(Precision):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The engine's state (policy and scaler); empty before set-up."""
-        return {} if self.engine.scaler is None else self.engine.state_dict()
+        """The engine's state (policy and scaler) and every rank's RNG states (torch, CUDA,
+        numpy, python: gathered, a collective under several processes, as Lightning's own
+        checkpointing is); empty before set-up."""
+        if self.engine.scaler is None:
+            return {}
+        return {**self.engine.state_dict(), _RNG: checkpoints.rank_rng_states()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the engine's state; a checkpoint made under another policy is refused."""
-        self.engine.load_state_dict(state_dict)
+        """Restore the engine's state and this rank's RNG states (a checkpoint of fewer ranks:
+        rank ``r`` takes those of rank ``r`` modulo their number); a checkpoint made under
+        another policy is refused."""
+        engine_state = {k: v for k, v in state_dict.items() if k != _RNG}
+        self.engine.load_state_dict(engine_state)
+        if _RNG in state_dict:
+            checkpoints.restore_rank_rng(state_dict[_RNG])
 
 
 def _log_to_loggers(monitor, model: pl.LightningModule) -> None:

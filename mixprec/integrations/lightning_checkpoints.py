@@ -18,6 +18,9 @@ one writes each rank's shards. Two things would keep such a resume from being bi
   load pre-hook that sets the pair from the loaded value, as the prepared model's own hook
   does when it is loaded whole.
 
+The plugin's own state carries every rank's RNG states (:func:`rank_rng_states`): Lightning
+saves none, and a model with dropout resumes exactly only when each rank continues from its own.
+
 Under ``ModelParallelStrategy`` the checkpoint's ``state_dict`` of a compact master method
 holds the 16-bit weights (in fp32); the remainder or compensation that makes each an exact
 or near-fp32 master is in the optimizer state (``mp.fp32_state_dict(model, optimizer)`` joins
@@ -29,13 +32,16 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .. import distenv as env
 from ..master.states import COMPENSATION_KEY
 from ..shards import is_dtensor
+from ..training.state import capture_rng, restore_rng
 from . import lightning_strategies as strategies
 
-__all__ = ["register"]
+__all__ = ["register", "rank_rng_states", "restore_rank_rng"]
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose hooks are registered
 
@@ -49,6 +55,30 @@ def register(module: nn.Module, optimizers: list) -> None:
             continue
         _HOOKED.add(optimizer)
         _compensations_follow_loads(module, optimizer)
+
+
+def rank_rng_states() -> list[dict]:
+    """Every rank's global RNG states (:func:`mixprec.training.state.capture_rng`), in rank
+    order; gathered under a process group of several ranks (a collective)."""
+    mine = capture_rng()
+    if not env.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def restore_rank_rng(states: list[dict]) -> None:
+    """Set this rank's RNG states from :func:`rank_rng_states` (rank ``r`` takes entry ``r``
+    modulo their number).
+
+    Raises:
+        ValueError: not a list of RNG states.
+    """
+    if not isinstance(states, list) or not states or not all(isinstance(s, dict) for s in states):
+        raise ValueError(f"the plugin's RNG states are a list of one dict per rank; got "
+                         f"{type(states).__name__}")
+    restore_rng(states[env.rank() % len(states)])
 
 
 def _compensations_follow_loads(model: nn.Module, optimizer) -> None:

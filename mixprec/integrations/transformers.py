@@ -31,7 +31,10 @@ How the Trainer's loop lands on the engine, in the order it runs:
 * checkpoints: the masters travel in the optimizer's state (``optimizer.pt``), the engine's state
   (policy and scaler) in ``scaler.pt``, both written with every checkpoint and read back by
   ``train(resume_from_checkpoint=...)`` (a checkpoint made under another policy is refused).
-  ``save_model`` writes the fp32 weights (the masters) and a config that says float32.
+  A checkpoint is written all or nothing: into ``.checkpoint-N.saving/`` by every rank, then,
+  when every rank is done, given the checksums of its files (``mixprec-checksums.json``) and
+  renamed to ``checkpoint-N``; ``train`` checks them before resuming (``verify=False`` skips
+  that). ``save_model`` writes the fp32 weights (the masters) and a config that says float32.
 
 An engine built with ``monitor=mp.PrecisionMonitor(...)`` records the run; its scalars also go
 through ``Trainer.log``, so every ``report_to`` integration (TensorBoard, W&B, ...) receives them.
@@ -53,12 +56,15 @@ GradScaler on top of the engine would cast and scale twice).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
+from ..integrity import save_directory, verify_on_ranks
 from ..lowbit.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
@@ -74,7 +80,12 @@ from .gradscaler import EngineGradScaler
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
         import transformers
-        import transformers.trainer  # noqa: F401
+        import transformers.trainer
+        from transformers.trainer_utils import (
+            PREFIX_CHECKPOINT_DIR,
+            get_last_checkpoint,
+            rotate_checkpoints,
+        )
 except ImportError as exc:  # pragma: no cover - the error names the extra
     raise ImportError("mixprec.integrations.transformers needs transformers and accelerate: "
                       "pip install 'mixprec[transformers]'") from exc
@@ -83,7 +94,8 @@ __all__ = ["MixprecTrainer", "EngineGradScaler"]
 
 _LOOP_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "create_optimizer",
                "create_accelerator_and_postprocess", "save_model", "_prepare_for_training",
-               "_load_from_checkpoint")
+               "_load_from_checkpoint", "_save_checkpoint", "_get_output_dir",
+               "_push_from_checkpoint")
 
 
 @vocabulary.takes(*vocabulary.PRECISION, *vocabulary.LOOP, *vocabulary.EMULATION, notes={
@@ -140,6 +152,8 @@ class MixprecTrainer(transformers.Trainer):
                                f"'transformers' extra")
         self.mixed_precision = mixed_precision
         self._engine_optimizer = None
+        self._staging: Path | None = None  # where _save_checkpoint writes, while it does
+        self._push_pending = False
         super().__init__(*args, **kwargs)
         if mixed_precision.monitor is not None:
             mixed_precision.monitor.writers.append(CallbackWriter(self._log_monitored))
@@ -215,6 +229,69 @@ class MixprecTrainer(transformers.Trainer):
         engine, optimizer = self.mixed_precision, self._engine_optimizer
         if engine.scaler.is_enabled() and not engine.is_unscaled(optimizer):
             engine.unscale_(optimizer)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, verify: bool = True, **kwargs):
+        """``transformers.Trainer.train``; the checkpoint to resume from is first checked
+        against the checksums its save wrote.
+
+        Args:
+            resume_from_checkpoint: as the Trainer's (a path, or True: the latest
+                ``checkpoint-N`` in ``args.output_dir``).
+            verify: False skips the checksums (a checkpoint edited on purpose); a checkpoint
+                without ``mixprec-checksums.json`` (the stock Trainer's) loads unchecked.
+
+        Raises:
+            ValueError: a file of the checkpoint is missing or does not match its checksum
+                (the error names it).
+        """
+        if resume_from_checkpoint is True:  # resolved as the Trainer does, to check that one
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(
+                resume_from_checkpoint):
+            verify_on_ranks(resume_from_checkpoint, verify=verify)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's own, all or nothing: every rank writes the checkpoint in
+        ``.checkpoint-N.saving/`` beside its place, and when every rank is done the saving rank
+        adds the checksums and renames it ``checkpoint-N``
+        (:func:`mixprec.integrity.save_directory`); then old checkpoints are rotated out and the
+        Hub push (``push_to_hub``) runs, on the renamed checkpoint."""
+        run_dir = Path(self._get_output_dir(trial))
+        path = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+
+        def write(tmp: Path) -> Path:
+            self._staging = tmp  # the Trainer's run directory while it saves
+            try:
+                transformers.Trainer._save_checkpoint(self, model, trial)
+            finally:
+                self._staging = None
+            written = tmp / path.name
+            if self.state.best_model_checkpoint == str(written):  # this one is the best
+                self.state.best_model_checkpoint = str(path)
+                if self.args.should_save:
+                    self.state.save_to_json(str(written / transformers.trainer.TRAINER_STATE_NAME))
+            return written
+        save_directory(path, write, main=self.args.should_save)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint,
+                               use_mtime=True)
+        if self._push_pending:
+            self._push_pending = False
+            self._push_from_checkpoint(str(path))
+
+    def _get_output_dir(self, trial) -> str:
+        """The Trainer's run directory; while a checkpoint is written, its temporary one."""
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The Trainer's Hub push, of a checkpoint once it has its name."""
+        if self._staging is not None:
+            self._push_pending = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
 
     # -- saving ----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..integrity import verify_directory
 from ..master.checkpoint import MASTERS_KEY
 from ..master.states import COMPENSATION_KEY
 from ..masters.kahan import keep_pair
@@ -37,12 +38,13 @@ __all__ = ["convert_checkpoint", "read_directory", "read_meta", "load_file_shard
 META = "trainer.pt"
 
 
-def read_meta(path: Path) -> dict:
-    """``trainer.pt`` of an FSDP checkpoint directory (checked)."""
+def read_meta(path: Path, *, verify: bool = True) -> dict:
+    """``trainer.pt`` of an FSDP checkpoint directory (checked; its checksum unless ``verify``
+    is False)."""
     if not (path / META).is_file():
         raise FileNotFoundError(f"no Trainer checkpoint at {str(path)!r}: a directory checkpoint "
                                 f"(strategy='fsdp') holds {META}, and none is there")
-    meta = ts.read_checkpoint(path / META)
+    meta = ts.read_checkpoint(path / META, verify=verify)
     if "world_size" not in meta:
         raise ValueError(f"{str(path / META)!r} is not an FSDP Trainer checkpoint")
     return meta
@@ -59,7 +61,7 @@ def checkpoint_io(action, what: str, path) -> None:
         raise RuntimeError(f"{what} FSDP checkpoint {str(path)!r} failed ({causes})") from exc
 
 
-def read_directory(path) -> dict:
+def read_directory(path, *, verify: bool = True) -> dict:
     """An FSDP checkpoint directory as the dict a one-process checkpoint file holds.
 
     Reads every shard in this process (no process group needed): the full model and optimizer
@@ -69,10 +71,12 @@ def read_directory(path) -> dict:
 
     Raises:
         FileNotFoundError: no ``trainer.pt`` (or a rank's RNG file) in ``path``.
+        ValueError: a file that does not match its checksum (unless ``verify`` is False).
         RuntimeError: the shards cannot be read (a damaged directory); names ``path``.
     """
     path = Path(path)
-    meta = read_meta(path)
+    verify_directory(path, verify=verify)
+    meta = read_meta(path, verify=verify)
     ranks = [torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=True)
              for r in range(meta["world_size"])]
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +138,8 @@ def convert_checkpoint(src, dst) -> None:
 
     Raises:
         FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
-        ValueError: ``dst`` is a directory, or ``src`` is not a Trainer checkpoint.
+        ValueError: ``dst`` is a directory, ``src`` is not a Trainer checkpoint, or one of its
+            files does not match its checksum.
         RuntimeError: the shards in ``src`` cannot be read (a damaged directory).
 
     Example:
@@ -150,7 +155,7 @@ def convert_checkpoint(src, dst) -> None:
         raise ValueError(f"{str(src)!r} was saved before the first step (no optimizer state): "
                          f"load it with Trainer.load, which takes the directory as it is")
     del ckpt["param_groups"]
-    ts.atomic_save(ckpt, dst)
+    ts.write_checkpoint(ckpt, dst)
 
 
 def load_file_sharded(trainer, ckpt: dict) -> None:

@@ -3,14 +3,14 @@
 A checkpoint is a directory written by every rank through ``torch.distributed.checkpoint``
 (model and optimizer shards, loadable at another world size), plus ``trainer.pt`` (scaler,
 scheduler, counters, history; written by rank 0) and ``rank{N}.pt`` (each rank's RNG states). It
-is written under a temporary name and renamed into place when every rank is done, so a failure
-leaves an older checkpoint at ``path`` intact. ``load`` also takes a one-process or DDP file
+is written under a temporary name and renamed into place when every rank is done, with the
+checksums of its files (:func:`mixprec.integrity.save_directory`), so a failure leaves an older
+checkpoint at ``path`` intact. ``load`` also takes a one-process or DDP file
 (:mod:`mixprec.training.portable`).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import distenv as env
+from ..integrity import remove_stale_temporaries, save_directory, seal, verify_directory
 from ..parallel.sharding import fsdp
 from ..policy import Policy
 from . import state as ts
@@ -52,34 +53,30 @@ class FSDPStrategy(DistributedStrategy):
         if path.is_file():
             raise ValueError(f"{str(path)!r} is a file; an FSDP checkpoint is a directory: give "
                              f"a new path")
-        tmp = path.with_name(f".{path.name}.saving")
-        error = None
-        if self.is_main:  # this path's temporary, and others that interrupted saves left
-            error = _try(lambda: (shutil.rmtree(tmp) if tmp.exists() else None,
-                                  ts.remove_stale_temporaries(path.parent)))
-        self.agree(error, f"preparing {str(tmp)!r}")
         tensors, groups = _sharded_state(trainer)
-        checkpoint_io(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), "saving", path)
         ranks = self.rank_states(trainer)
+        meta = None
         if self.is_main:
             meta = {**ts.trainer_meta(trainer), "world_size": env.world_size(),
                     "param_groups": groups}
-            error = _try(lambda: torch.save(meta, tmp / _META))
-        error = error or _try(lambda: torch.save(ranks[env.rank()], tmp / f"rank{env.rank()}.pt"))
-        self.agree(error, f"saving checkpoint {str(path)!r}")
-        if self.is_main:
-            error = _try(lambda: _replace_dir(tmp, path))
-        self.agree(error, f"moving checkpoint {str(tmp)!r} to {str(path)!r}")
 
-    def load(self, trainer, path) -> None:
+        def write(tmp: Path) -> None:
+            checkpoint_io(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), "saving", path)
+            if meta is not None:
+                torch.save(seal(meta), tmp / _META)
+            torch.save(ranks[env.rank()], tmp / f"rank{env.rank()}.pt")
+        save_directory(path, write)
+
+    def load(self, trainer, path, *, verify: bool = True) -> None:
         path = Path(path)
         if path.is_file():  # a one-process or DDP checkpoint
-            return self._load_file(trainer, path)
+            return self._load_file(trainer, path, verify)
         error, meta = None, None
         try:
-            if self.is_main:  # of saves an interrupted run left
-                ts.remove_stale_temporaries(path.parent)
-            meta = read_meta(path)
+            if self.is_main:  # of saves an interrupted run left; the checksums of this one
+                remove_stale_temporaries(path.parent)
+                verify_directory(path, verify=verify)
+            meta = read_meta(path, verify=verify)
             ts.check_compatible(trainer, meta, path)
             rank_file = path / f"rank{env.rank() % meta['world_size']}.pt"
             meta["ranks"] = [torch.load(rank_file, map_location="cpu", weights_only=True)]
@@ -102,13 +99,13 @@ class FSDPStrategy(DistributedStrategy):
                 group.update(saved)
         _load_rest(trainer, meta)
 
-    def _load_file(self, trainer, path: Path) -> None:
+    def _load_file(self, trainer, path: Path, verify: bool) -> None:
         """A one-process or DDP checkpoint file: every rank reads it and keeps its shards."""
         error, ckpt = None, None
         try:
             if self.is_main:  # of saves an interrupted run left
-                ts.remove_stale_temporaries(path.parent)
-            ckpt = ts.read_checkpoint(path)
+                remove_stale_temporaries(path.parent)
+            ckpt = ts.read_checkpoint(path, verify=verify)
             ts.check_compatible(trainer, ckpt, path)
             ckpt = rank_checkpoint(ckpt, path, env.rank(), env.world_size())
         except Exception as exc:
@@ -140,25 +137,3 @@ def _sharded_state(trainer) -> tuple[dict, list | None]:
     optimizer.state.clear()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"model": model_sd}, groups
-
-
-def _try(action) -> BaseException | None:
-    try:
-        action()
-    except Exception as exc:  # reported on every rank by agree()
-        return exc
-    return None
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    old = path.with_name(f".{path.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-

@@ -1,23 +1,16 @@
 """The Trainer's exact resume: :class:`TrainState` (its counters and positions), RNG snapshots,
-data-loader generators, model signatures, atomic checkpoint files.
+data-loader generators, model signatures, checkpoint files.
 
-A checkpoint file is written under a temporary name beside it (``.NAME.XXXXXXXX.partial``) and
-renamed into place; an FSDP checkpoint directory likewise under ``.NAME.saving``. A save that was
-interrupted (the process killed) leaves its temporary behind: the next save into that directory,
-and a resume from it, remove those of mixprec's own naming that nothing has written to for
-:data:`STALE_AFTER_S` seconds (on the rank that saves; nothing else is touched).
+A checkpoint file is written atomically and carries the checksum of its content, checked on load
+(:mod:`mixprec.integrity`: also the temporaries an interrupted save leaves, and how they are
+removed).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import random
-import re
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +18,10 @@ import torch
 from torch import nn
 
 from ..engine_checks import check_policy
+from ..integrity import atomic_save, check_seal, seal
 
-CHECKPOINT_FORMAT = "mixprec.trainer/2"
-
-#: Seconds without a write after which a temporary checkpoint file is an orphan.
-STALE_AFTER_S = 60.0
-_TEMP_SUFFIX = ".partial"
-# a temporary of atomic_save: "." + name + "." + mkstemp's 8 characters + ".partial" (earlier
-# versions wrote no ".partial": only those of checkpoint-like names are taken for theirs)
-_TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.partial$|^\..+\.(pt|pth|ckpt)\.[a-z0-9_]{8}$")
-_TEMP_DIR = re.compile(r"^\..+\.saving$")   # an FSDP checkpoint directory being written
+CHECKPOINT_FORMAT = "mixprec.trainer/3"   # /3: the content's checksum sealed in
+_UNSEALED_FORMAT = "mixprec.trainer/2"    # written before checksums; loads unchecked
 
 
 @dataclasses.dataclass
@@ -159,56 +146,14 @@ def signature_mismatch(saved, current) -> str | None:
     return None
 
 
-def remove_stale_temporaries(directory, stale_after_s: float = STALE_AFTER_S) -> list[Path]:
-    """Remove the temporaries interrupted saves left in ``directory`` (see the module
-    docstring): files and FSDP ``.saving`` directories of mixprec's naming not written to for
-    ``stale_after_s`` seconds. Returns what was removed; one that cannot be removed is left.
-    """
-    directory = Path(directory)
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    now = time.time()
-    for entry in directory.iterdir():
-        ours = (_TEMP_FILE.match(entry.name) and entry.is_file()
-                or _TEMP_DIR.match(entry.name) and entry.is_dir())
-        try:
-            if not ours or now - _last_write(entry) < stale_after_s:
-                continue
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            removed.append(entry)
-        except OSError:  # gone already, or not ours to remove: leave it
-            continue
-    return removed
+def write_checkpoint(state: dict, path) -> None:
+    """Write a Trainer checkpoint file: ``state`` sealed with its checksum, atomically."""
+    atomic_save(seal(state), path)
 
 
-def _last_write(entry: Path) -> float:
-    if entry.is_file():
-        return entry.stat().st_mtime
-    return max([entry.stat().st_mtime, *(p.stat().st_mtime for p in entry.rglob("*"))])
-
-
-def atomic_save(obj, path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then rename it over ``path``
-    (removing stale temporaries of interrupted saves there first)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"checkpoint path {str(path)!r} is a directory; give a file name")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def read_checkpoint(path) -> dict:
-    """Load and sanity-check a Trainer checkpoint (tensors on the CPU)."""
+def read_checkpoint(path, *, verify: bool = True) -> dict:
+    """Load and check a Trainer checkpoint (tensors on the CPU); ``verify=False`` skips the
+    checksum (for a file edited on purpose)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}")
@@ -217,10 +162,12 @@ def read_checkpoint(path) -> dict:
     except Exception as exc:  # unpickling errors come in many types
         raise ValueError(f"{str(path)!r} is not a readable mixprec Trainer checkpoint: "
                          f"{exc}") from exc
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+    formats = (CHECKPOINT_FORMAT, _UNSEALED_FORMAT)
+    if not isinstance(ckpt, dict) or ckpt.get("format") not in formats:
         raise ValueError(f"{str(path)!r} is not a mixprec Trainer checkpoint (expected format "
                          f"{CHECKPOINT_FORMAT!r})")
-    return ckpt
+    check_seal(ckpt, path, verify=verify, required=ckpt["format"] == CHECKPOINT_FORMAT)
+    return {k: v for k, v in ckpt.items() if k != "sha256"}
 
 
 # ----------------------------------------------------------------- Trainer checkpoints

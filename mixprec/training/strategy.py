@@ -26,6 +26,7 @@ from torch.utils.data import (
 )
 
 from .. import distenv as env
+from ..integrity import remove_stale_temporaries
 from ..parallel import ddp
 from ..policy import Policy
 from ..prepare import module_device, prepare_many
@@ -149,11 +150,11 @@ class Strategy:
 
     # -- checkpoints ------------------------------------------------------------------------
     def save(self, trainer, path) -> None:
-        ts.atomic_save(ts.trainer_state(trainer), path)
+        ts.write_checkpoint(ts.trainer_state(trainer), path)
 
-    def load(self, trainer, path) -> None:
-        ts.remove_stale_temporaries(Path(path).parent)  # of saves an interrupted run left
-        ckpt = read_any(path, trainer.optimizer)
+    def load(self, trainer, path, *, verify: bool = True) -> None:
+        remove_stale_temporaries(Path(path).parent)  # of saves an interrupted run left
+        ckpt = read_any(path, trainer.optimizer, verify=verify)
         ts.load_trainer_state(trainer, rank_checkpoint(ckpt, path, 0, 1), path)
 
 
@@ -233,15 +234,8 @@ class DistributedStrategy(Strategy):
         return gathered
 
     def agree(self, error: BaseException | None, what: str) -> None:
-        """Raise on every rank when ``what`` failed on any (so none waits for the others)."""
-        message = "" if error is None else f"rank {env.rank()}: {type(error).__name__}: {error}"
-        messages: list = [None] * env.world_size()
-        dist.all_gather_object(messages, message)
-        if error is not None:
-            raise error
-        failed = [m for m in messages if m]
-        if failed:
-            raise RuntimeError(f"{what} failed on another rank: {'; '.join(failed)}")
+        """Raise on every rank when ``what`` failed on any (:func:`mixprec.distenv.agree`)."""
+        env.agree(error, what)
 
 
 def _collective_failure(exc: BaseException) -> bool:
@@ -252,11 +246,12 @@ def _collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text)
 
 
-def read_any(path, optimizer) -> dict:
-    """A checkpoint file, or an FSDP checkpoint directory read whole (in this process)."""
+def read_any(path, optimizer, *, verify: bool = True) -> dict:
+    """A checkpoint file, or an FSDP checkpoint directory read whole (in this process); its
+    checksums checked unless ``verify`` is False."""
     if Path(path).is_dir():
-        return fill_fresh_optimizer(read_directory(path), optimizer)
-    return ts.read_checkpoint(path)
+        return fill_fresh_optimizer(read_directory(path, verify=verify), optimizer)
+    return ts.read_checkpoint(path, verify=verify)
 
 
 def rank_checkpoint(ckpt: dict, path, rank: int, world: int) -> dict:
@@ -306,18 +301,18 @@ class DDPStrategy(DistributedStrategy):
             try:
                 state = ts.trainer_state(trainer)
                 state.update(world_size=env.world_size(), ranks=ranks)
-                ts.atomic_save(state, path)
+                ts.write_checkpoint(state, path)
             except Exception as exc:  # reported on every rank by agree()
                 error = exc
         self.agree(error, f"saving checkpoint {str(path)!r}")
 
-    def load(self, trainer, path) -> None:
+    def load(self, trainer, path, *, verify: bool = True) -> None:
         error = None
         try:
             if self.is_main:  # of saves an interrupted run left
-                ts.remove_stale_temporaries(Path(path).parent)
-            ckpt = rank_checkpoint(read_any(path, trainer.optimizer), path, env.rank(),
-                                   env.world_size())
+                remove_stale_temporaries(Path(path).parent)
+            ckpt = rank_checkpoint(read_any(path, trainer.optimizer, verify=verify), path,
+                                   env.rank(), env.world_size())
             ts.load_trainer_state(trainer, ckpt, path)
         except Exception as exc:
             error = exc

@@ -371,18 +371,20 @@ class Trainer:
         Model, optimizer (with fp32 masters), loss scaler, scheduler, step/epoch counters, the
         position in the epoch, the history, and the RNG states (torch, CUDA, numpy, python, the
         data loader's generators, and those from the start of the current epoch). The file is
-        written to a temporary name and renamed, so a failure leaves any old file intact.
+        written to a temporary name and renamed, so a failure leaves any old file intact, and it
+        carries the SHA-256 of its content, which :meth:`load` checks.
 
         Under ddp/fsdp call it on every rank: under ddp, rank 0 writes the one file (holding
         every rank's RNG states); under fsdp, ``path`` is a directory written by all ranks
-        through ``torch.distributed.checkpoint``.
+        through ``torch.distributed.checkpoint`` (aside, renamed when every rank is done; the
+        checksums of its files in ``mixprec-checksums.json``).
 
         Raises:
             ValueError: ``path`` is a directory (a file under fsdp).
         """
         self.strategy.save(self, path)
 
-    def load(self, path) -> None:
+    def load(self, path, *, verify: bool = True) -> None:
         """Restore a :meth:`save` file; the next :meth:`fit` continues where it was saved.
 
         Under ddp/fsdp call it on every rank; a resumed run is bitwise equal to the
@@ -391,9 +393,15 @@ class Trainer:
         DDP file, or an FSDP directory (read whole by each process;
         :func:`mixprec.convert_checkpoint` writes one as a file).
 
+        Args:
+            path: the file or directory :meth:`save` wrote.
+            verify: check the checksums :meth:`save` wrote (False: load a checkpoint edited on
+                purpose; one written before mixprec carried checksums loads unchecked).
+
         Raises:
             FileNotFoundError: no such file or checkpoint directory.
-            ValueError: not a Trainer checkpoint, or one from another model, policy or set-up
-                (scheduler or not); the trainer is left unchanged.
+            ValueError: not a Trainer checkpoint, a damaged one (its content no longer matches
+                its checksum; the error names the file), or one from another model, policy or
+                set-up (scheduler or not); the trainer is left unchanged.
         """
-        self.strategy.load(self, path)
+        self.strategy.load(self, path, verify=verify)
