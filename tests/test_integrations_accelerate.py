@@ -45,6 +45,25 @@ def net_and_opt():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def lockstep(acc, model, opt, amp, ref, ref_opt) -> list:
+    """The accelerator's loop (in its ``autocast()``, clipped to 0.5) and the engine's own over
+    the same batches; their fp32 weights end bitwise equal. Returns the accelerator's norms."""
+    norms = []
+    for x, y in batches():
+        with acc.autocast():  # Accelerate's own autocast: nothing on top of the engine
+            loss = F.cross_entropy(model(x).float(), y)
+        acc.backward(loss)
+        norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+        opt.step()
+        opt.zero_grad()
+        amp.backward(F.cross_entropy(ref(x).float(), y))
+        amp.step(ref_opt, max_grad_norm=0.5)
+        ref_opt.zero_grad()
+    a, b = mp.fp32_state_dict(model, opt.optimizer), mp.fp32_state_dict(ref, ref_opt)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return norms
+
+
 def test_the_loop_takes_the_engines_steps_exactly():
     """One changed line: the accelerator's loop gives the engine's own loop's masters, bit for
     bit (prepare, backward, clip_grad_norm_, optimizer.step)."""
@@ -54,17 +73,7 @@ def test_the_loop_takes_the_engines_steps_exactly():
     assert model.blocks[0].fc.weight.dtype == torch.bfloat16
     amp = mp.MixedPrecision("O2", "bf16", loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
     ref, ref_opt = amp.setup(*net_and_opt())
-    norms = []
-    for x, y in batches():
-        acc.backward(F.cross_entropy(model(x).float(), y))
-        norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
-        opt.step()
-        opt.zero_grad()
-        amp.backward(F.cross_entropy(ref(x).float(), y))
-        amp.step(ref_opt, max_grad_norm=0.5)
-        ref_opt.zero_grad()
-    a, b = mp.fp32_state_dict(model, opt.optimizer), mp.fp32_state_dict(ref, ref_opt)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    norms = lockstep(acc, model, opt, amp, ref, ref_opt)
     assert all(n > 0.5 for n in norms)  # the clip acted (true norms, not scaled ones)
     assert acc.unwrap_model(model).state_dict()["head.weight"].dtype == torch.float32
 
@@ -131,6 +140,44 @@ def test_accelerates_own_mixed_precision_is_refused_saying_why(monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     hc.reset_accelerate()
     assert MixprecAccelerator(mixed_precision="no", cpu=True).engine.policy is None  # "auto"
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"level": "O0", "dtype": "bf16"}, "no"), ({"level": "O1", "dtype": "fp16"}, "fp16"),
+    ({"level": "O2", "dtype": "bf16"}, "bf16"), ({"level": "O3", "dtype": "fp16"}, "fp16"),
+    ({"level": "O2", "dtype": "bf16", "fp8": "rowwise"}, "fp8"),
+    ({"level": "O2"}, "auto")])
+def test_mixed_precision_names_what_the_model_computes_in_as_accelerate_does(kw, named):
+    """What Accelerate's own values say, while Accelerate's own switch stays off: no autocast
+    of its own, no GradScaler of its own (the engine is the scaler). "auto" is named as it
+    resolves on the accelerator's device, without being resolved yet."""
+    if named == "auto":  # this CPU's 16-bit type, or fp32 where it has no fast one
+        auto = mp.Policy.from_level("O2", "auto", "cpu", warn=False).compute_dtype
+        named = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(auto, "no")
+    hc.reset_accelerate()
+    acc = MixprecAccelerator(cpu=True, **kw)
+    assert acc.mixed_precision == named
+    assert acc.state.mixed_precision == "no" and not acc.native_amp
+    assert isinstance(acc.scaler, mp.integrations.accelerate.EngineGradScaler)
+    with acc.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert (acc.engine.policy is None) == ("dtype" not in kw)
+
+
+def test_a_script_branching_on_mixed_precision_pads_and_trains_as_the_engine():
+    """Accelerate's checkpointing example pads batches to a multiple of 16 for "fp8", of 8 for
+    any other mixed precision, not at all for "no": under O2 fp16 it takes the padding path,
+    and the run is bitwise the engine's own loop (nothing autocast or scaled a second time)."""
+    hc.reset_accelerate()
+    acc = MixprecAccelerator(level="O2", dtype="fp16", cpu=True,
+                             loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
+    pad_to = 16 if acc.mixed_precision == "fp8" else 8 if acc.mixed_precision != "no" else None
+    assert pad_to == 8
+    model, opt = acc.prepare(*net_and_opt())
+    amp = mp.MixedPrecision("O2", "fp16", loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
+    ref, ref_opt = amp.setup(*net_and_opt())
+    lockstep(acc, model, opt, amp, ref, ref_opt)
+    assert acc.engine.scaler.get_scale() == amp.scaler.get_scale()
 
 
 def test_bad_arguments_are_refused():
