@@ -358,20 +358,60 @@ def test_a_remainder_saved_as_int32_loads_as_int16_and_a_foreign_one_is_refused(
     model, opt = compact("split")
     F.cross_entropy(model(dataset()[:8][0]).float(), dataset()[:8][1]).backward()
     opt.step()
-    state = opt.state_dict()
-    rem = {i: s["remainder"].clone() for i, s in state["state"].items() if "remainder" in s}
-    wide = {**state, "state": {i: {**s, **({"remainder": s["remainder"].to(torch.int32)}
-                                            if "remainder" in s else {})}
-                               for i, s in state["state"].items()}}
+    live = {i: opt.state[p]["remainder"].clone()
+            for i, p in enumerate(opt.param_groups[0]["params"]) if "remainder" in opt.state[p]}
+    wide = opt.state_dict()  # int32 (gloo carries no int16), also in one process
+    assert live and all(wide["state"][i]["remainder"].dtype == torch.int32
+                        and torch.equal(wide["state"][i]["remainder"], r.int())
+                        for i, r in live.items())
     opt.load_state_dict(wide)
-    got = opt.state_dict()["state"]
-    assert all(got[i]["remainder"].dtype == torch.int16 and torch.equal(got[i]["remainder"], r)
-               for i, r in rem.items())
-    first = next(iter(rem))
+    params = opt.param_groups[0]["params"]
+    assert all(opt.state[params[i]]["remainder"].dtype == torch.int16
+               and torch.equal(opt.state[params[i]]["remainder"], r) for i, r in live.items())
+    first = next(iter(live))
     wide["state"][first]["remainder"] = wide["state"][first]["remainder"] + 2 ** 16
     with pytest.raises(ValueError, match="'remainder' of parameter .* int32 with values "
                                          "outside int16"):
         opt.load_state_dict(wide)
+
+
+def test_a_one_process_split_state_crosses_gloo_into_fsdp2_shards(tmp_path):
+    """Resuming a one-process checkpoint at several ranks (Lightning's ModelParallelStrategy:
+    torch's set_optimizer_state_dict with broadcast_from_rank0) sends every tensor of the
+    state through a broadcast, and gloo has no int16 ("Invalid scalar type", one rank
+    included): the remainder of an unsharded split optimizer is saved as int32, and the FSDP2
+    optimizer takes it as its int16 shards, the same integers."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = compact("split")
+    x, y = dataset()[:8]
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.step()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        full = StateDictOptions(full_state_dict=True)
+        saved = get_optimizer_state_dict(model, opt, options=full)  # by name, as a file holds
+        torch.manual_seed(0)
+        net = Net()
+        sharded, sharded_opt = mp.parallel.fsdp(net, torch.optim.AdamW(net.parameters(),
+                                                                       lr=1e-2),
+                                                level="O2", dtype="bf16", master="split")
+        set_optimizer_state_dict(sharded, sharded_opt, saved, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        got = dict(zip([n for n, _ in sharded.named_parameters()],
+                       [sharded_opt.state.get(p, {}).get("remainder")
+                        for p in sharded.parameters()]))
+        want = {n: opt.state[p]["remainder"] for n, p in model.named_parameters()
+                if "remainder" in opt.state[p]}
+        assert want and all(got[n].dtype == torch.int16 and torch.equal(got[n].full_tensor(), r)
+                            for n, r in want.items())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_sharded_remainder_is_saved_as_int32_and_the_live_one_stays_int16(tmp_path):

@@ -261,6 +261,8 @@ class MixprecAccelerator(accelerate.Accelerator):
                             master=master, state_dtype=state_dtype, fp8=fp8,
                             fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
         super().__init__(**kwargs)  # mixed precision from the environment or config: refused
+        env.apply_timeout("Accelerate", "kwargs_handlers=[InitProcessGroupKwargs("
+                                        "timeout=timedelta(seconds=...))]")
         check_host_precision(self)
         plugin = getattr(self.state, "fsdp_plugin", None)
         refused = refused_host(self.distributed_type, getattr(plugin, "fsdp_version", None))
