@@ -27,6 +27,7 @@ import datetime
 import os
 import sys
 import time
+import warnings
 from typing import Iterable
 
 import torch
@@ -35,7 +36,7 @@ import torch.distributed as dist
 __all__ = ["world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
            "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
            "require_group", "settle", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV",
-           "SETTLE_GRACE_S", "agree"]
+           "SETTLE_GRACE_S", "agree", "apply_timeout", "TimeoutNotAppliedWarning"]
 
 #: Seconds a collective may wait for the other ranks before it raises (unless overridden).
 DEFAULT_TIMEOUT_S = 600.0
@@ -155,6 +156,49 @@ def init_from_env(timeout_s: float | None = None) -> bool:
     dist.init_process_group(backend, timeout=limit, rank=rank(), world_size=world_size())
     _created_here = True
     _register_exit_hook()
+    return True
+
+
+class TimeoutNotAppliedWarning(UserWarning):
+    """:data:`TIMEOUT_ENV` is set, and the process groups a host made could not be given it."""
+
+
+def apply_timeout(host: str, own_setting: str) -> bool:
+    """Give the process groups a host made (Lightning's strategy, Accelerate) the collective
+    timeout of :data:`TIMEOUT_ENV`, when it is set: a rank whose peers stopped answering then
+    raises after that long, as in a group mixprec creates, instead of after the host's default
+    (30 minutes for Lightning, Accelerate and the Hugging Face ``Trainer``). Every group of
+    this process is given it (a device mesh's too). Unset, the host's timeout stands.
+
+    Args:
+        host: who made the groups, for the warning.
+        own_setting: the host's own timeout setting, which the warning points to.
+
+    Returns:
+        True when the groups were given the timeout; False when the variable is unset, no
+        group exists, or mixprec created the default group (it has the timeout already).
+
+    Warns:
+        TimeoutNotAppliedWarning: the variable is set and this torch or backend cannot change
+            a group's timeout once made; it names the host's own setting.
+
+    Raises:
+        ValueError: a malformed :data:`TIMEOUT_ENV`.
+    """
+    if not os.environ.get(TIMEOUT_ENV) or not is_initialized() or _created_here:
+        return False
+    limit = timeout()
+    try:
+        c10d = dist.distributed_c10d
+        groups = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
+        for group in groups or [dist.group.WORLD]:
+            c10d._set_pg_timeout(limit, group)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        warnings.warn(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]} does not apply to the process "
+                      f"group {host} made ({type(exc).__name__}: {exc}): a rank whose peers stop "
+                      f"answering waits for {host}'s own timeout; set {own_setting}",
+                      TimeoutNotAppliedWarning, stacklevel=3)
+        return False
     return True
 
 

@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import hardware, oplists
 from .dtypes import ROUNDABLE_DTYPES, to_dtype
 
-__all__ = ["emulation_context", "should_emulate", "Fp16EmulationMode", "emulate_fp16",
-           "EMULATED_FUNCTIONS"]
+__all__ = ["emulation_context", "should_emulate", "check_mode", "Fp16EmulationMode",
+           "emulate_fp16", "EMULATED_FUNCTIONS"]
 
 _LOG = logging.getLogger("mixprec")
 _FP16 = torch.float16
@@ -148,6 +148,17 @@ def _device_type(device) -> str:
                      f"torch.device); got {device!r}")
 
 
+def check_mode(mode, what: str = "mode") -> None:
+    """Refuse an emulation mode other than "auto", True or False (``what``: the name the
+    message gives it, ``emulate_fp16`` at the entry points).
+
+    Raises:
+        ValueError: naming ``what``, the value received and the three valid ones.
+    """
+    if not any(mode is m or (isinstance(mode, str) and mode == m) for m in _MODES):
+        raise ValueError(f"{what} must be 'auto', True or False; got {mode!r}")
+
+
 def should_emulate(device_type, dtype, mode="auto") -> bool:
     """Whether fp16 GEMM/conv on ``device_type`` are emulated for compute ``dtype``.
 
@@ -161,8 +172,7 @@ def should_emulate(device_type, dtype, mode="auto") -> bool:
     Raises:
         ValueError: ``mode`` is not "auto", True or False, or a bad device type or dtype.
     """
-    if not any(mode is m or (isinstance(mode, str) and mode == m) for m in _MODES):
-        raise ValueError(f"mode must be 'auto', True or False; got {mode!r}")
+    check_mode(mode)
     device_type = _device_type(device_type)
     if to_dtype(dtype) != _FP16 or mode is False:
         return False

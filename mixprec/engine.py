@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, lowbit, vocabulary
+from . import hardware, lowbit, prepare_checks, vocabulary
 from .engine_checks import (
     check_max_norm,
     check_monitor,
@@ -95,6 +95,7 @@ class MixedPrecision:
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         vocabulary.check_policy_alone(policy, level, dtype, "MixedPrecision")
+        prepare_checks.check_keywords(keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
         self._fp8 = lowbit.resolve(fp8)  # the low-bit format, validated now
@@ -189,6 +190,16 @@ class MixedPrecision:
         """The autocast options models are prepared with: ``low_precision_ops``, ``fp32_ops``
         and ``emulate_fp16`` (what a strategy passes to its ``prepare``)."""
         return dict(self._ops)
+
+    def policy_on(self, device) -> Policy:
+        """The run's policy, or, before ``dtype="auto"`` is resolved, the one it resolves to on
+        ``device``, without resolving it (:meth:`setup` still resolves on the model's device)
+        and without a warning."""
+        if self.policy is not None:
+            return self.policy
+        return resolve_policy(self._level, self._dtype, self._keep, self._given, device,
+                              warn=False, fp8=self._fp8, fp8_modules=self._fp8_names,
+                              **self._compact)
 
     def resolve_policy(self, device, model: nn.Module | None = None) -> Policy:
         """The run's policy, resolving ``dtype="auto"`` on ``device`` (what a strategy

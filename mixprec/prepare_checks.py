@@ -1,5 +1,7 @@
-"""Checks of what :func:`mixprec.prepare` is given: names in the policy, the optimizer's
-parameters, an fp16 model's Adam-style state, and ``policy=`` beside ``level=``/``dtype=``."""
+"""Checks of what :func:`mixprec.prepare` is given: the keywords that can be judged without the
+model (every entry point runs that check where it takes them), names in the policy, the
+optimizer's parameters, an fp16 model's Adam-style state, and ``policy=`` beside
+``level=``/``dtype=``."""
 
 from __future__ import annotations
 
@@ -9,11 +11,15 @@ import torch
 from torch import nn
 
 from . import vocabulary
+from .emulation import check_mode
 from .formats import get as float_format
 from .master import is_master_optimizer
+from .oplists import validate_custom_lists
 from .policy import Policy
+from .precision_map import keep_fp32_entries
 
-__all__ = ["check_names", "check_optimizer", "check_fp16_state", "check_one_of"]
+__all__ = ["check_keywords", "check_names", "check_optimizer", "check_fp16_state",
+           "check_one_of"]
 
 _FP16 = float_format("fp16")
 
@@ -23,6 +29,24 @@ def adam_state_underflow(beta2: float) -> float:
     rounded once, to nearest (ties to even), so it is 0 up to half the smallest subnormal,
     ``2^-25``, included: ``|grad| <= sqrt(2^-25 / (1 - beta2))`` (5.46e-03 at beta2 = 0.999)."""
     return (_FP16.min_subnormal / 2 / max(1.0 - beta2, 1e-12)) ** 0.5
+
+
+def check_keywords(keep_fp32=None, low_precision_ops=(), fp32_ops=(),
+                   emulate_fp16="auto") -> None:
+    """Refuse a precision keyword whose value no model could make valid: ``keep_fp32`` entries
+    that are neither module classes nor names, op lists that are not (known) op names, an
+    ``emulate_fp16`` other than "auto", True or False. Every entry point calls it when it is
+    given them (``prepare``, ``MixedPrecision`` and so every loop and host built on one,
+    ``parallel.fsdp``); the module names ``keep_fp32`` gives are checked against the model
+    where it is prepared (:func:`check_names`).
+
+    Raises:
+        TypeError, ValueError: naming the keyword, what it received and what is valid.
+    """
+    if keep_fp32 is not None:
+        keep_fp32_entries(keep_fp32)
+    validate_custom_lists(low_precision_ops, fp32_ops)
+    check_mode(emulate_fp16, "emulate_fp16")
 
 
 def check_names(model: nn.Module, policy: Policy) -> None:

@@ -125,9 +125,9 @@ _DECLARED = (
     Keyword("keep_fp32", None, "None, an ``nn.Module`` subclass, a qualified module name, or a "
             "list of them",
             "Extra modules whose parameters and compute stay fp32 (added to the policy's)."),
-    Keyword("low_precision_ops", (), "op names (e.g. ``\"bmm\"``)",
+    Keyword("low_precision_ops", (), "a list of op names (e.g. ``[\"bmm\"]``), or one name",
             "Ops the autocast of O1/O2 runs in the low-precision dtype, beyond its lists."),
-    Keyword("fp32_ops", (), "op names (e.g. ``\"softmax\"``)",
+    Keyword("fp32_ops", (), "a list of op names (e.g. ``[\"softmax\"]``), or one name",
             "Ops the autocast of O1/O2 runs in fp32, beyond its lists."),
     Keyword("master", None, 'a :mod:`mixprec.masters` method or its shorthand ("fp32", '
             '"split", "kahan", "stochastic"), or None',

@@ -143,6 +143,11 @@ def dropout_case(rank, out):
     return {"whole": whole, "resumed": resumed}
 
 
+def resume_case(rank, out, strategy, config, ckpt_path):
+    """2 epochs at 2 ranks under ``strategy``, resumed from ``ckpt_path`` (saved elsewhere)."""
+    return fit(strategy, config, world=2, epochs=2, ckpt_path=ckpt_path)
+
+
 def launch_case(rank, out, strategy):
     """One 2-rank launch of the 20-in-a-row loops: O2 bf16, 2 epochs; rank's fp32 weights."""
     return fit(strategy, ("O2", "bf16", None), world=2, epochs=2)["weights"]
@@ -158,6 +163,7 @@ def fit_alone(strategy: str, config, accelerator: str = "cpu", epochs: int = 2) 
     class Backend(L.Callback):
         def on_train_start(self, trainer, pl_module):
             seen["backend"] = dist.get_backend() if dist.is_initialized() else None
+            seen["timeouts"] = group_timeouts()
 
     chosen = {"auto": "auto", "ddp": "ddp",
               "fsdp2": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)}
@@ -178,4 +184,12 @@ def fit_alone(strategy: str, config, accelerator: str = "cpu", epochs: int = 2) 
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(environment)
-    return {"weights": weights, "backend": seen.get("backend")}
+    return {"weights": weights, "backend": seen.get("backend"), "timeouts": seen.get("timeouts")}
+
+
+def group_timeouts() -> list[float]:
+    """The collective timeout (seconds) of each gloo process group of this process."""
+    if not dist.is_initialized():
+        return []
+    groups = list(dist.distributed_c10d._world.pg_map)
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]

@@ -45,6 +45,25 @@ def net_and_opt():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def lockstep(acc, model, opt, amp, ref, ref_opt) -> list:
+    """The accelerator's loop (in its ``autocast()``, clipped to 0.5) and the engine's own over
+    the same batches; their fp32 weights end bitwise equal. Returns the accelerator's norms."""
+    norms = []
+    for x, y in batches():
+        with acc.autocast():  # Accelerate's own autocast: nothing on top of the engine
+            loss = F.cross_entropy(model(x).float(), y)
+        acc.backward(loss)
+        norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+        opt.step()
+        opt.zero_grad()
+        amp.backward(F.cross_entropy(ref(x).float(), y))
+        amp.step(ref_opt, max_grad_norm=0.5)
+        ref_opt.zero_grad()
+    a, b = mp.fp32_state_dict(model, opt.optimizer), mp.fp32_state_dict(ref, ref_opt)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return norms
+
+
 def test_the_loop_takes_the_engines_steps_exactly():
     """One changed line: the accelerator's loop gives the engine's own loop's masters, bit for
     bit (prepare, backward, clip_grad_norm_, optimizer.step)."""
@@ -54,17 +73,7 @@ def test_the_loop_takes_the_engines_steps_exactly():
     assert model.blocks[0].fc.weight.dtype == torch.bfloat16
     amp = mp.MixedPrecision("O2", "bf16", loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
     ref, ref_opt = amp.setup(*net_and_opt())
-    norms = []
-    for x, y in batches():
-        acc.backward(F.cross_entropy(model(x).float(), y))
-        norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
-        opt.step()
-        opt.zero_grad()
-        amp.backward(F.cross_entropy(ref(x).float(), y))
-        amp.step(ref_opt, max_grad_norm=0.5)
-        ref_opt.zero_grad()
-    a, b = mp.fp32_state_dict(model, opt.optimizer), mp.fp32_state_dict(ref, ref_opt)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    norms = lockstep(acc, model, opt, amp, ref, ref_opt)
     assert all(n > 0.5 for n in norms)  # the clip acted (true norms, not scaled ones)
     assert acc.unwrap_model(model).state_dict()["head.weight"].dtype == torch.float32
 
@@ -131,6 +140,44 @@ def test_accelerates_own_mixed_precision_is_refused_saying_why(monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     hc.reset_accelerate()
     assert MixprecAccelerator(mixed_precision="no", cpu=True).engine.policy is None  # "auto"
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"level": "O0", "dtype": "bf16"}, "no"), ({"level": "O1", "dtype": "fp16"}, "fp16"),
+    ({"level": "O2", "dtype": "bf16"}, "bf16"), ({"level": "O3", "dtype": "fp16"}, "fp16"),
+    ({"level": "O2", "dtype": "bf16", "fp8": "rowwise"}, "fp8"),
+    ({"level": "O2"}, "auto")])
+def test_mixed_precision_names_what_the_model_computes_in_as_accelerate_does(kw, named):
+    """What Accelerate's own values say, while Accelerate's own switch stays off: no autocast
+    of its own, no GradScaler of its own (the engine is the scaler). "auto" is named as it
+    resolves on the accelerator's device, without being resolved yet."""
+    if named == "auto":  # this CPU's 16-bit type, or fp32 where it has no fast one
+        auto = mp.Policy.from_level("O2", "auto", "cpu", warn=False).compute_dtype
+        named = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(auto, "no")
+    hc.reset_accelerate()
+    acc = MixprecAccelerator(cpu=True, **kw)
+    assert acc.mixed_precision == named
+    assert acc.state.mixed_precision == "no" and not acc.native_amp
+    assert isinstance(acc.scaler, mp.integrations.accelerate.EngineGradScaler)
+    with acc.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert (acc.engine.policy is None) == ("dtype" not in kw)
+
+
+def test_a_script_branching_on_mixed_precision_pads_and_trains_as_the_engine():
+    """Accelerate's checkpointing example pads batches to a multiple of 16 for "fp8", of 8 for
+    any other mixed precision, not at all for "no": under O2 fp16 it takes the padding path,
+    and the run is bitwise the engine's own loop (nothing autocast or scaled a second time)."""
+    hc.reset_accelerate()
+    acc = MixprecAccelerator(level="O2", dtype="fp16", cpu=True,
+                             loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
+    pad_to = 16 if acc.mixed_precision == "fp8" else 8 if acc.mixed_precision != "no" else None
+    assert pad_to == 8
+    model, opt = acc.prepare(*net_and_opt())
+    amp = mp.MixedPrecision("O2", "fp16", loss_scale=mp.DynamicLossScaler(init_scale=2.0 ** 8))
+    ref, ref_opt = amp.setup(*net_and_opt())
+    lockstep(acc, model, opt, amp, ref, ref_opt)
+    assert acc.engine.scaler.get_scale() == amp.scaler.get_scale()
 
 
 def test_bad_arguments_are_refused():
@@ -311,20 +358,60 @@ def test_a_remainder_saved_as_int32_loads_as_int16_and_a_foreign_one_is_refused(
     model, opt = compact("split")
     F.cross_entropy(model(dataset()[:8][0]).float(), dataset()[:8][1]).backward()
     opt.step()
-    state = opt.state_dict()
-    rem = {i: s["remainder"].clone() for i, s in state["state"].items() if "remainder" in s}
-    wide = {**state, "state": {i: {**s, **({"remainder": s["remainder"].to(torch.int32)}
-                                            if "remainder" in s else {})}
-                               for i, s in state["state"].items()}}
+    live = {i: opt.state[p]["remainder"].clone()
+            for i, p in enumerate(opt.param_groups[0]["params"]) if "remainder" in opt.state[p]}
+    wide = opt.state_dict()  # int32 (gloo carries no int16), also in one process
+    assert live and all(wide["state"][i]["remainder"].dtype == torch.int32
+                        and torch.equal(wide["state"][i]["remainder"], r.int())
+                        for i, r in live.items())
     opt.load_state_dict(wide)
-    got = opt.state_dict()["state"]
-    assert all(got[i]["remainder"].dtype == torch.int16 and torch.equal(got[i]["remainder"], r)
-               for i, r in rem.items())
-    first = next(iter(rem))
+    params = opt.param_groups[0]["params"]
+    assert all(opt.state[params[i]]["remainder"].dtype == torch.int16
+               and torch.equal(opt.state[params[i]]["remainder"], r) for i, r in live.items())
+    first = next(iter(live))
     wide["state"][first]["remainder"] = wide["state"][first]["remainder"] + 2 ** 16
     with pytest.raises(ValueError, match="'remainder' of parameter .* int32 with values "
                                          "outside int16"):
         opt.load_state_dict(wide)
+
+
+def test_a_one_process_split_state_crosses_gloo_into_fsdp2_shards(tmp_path):
+    """Resuming a one-process checkpoint at several ranks (Lightning's ModelParallelStrategy:
+    torch's set_optimizer_state_dict with broadcast_from_rank0) sends every tensor of the
+    state through a broadcast, and gloo has no int16 ("Invalid scalar type", one rank
+    included): the remainder of an unsharded split optimizer is saved as int32, and the FSDP2
+    optimizer takes it as its int16 shards, the same integers."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = compact("split")
+    x, y = dataset()[:8]
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.step()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        full = StateDictOptions(full_state_dict=True)
+        saved = get_optimizer_state_dict(model, opt, options=full)  # by name, as a file holds
+        torch.manual_seed(0)
+        net = Net()
+        sharded, sharded_opt = mp.parallel.fsdp(net, torch.optim.AdamW(net.parameters(),
+                                                                       lr=1e-2),
+                                                level="O2", dtype="bf16", master="split")
+        set_optimizer_state_dict(sharded, sharded_opt, saved, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        got = dict(zip([n for n, _ in sharded.named_parameters()],
+                       [sharded_opt.state.get(p, {}).get("remainder")
+                        for p in sharded.parameters()]))
+        want = {n: opt.state[p]["remainder"] for n, p in model.named_parameters()
+                if "remainder" in opt.state[p]}
+        assert want and all(got[n].dtype == torch.int16 and torch.equal(got[n].full_tensor(), r)
+                            for n, r in want.items())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_sharded_remainder_is_saved_as_int32_and_the_live_one_stays_int16(tmp_path):

@@ -241,18 +241,20 @@ def test_a_policy_is_used_as_given(entry, tmp_path):
 
 def test_fp32_ops_reach_the_autocast(entry, tmp_path):
     """At O1 bf16 a Linear computes in bf16 (its output differs from fp32's); listed in
-    ``fp32_ops`` it computes in fp32, bitwise as the fp32 model does."""
+    ``fp32_ops`` it computes in fp32, bitwise as the fp32 model does; one name given as a bare
+    string is that name, at every entry point."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     reference = net()(x)
     outputs = {}
-    for ops in ((), ("linear",)):
+    for i, ops in enumerate(((), ("linear",), "linear")):
         model = net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, _, _ = build(entry, model, opt, tmp_path / str(len(ops)), level="O1",
+        model, _, _ = build(entry, model, opt, tmp_path / str(i), level="O1",
                             dtype="bf16", fp32_ops=ops)
         outputs[ops] = model(x)
     assert not torch.equal(outputs[()], reference)
     torch.testing.assert_close(outputs[("linear",)], reference, rtol=0, atol=0)
+    torch.testing.assert_close(outputs["linear"], reference, rtol=0, atol=0)
 
 
 def test_low_precision_ops_reach_the_autocast(entry, tmp_path):
@@ -264,15 +266,66 @@ def test_low_precision_ops_reach_the_autocast(entry, tmp_path):
         return torch.equal(out, out.bfloat16().float())
 
     results = {}
-    for ops in ((), ("softmax",)):
+    for i, ops in enumerate(((), ("softmax",), "softmax")):  # a bare string: that one name
         model = nn.Sequential(net(), nn.Softmax(dim=-1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, _, _ = build(entry, model, opt, tmp_path / str(len(ops)), level="O1",
+        model, _, _ = build(entry, model, opt, tmp_path / str(i), level="O1",
                             dtype="bf16", low_precision_ops=ops)
         out = model(x)
         assert out.dtype == torch.float32
         results[ops] = representable(out)
-    assert results == {(): False, ("softmax",): True}
+    assert results == {(): False, ("softmax",): True, "softmax": True}
+
+
+def given(name, tmp_path, **kw):
+    """Only what the user writes first: the engines and hosts built (no model set up yet);
+    the entry points that take the model, called with it."""
+    if name == "MixedPrecision":
+        return mp.MixedPrecision(**kw)
+    if name == "MixprecPrecision":
+        return lightning.MixprecPrecision(**kw)
+    if name == "MixprecAccelerator":
+        return hf_accelerate.MixprecAccelerator(cpu=True, **kw)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if name == "MixprecTrainer":  # prepares the model when it builds its optimizer
+        return hf.MixprecTrainer(model, hf_args(tmp_path), optimizers=(opt, None), **kw)
+    return build(name, model, opt, tmp_path, **kw)
+
+
+#: Values no model can make valid, and what each entry point says, where it is given them.
+REFUSED = [({"keep_fp32": 3}, TypeError, r"keep_fp32 must be an nn\.Module subclass .*, or an "
+                                         r"iterable of them; got int 3"),
+           ({"keep_fp32": [nn.Linear, 3.5]}, TypeError, r"keep_fp32 entries must be"),
+           ({"low_precision_ops": [3]}, TypeError,
+            r"low_precision_ops must hold op names \(strings such as 'softmax'\), or be one; "
+            r"got 3 \(int\)"),
+           ({"fp32_ops": 5}, TypeError,
+            r"fp32_ops must be an op name or a list of op names \(e\.g\. \['softmax'\]\); "
+            r"got int"),
+           ({"fp32_ops": ["sotfmax"]}, ValueError, r"unknown op name 'sotfmax'"),
+           ({"emulate_fp16": "maybe"}, ValueError,
+            r"emulate_fp16 must be 'auto', True or False; got 'maybe'"),
+           ({"emulate_fp16": 2}, ValueError, r"emulate_fp16 must be 'auto', True or False; "
+                                             r"got 2")]
+
+
+def test_values_no_model_can_make_valid_are_refused_where_they_are_given(entry, tmp_path):
+    """One check for every entry point, run where the keywords are given: a bad value stops
+    the line that passes it, before any model is set up (the engines, Lightning's plugin and
+    the Hugging Face hosts too), with the same message everywhere."""
+    for kw, error, message in REFUSED:
+        with pytest.raises(error, match=message):
+            given(entry.partition("[")[0], tmp_path, level="O2", dtype="bf16", **kw)
+
+
+def test_a_module_name_matching_nothing_is_refused_where_the_model_is_set_up(entry, tmp_path):
+    """A name can only be checked against the model: the engines and hosts take it, and the
+    set-up that meets the model refuses it, naming it."""
+    model = net()
+    with pytest.raises(ValueError, match=r"name no module of the model: 'nonexistent_module'"):
+        build(entry, model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path, level="O2",
+              dtype="bf16", keep_fp32="nonexistent_module")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning:torchao.*",

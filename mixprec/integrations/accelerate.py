@@ -81,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
                       "pip install 'mixprec[accelerate]'") from exc
 
 __all__ = ["MixprecAccelerator", "EngineGradScaler", "setup_for_host", "reduce_in_fp32",
-           "refused_host", "fsdp_units", "lay_out_state"]
+           "refused_host", "fsdp_units", "lay_out_state", "accelerate_name"]
 
 _REFUSED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
             DistributedType.XLA: "XLA"}
@@ -222,6 +222,9 @@ class MixprecAccelerator(accelerate.Accelerator):
 
     Attributes:
         engine: the engine; ``.policy`` and ``.scaler`` are its.
+        mixed_precision: the precision the model computes in, as Accelerate names it
+            (``"bf16"``, ``"fp16"``, ``"fp8"``; ``"no"`` at O0); Accelerate's own setting,
+            ``state.mixed_precision``, stays ``"no"`` (see :attr:`mixed_precision`).
 
     Raises:
         TypeError: ``mixed_precision`` is neither an engine, None nor ``"no"``; an engine with
@@ -264,6 +267,8 @@ class MixprecAccelerator(accelerate.Accelerator):
                             master=master, state_dtype=state_dtype, fp8=fp8,
                             fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
         super().__init__(**kwargs)  # mixed precision from the environment or config: refused
+        env.apply_timeout("Accelerate", "kwargs_handlers=[InitProcessGroupKwargs("
+                                        "timeout=timedelta(seconds=...))]")
         check_host_precision(self)
         plugin = getattr(self.state, "fsdp_plugin", None)
         refused = refused_host(self.distributed_type, getattr(plugin, "fsdp_version", None))
@@ -271,6 +276,19 @@ class MixprecAccelerator(accelerate.Accelerator):
             _refuse(refused)
         self.engine = engine
         self.scaler = EngineGradScaler(engine)
+
+    @property
+    def mixed_precision(self) -> str:
+        """The precision the model computes in, in Accelerate's words: ``"bf16"`` or ``"fp16"``
+        (O1-O3, the engine's compute dtype), ``"fp8"`` (``fp8=`` given), ``"no"`` (O0); before
+        ``dtype="auto"`` is resolved, what it resolves to on this accelerator's device. A
+        script's ``if accelerator.mixed_precision != "no":`` takes its mixed-precision path.
+        Accelerate's own switch, ``accelerator.state.mixed_precision``, stays ``"no"``: it is
+        what Accelerate reads to autocast and build a GradScaler, which the engine does."""
+        engine = self.__dict__.get("engine")
+        if engine is None:  # inside Accelerator.__init__: Accelerate's own value
+            return self.state.mixed_precision
+        return accelerate_name(engine.policy_on(self.device))
 
     # -- prepare ---------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -446,11 +464,20 @@ class MixprecAccelerator(accelerate.Accelerator):
         self.engine.clip_grad_value_(self._optimizer_of(parameters), clip_value)
 
 
+def accelerate_name(policy: Policy) -> str:
+    """What Accelerate calls ``policy``'s precision: "fp8" (FP8 GEMMs), "bf16", "fp16", or
+    "no" (fp32 compute)."""
+    if policy.fp8 is not None:
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(policy.compute_dtype, "no")
+
+
 def check_host_precision(accelerator) -> None:
     """Refuse an accelerator configured for its own mixed precision (environment or config)."""
-    if accelerator.mixed_precision != "no" or getattr(accelerator, "native_amp", False):
+    own = accelerator.state.mixed_precision
+    if own != "no" or getattr(accelerator, "native_amp", False):
         raise ValueError(f"the accelerator was configured for mixed precision "
-                         f"({accelerator.mixed_precision!r}, e.g. by ACCELERATE_MIXED_PRECISION "
+                         f"({own!r}, e.g. by ACCELERATE_MIXED_PRECISION "
                          f"or an accelerate config): unset it; the MixedPrecision engine "
                          f"decides the precision")
 

@@ -7,9 +7,10 @@ rank 0, and resuming from it broadcasts each state from rank 0 to the ranks' sha
 one writes each rank's shards. Two things would keep such a resume from being bitwise:
 
 * ``master="split"``: gloo (the CPU backend) has no int16 collectives. The compact optimizer
-  itself gives a sharded int16 remainder as int32 in its ``state_dict`` and narrows it back on
-  load (``mixprec.master.compact_state``), so one-file and sharded checkpoints resume bitwise,
-  also in one process: nothing Lightning-specific is needed.
+  itself gives its int16 remainder as int32 in its ``state_dict``, sharded or not, and narrows
+  it back on load (``mixprec.master.compact_state``), so one-file and sharded checkpoints
+  resume bitwise, also in one process, and a one-process checkpoint resumes at several ranks:
+  nothing Lightning-specific is needed.
 * ``master="kahan"``: Lightning loads an FSDP2 model one sub-module at a time, then, before
   loading the optimizer's state, steps the optimizer once with zero gradients and a zero
   learning rate so that its state exists (torch's ``set_optimizer_state_dict``). That step

@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - the error names the extra
                       "pip install 'mixprec[lightning]'") from exc
 
 __all__ = ["SUPPORTED", "kind_of", "strategy_of", "before_wrap", "lightning_module_of",
-           "attach", "shard", "data_parallel_mesh"]
+           "attach", "shard", "data_parallel_mesh", "apply_timeout"]
 
 SUPPORTED = ("SingleDeviceStrategy, DDPStrategy ('ddp', 'ddp_spawn', 'ddp_fork', "
              "'ddp_notebook') and ModelParallelStrategy (FSDP2)")
@@ -92,6 +92,8 @@ def before_wrap(engine: MixedPrecision, module: nn.Module) -> dict | None:
     when ``connect`` prepares the model (one device, or a model prepared by an earlier run)."""
     strategy = strategy_of(module)
     kind = kind_of(strategy)
+    if kind != "single":
+        apply_timeout()
     if kind == "single" or policy_of(module) is not None:
         return None
     device = strategy.root_device
@@ -113,6 +115,7 @@ def shard(engine: MixedPrecision, module: nn.Module, *, mesh=None, units=None,
           reduce_dtype="fp32") -> dict:
     """Prepare and shard ``module`` with :func:`mixprec.parallel.fsdp` for the engine's policy;
     returns the fp32 values a compact master method's buffers start from (by name)."""
+    apply_timeout()  # before fsdp's first collective (configure_model calls this)
     originals = {n: p.data for n, p in module.named_parameters()}
     lists = {k: v for k, v in engine.op_lists.items() if k in ("low_precision_ops", "fp32_ops")}
     fsdp(module, policy=engine.resolve_policy(module_device(module), module), mesh=mesh,
@@ -120,6 +123,13 @@ def shard(engine: MixedPrecision, module: nn.Module, *, mesh=None, units=None,
     policy = policy_of(module)
     compact = policy.master_weights and policy.master.compact
     return {"sharded": originals if compact else {}}
+
+
+def apply_timeout() -> None:
+    """``$MIXPREC_DIST_TIMEOUT``, when set, on the process groups the strategy made (its
+    ``timeout=`` otherwise stands; see :func:`mixprec.distenv.apply_timeout`)."""
+    env.apply_timeout("Lightning", "the strategy's timeout=, e.g. "
+                                   "DDPStrategy(timeout=timedelta(seconds=...))")
 
 
 def data_parallel_mesh(strategy):

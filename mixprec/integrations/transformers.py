@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from .. import distenv as env
 from .. import vocabulary
 from ..engine import MixedPrecision, engine_for
 from ..integrity import save_directory, verify_on_ranks
@@ -167,6 +168,7 @@ class MixprecTrainer(transformers.Trainer):
         """The Trainer's accelerator, with the engine as its gradient scaler."""
         _refuse_amp_arguments(self.args)
         super().create_accelerator_and_postprocess()
+        env.apply_timeout("the Hugging Face Trainer", "TrainingArguments(ddp_timeout=seconds)")
         accelerator = self.accelerator
         if accelerator.mixed_precision != "no" or accelerator.scaler is not None:
             raise ValueError(f"the accelerator was configured for mixed precision "

@@ -8,8 +8,9 @@ a resumed run continues bitwise.
 
 The optimizer steps the model's own parameters: ``param_groups`` hold them (no masters), and
 ``state`` is keyed by them, with the Kahan compensation under ``state[p]["compensation"]`` (in
-the weight's dtype) or the split remainder under ``state[p]["remainder"]`` (int16), so torch's,
-DCP's and FSDP2's state-dict machinery carry it like any moment.
+the weight's dtype) or the split remainder under ``state[p]["remainder"]`` (int16; int32 in
+``state_dict()``, which gloo's collectives carry), so torch's, DCP's and FSDP2's state-dict
+machinery carry it like any moment.
 fp32 parameters in the groups (norm layers kept in fp32) are stepped by the inner optimizer as
 they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.master.states`).
 """
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ..shards import is_dtensor, local
+from ..shards import local
 from . import states
 from .params import _is_current, _source_key
 
 __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped", "register",
-           "widen_sharded", "narrow_wide"]
+           "widen_int16", "narrow_wide"]
 
 
 def save_pending(optimizer, state: dict) -> dict:
@@ -73,23 +74,27 @@ def hold_unstepped(optimizer) -> None:
             del optimizer.state[p]
 
 
-def widen_sharded(optimizer, state: dict) -> dict:
-    """state_dict post-hook: an int16 buffer sharded by FSDP2 (the split remainder, a
-    ``DTensor``) is given as int32, the same integers: a full state dict gathers each shard,
-    and gloo cannot all-gather or broadcast int16 ("Invalid scalar type"); NCCL can, but one
-    format serves both. :func:`narrow_wide` makes it int16 again on load."""
+def widen_int16(optimizer, state: dict) -> dict:
+    """state_dict post-hook: an int16 buffer (the split remainder), sharded by FSDP2 or not, is
+    given as int32, the same integers (a copy: 4 bytes per element while the state dict is
+    held). gloo cannot all-gather or broadcast int16 ("Invalid scalar type"), and torch's
+    distributed state-dict functions move every tensor of a state dict through a collective:
+    a full state dict gathers each shard, and a full one loaded at several ranks (Lightning's
+    one-file checkpoint, saved in one process or several) is broadcast from the first rank.
+    NCCL could carry int16, but one format serves every host and backend.
+    :func:`narrow_wide` makes it int16 again on load."""
     key = getattr(optimizer, "_buffer_key", None)  # the hooks are shared with the inner one
     if key is None:
         return state
     for index, entry in list(state["state"].items()):
         value = entry.get(key) if isinstance(entry, dict) else None  # a user's hook's entries
-        if is_dtensor(value) and value.dtype == torch.int16:
+        if torch.is_tensor(value) and value.dtype == torch.int16:
             state["state"][index] = {**entry, key: value.to(torch.int32)}  # the live entry
     return state                                                           # stays int16
 
 
 def narrow_wide(optimizer, state_dict: dict) -> dict:
-    """load_state_dict pre-hook (the first): an int32 buffer that :func:`widen_sharded` gave
+    """load_state_dict pre-hook (the first): an int32 buffer that :func:`widen_int16` gave
     is int16 again, before the buffer checks and torch's load.
 
     Raises:
@@ -108,16 +113,16 @@ def narrow_wide(optimizer, state_dict: dict) -> dict:
         if shard.numel() and (shard.min() < -2 ** 15 or shard.max() >= 2 ** 15):
             raise ValueError(f"the optimizer state's {key!r} of parameter {index} is int32 with "
                              f"values outside int16; a {key!r} is an int16 (saved widened to "
-                             f"int32 under FSDP2): this state was not written by mixprec")
+                             f"int32): this state was not written by mixprec")
         narrowed[index] = {**entry, key: value.to(torch.int16)}
     return {**state_dict, "state": narrowed}
 
 
 def register(optimizer) -> None:
-    """Install the hooks above that are not installed one by one: :func:`widen_sharded`
+    """Install the hooks above that are not installed one by one: :func:`widen_int16`
     (after :func:`save_pending`), :func:`narrow_wide` (first of the load pre-hooks) and
     :func:`hold_unstepped` (last of the load post-hooks)."""
-    optimizer.register_state_dict_post_hook(widen_sharded)
+    optimizer.register_state_dict_post_hook(widen_int16)
     optimizer.register_load_state_dict_pre_hook(narrow_wide, prepend=True)
     optimizer.register_load_state_dict_post_hook(hold_unstepped)
 

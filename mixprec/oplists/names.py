@@ -137,12 +137,15 @@ def validate_custom_lists(low_precision_ops, fp32_ops,
                           promote_ops=()) -> tuple[tuple[str, ...], ...]:
     """Check the custom op lists: known names, no name in two lists.
 
+    A list given as one string is that one name (``"softmax"`` is ``["softmax"]``), as for
+    ``keep_fp32``.
+
     Returns:
         The three lists (low precision, fp32, promote) as tuples of flat names (``"torch.add"``
         becomes ``"add"``), duplicates dropped.
 
     Raises:
-        TypeError: a list that is not an iterable of names.
+        TypeError: a list that is neither a name nor an iterable of names (strings).
         ValueError: an unknown name, or a name in two lists (in any spelling).
     """
     lists: dict[str, tuple[str, ...]] = {}
@@ -153,10 +156,13 @@ def validate_custom_lists(low_precision_ops, fp32_ops,
         try:
             ops = tuple(ops)
         except TypeError:
-            raise TypeError(f"{what} must be an iterable of op names; "
-                            f"got {type(ops).__name__}") from None
+            raise TypeError(f"{what} must be an op name or a list of op names (e.g. "
+                            f"['softmax']); got {type(ops).__name__}") from None
         flat = []
         for name in ops:
+            if not isinstance(name, str):
+                raise TypeError(f"{what} must hold op names (strings such as 'softmax'), or be "
+                                f"one; got {name!r} ({type(name).__name__}) in it")
             resolve_op(name)
             name = normalize_op_name(name)
             if name not in flat:
