@@ -47,6 +47,7 @@ from .master.params import show_master_grads
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
+from .scaling.state import skip_limit
 from .scaling.unscale import total_norm
 from .shards import replicated
 
@@ -91,7 +92,8 @@ class MixedPrecision:
                  loss_scale: Any = "auto", policy: Policy | None = None, *,
                  keep_fp32=None, low_precision_ops=(),
                  fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
-                 fp8: str | None = None, fp8_modules=None, monitor=None):
+                 fp8: str | None = None, fp8_modules=None, monitor=None,
+                 max_consecutive_skips: int | None = 8):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         vocabulary.check_policy_alone(policy, level, dtype, "MixedPrecision")
@@ -105,6 +107,7 @@ class MixedPrecision:
         self._ops = dict(low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
                          emulate_fp16=emulate_fp16)
         self._loss_scale = loss_scale
+        self._skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
         self.policy: Policy | None = None
         self.scaler: LossScaler | None = None
         self._given = policy
@@ -129,7 +132,8 @@ class MixedPrecision:
             policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
                                     warn=device is not None, fp8=self._fp8,
                                     fp8_modules=self._fp8_names, **self._compact)
-            self.scaler = make_loss_scaler(self._loss_scale, dtype=policy)
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=policy,
+                                           max_consecutive_skips=self._skips)
             self.policy = policy
         elif device is not None:
             hardware.warn_if_slow(self.policy.compute_dtype, device)
@@ -178,7 +182,8 @@ class MixedPrecision:
         if self.policy is None:
             self.policy = prepared
         if self.scaler is None:
-            self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared)
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared,
+                                           max_consecutive_skips=self._skips)
         self.scaler.attach(model)
         self.models.append(model)
         if self.monitor is not None:
