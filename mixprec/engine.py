@@ -26,14 +26,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from . import hardware, lowbit, prepare_checks, vocabulary
 from .engine_checks import (
+    StepOrder,
+    check_masters,
     check_max_norm,
     check_monitor,
     check_policy,
@@ -47,6 +50,8 @@ from .master.params import show_master_grads
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
+from .scaling.gradscaler import TORCH_KEYS
+from .scaling.state import skip_limit
 from .scaling.unscale import total_norm
 from .shards import replicated
 
@@ -91,7 +96,8 @@ class MixedPrecision:
                  loss_scale: Any = "auto", policy: Policy | None = None, *,
                  keep_fp32=None, low_precision_ops=(),
                  fp32_ops=(), emulate_fp16="auto", master: str | None = None, state_dtype=None,
-                 fp8: str | None = None, fp8_modules=None, monitor=None):
+                 fp8: str | None = None, fp8_modules=None, monitor=None,
+                 max_consecutive_skips: int | None = 8):
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         vocabulary.check_policy_alone(policy, level, dtype, "MixedPrecision")
@@ -106,6 +112,7 @@ class MixedPrecision:
         self._ops = dict(low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
                          emulate_fp16=emulate_fp16)
         self._loss_scale = loss_scale
+        self._skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
         self.policy: Policy | None = None
         self.scaler: LossScaler | None = None
         self._given = policy
@@ -114,6 +121,7 @@ class MixedPrecision:
         self.models: list[nn.Module] = []
         self.monitor = check_monitor(monitor)
         self._owned: weakref.WeakSet = weakref.WeakSet()  # optimizers checked by _check_owned
+        self._order = StepOrder()  # amp.backward calls, and what each optimizer last stepped
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.policy or self._level}, scaler={self.scaler!r})"
@@ -130,7 +138,8 @@ class MixedPrecision:
             policy = resolve_policy(self._level, self._dtype, self._keep, self._given, device,
                                     warn=device is not None, fp8=self._fp8,
                                     fp8_modules=self._fp8_names, **self._compact)
-            self.scaler = make_loss_scaler(self._loss_scale, dtype=policy)
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=policy,
+                                           max_consecutive_skips=self._skips)
             self.policy = policy
         elif device is not None:
             hardware.warn_if_slow(self.policy.compute_dtype, device)
@@ -179,7 +188,8 @@ class MixedPrecision:
         if self.policy is None:
             self.policy = prepared
         if self.scaler is None:
-            self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared)
+            self.scaler = make_loss_scaler(self._loss_scale, dtype=prepared,
+                                           max_consecutive_skips=self._skips)
         self.scaler.attach(model)
         self.models.append(model)
         if self.monitor is not None:
@@ -212,7 +222,9 @@ class MixedPrecision:
         """The loss times the current loss scale (no host sync)."""
         if self.monitor is not None:
             self.monitor.observe_loss(loss)
-        return self._ready().scale(loss)
+        scaled = self._ready().scale(loss)
+        self._order.backwards += 1
+        return scaled
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``scale(loss).backward(**kwargs)``."""
@@ -294,11 +306,7 @@ class MixedPrecision:
         stage = scaler.stage_of(optimizer)
         if stage == "folded":
             raise RuntimeError("grad_norm() after clip_grad_norm_(): use the norm it returned")
-        if owns_gradients(optimizer):
-            grads = [g for _, g in optimizer.grads_for_step()]
-        else:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                     if p.grad is not None]
+        grads = list(_grads(optimizer))
         total = replicated(total_norm(grads, norm_type, scaler.scale_tensor.device))  # FSDP2
         if stage == "ready" and scaler.is_enabled():  # they still carry the loss scale
             total = total / scaler.scale_tensor
@@ -333,11 +341,15 @@ class MixedPrecision:
         queued = []
         for opt in optimizers:
             self._check_owned(opt)
+            self._order.check(opt, functools.partial(_grads, opt), scaler)
+        for opt in optimizers:
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)
             queued.append(scaler.queue_step(opt, **kwargs))
         scaler.update()
+        for opt in optimizers:
+            self._order.stepped(opt, functools.partial(_grads, opt))
         applied = True
         for opt, step in zip(optimizers, queued):
             stepped = scaler.read_step(step)  # the one host read, after the step is queued
@@ -351,6 +363,7 @@ class MixedPrecision:
     def _check_owned(self, optimizer) -> None:
         if self.models and optimizer not in self._owned:  # once per optimizer
             check_owned(self.models, optimizer)
+            check_masters(self.policy, self.models, optimizer)
             self._owned.add(optimizer)
 
     def _ready(self) -> LossScaler:
@@ -366,18 +379,35 @@ class MixedPrecision:
                 "scaler": self._ready().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore :meth:`state_dict`, or a ``torch.amp.GradScaler``'s ``state_dict()`` (a
+        checkpoint of an autocast + GradScaler loop moving to mixprec): its scale and growth
+        settings go to the loss scaler; a disabled GradScaler's (empty) one loads into a run
+        that does not scale the loss as nothing.
 
         Raises:
-            ValueError: the checkpoint's policy differs from this run's (both are shown), or a
-                malformed dict.
+            ValueError: the checkpoint's policy differs from this run's (both are shown), a
+                GradScaler's scale into a run without a loss scale, or a malformed dict.
         """
+        if isinstance(state, dict) and "policy" not in state and \
+                (set(state) == set(TORCH_KEYS) or not state):
+            scaler = self._ready()
+            if state or scaler.is_enabled():
+                scaler.load_state_dict(state)
+            return
         if not isinstance(state, dict) or set(state) != {"policy", "scaler"}:
-            raise ValueError(f"a MixedPrecision state_dict has the keys ['policy', 'scaler']; "
-                             f"got {sorted(state) if isinstance(state, dict) else state!r}")
+            got = sorted(state) if isinstance(state, dict) else repr(state)
+            raise ValueError(f"a MixedPrecision state_dict has the keys ['policy', 'scaler'] "
+                             f"(or a torch.amp.GradScaler's: {list(TORCH_KEYS)}); got {got}")
         self._ready()
         check_policy(state["policy"], self.policy)
         self.scaler.load_state_dict(state["scaler"])
+
+
+def _grads(optimizer) -> Iterator[torch.Tensor]:
+    """The gradients ``optimizer``'s step reads (a master optimizer's: the model's)."""
+    if owns_gradients(optimizer):
+        return (g for _, g in optimizer.grads_for_step())
+    return (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
 
 
 def engine_for(entry_point, mixed_precision: MixedPrecision | None, **options) -> MixedPrecision:

@@ -54,7 +54,10 @@ def check_owned(models: list[nn.Module], optimizer) -> None:
     mine = {id(p) for m in models for p in m.parameters()}
     if held and not any(id(p) in mine for p in held):
         raise RuntimeError(
-            "none of this optimizer's parameters belong to the model(s) set up in this run; "
-            "when the model is sharded (fully_shard) after setup(), its parameters are "
-            "replaced, and the optimizer would step tensors the model no longer uses. Shard "
-            "with mp.parallel.fsdp(model, opt, mixed_precision=amp) instead of setup()")
+            "none of this optimizer's parameters belong to the model(s) set up in this run, "
+            "so it would step tensors the model does not use. Either it was copied apart from "
+            "its model (copy.deepcopy(model) and copy.deepcopy(opt) make two unlinked copies): "
+            "copy them together, model2, opt2 = copy.deepcopy((model, opt)), and "
+            "amp.adopt(model2); or its model was set up in another run: amp.adopt(model); or "
+            "the model was sharded (fully_shard) after setup(), which replaced its parameters: "
+            "shard with mp.parallel.fsdp(model, opt, mixed_precision=amp) instead of setup()")

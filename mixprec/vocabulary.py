@@ -156,6 +156,11 @@ _DECLARED = (
             'A spec for :func:`mixprec.make_loss_scaler` ("auto": dynamic for fp16 at O1/O2, '
             "none otherwise; a number: a static scale) or a scaler object. A scaler that checks "
             "for overflow skips an update whose gradients hold inf/NaN."),
+    Keyword("max_consecutive_skips", 8, "an integer >= 1, or None",
+            "Steps skipped in a row for inf/NaN gradients that the loss scale cannot fix "
+            "(without a loss scale, bf16: every such step; a dynamic scale: those at its "
+            "``min_scale``) before :class:`mixprec.NonFiniteGradientsError` names the "
+            "parameters; None: never. Without a loss scale the first skip warns."),
     Keyword("emulate_fp16", "auto", '"auto", True or False',
             "fp16 GEMM/conv emulated with fp32 arithmetic on fp16-rounded values where fp16 "
             'has no fast kernel ("auto"; see :mod:`mixprec.emulation`); True forces it, False '
@@ -176,7 +181,7 @@ KEYWORDS: dict[str, Keyword] = {k.name: k for k in _DECLARED}
 PRECISION = ("level", "dtype", "policy", "keep_fp32", "low_precision_ops", "fp32_ops", "master",
              "state_dtype", "fp8", "fp8_modules")
 #: What an entry point that runs a loop takes as well.
-LOOP = ("loss_scale", "monitor")
+LOOP = ("loss_scale", "monitor", "max_consecutive_skips")
 #: What an entry point whose autocast can run fp16 emulated takes.
 EMULATION = ("emulate_fp16",)
 #: What an entry point that reduces gradients across ranks takes.

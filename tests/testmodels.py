@@ -1,4 +1,4 @@
-"""Small models shared by the tests: an MLP, a CNN with BatchNorm, a transformer block."""
+"""Small models shared by the tests: MLPs, a CNN with BatchNorm, a transformer block."""
 
 import torch
 from torch import nn
@@ -7,6 +7,18 @@ from torch import nn
 def mlp(d_in=16, hidden=32, d_out=4):
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.GELU(),
                          nn.Linear(hidden, d_out))
+
+
+def norm_mlp(norm=nn.LayerNorm):
+    """Linear, a norm layer, ReLU, Linear (8 -> 16 -> 4), the same weights every call."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), norm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def regression_batch(i: int, n: int = 8):
+    """Inputs and targets for :func:`norm_mlp`, the same for the same ``i``."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
 class SmallCNN(nn.Module):

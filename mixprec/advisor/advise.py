@@ -128,7 +128,8 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
     precision would be, so the others (``level``, ``dtype``, ``policy``, ``keep_fp32``, the op
     lists, ``master``, ``state_dtype``, ``fp8_modules``) choose among its results instead:
     :meth:`Advice.policy` takes ``level``, ``dtype`` and ``fp8``. Those of a training run
-    (``reduce_dtype``, ``emulate_fp16``, ``monitor``, ``compile``) are absent: no loop runs.
+    (``reduce_dtype``, ``emulate_fp16``, ``monitor``, ``max_consecutive_skips``, ``compile``)
+    are absent: no loop runs.
 
     Args:
         model: the fp32 model (before :func:`mixprec.prepare`), in the mode to measure

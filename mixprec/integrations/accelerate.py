@@ -248,7 +248,7 @@ class MixprecAccelerator(accelerate.Accelerator):
                  policy: Policy | None = None,
                  keep_fp32=None, low_precision_ops=(), fp32_ops=(), master=None,
                  state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
-                 monitor=None, **kwargs: Any):
+                 monitor=None, max_consecutive_skips: int | None = 8, **kwargs: Any):
         if args:
             raise TypeError("MixprecAccelerator takes keyword arguments only (Accelerator's "
                             "positional order puts its own mixed_precision among them)")
@@ -265,7 +265,8 @@ class MixprecAccelerator(accelerate.Accelerator):
                             loss_scale=loss_scale, policy=policy, keep_fp32=keep_fp32,
                             low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
                             master=master, state_dtype=state_dtype, fp8=fp8,
-                            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
+                            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor,
+                            max_consecutive_skips=max_consecutive_skips)
         super().__init__(**kwargs)  # mixed precision from the environment or config: refused
         env.apply_timeout("Accelerate", "kwargs_handlers=[InitProcessGroupKwargs("
                                         "timeout=timedelta(seconds=...))]")

@@ -155,13 +155,14 @@ class MixprecPrecision(Precision):
                  loss_scale: Any = "auto", policy: Policy | None = None, *,
                  monitor=None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
-                 fp8_modules=None, emulate_fp16="auto",
+                 fp8_modules=None, emulate_fp16="auto", max_consecutive_skips: int | None = 8,
                  mixed_precision: MixedPrecision | None = None):
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, loss_scale=loss_scale,
             policy=policy, keep_fp32=keep_fp32, low_precision_ops=low_precision_ops,
             fp32_ops=fp32_ops, master=master, state_dtype=state_dtype, fp8=fp8,
-            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
+            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor,
+            max_consecutive_skips=max_consecutive_skips)
         self.applied: dict[int, bool] = {}
         self._context = None
         self._prepared: dict | None = None  # what convert_module left for connect

@@ -139,12 +139,13 @@ class MixprecTrainer(transformers.Trainer):
                  loss_scale: Any = "auto",
                  policy: Policy | None = None, keep_fp32=None, low_precision_ops=(), fp32_ops=(),
                  master=None, state_dtype=None, fp8=None, fp8_modules=None, emulate_fp16="auto",
-                 monitor=None, **kwargs: Any):
+                 monitor=None, max_consecutive_skips: int | None = 8, **kwargs: Any):
         mixed_precision = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, loss_scale=loss_scale,
             policy=policy, keep_fp32=keep_fp32, low_precision_ops=low_precision_ops,
             fp32_ops=fp32_ops, master=master, state_dtype=state_dtype, fp8=fp8,
-            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor)
+            fp8_modules=fp8_modules, emulate_fp16=emulate_fp16, monitor=monitor,
+            max_consecutive_skips=max_consecutive_skips)
         missing = [name for name in _LOOP_HOOKS if not hasattr(transformers.Trainer, name)]
         if missing:
             raise RuntimeError(f"transformers {transformers.__version__}'s Trainer has no "

@@ -149,6 +149,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if "inner" in state:  # unpickled or deep-copied: torch's pickling of the inner dropped
             hooks.reshare_hooks(self, self.inner)  # its hooks
+            self._rebuild()  # and what is keyed by the tensors' ids names the copies now
         elif "inner" in self.__dict__:  # load_state_dict: the inner optimizer's class fills
             # in what an older state_dict lacks (new group flags, a step saved as a number),
             # over the entries that hold its own state (not ours alone: a compensation saved

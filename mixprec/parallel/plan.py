@@ -152,8 +152,8 @@ def plan(params, *, level: str = vocabulary.Default("O2"), dtype=vocabulary.Defa
     ``dtype`` ("fp32" makes every level fp32), ``policy``, ``master`` and ``state_dtype``
     (master-weight levels only). It counts every parameter alike, so the per-layer ones
     (``keep_fp32``, ``fp8``, ``fp8_modules``), which need the model, and those that change no
-    stored tensor (the op lists, ``loss_scale``, ``emulate_fp16``, ``monitor``, ``compile``)
-    are absent; ``reduce_dtype`` sets the gradient traffic.
+    stored tensor (the op lists, ``loss_scale``, ``max_consecutive_skips``, ``emulate_fp16``,
+    ``monitor``, ``compile``) are absent; ``reduce_dtype`` sets the gradient traffic.
 
     Args:
         params: the parameter count (an int or ``"7B"``-style text).

@@ -15,6 +15,7 @@ Two kinds of optimizer are driven:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -160,7 +161,7 @@ class LossScaler(GradScalerInterface):
         if owns_gradients(optimizer):
             found = optimizer.unscale_grads_(inv_scale)
             record.found_inf = _local(found).to(self._state.device) if self._checks else None
-        elif self._scales:
+        elif self._scales or self._checks:  # unscaled in place, or (no scale) checked
             record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
                                                                 inv_scale, self._state.device))
         record.stage = Stage.UNSCALED
@@ -283,12 +284,17 @@ class LossScaler(GradScalerInterface):
     def _count_skip(self, queued: QueuedStep, updated: bool) -> None:
         self._counters.skipped_steps += 1
         opt = queued.optimizer
-        if self._next_overflow_raises(updated):
+        raises = self._next_overflow_raises(updated)
+        first = self._counters.skipped_steps == 1 and self._warns_on_first_skip
+        if raises or first:
             names = passes.nonfinite_param_names(checks.grad_pairs(opt, queued.owner),
                                                  checks.param_names(opt, self._modules))
-            if updated:
+            if raises and updated:
                 raise self._persistent_overflow_error(names)
-            queued.record.bad_params = names
+            if raises:
+                queued.record.bad_params = names
+            elif first:
+                warnings.warn(self._first_skip_message(names), RuntimeWarning, stacklevel=4)
         if queued.owner:
             opt.drop_master_grads()
 
@@ -337,8 +343,28 @@ class LossScaler(GradScalerInterface):
         return self._state
 
     def _next_overflow_raises(self, updated: bool = False) -> bool:
-        """Whether this overflow reaches the limit (``updated``: the scale update counted it)."""
-        return False
+        """Whether this overflow reaches the limit of skips in a row that the scale cannot fix
+        (``updated``: the scale update counted it; one host read)."""
+        limit = self._skip_limit()
+        if limit is None or not self._checks:
+            return False
+        if updated:  # the update counted this overflow: at min_scale it added a skip
+            return int(self._state.skips_at_min.item()) >= limit
+        at_min, skips = torch.stack([self._at_min().int(), self._state.skips_at_min]).tolist()
+        return bool(at_min) and skips + 1 >= limit
+
+    def _skip_limit(self) -> int | None:
+        """Overflowing steps in a row at the lowest scale before an error (None: never)."""
+        return None
+
+    def _at_min(self) -> torch.Tensor:
+        """A 0-d bool tensor: the scale cannot back off any further."""
+        return torch.ones((), dtype=torch.bool, device=self._state.device)
+
+    _warns_on_first_skip = False
+
+    def _first_skip_message(self, names: list[str]) -> str:
+        raise NotImplementedError
 
     def _persistent_overflow_error(self, names: list[str]) -> RuntimeError:
         raise NotImplementedError

@@ -31,7 +31,14 @@ import torch
 
 from ..dtypes import to_dtype
 from .base import LossScaler
-from .state import DynamicConfig, ScaleState, adjust_scale, check_keys, positive_scale
+from .state import (
+    DynamicConfig,
+    ScaleState,
+    adjust_scale,
+    check_keys,
+    positive_scale,
+    skip_limit,
+)
 
 __all__ = [
     "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
@@ -53,17 +60,93 @@ class NonFiniteGradientsError(RuntimeError):
 
 
 class NoLossScaler(LossScaler):
-    """A loss scaler that does nothing, with the methods of the others (one loop shape).
+    """A loss scaler that does not scale the loss, with the methods of the others (one loop shape).
 
     ``scale()`` returns the loss, ``unscale_()`` only makes a MasterWeightOptimizer's fp32
-    gradients, ``step()`` always steps and returns True. The call order is checked as for the
-    others.
+    gradients. By default it checks nothing: ``step()`` always steps and returns True, with no
+    host sync. With ``skip_nonfinite=True`` (what a 16-bit run without a loss scale gets, bf16:
+    ``make_loss_scaler("auto", "bf16")``) it checks each step's gradients for inf/NaN as a scaler
+    of scale 1 would: such a step is skipped (weights, optimizer state and step count untouched;
+    ``step()`` returns False), the first skip warns, and ``max_consecutive_skips`` skips in a row
+    raise :class:`NonFiniteGradientsError` naming the parameters (nothing about the run changes
+    between two steps that could make the next one finite). The call order is checked as for
+    the others.
+
+    Args:
+        skip_nonfinite: check for inf/NaN and skip such steps (one host read per optimizer
+            and step, after its step is queued where the optimizer skips on the device).
+        max_consecutive_skips: with ``skip_nonfinite``, skipped steps in a row before
+            :class:`NonFiniteGradientsError` (an integer >= 1, or None: never).
+
+    Raises:
+        TypeError, ValueError: a bad ``skip_nonfinite`` or ``max_consecutive_skips``.
 
     Example:
         >>> scaler = NoLossScaler()
         >>> scaler.get_scale()
         1.0
     """
+
+    def __init__(self, skip_nonfinite: bool = False, max_consecutive_skips: int | None = 8):
+        super().__init__()
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool; got {skip_nonfinite!r}")
+        self.skip_nonfinite = skip_nonfinite
+        self.max_consecutive_skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
+
+    @property
+    def _checks(self) -> bool:
+        return self.skip_nonfinite
+
+    @property
+    def _warns_on_first_skip(self) -> bool:
+        return self.skip_nonfinite
+
+    def _skip_limit(self):
+        return self.max_consecutive_skips
+
+    def _adjust(self, found_inf):
+        found = found_inf.to(self._state.device) > 0  # counts skips in a row; the scale stays 1
+        counted = torch.where(found, self._state.skips_at_min + 1,
+                              torch.zeros_like(self._state.skips_at_min))
+        return dataclasses.replace(self._state, skips_at_min=counted)
+
+    def _first_skip_message(self, names):
+        return (f"skipped a step: gradients hold inf/NaN ({_listed(names)}). There is no loss "
+                f"scale to back off, so the cause is in the loss, the inputs or the forward "
+                f"(mixprec.debug.trace_nonfinite(model) names the first op that makes inf/NaN); "
+                f"{self.max_consecutive_skips} skipped steps in a row raise "
+                f"NonFiniteGradientsError (max_consecutive_skips=)")
+
+    def _persistent_overflow_error(self, names):
+        first = names[0].split(" shape ")[0] if names else "none on this rank"
+        return NonFiniteGradientsError(
+            f"gradients held inf/NaN for {self.max_consecutive_skips} steps in a row "
+            f"(max_consecutive_skips={self.max_consecutive_skips}), with no loss scale that "
+            f"could cause or fix it; the first parameter with a non-finite gradient: {first}. "
+            f"Look for inf/NaN in the loss, the inputs or the forward pass (e.g. with "
+            f"mixprec.debug.trace_nonfinite(model)). Parameters with non-finite gradients: "
+            f"{_listed(names)}", names)
+
+    def _config_dict(self):
+        if not self.skip_nonfinite:
+            return {}
+        return {"skip_nonfinite": True, "max_consecutive_skips": self.max_consecutive_skips}
+
+    def _load_config(self, config):
+        if config == {}:  # a no-op scaler's (or an earlier version's): settings stay as made
+            return
+        check_keys("state_dict['config']", config, ("skip_nonfinite", "max_consecutive_skips"))
+        if not isinstance(config["skip_nonfinite"], bool):
+            raise ValueError(f"state_dict['config']['skip_nonfinite'] must be a bool; "
+                             f"got {config['skip_nonfinite']!r}")
+        limit = skip_limit("state_dict['config']['max_consecutive_skips']",
+                           config["max_consecutive_skips"])
+        self.skip_nonfinite, self.max_consecutive_skips = config["skip_nonfinite"], limit
+
+
+def _listed(names: list[str]) -> str:
+    return "; ".join(names) if names else "none on this rank (another rank overflowed)"
 
 
 class DynamicLossScaler(LossScaler):
@@ -127,18 +210,14 @@ class DynamicLossScaler(LossScaler):
     def _adjust(self, found_inf):
         return adjust_scale(self._state, found_inf, self.config)
 
-    def _next_overflow_raises(self, updated: bool = False) -> bool:
-        limit = self.config.max_skips_at_min
-        if limit is None:
-            return False
-        if updated:  # the update counted this overflow: at min_scale it added a skip
-            return int(self._state.skips_at_min.item()) >= limit
-        at_min, skips = torch.stack([(self._state.scale <= self.config.min_scale).int(),
-                                     self._state.skips_at_min]).tolist()
-        return bool(at_min) and skips + 1 >= limit
+    def _skip_limit(self):
+        return self.config.max_skips_at_min
+
+    def _at_min(self):
+        return self._state.scale <= self.config.min_scale
 
     def _persistent_overflow_error(self, names):
-        listed = "; ".join(names) if names else "none on this rank (another rank overflowed)"
+        listed = _listed(names)
         return NonFiniteGradientsError(
             f"gradients were non-finite for {self.config.max_skips_at_min} steps in a row at the "
             f"minimum loss scale {self.config.min_scale}: the overflow is not caused by the scale "
@@ -251,7 +330,8 @@ class StaticLossScaler(LossScaler):
         self.skip_on_overflow = bool(config["skip_on_overflow"])
 
 
-def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
+def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
+                     max_consecutive_skips: int | None = 8) -> LossScaler:
     """Build a loss scaler from a short spec.
 
     Args:
@@ -259,34 +339,44 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None) -> LossScaler:
             ``"dynamic"``, ``"none"`` or None, a positive number (a static scale), or a scaler
             (returned as it is).
         dtype: the low-precision training dtype ("fp16", torch.bfloat16, ...), or a
-            :class:`mixprec.Policy` whose ``loss_scale`` decides. Needed for ``"auto"``.
+            :class:`mixprec.Policy` whose ``loss_scale`` decides. Needed for ``"auto"``. Without
+            a loss scale, a 16-bit dtype (bf16; a policy that computes or stores in 16 bits) gets
+            a :class:`NoLossScaler` that skips steps with inf/NaN gradients.
+        max_consecutive_skips: steps skipped in a row that the scale cannot fix (without a loss
+            scale: every skip; dynamic: those at ``min_scale``, its ``max_skips_at_min``) before
+            :class:`NonFiniteGradientsError`; None: never. Only for a scaler built here.
 
     Raises:
-        ValueError: an unknown spec, a bad number, or ``"auto"`` without a dtype.
+        ValueError: an unknown spec, a bad number, ``"auto"`` without a dtype, or
+            ``max_consecutive_skips`` set beside a scaler object (set it on the scaler).
         TypeError: a spec of another type.
 
     Example:
         >>> type(make_loss_scaler("auto", "fp16")).__name__
         'DynamicLossScaler'
-        >>> type(make_loss_scaler("auto", "bf16")).__name__
-        'NoLossScaler'
+        >>> scaler = make_loss_scaler("auto", "bf16")
+        >>> type(scaler).__name__, scaler.skip_nonfinite
+        ('NoLossScaler', True)
     """
+    limit = skip_limit("max_consecutive_skips", max_consecutive_skips)
     if isinstance(spec, LossScaler):
+        if limit != 8:
+            raise ValueError(f"max_consecutive_skips={limit!r} beside a scaler object: set it "
+                             f"on the scaler (NoLossScaler(max_consecutive_skips=...), "
+                             f"DynamicLossScaler(max_skips_at_min=...))")
         return spec
-    if spec is None:
-        return NoLossScaler()
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         return StaticLossScaler(spec)
-    if not isinstance(spec, str):
+    if spec is not None and not isinstance(spec, str):
         raise TypeError(f"loss scaler spec must be 'auto', 'dynamic', 'none', None, a number or a "
                         f"loss scaler; got {type(spec).__name__} {spec!r}")
-    key = spec.strip().lower()
+    key = "none" if spec is None else spec.strip().lower()
     if key == "auto":
-        return make_loss_scaler(_auto_spec(dtype))
+        key = _auto_spec(dtype) or "none"
     if key == "dynamic":
-        return DynamicLossScaler()
+        return DynamicLossScaler(max_skips_at_min=limit)
     if key == "none":
-        return NoLossScaler()
+        return NoLossScaler(skip_nonfinite=_is_16_bit(dtype), max_consecutive_skips=limit)
     raise ValueError(f"loss scaler spec must be 'auto', 'dynamic', 'none', None, a number or a "
                      f"loss scaler; got {spec!r}")
 
@@ -298,3 +388,12 @@ def _auto_spec(dtype):
         raise ValueError("make_loss_scaler('auto') needs the training dtype (e.g. dtype='fp16') "
                          "or a Policy; got dtype=None")
     return "dynamic" if to_dtype(dtype) == torch.float16 else None
+
+
+def _is_16_bit(dtype) -> bool:
+    """Whether a run in ``dtype`` (a dtype, its name, or a Policy) computes or stores in 16 bits."""
+    if dtype is None:
+        return False
+    dtypes = ((dtype.param_dtype, dtype.compute_dtype) if hasattr(dtype, "compute_dtype")
+              else (to_dtype(dtype),))
+    return any(d in (torch.float16, torch.bfloat16) for d in dtypes)

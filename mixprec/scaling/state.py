@@ -13,7 +13,8 @@ import torch
 
 from .. import kernel_table
 
-__all__ = ["ScaleState", "DynamicConfig", "adjust_scale", "positive_scale", "check_keys"]
+__all__ = ["ScaleState", "DynamicConfig", "adjust_scale", "positive_scale", "check_keys",
+           "skip_limit"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -88,8 +89,7 @@ class DynamicConfig:
         hi = positive_scale("max_scale", self.max_scale)
         if lo > hi:
             raise ValueError(f"min_scale must be <= max_scale; got min_scale={lo}, max_scale={hi}")
-        if self.max_skips_at_min is not None:
-            _int_at_least("max_skips_at_min", self.max_skips_at_min, 1)
+        skip_limit("max_skips_at_min", self.max_skips_at_min)
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool; got {self.enabled!r}")
 
@@ -181,6 +181,14 @@ def positive_scale(name: str, value) -> float:
 def _int_at_least(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    return value
+
+
+def skip_limit(name: str, value) -> int | None:
+    """``value`` when it is None or an integer >= 1 (a bound on overflowing steps in a row)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1 (steps skipped in a row before an "
+                         f"error) or None (never raise); got {value!r}")
     return value
 
 

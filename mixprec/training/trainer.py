@@ -111,14 +111,14 @@ class Trainer:
                  reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
-                 loss_scaler: Any = vocabulary.UNSET):
+                 max_consecutive_skips: int | None = 8, loss_scaler: Any = vocabulary.UNSET):
         check_options(grad_accum_steps, max_grad_norm, loss_fn)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
             loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
             low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, master=master,
             state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor,
-            emulate_fp16=emulate_fp16)
+            emulate_fp16=emulate_fp16, max_consecutive_skips=max_consecutive_skips)
         self.strategy = make_strategy(strategy, reduce_dtype)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):

@@ -1,0 +1,269 @@
+"""bf16 (no loss scale) skips a step whose gradients hold inf/NaN, as fp16's scaler does: the
+weights, the masters, the moments, the step count and the schedule stay as they were, the first
+skip warns, and a run of skips raises an error naming the parameters."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from testmodels import norm_mlp
+from testmodels import regression_batch as batch
+from torch import nn
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+CASES = [("O1", None), ("O3", None), *[("O2", m) for m in ("fp32", "split", "kahan", "stochastic")]]
+
+
+def net():
+    return norm_mlp(nn.BatchNorm1d)
+
+
+def snapshot(model, opt) -> dict:
+    """Every tensor a step could change: weights, buffers, masters, moments, step counts."""
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    out.update({f"fp32.{k}": v.clone() for k, v in mp.fp32_state_dict(model).items()})
+    state = copy.deepcopy(opt.state_dict()["state"])
+    for i, entry in state.items():
+        out.update({f"opt.{i}.{k}": torch.as_tensor(v) for k, v in entry.items()})
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def finite(d: dict) -> bool:
+    return all(torch.isfinite(v).all() for v in d.values() if v.is_floating_point())
+
+
+def engine_and_model(level, master, **kwargs):
+    amp = mp.MixedPrecision(level=level, dtype="bf16", master=master, **kwargs)
+    model = net()
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return amp, model, opt
+
+
+def backward(amp, model, i, poison=False):
+    x, y = batch(i)
+    amp.backward(F.mse_loss(model(x).float(), y))
+    if poison:  # one gradient value NaN: the forward (and the BatchNorm statistics) stay clean
+        with torch.no_grad():
+            model[3].weight.grad[0, 0] = float("nan")
+
+
+def skip(amp, model, opt, steps: int) -> None:
+    """``steps`` steps in a row with a NaN gradient: each is skipped."""
+    for i in range(steps):
+        backward(amp, model, i, poison=True)
+        assert not amp.step(opt)
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("level,master", CASES)
+def test_a_nonfinite_step_is_skipped_and_leaves_everything_untouched(level, master):
+    amp, model, opt = engine_and_model(level, master)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    backward(amp, model, 0)
+    assert amp.step(opt)
+    sched.step()
+    opt.zero_grad()
+    before, lr = snapshot(model, opt), sched.get_last_lr()
+    backward(amp, model, 1, poison=True)
+    before = {**before, **{k: v for k, v in snapshot(model, opt).items()
+                           if "running" in k or "num_batches" in k}}  # this forward's statistics
+    with pytest.warns(RuntimeWarning, match=r"skipped a step: gradients hold inf/NaN \(3\.weight"):
+        applied = amp.step(opt)
+    assert applied is False
+    if applied:
+        sched.step()
+    opt.zero_grad()
+    assert same(snapshot(model, opt), before)
+    assert sched.get_last_lr() == lr
+    assert (amp.scaler.skipped_steps, amp.scaler.applied_steps) == (1, 1)
+    backward(amp, model, 2)
+    assert amp.step(opt)  # the run goes on, finite; the second skip would not warn again
+    model(batch(3)[0])
+    assert finite(snapshot(model, opt))
+
+
+@pytest.mark.parametrize("level,master", [("O1", None), ("O2", "fp32"), ("O2", "split")])
+def test_consecutive_skips_beyond_the_bound_raise_naming_the_first_parameter(level, master):
+    amp, model, opt = engine_and_model(level, master, max_consecutive_skips=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        skip(amp, model, opt, 2)
+        backward(amp, model, 5)  # a clean step resets the count
+        assert amp.step(opt)
+        opt.zero_grad()
+        skip(amp, model, opt, 2)
+        backward(amp, model, 2, poison=True)
+        with pytest.raises(mp.NonFiniteGradientsError,
+                           match=r"inf/NaN for 3 steps in a row \(max_consecutive_skips=3\).*"
+                                 r"first parameter with a non-finite gradient: 3\.weight") as err:
+            amp.step(opt)
+    assert err.value.parameters[0].startswith("3.weight")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
+def test_a_bad_bound_is_refused(bad):
+    with pytest.raises(ValueError, match="max_consecutive_skips must be an integer >= 1"):
+        mp.MixedPrecision(level="O2", dtype="bf16", max_consecutive_skips=bad)
+
+
+def test_no_bound_never_raises_and_the_bound_travels_in_the_state_dict():
+    amp, model, opt = engine_and_model("O2", "fp32", max_consecutive_skips=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        skip(amp, model, opt, 10)
+    assert amp.scaler.skipped_steps == 10
+    other = mp.MixedPrecision(level="O2", dtype="bf16")
+    other.setup(net())
+    other.load_state_dict(amp.state_dict())
+    assert other.scaler.max_consecutive_skips is None and other.scaler.skipped_steps == 10
+
+
+def test_fp16_keeps_its_dynamic_scaler_and_the_bound_is_its_limit_at_the_minimum_scale():
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", max_consecutive_skips=5)
+    amp.setup(net())
+    assert isinstance(amp.scaler, mp.DynamicLossScaler)
+    assert amp.scaler.config.max_skips_at_min == 5
+    with pytest.raises(ValueError, match="set it on the scaler"):
+        mp.make_loss_scaler(mp.NoLossScaler(), "bf16", max_consecutive_skips=3)
+    assert not mp.make_loss_scaler("none").skip_nonfinite  # no dtype: a plain no-op
+    assert not mp.make_loss_scaler("auto", "fp32").skip_nonfinite  # O0 is torch's own step
+
+
+def test_the_trainer_skips_and_leaves_the_scheduler_alone():
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        loss = F.mse_loss(out.float(), y)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = mp.Trainer(model, loss_fn, opt, level="O2", dtype="bf16", scheduler=sched,
+                         progress=False)
+    with pytest.warns(RuntimeWarning, match="skipped a step"):
+        history = trainer.fit([batch(i) for i in range(4)])
+    assert history.skipped == [False, True, False, False]
+    assert sched.last_epoch == 3
+    assert finite({k: v for k, v in trainer.model.state_dict().items()})
+
+
+# ----------------------------------------------------------------------- the integrations
+SKIP_WARNING = "ignore:skipped a step:RuntimeWarning"
+
+
+@pytest.mark.filterwarnings(SKIP_WARNING)
+def test_the_accelerator_skips_and_leaves_the_scheduler_alone():
+    pytest.importorskip("accelerate")
+    from mixprec.integrations.accelerate import MixprecAccelerator
+
+    acc = MixprecAccelerator(level="O2", dtype="bf16", cpu=True)
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    skipped = []
+    for i in range(3):
+        before = snapshot(model, opt.optimizer)
+        x, y = batch(i)
+        loss = F.mse_loss(model(x).float(), y)
+        acc.backward(loss * float("nan") if i == 1 else loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        skipped.append(acc.optimizer_step_was_skipped)
+        after = snapshot(model, opt.optimizer)
+        if skipped[-1]:
+            assert same({k: v for k, v in after.items() if "running" not in k
+                         and "num_batches" not in k},
+                        {k: v for k, v in before.items() if "running" not in k
+                         and "num_batches" not in k})
+    assert skipped == [False, True, False]
+    assert sched.scheduler.last_epoch == 2  # stepped after the applied updates only
+    assert finite(snapshot(model, opt.optimizer))
+
+
+class _NanAt(nn.Module):
+    """A Hugging Face-style model: returns ``{"loss": ...}``, NaN at the ``at``-th call."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.net, self.at, self.calls = net(), at, 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        loss = F.mse_loss(self.net(x).float(), y)
+        return {"loss": loss * float("nan") if self.calls == self.at else loss}
+
+
+@pytest.mark.filterwarnings(SKIP_WARNING)
+def test_the_hugging_face_trainer_skips_and_leaves_the_scheduler_alone(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    transformers.logging.set_verbosity_error()
+    rows = [dict(zip(("x", "y"), batch(i))) for i in range(4)]
+    data = [{"x": r["x"][j], "y": r["y"][j]} for r in rows for j in range(8)]
+    model = _NanAt(at=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    args = transformers.TrainingArguments(
+        str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+        num_train_epochs=1, save_strategy="no", disable_tqdm=True, seed=0,
+        train_sampling_strategy="sequential")
+    trainer = MixprecTrainer(model, args, train_dataset=data, optimizers=(opt, sched),
+                             level="O2", dtype="bf16")
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert trainer.mixed_precision.scaler.skipped_steps == 1
+    assert sched.last_epoch == 3  # 3 applied updates
+    assert finite(dict(model.state_dict()))
+
+
+@pytest.mark.filterwarnings(SKIP_WARNING)
+def test_the_lightning_plugin_skips_and_leaves_the_scheduler_alone():
+    L = pytest.importorskip("lightning.pytorch")
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.weights = net(), []
+
+        def training_step(self, b, i):
+            loss = F.mse_loss(self.net(b[0]).float(), b[1])
+            return loss * float("nan") if i == 1 else loss
+
+        def on_train_batch_start(self, b, i):
+            self.weights.append(mp.fp32_state_dict(self.net))
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    module = Module()
+    plugin = MixprecPrecision(level="O2", dtype="bf16")
+    trainer = L.Trainer(plugins=[plugin], accelerator="cpu", max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader([batch(i) for i in range(4)],
+                                                    batch_size=None))
+    w = module.weights
+    weights = {k: v for k, v in w[2].items() if "running" not in k and "num_batches" not in k}
+    assert same(weights, {k: w[1][k] for k in weights})  # step 1 skipped
+    assert not same(w[3], w[2])
+    assert plugin.scaler.skipped_steps == 1
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # 3 applied updates
+    assert finite(mp.fp32_state_dict(module.net))

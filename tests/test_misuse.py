@@ -1,0 +1,191 @@
+"""Mistakes of a loop on mp.MixedPrecision that trained on silently, with wrong numbers: each is
+refused with what to write instead (docs/mistakes.md quotes these messages); and what a loop
+moving from autocast + GradScaler to O2 keeps (a leftover autocast, a GradScaler checkpoint)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from testmodels import norm_mlp as net
+from testmodels import regression_batch as batch
+
+import mixprec as mp
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
+
+ORDER = r"per iteration: amp\.backward\(loss\), then amp\.step\(optimizer\)"
+
+
+def loss_of(model, i=0):
+    x, y = batch(i)
+    return F.mse_loss(model(x).float(), y)
+
+
+def setup(dtype="fp16", level="O2", **kwargs):
+    amp = mp.MixedPrecision(level=level, dtype=dtype, **kwargs)
+    model = net()
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return amp, model, opt
+
+
+def weights(model, opt) -> dict:
+    return {k: v.clone() for k, v in mp.fp32_state_dict(model, opt).items()}
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- loss.backward() under a loss scale -----------------------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp16_without_amp_backward_is_refused_every_time(level):
+    amp, model, opt = setup("fp16", level)
+    before = weights(model, opt)
+    for _ in range(2):  # the first step, and every later one (GradScaler: the first only)
+        loss_of(model).backward()
+        with pytest.raises(RuntimeError, match=r"with no amp\.backward\(loss\) since its last "
+                                               r"step: this run scales the loss \(fp16, scale "
+                                               r"65536\.0\).*Write amp\.backward\(loss\)"):
+            amp.step(opt)
+        opt.zero_grad()
+    assert same(weights(model, opt), before)
+    amp.backward(loss_of(model))  # then the loop as written runs
+    amp.step(opt)
+    amp.backward(loss_of(model, 1))
+    amp.step(opt)  # amp.backward before each step: no complaint
+    assert amp.scaler.applied_steps + amp.scaler.skipped_steps == 2
+    loss_of(model).backward()  # a later step back on loss.backward(): refused as well
+    with pytest.raises(RuntimeError, match="this run scales the loss"):
+        amp.step(opt)
+
+
+def test_bf16_takes_loss_backward():
+    amp, model, opt = setup("bf16")
+    for i in range(3):
+        loss_of(model, i).backward()
+        assert amp.step(opt)  # no loss scale: the gradients are the true ones
+        opt.zero_grad()
+
+
+# -- a second step on the same gradients --------------------------------------------------------
+@pytest.mark.parametrize("dtype,backward", [("fp16", "amp"), ("bf16", "amp"), ("bf16", "torch")])
+def test_a_second_step_on_the_same_gradients_is_refused(dtype, backward):
+    amp, model, opt = setup(dtype)
+    if backward == "amp":
+        amp.backward(loss_of(model))
+    else:
+        loss_of(model).backward()
+    amp.step(opt)
+    after_one = weights(model, opt)
+    with pytest.raises(RuntimeError, match=r"amp\.step\(optimizer\) again with no "
+                                           r"amp\.backward\(loss\) since this optimizer's last "
+                                           r"step: on the same gradients its update would be "
+                                           r"applied twice.*" + ORDER):
+        amp.step(opt)
+    assert same(weights(model, opt), after_one)
+
+
+def test_two_optimizers_stepped_apart_after_one_backward_are_fine():
+    amp = mp.MixedPrecision(level="O2", dtype="fp16")
+    model = net()
+    first, second = list(model[:2].parameters()), list(model[2:].parameters())
+    model, opt_a, opt_b = amp.setup(model, torch.optim.SGD(first, lr=0.1),
+                                    torch.optim.SGD(second, lr=0.1))
+    for i in range(2):
+        amp.backward(loss_of(model, i))
+        amp.step(opt_a)
+        amp.step(opt_b)  # each optimizer's first step after this backward
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+
+# -- an optimizer made after setup ------------------------------------------------------------
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_an_optimizer_made_after_setup_is_refused_at_o2(master):
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+    model = amp.setup(net())
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp.backward(loss_of(model))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"this AdamW steps 4 of the model's 16-bit parameters "
+                                           r"themselves \(0\.weight, \.\.\.\): at O2 an optimizer "
+                                           r"steps fp32 masters.*amp\.setup\(model, opt\).*"
+                                           r"opt = mp\.MasterWeightOptimizer\(opt\)"):
+        amp.step(late)
+    assert same(model.state_dict(), before)
+    wrapped = mp.MasterWeightOptimizer(late)  # what the message says to write
+    assert amp.step(wrapped)
+    assert wrapped.state[wrapped.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
+
+
+def test_at_o3_a_plain_optimizer_is_what_the_policy_means():
+    amp = mp.MixedPrecision(level="O3", dtype="bf16")
+    model = amp.setup(net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.backward(loss_of(model))
+    assert amp.step(opt)
+
+
+# -- deep copies ------------------------------------------------------------------------------
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
+def test_a_deep_copy_of_model_and_optimizer_together_trains_as_the_original(master):
+    amp, model, opt = setup("bf16", master=master)
+    amp.backward(loss_of(model))
+    amp.step(opt)
+    opt.zero_grad()
+    model2, opt2 = copy.deepcopy((model, opt))
+    amp2 = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+    amp2.adopt(model2)
+    for i in (1, 2):
+        amp.backward(loss_of(model, i))
+        amp.step(opt)
+        opt.zero_grad()
+        amp2.backward(loss_of(model2, i))
+        amp2.step(opt2)
+        opt2.zero_grad()
+    assert same(weights(model, opt), weights(model2, opt2))
+    assert not any(a.data_ptr() == b.data_ptr()
+                   for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_separate_deep_copies_are_refused_saying_to_copy_them_together():
+    amp, model, opt = setup("bf16")
+    model2, opt2 = copy.deepcopy(model), copy.deepcopy(opt)
+    amp2 = mp.MixedPrecision(level="O2", dtype="bf16")
+    amp2.adopt(model2)
+    amp2.backward(loss_of(model2))
+    with pytest.raises(RuntimeError, match=r"copied apart from its model.*"
+                                           r"copy\.deepcopy\(\(model, opt\)\)"):
+        amp2.step(opt2)
+
+
+# -- from autocast + GradScaler ---------------------------------------------------------------
+def test_a_leftover_autocast_changes_nothing_at_o2():
+    def run(leftover: bool) -> dict:
+        amp, model, opt = setup("bf16")
+        for i in range(3):
+            if leftover:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_of(model, i)
+            else:
+                loss = loss_of(model, i)
+            amp.backward(loss)
+            amp.step(opt, max_grad_norm=1.0)
+            opt.zero_grad()
+        return weights(model, opt)
+
+    assert same(run(True), run(False))
+
+
+def test_amp_load_state_dict_takes_a_grad_scalers_state_dict():
+    amp, _, _ = setup("fp16")
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    amp.load_state_dict(theirs.state_dict())
+    assert amp.scaler.get_scale() == 1024.0 and amp.scaler.get_growth_interval() == 100
+    bf16, _, _ = setup("bf16")
+    bf16.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())  # {}: nothing
+    with pytest.raises(ValueError, match="cannot load a torch.amp.GradScaler state_dict"):
+        bf16.load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match=r"or a torch\.amp\.GradScaler's"):
+        amp.load_state_dict({"scale": 1.0})
