@@ -6,6 +6,8 @@ import torch
 
 from mixprec.compat.apex_state import AMP
 
+pytest_plugins = ["covering"]  # which cells of a test matrix run (@pytest.mark.matrix)
+
 SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
 
 # One intra-op thread per test process, and in the processes tests launch: `make test` runs two
