@@ -42,11 +42,12 @@ def resolve(root, dotted: str):
 
 
 def test_the_public_names_are_the_contracts_and_each_resolves():
-    """Each exported name (the lazy ones too) and each promised subpackage name is a class, a
-    function or a module; the apex facade keeps apex's functions."""
+    """``dir(mp)`` is ``__all__``; each exported name (the lazy ones too) and each promised
+    subpackage name is a class, a function or a module; the apex facade keeps apex's
+    functions."""
     from mixprec.compat import apex_amp
 
-    assert sorted(mp.__all__) == sorted(PUBLIC)
+    assert sorted(mp.__all__) == sorted(PUBLIC) == dir(mp)  # no submodule or helper shown
     assert isinstance(mp.__version__, str)
     for dotted in sorted(PUBLIC - {"__version__"}) + CONTRACT:
         obj = resolve(mp, dotted)
