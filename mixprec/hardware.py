@@ -59,8 +59,8 @@ def _normalize_device(device) -> torch.device:
 def _cpu_caps() -> dict:
     flags = cpu_flags()
     bf16_fast = bool({"avx512_bf16", "amx_bf16"} & flags)
-    # AVX512-FP16 alone does not make oneDNN's fp16 GEMM faster than fp32 (measured on a
-    # Sapphire Rapids VM: fp16 ~300 GFLOP/s vs fp32 ~275); AMX-FP16 (Granite Rapids) does.
+    # AVX512-FP16 alone does not make oneDNN's fp16 GEMM faster than fp32 (about as fast, on a
+    # Sapphire Rapids VM); AMX-FP16 (Granite Rapids) does.
     fp16_fast = "amx_fp16" in flags
     bf16_why = ("AVX512-BF16/AMX-BF16 present" if bf16_fast
                 else "no AVX512-BF16 or AMX-BF16: bf16 GEMM is emulated and slow")

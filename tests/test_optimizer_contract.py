@@ -166,8 +166,8 @@ def _fp32(model, companions):
 @pytest.mark.parametrize("when", WHEN)
 def test_a_global_norm_clip_in_a_pre_hook_clips_all_parameters_once(when):
     """A pre-hook clipping the global gradient norm (what training libraries install), on an
-    SGD whose update is lr * grad: the update's norm is lr * max_norm, as in fp32 (0.3 ran it
-    once per bucket over that bucket: sqrt(buckets) times too large)."""
+    SGD whose update is lr * grad: the update's norm is lr * max_norm, as in fp32 (a hook run
+    once per bucket over that bucket would give sqrt(buckets) times that)."""
     torch.manual_seed(0)
     fp32 = net()
     opt = torch.optim.SGD(fp32.parameters(), lr=1.0)
@@ -324,8 +324,9 @@ def test_load_state_dict_errors_of_torch(kind):
                                              "momentum_buffer")])
 @pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_another_models_state_is_refused_naming_the_parameter(kind, cls, kwargs, key):
-    """0.3 stepped a (48, 16) moment on a (32, 16) parameter silently (torch's fused CPU kernel
-    does not check shapes), or failed at step with a long tracing error (kahan/stochastic)."""
+    """Refused at load, before anything changes: torch's fused CPU kernel does not check shapes
+    (it would step a (48, 16) moment on a (32, 16) parameter silently), and the compiled compact
+    kernels would fail at step with a long tracing error."""
     other = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.ReLU(), nn.Linear(48, 4))
     theirs = cls(other.parameters(), lr=1e-2, **kwargs)
     other(batch()[0]).sum().backward()
