@@ -20,7 +20,7 @@ Tolerances, per level:
 An injected overflow (one gradient element set to inf) must skip the step on every path and
 leave weights and optimizer state bitwise untouched.
 
-``make test`` runs the cells of the two large matrices that cover every pair of factor values;
+``make test`` runs the cells of the large matrices that cover every pair of factor values;
 ``make test-slow`` adds a seeded random sample of the others (tests/covering.py: the seed is
 printed, ``MIXPREC_DIFF_SAMPLE=all`` runs every cell, a cell named by its id always runs).
 """
@@ -311,7 +311,7 @@ CUDA_MATRIX = [cell for cell in itertools.product(["O1", "O2", "O3"], DTYPES,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("level,dtype,scaling,layout,opt_name,clip", CUDA_MATRIX)
+@pytest.mark.matrix("level,dtype,scaling,layout,opt_name,clip", CUDA_MATRIX)
 def test_matrix_cell_matches_the_fp32_reference_on_cuda(level, dtype, scaling, layout, opt_name,
                                                         clip):
     run(level, dtype, scaling, layout, opt_name, clip, device="cuda")
