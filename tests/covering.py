@@ -125,7 +125,8 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The seed again at the end (``-q`` hides the header), when a matrix test ran."""
-    reports = itertools.chain.from_iterable(terminalreporter.stats.values())
-    if any("matrix" in getattr(r, "keywords", ()) for r in reports):
+    """The seed again at the end (``-q`` hides the header), when a sampled cell ran."""
+    ran = itertools.chain.from_iterable(terminalreporter.stats.get(outcome, ()) for outcome in
+                                        ("passed", "failed", "error", "skipped"))
+    if any({"matrix", "slow"} <= set(getattr(r, "keywords", ())) for r in ran):
         terminalreporter.write_line(_seed_line(config))
