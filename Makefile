@@ -37,6 +37,7 @@ test-all: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)
 
 # the tests `make test` leaves out (CI runs `make test` then this: together, `make test-all`)
+# (of the test matrices: a sample drawn with a printed seed; tests/covering.py says how to steer it)
 test-slow: $(STAMP)
 	$(PYTEST) -m slow $(PYTEST_ARGS)
 

@@ -135,4 +135,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """``__all__``: the submodules and helpers imported here are not part of the surface."""
+    return sorted(__all__)

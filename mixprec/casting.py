@@ -122,6 +122,8 @@ def to_float(module: nn.Module, dtype) -> nn.Module:
     sub-module with its own ``to_float`` keeps its setting: ``to_float(net, "fp16");
     to_float(net.dense, "fp32")`` leaves ``net.dense`` in fp32 whichever call comes first.
     ``mp.prepare`` later stores parameters per its policy (16-bit with fp32 masters at O2).
+    Before ``prepare``, ``to_float(module, "fp32")`` is an alias of ``keep_fp32=[<its name>]``:
+    the same ``Policy.modules`` entry.
 
     Args:
         module: the sub-module.

@@ -128,8 +128,8 @@ def _cpu_caps() -> dict:
     flags = cpu_flags()
     probe = cpu_gemm_probe()
     bf16_fast, bf16_why = bf16_verdict(probe)
-    # AVX512-FP16 alone does not make oneDNN's fp16 GEMM faster than fp32 (measured on a
-    # Sapphire Rapids VM: fp16 ~300 GFLOP/s vs fp32 ~275); AMX-FP16 (Granite Rapids) does.
+    # AVX512-FP16 alone does not make oneDNN's fp16 GEMM faster than fp32 (about as fast, on a
+    # Sapphire Rapids VM); AMX-FP16 (Granite Rapids) does.
     fp16_fast = "amx_fp16" in flags
     fp16_why = ("AMX-FP16 present" if fp16_fast
                 else "no AMX-FP16: fp16 GEMM runs no faster than fp32 (often much slower)")

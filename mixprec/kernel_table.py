@@ -18,9 +18,9 @@ The paths:
   ``torch._foreach_mul_``, per group. Both check the values before the multiplication, as
   torch's kernel does.
 * **read-only inf/NaN check** (:meth:`KernelTable.check_path`): the fused check kernel with a
-  factor of 1 where it accepts the dtype (one launch per group; on the CPU as fast as one
-  ``torch.aminmax`` per tensor on one 4M-element tensor and 8-30x faster on 400 small ones,
-  fp16 and bf16, one or two threads); else ``"inf_norm"``.
+  factor of 1 where it accepts the dtype (one launch per group, where one ``torch.aminmax`` per
+  tensor launches once per gradient: docs/benchmarks.md has the CPU timings); else
+  ``"inf_norm"``.
 * **dynamic loss-scale update** (:meth:`KernelTable.scale_update_path`): ``"amp"``, torch's
   ``_amp_update_scale_`` (the one kernel ``torch.amp.GradScaler`` runs), where it takes the
   float32 scale, for a scaler without hysteresis; else ``"where"``, element-wise ops on the 0-d
@@ -29,8 +29,8 @@ The paths:
   and AdamW where the device and dtype have a fused kernel.
 * **the master step a compiling Trainer turns on** (:meth:`KernelTable.master_step`):
   ``"compile"`` (one compiled pass per parameter) on the CPU; ``"fused"`` (torch's fused
-  multi-tensor kernels) elsewhere, where they measured faster (nine-linear on an H100: 1.8 vs
-  2.9 ms per update).
+  multi-tensor kernels) elsewhere, where one compiled launch per parameter costs more than it
+  saves (docs/benchmarks.md, "nine-linear and transformer on a GPU").
 * **the bf16 write-back of fp32 masters** (:meth:`KernelTable.write_back_path`):
   ``"compiled"`` (one compiled pass: :mod:`mixprec.master.write_back`) on CUDA, ``"chunks"``
   (a few element-wise passes over cache-sized pieces) on the CPU, ``"flat"`` elsewhere.

@@ -213,10 +213,6 @@ class Policy:
         one (nor ``"off"``): then ``prepare`` chooses the layers."""
         return self.modules.gemm_names() if self.modules.sets_gemm else None
 
-    def named_keys(self) -> list[str]:
-        """The qualified module names the policy refers to (they must exist in the model)."""
-        return self.modules.names()
-
     # -- serialisation -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The policy as plain data (names for dtypes, ``"module:QualName"`` for module types),

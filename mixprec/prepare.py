@@ -178,6 +178,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
       16, in 16 bits (see :mod:`mixprec.fp8.choice`); ``mp.fp8_modules(model)`` lists the
       converted layers, and ``mp.policy_of(model).fp8_modules`` records their names.
 
+    Keeping something in fp32, one way at each level (the other spellings are aliases that
+    write the same setting):
+
+    * an op: ``fp32_ops=["softmax"]``, beyond the autocast's fp32 list (O1/O2);
+    * a module, its parameters and its compute: ``keep_fp32=["head", nn.LayerNorm]``. Aliases:
+      ``mp.to_float(model.head, "fp32")`` before ``prepare`` (MindSpore's spelling), and the
+      ``Policy.modules`` entry ``{"head": "fp32"}``; ``policy_of(model)`` shows all three as
+      ``modules=[head:fp32]``;
+    * a module's parameters only, its compute staying 16-bit: the ``Policy.modules`` entry
+      ``{"embed": mp.Precision("bf16", params="fp32")}``.
+
     ``policy=mp.Policy(...)`` sets every one of these choices directly instead (see
     :class:`mixprec.Policy`). Integer buffers are never cast; a tied parameter is cast once;
     modules marked with :func:`to_float` keep their own dtype. The prepared model's

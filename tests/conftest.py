@@ -6,7 +6,16 @@ import torch
 
 from mixprec.compat.apex_state import AMP
 
+pytest_plugins = ["covering"]  # which cells of a test matrix run (@pytest.mark.matrix)
+
 SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+# One intra-op thread per test process, and in the processes tests launch: `make test` runs two
+# pytest workers on two cores, and torch's default (a thread per core in each) has every small op
+# wait at a thread barrier for a thread the other worker keeps off its core, which costs the tiny
+# models here far more than the op itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def slow_ids() -> set[str]:

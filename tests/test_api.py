@@ -1,4 +1,4 @@
-"""The public surface: every exported name imports, and the API contract's names exist."""
+"""The public surface: ``mp.__all__`` is the contract's names, and each of them resolves."""
 
 import inspect
 import subprocess
@@ -8,13 +8,25 @@ import pytest
 
 import mixprec as mp
 
-# Names the public API contract promises, as `mp.<name>`.
+#: ``mp.__all__``, as the API contract names it.
+PUBLIC = {
+    "__version__",
+    "device_capabilities", "SlowDtypeWarning", "Policy", "PrecisionMap", "Precision",
+    "NormLayer", "is_norm_layer", "prepare", "policy_of", "MixedPrecision", "to_float",
+    "fp8_modules", "lowbit", "masters",
+    "autocast", "op_lists", "OpListWarning",
+    "MasterWeightOptimizer", "CompactMasterOptimizer", "fp32_state_dict", "bytes_per_parameter",
+    "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
+    "NonFiniteGradientsError",
+    "Trainer", "History", "Callback", "LossMonitor", "FP8Monitor", "ModelCheckpoint", "Accuracy",
+    "advise", "Advice", "formats", "debug",
+    "PrecisionMonitor", "monitor", "emulate_fp16",
+    "parallel", "convert_checkpoint",
+}
+#: Names in the subpackages the contract promises, as ``mp.<dotted name>``.
 CONTRACT = [
     "formats.get", "formats.FloatFormat", "formats.decompose", "formats.range_report",
-    "Policy", "Policy.from_level", "device_capabilities", "autocast", "op_lists", "prepare",
-    "policy_of", "to_float", "MasterWeightOptimizer", "fp32_state_dict", "DynamicLossScaler",
-    "StaticLossScaler", "NoLossScaler", "make_loss_scaler", "NonFiniteGradientsError", "Trainer",
-    "History", "debug.trace_nonfinite", "debug.op_stats", "debug.grad_report",
+    "Policy.from_level", "debug.trace_nonfinite", "debug.op_stats", "debug.grad_report",
     "parallel.ddp", "parallel.fsdp", "parallel.world_size", "parallel.rank",
     "parallel.is_main_process", "lowbit.Float8", "lowbit.MXFP8", "lowbit.NVFP4",
 ]
@@ -23,24 +35,25 @@ APEX = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_d
         "half_function", "float_function", "promote_function", "disable_casts"]
 
 
-@pytest.mark.parametrize("name", mp.__all__)
-def test_every_exported_name_imports(name):
-    assert getattr(mp, name) is not None
-
-
-@pytest.mark.parametrize("dotted", CONTRACT)
-def test_contract_names_exist(dotted):
-    obj = mp
+def resolve(root, dotted: str):
     for part in dotted.split("."):
-        obj = getattr(obj, part)
-    assert callable(obj) or inspect.ismodule(obj)
+        root = getattr(root, part)
+    return root
 
 
-@pytest.mark.parametrize("name", APEX)
-def test_apex_compat_names_exist(name):
+def test_the_public_names_are_the_contracts_and_each_resolves():
+    """``dir(mp)`` is ``__all__``; each exported name (the lazy ones too) and each promised
+    subpackage name is a class, a function or a module; the apex facade keeps apex's
+    functions."""
     from mixprec.compat import apex_amp
 
-    assert callable(getattr(apex_amp, name))
+    assert sorted(mp.__all__) == sorted(PUBLIC) == dir(mp)  # no submodule or helper shown
+    assert isinstance(mp.__version__, str)
+    for dotted in sorted(PUBLIC - {"__version__"}) + CONTRACT:
+        obj = resolve(mp, dotted)
+        assert callable(obj) or inspect.ismodule(obj), dotted
+    for name in APEX:
+        assert callable(getattr(apex_amp, name)), name
 
 
 def test_distributed_names_keep_the_contract_signatures():
@@ -66,25 +79,21 @@ def test_apex_initialize_and_scale_loss_keep_apex_signatures():
         "loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check"]
 
 
-@pytest.mark.parametrize("cls,params", [
+@pytest.mark.parametrize("entry,params", [
     (mp.DynamicLossScaler, ["init_scale", "growth_factor", "backoff_factor", "growth_interval",
                             "hysteresis", "min_scale", "max_scale", "max_skips_at_min",
                             "process_group", "enabled"]),
     (mp.StaticLossScaler, ["scale", "skip_on_overflow"]),
     (mp.Trainer, ["model", "loss_fn", "optimizer", "level", "dtype", "loss_scale", "metrics",
                   "scheduler", "grad_accum_steps", "max_grad_norm", "device", "callbacks"]),
-])
-def test_contract_signatures(cls, params):
-    assert params == [p for p in inspect.signature(cls).parameters][:len(params)]
-
-
-@pytest.mark.parametrize("fn,params", [
     (mp.autocast, ["dtype", "enabled", "device_type", "low_precision_ops", "fp32_ops",
                    "cache_enabled"]),
     (mp.prepare, ["model", "optimizer", "level", "dtype", "keep_fp32"]),
-])
-def test_contract_keywords(fn, params):
-    assert params == [p for p in inspect.signature(fn).parameters][:len(params)]
+], ids=lambda v: getattr(v, "__name__", None))
+def test_contract_signatures(entry, params):
+    """The contract's leading parameters, in order (the keywords' defaults and texts:
+    tests/test_vocabulary.py)."""
+    assert params == list(inspect.signature(entry).parameters)[:len(params)]
 
 
 def test_import_is_light_and_clean():

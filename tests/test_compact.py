@@ -387,7 +387,7 @@ def test_plan_knows_the_compact_options():
     single = {(m, s): plan(n, level="O2", strategy="single", master=m, state_dtype=s)
               for m, s in EXPECTED}
     for key, p in single.items():  # the plan counts the 16-bit gradient too
-        assert p.bytes_per_param() == EXPECTED[key] + 2
+        assert p.bytes_per_parameter() == EXPECTED[key] + 2
     fsdp = plan(n, level="O2", strategy="fsdp", world=4, master="kahan", state_dtype="bf16")
     assert fsdp.total * 4 / n == 10  # 16-bit shards, compensation and moments sharded
     with pytest.raises(ValueError, match="master-weight level"):

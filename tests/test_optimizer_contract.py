@@ -3,10 +3,11 @@
 The cases are ported from PyTorch's own optimizer tests (test/test_optim.py, TestOptimRenewed:
 step hooks, state_dict and load_state_dict hooks, load_state_dict errors, state round trips,
 param groups with LR schedulers; common_optimizers' param-group errors) and run against every
-master kind and state dtype: fp32 masters (MasterWeightOptimizer, stepped a bucket at a time),
-Kahan compensation and stochastic rounding (CompactMasterOptimizer), each with fp32 or bf16
-moments. Hooks are registered on the optimizer ``prepare`` returned (``after``) and on the user's
-optimizer before ``prepare`` (``before``): both must run exactly as torch runs them.
+master method: fp32 masters (MasterWeightOptimizer, stepped a bucket at a time), the split
+remainder, Kahan compensation and stochastic rounding (CompactMasterOptimizer); the cases that
+save or load the state run with fp32 and with bf16 moments. Hooks are registered on the
+optimizer ``prepare`` returned (``after``) and on the user's optimizer before ``prepare``
+(``before``): both must run exactly as torch runs them.
 """
 
 import copy
@@ -25,8 +26,13 @@ import mixprec as mp
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
-KINDS = list(itertools.product(["fp32", "split", "kahan", "stochastic"], ["fp32", "bf16"]))
-KIND_IDS = [f"{m}-{s}" for m, s in KINDS]
+MASTERS = ["fp32", "split", "kahan", "stochastic"]
+# (master, state dtype): each master method once, with fp32 moments, where the case checks
+# hooks, groups or the step (the moments' dtype changes nothing there); both moment dtypes where
+# the case saves or loads the state (bf16 moments are converted and checked on the way)
+KINDS, KIND_IDS = [(m, "fp32") for m in MASTERS], MASTERS
+STATE_KINDS = list(itertools.product(MASTERS, ["fp32", "bf16"]))
+STATE_KIND_IDS = [f"{m}-{s}" for m, s in STATE_KINDS]
 WHEN = ["after", "before"]  # hooks on the returned optimizer, or on the user's before prepare
 NEW_FLAGS = ("foreach", "fused", "maximize", "capturable", "differentiable",
              "decoupled_weight_decay")
@@ -160,8 +166,8 @@ def _fp32(model, companions):
 @pytest.mark.parametrize("when", WHEN)
 def test_a_global_norm_clip_in_a_pre_hook_clips_all_parameters_once(when):
     """A pre-hook clipping the global gradient norm (what training libraries install), on an
-    SGD whose update is lr * grad: the update's norm is lr * max_norm, as in fp32 (0.3 ran it
-    once per bucket over that bucket: sqrt(buckets) times too large)."""
+    SGD whose update is lr * grad: the update's norm is lr * max_norm, as in fp32 (a hook run
+    once per bucket over that bucket would give sqrt(buckets) times that)."""
     torch.manual_seed(0)
     fp32 = net()
     opt = torch.optim.SGD(fp32.parameters(), lr=1.0)
@@ -316,10 +322,11 @@ def test_load_state_dict_errors_of_torch(kind):
 @pytest.mark.parametrize("cls,kwargs,key", [(torch.optim.AdamW, {}, "exp_avg"),
                                             (torch.optim.SGD, {"momentum": 0.9},
                                              "momentum_buffer")])
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_another_models_state_is_refused_naming_the_parameter(kind, cls, kwargs, key):
-    """0.3 stepped a (48, 16) moment on a (32, 16) parameter silently (torch's fused CPU kernel
-    does not check shapes), or failed at step with a long tracing error (kahan/stochastic)."""
+    """Refused at load, before anything changes: torch's fused CPU kernel does not check shapes
+    (it would step a (48, 16) moment on a (32, 16) parameter silently), and the compiled compact
+    kernels would fail at step with a long tracing error."""
     other = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.ReLU(), nn.Linear(48, 4))
     theirs = cls(other.parameters(), lr=1e-2, **kwargs)
     other(batch()[0]).sum().backward()
@@ -371,7 +378,7 @@ def test_moments_saved_in_the_other_state_dtype_load_in_this_ones(master):
 
 
 # -- state round trips (test_state_dict_deterministic, test_load_nontensor_step, ...) ----------
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_state_dict_round_trip_continues_bitwise(kind):
     model, opt, _ = make(kind, groups=True)
     train(model, opt, steps=3)
@@ -387,7 +394,7 @@ def test_state_dict_round_trip_continues_bitwise(kind):
     torch.testing.assert_close(model.state_dict(), model_c.state_dict(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_older_and_nontensor_step_state_dicts_load(kind):
     model, opt, _ = make(kind)
     train(model, opt, steps=2)
@@ -402,7 +409,7 @@ def test_older_and_nontensor_step_state_dicts_load(kind):
     train(model, opt, steps=1, start=2)
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_save_load_equality_with_weights_only(kind):
     model, opt, _ = make(kind)
     train(model, opt, steps=2)
@@ -542,7 +549,7 @@ def test_tensor_lr_steps_as_a_float_lr(kind):
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
 def test_can_load_from_and_to_a_named_state_dict(kind):
     """test_can_load_from_to_named_state_dict: an optimizer over named_parameters() keeps the
     names in its state_dict, and either form loads into the other."""

@@ -221,8 +221,10 @@ def test_plan_counts_bytes_per_rank_for_each_strategy_and_level():
     assert plan(n, level="O2", strategy="ddp", world=8, reduce_dtype="bf16").traffic == \
         2 * 7 / 8 * n * 2
     o3 = plan(n, level="O3", strategy="single", optimizer="adamw")
-    assert o3.bytes_per_param() == 2 + 2 + 4 and o3.traffic == 0
-    assert plan(n, level="O1", strategy="single", optimizer="sgd").bytes_per_param() == 8
+    assert o3.bytes_per_parameter() == 2 + 2 + 4 and o3.traffic == 0
+    assert plan(n, level="O1", strategy="single", optimizer="sgd").bytes_per_parameter() == 8
+    with pytest.warns(DeprecationWarning, match="call bytes_per_parameter"):
+        assert o3.bytes_per_param() == 2 + 2 + 4  # the older spelling
     assert plan(n, level="O2", dtype="fp32", strategy="single").masters == 0
 
 

@@ -211,6 +211,23 @@ def _marked():
     return model
 
 
+def test_keep_fp32_to_float_and_a_map_entry_are_one_setting():
+    """The three spellings of "this module in fp32" (docs/levels.md) give one policy and one
+    model: the same parameter dtypes and bitwise the same output."""
+    o2 = mp.Policy.from_level("O2", "bf16")
+    prepared = [mp.prepare(mlp(), level="O2", dtype="bf16", keep_fp32=["2"]),
+                mp.prepare(_marked(), level="O2", dtype="bf16"),
+                mp.prepare(mlp(), policy=o2.replace(modules=o2.modules.updated({"2": "fp32"}),
+                                                    level="O2"))]
+    x, _ = data()
+    first = prepared[0]
+    assert first[2].weight.dtype == torch.float32 and first[0].weight.dtype == torch.bfloat16
+    for model in prepared[1:]:
+        assert mp.policy_of(model) == mp.policy_of(first)
+        assert [p.dtype for p in model.parameters()] == [p.dtype for p in first.parameters()]
+        assert torch.equal(model(x), first(x))
+
+
 def test_to_float_is_recorded_as_an_entry_and_replays_bitwise():
     x, y = data()
     marked = mlp()

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distenv as env
 from ..engine import MixedPrecision
 from ..parallel.ddp import cast_reduce_hook
-from ..parallel.sharding import fsdp, wrap_optimizer  # lightning imports FSDP2 already
+from ..parallel.sharding import fsdp, wrap_sharded_optimizer  # lightning imports FSDP2 already
 from ..prepare import module_device, policy_of, prepare_many, wrap_late
 
 try:
@@ -170,7 +170,8 @@ def attach(engine: MixedPrecision, model: nn.Module, module: pl.LightningModule,
     parameters) as the policy's master method does, and adopt the model into the engine."""
     policy = policy_of(module)
     if "sharded" in prepared:
-        optimizers = [wrap_optimizer(module, opt, prepared["sharded"]) for opt in optimizers]
+        optimizers = [wrap_sharded_optimizer(module, opt, prepared["sharded"])
+                      for opt in optimizers]
     elif policy.master_weights and optimizers:
         originals = prepared["originals"]
         held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 
 from .. import masters, vocabulary
 from ..dtypes import dtype_name, to_dtype
@@ -107,9 +108,15 @@ class MemoryPlan:
         """Parameters + masters + optimizer state (what stays when gradients are freed)."""
         return self.parameters + self.masters + self.optimizer_state
 
-    def bytes_per_param(self) -> float:
+    def bytes_per_parameter(self) -> float:
         """``total`` divided by the parameter count (per rank)."""
         return self.total / self.params
+
+    def bytes_per_param(self) -> float:
+        """Deprecated alias of :meth:`bytes_per_parameter` (a ``DeprecationWarning``)."""
+        warnings.warn("MemoryPlan.bytes_per_param() is deprecated; call bytes_per_parameter()",
+                      DeprecationWarning, stacklevel=2)
+        return self.bytes_per_parameter()
 
 
 def _given(policy, level, dtype) -> Policy:

@@ -54,7 +54,7 @@ from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
 from .ddp import reduce_dtype_of
 
-__all__ = ["fsdp", "default_units", "wrap_optimizer", "broadcast_from_first_rank"]
+__all__ = ["fsdp", "default_units", "wrap_sharded_optimizer", "broadcast_from_first_rank"]
 
 _BUCKET = 1 << 26  # elements per broadcast (256 MB of fp32)
 
@@ -255,7 +255,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     return model, _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
 
 
-def wrap_optimizer(model: nn.Module, optimizer, originals: dict):
+def wrap_sharded_optimizer(model: nn.Module, optimizer, originals: dict):
     """An optimizer built over a model that :func:`fsdp` sharded without one (a host builds it
     afterwards over the sharded parameters), wrapped as the model's master method does.
 
@@ -267,7 +267,9 @@ def wrap_optimizer(model: nn.Module, optimizer, originals: dict):
     """
     policy = policy_of(model)
     if policy is None or not is_fsdp(model):
-        raise ValueError("wrap_optimizer takes a model that mp.parallel.fsdp prepared and sharded")
+        raise ValueError(f"wrap_sharded_optimizer takes a model that mp.parallel.fsdp prepared "
+                         f"and sharded; got a {type(model).__name__} that is "
+                         f"{'not prepared' if policy is None else 'not sharded'}")
     return _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
 
 
