@@ -1,6 +1,7 @@
 """Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
 
-    python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops] [--json FILE]
+    python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops]
+        [--inner default|fused|foreach] [--json FILE]
 
 A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
 (the third, so the state exists): an op reads each tensor argument and writes each output and
@@ -13,7 +14,8 @@ so no compiled kernel hides an op). Rows:
   autocast adds each step outside it (the weight cast in the forward, 6 B/param; the fp32
   gradient cast in the backward, 6 more, shown apart);
 * mixprec O2 bf16 with fp32 masters, ``master="split"``, ``"kahan"`` and ``"stochastic"``
-  (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW``);
+  (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW`` made
+  with ``--inner``'s flags);
 * O2 written with torch's fused kernel and nothing more, in plain torch: the bf16 gradients
   widened into fp32 buffers (one ``_foreach_copy_``), torch's fused AdamW on fp32 masters, the
   masters cast back into the bf16 weights (one ``_foreach_copy_``), run and counted like the rest;
@@ -97,9 +99,13 @@ def bf16_row(layers: int, width: int, x: torch.Tensor) -> Row:
     return _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-3), x)
 
 
-def mixprec_row(layers: int, width: int, x: torch.Tensor, master) -> Row:
+#: ``--inner``: the keyword arguments of the ``torch.optim.AdamW`` mixprec's rows wrap.
+INNER = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}
+
+
+def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "default") -> Row:
     model = build(layers, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **INNER[inner])
     amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
     model, opt = amp.setup(model, opt)
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
@@ -137,7 +143,7 @@ def numel(row: Row) -> int:
     return sum(p.numel() for p in row.params)
 
 
-def run(layers: int = 16, width: int = 256, batch: int = 8) -> list[dict]:
+def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default") -> list[dict]:
     """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
     model's, launches. Returns a list of dicts (``name``, ``step``, ``launches``, ``forward``,
     ``backward``, ``measured``)."""
@@ -147,7 +153,8 @@ def run(layers: int = 16, width: int = 256, batch: int = 8) -> list[dict]:
     n = numel(ref_row)
     makers = [("torch fused AdamW, fp32 params, `torch.autocast` bf16",
                lambda: autocast_row(layers, width, x))]
-    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m)) for name, m in MASTERS.items()]
+    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m, inner))
+               for name, m in MASTERS.items()]
     makers += [(FUSED_ONLY, lambda: fused_only_row(layers, width, x))]
     rows = []
     for name, make in makers:
@@ -192,6 +199,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--backward", action="store_true",
                         help="also count the forward and backward beyond a plain bf16 model's")
     parser.add_argument("--ops", action="store_true", help="print each row's step by op")
+    parser.add_argument("--inner", default="default", choices=tuple(INNER),
+                        help="the AdamW mixprec's rows wrap: torch's default, fused=True or "
+                             "foreach=True")
     parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
     args = parser.parse_args(argv)
     for key in ("layers", "width", "batch"):
@@ -199,10 +209,11 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
     torch.set_num_threads(1)
     with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
-        rows = run(args.layers, args.width, args.batch)
+        rows = run(args.layers, args.width, args.batch, args.inner)
     n = args.layers * (args.width + 1) * args.width
     print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
-          f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}; "
+          f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}, "
+          f"mixprec's rows over AdamW({INNER[args.inner]}); "
           f"bytes read + written per parameter, launches = aten ops that are not views.")
     print(f"autocast adds {AUTOCAST_CAST} B/param each forward outside the step (its weight cast):"
           f" step + cast = {rows[0]['step'] + AUTOCAST_CAST:.1f}.\n")
@@ -214,7 +225,8 @@ def main(argv=None) -> list[dict]:
                                 for k, v in r["step_ops"].items())
                 print(f"\n{r['name']}: {ops}")
     write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch,
-                           "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows})
+                           "inner": args.inner, "torch": torch.__version__,
+                           "mixprec": mp.__version__, "rows": rows})
     return rows
 
 
