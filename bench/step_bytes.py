@@ -22,9 +22,12 @@ so no compiled kernel hides an op). Rows:
 * the ideal fused O2 step, computed: one pass reading the bf16 gradient and the fp32 master and
   moments, writing the master, the moments and the bf16 weight (2+4+4+4 + 4+4+4+2 = 28).
 
-``--backward`` adds what each row runs in its forward and its backward beyond a plain bf16
-model's (same layers, same batch; work a method moves into backward hooks shows here), counted
-the same way, and the step plus both. ``--ops`` prints each measured row's traffic by op.
+"transient peak" is the most memory the step's ops allocated that was alive at once (its
+scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
+fp32 gradient buffers, 4 B/param). ``--backward`` adds what each row runs in its forward and its
+backward beyond a plain bf16 model's (same layers, same batch; work a method moves into backward
+hooks shows here), counted the same way, and the step plus both. ``--ops`` prints each measured
+row's traffic by op.
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ def numel(row: Row) -> int:
 
 def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default") -> list[dict]:
     """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
-    model's, launches. Returns a list of dicts (``name``, ``step``, ``launches``, ``forward``,
-    ``backward``, ``measured``)."""
+    model's, launches, the step's transient peak per parameter. Returns a list of dicts
+    (``name``, ``step``, ``launches``, ``transient``, ``forward``, ``backward``, ``measured``)."""
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
     ref_row = bf16_row(layers, width, x)
     ref = measure(ref_row)
@@ -164,26 +167,29 @@ def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "defaul
         got = measure(row)
         rows.append({
             "name": name, "measured": True, "step": got["step"].total / n,
-            "launches": got["step"].launches,
+            "launches": got["step"].launches, "transient": got["step"].peak_live / n,
+            "transient_bytes": got["step"].peak_live,
             "forward": (got["forward"].total - ref["forward"].total) / n,
             "backward": (got["backward"].total - ref["backward"].total) / n,
             "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
             "step_launches": dict(got["step"].launches_by_op.most_common())})
     rows.append({"name": "ideal fused O2 step (computed)", "measured": False,
-                 "step": float(IDEAL_O2), "launches": None, "forward": 0.0, "backward": 0.0})
+                 "step": float(IDEAL_O2), "launches": None, "transient": 0.0,
+                 "transient_bytes": 0, "forward": 0.0, "backward": 0.0})
     return rows
 
 
 def table(rows: list[dict], backward: bool) -> str:
-    head = "| row | step B/param | launches |"
-    rule = "|---|---:|---:|"
+    head = "| row | step B/param | launches | transient peak MiB (B/param) |"
+    rule = "|---|---:|---:|---:|"
     if backward:
         head += " forward + | backward + | step + forward + backward |"
         rule += "---:|---:|---:|"
     lines = [head, rule]
     for r in rows:
         launches = "-" if r["launches"] is None else str(r["launches"])
-        line = f"| {r['name']} | {r['step']:.1f} | {launches} |"
+        line = (f"| {r['name']} | {r['step']:.1f} | {launches} | "
+                f"{r['transient_bytes'] / 2**20:.1f} ({r['transient']:.1f}) |")
         if backward:
             total = r["step"] + r["forward"] + r["backward"]
             line += f" {r['forward']:+.1f} | {r['backward']:+.1f} | {total:.1f} |"
