@@ -19,12 +19,19 @@ its kernel does:
 A tensor's bytes are ``numel * element_size``. A tensor passed twice to one op is counted
 twice. What this measures is the traffic an op's interface implies with no caching between
 ops: the figure a GPU's DRAM sees for a memory-bound step, and what a fused kernel saves.
+
+The counter also follows the memory the ops allocate: each fresh result's storage (allocations
+included) is live from the op that makes it until it is freed (a ``weakref.finalize`` on the
+storage, which torch keeps as long as the memory lives), and ``peak_live`` is the most such
+bytes alive at once while the counter is active: the transient buffers of a step (state it
+creates and keeps counts too, so count a step after the first).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,6 +71,8 @@ class Traffic:
     launches: int = 0
     by_op: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     launches_by_op: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    live: int = 0  # bytes allocated by the counted ops and alive now
+    peak_live: int = 0  # the most of them alive at once
 
     @property
     def total(self) -> int:
@@ -105,10 +114,34 @@ class ByteCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.traffic = Traffic()
+        self._storages: set[int] = set()  # data pointers of the live storages followed
+
+    def _follow(self, func, out) -> None:
+        """Counts the storages of ``func``'s fresh results as live until they are freed."""
+        if func.is_view:
+            return
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        for ret, value in zip(func._schema.returns, outs):
+            if ret.alias_info is not None:
+                continue
+            for t in _tensors(value):
+                storage = t.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+                if ptr == 0 or ptr in self._storages:
+                    continue
+                self._storages.add(ptr)
+                self.traffic.live += size
+                self.traffic.peak_live = max(self.traffic.peak_live, self.traffic.live)
+                weakref.finalize(storage, self._freed, ptr, size)
+
+    def _freed(self, ptr: int, size: int) -> None:
+        self._storages.discard(ptr)
+        self.traffic.live -= size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._follow(func, out)
         counted = op_traffic(func, args, kwargs, out)
         if counted is not None:
             name = str(func.overloadpacket)

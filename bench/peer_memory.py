@@ -2,7 +2,7 @@
 instead: optimi's Kahan-summation AdamW and torchao's stochastic-rounding AdamW on a bf16 model.
 
     python bench/peer_memory.py [--rows autocast,O2,...] [--steps 5] [--rounds 2] [--quick]
-        [--json FILE]
+        [--eager] [--json FILE]
 
 The 42M-parameter Llama-like stack of ``bench/_llama.py``, 4 micro-batches of 64 tokens
 accumulated per step, AdamW (same hyperparameters for every row), one thread
@@ -14,7 +14,8 @@ and its ratio to ``torch.autocast``'s, the median step time after the first step
 to autocast's and to the peer's (optimi for kahan, torchao for stochastic), the first step's
 time, and the loss of the last micro-batch of the last step. With ``--rounds`` > 1 the rows are
 run in turn that many times (each time in a fresh process) and the medians printed.
-``--quick``: 3 steps, one round.
+``--quick``: 3 steps, one round. ``--eager`` runs every row with ``TORCHDYNAMO_DISABLE=1``
+(nothing compiled: no compiler's memory in a peak, and torchao's update runs uncompiled).
 
 Needs ``torch-optimi`` (the ``bench`` extra) for optimi's row and torchao for torchao's.
 """
@@ -70,8 +71,10 @@ def child(row: str, steps: int) -> dict:
             "loss": losses[-1]}
 
 
-def run_row(row: str, steps: int) -> dict:
+def run_row(row: str, steps: int, eager: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", row,
                            "--steps", str(steps)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -127,6 +130,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="3 steps, one round")
+    parser.add_argument("--eager", action="store_true", help="TORCHDYNAMO_DISABLE=1 in every row")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -143,7 +147,7 @@ def main(argv=None) -> dict:
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     for i in range(args.rounds):
         for row in rows:
-            runs[row].append(run_row(row, args.steps))
+            runs[row].append(run_row(row, args.steps, args.eager))
             got = runs[row][-1]
             print(f"round {i + 1} {row}: rise {got['rise'] / 2**20:.0f} MiB, step "
                   f"{got['step_s']:.2f} s, first {got['first_s']:.2f} s", flush=True)
@@ -151,9 +155,11 @@ def main(argv=None) -> dict:
     params = next(iter(summary.values()))["params"]
     print(f"\n{params / 1e6:.1f}M-parameter Llama-like stack, {_llama.MICRO} micro-batches x "
           f"{_llama.TOKENS} tokens, AdamW, one thread, each row a fresh process; "
-          f"{args.steps} steps, {args.rounds} round(s), medians; {load_average()}\n")
+          f"{args.steps} steps, {args.rounds} round(s), medians{', eager' if args.eager else ''}; "
+          f"{load_average()}\n")
     print(table(summary))
-    write_json(args.json, {"steps": args.steps, "rounds": args.rounds, "runs": runs,
+    write_json(args.json, {"steps": args.steps, "rounds": args.rounds, "eager": args.eager,
+                           "runs": runs,
                            "summary": summary})
     return summary
 

@@ -1,6 +1,7 @@
 """Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
 
-    python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops] [--json FILE]
+    python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops]
+        [--inner default|fused|foreach] [--json FILE]
 
 A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
 (the third, so the state exists): an op reads each tensor argument and writes each output and
@@ -13,16 +14,20 @@ so no compiled kernel hides an op). Rows:
   autocast adds each step outside it (the weight cast in the forward, 6 B/param; the fp32
   gradient cast in the backward, 6 more, shown apart);
 * mixprec O2 bf16 with fp32 masters, ``master="split"``, ``"kahan"`` and ``"stochastic"``
-  (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW``);
+  (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW`` made
+  with ``--inner``'s flags);
 * O2 written with torch's fused kernel and nothing more, in plain torch: the bf16 gradients
   widened into fp32 buffers (one ``_foreach_copy_``), torch's fused AdamW on fp32 masters, the
   masters cast back into the bf16 weights (one ``_foreach_copy_``), run and counted like the rest;
 * the ideal fused O2 step, computed: one pass reading the bf16 gradient and the fp32 master and
   moments, writing the master, the moments and the bf16 weight (2+4+4+4 + 4+4+4+2 = 28).
 
-``--backward`` adds what each row runs in its forward and its backward beyond a plain bf16
-model's (same layers, same batch; work a method moves into backward hooks shows here), counted
-the same way, and the step plus both. ``--ops`` prints each measured row's traffic by op.
+"transient peak" is the most memory the step's ops allocated that was alive at once (its
+scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
+fp32 gradient buffers, 4 B/param). ``--backward`` adds what each row runs in its forward and its
+backward beyond a plain bf16 model's (same layers, same batch; work a method moves into backward
+hooks shows here), counted the same way, and the step plus both. ``--ops`` prints each measured
+row's traffic by op.
 """
 
 from __future__ import annotations
@@ -97,9 +102,13 @@ def bf16_row(layers: int, width: int, x: torch.Tensor) -> Row:
     return _plain(model, torch.optim.AdamW(model.parameters(), lr=1e-3), x)
 
 
-def mixprec_row(layers: int, width: int, x: torch.Tensor, master) -> Row:
+#: ``--inner``: the keyword arguments of the ``torch.optim.AdamW`` mixprec's rows wrap.
+INNER = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}
+
+
+def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "default") -> Row:
     model = build(layers, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **INNER[inner])
     amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
     model, opt = amp.setup(model, opt)
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
@@ -137,17 +146,18 @@ def numel(row: Row) -> int:
     return sum(p.numel() for p in row.params)
 
 
-def run(layers: int = 16, width: int = 256, batch: int = 8) -> list[dict]:
+def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default") -> list[dict]:
     """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
-    model's, launches. Returns a list of dicts (``name``, ``step``, ``launches``, ``forward``,
-    ``backward``, ``measured``)."""
+    model's, launches, the step's transient peak per parameter. Returns a list of dicts
+    (``name``, ``step``, ``launches``, ``transient``, ``forward``, ``backward``, ``measured``)."""
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
     ref_row = bf16_row(layers, width, x)
     ref = measure(ref_row)
     n = numel(ref_row)
     makers = [("torch fused AdamW, fp32 params, `torch.autocast` bf16",
                lambda: autocast_row(layers, width, x))]
-    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m)) for name, m in MASTERS.items()]
+    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m, inner))
+               for name, m in MASTERS.items()]
     makers += [(FUSED_ONLY, lambda: fused_only_row(layers, width, x))]
     rows = []
     for name, make in makers:
@@ -157,26 +167,29 @@ def run(layers: int = 16, width: int = 256, batch: int = 8) -> list[dict]:
         got = measure(row)
         rows.append({
             "name": name, "measured": True, "step": got["step"].total / n,
-            "launches": got["step"].launches,
+            "launches": got["step"].launches, "transient": got["step"].peak_live / n,
+            "transient_bytes": got["step"].peak_live,
             "forward": (got["forward"].total - ref["forward"].total) / n,
             "backward": (got["backward"].total - ref["backward"].total) / n,
             "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
             "step_launches": dict(got["step"].launches_by_op.most_common())})
     rows.append({"name": "ideal fused O2 step (computed)", "measured": False,
-                 "step": float(IDEAL_O2), "launches": None, "forward": 0.0, "backward": 0.0})
+                 "step": float(IDEAL_O2), "launches": None, "transient": 0.0,
+                 "transient_bytes": 0, "forward": 0.0, "backward": 0.0})
     return rows
 
 
 def table(rows: list[dict], backward: bool) -> str:
-    head = "| row | step B/param | launches |"
-    rule = "|---|---:|---:|"
+    head = "| row | step B/param | launches | transient peak MiB (B/param) |"
+    rule = "|---|---:|---:|---:|"
     if backward:
         head += " forward + | backward + | step + forward + backward |"
         rule += "---:|---:|---:|"
     lines = [head, rule]
     for r in rows:
         launches = "-" if r["launches"] is None else str(r["launches"])
-        line = f"| {r['name']} | {r['step']:.1f} | {launches} |"
+        line = (f"| {r['name']} | {r['step']:.1f} | {launches} | "
+                f"{r['transient_bytes'] / 2**20:.1f} ({r['transient']:.1f}) |")
         if backward:
             total = r["step"] + r["forward"] + r["backward"]
             line += f" {r['forward']:+.1f} | {r['backward']:+.1f} | {total:.1f} |"
@@ -192,6 +205,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--backward", action="store_true",
                         help="also count the forward and backward beyond a plain bf16 model's")
     parser.add_argument("--ops", action="store_true", help="print each row's step by op")
+    parser.add_argument("--inner", default="default", choices=tuple(INNER),
+                        help="the AdamW mixprec's rows wrap: torch's default, fused=True or "
+                             "foreach=True")
     parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
     args = parser.parse_args(argv)
     for key in ("layers", "width", "batch"):
@@ -199,10 +215,11 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
     torch.set_num_threads(1)
     with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
-        rows = run(args.layers, args.width, args.batch)
+        rows = run(args.layers, args.width, args.batch, args.inner)
     n = args.layers * (args.width + 1) * args.width
     print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
-          f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}; "
+          f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}, "
+          f"mixprec's rows over AdamW({INNER[args.inner]}); "
           f"bytes read + written per parameter, launches = aten ops that are not views.")
     print(f"autocast adds {AUTOCAST_CAST} B/param each forward outside the step (its weight cast):"
           f" step + cast = {rows[0]['step'] + AUTOCAST_CAST:.1f}.\n")
@@ -214,7 +231,8 @@ def main(argv=None) -> list[dict]:
                                 for k, v in r["step_ops"].items())
                 print(f"\n{r['name']}: {ops}")
     write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch,
-                           "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows})
+                           "inner": args.inner, "torch": torch.__version__,
+                           "mixprec": mp.__version__, "rows": rows})
     return rows
 
 

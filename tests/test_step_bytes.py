@@ -65,6 +65,19 @@ def test_views_and_allocations_move_nothing(bytes_mod):
     assert (t.total, t.launches) == (0, 0)
 
 
+def test_peak_live_is_the_most_allocated_memory_alive_at_once(bytes_mod):
+    """Two fp32 buffers alive together, then one: the peak is both, and nothing stays live."""
+    def work():
+        x = torch.empty(N)
+        y = x + 1
+        del x, y
+        torch.empty(N)
+    t = bytes_mod.count(work)
+    assert (t.peak_live, t.live) == (8 * N, 0)
+    a, b = _fp32(0), _fp32(1)
+    assert bytes_mod.count(lambda: a.add_(b)).peak_live == 0  # in place: nothing allocated
+
+
 def test_tensor_lists_count_every_tensor(bytes_mod):
     xs, ys = [_fp32(i) for i in range(3)], [_fp32(10 + i) for i in range(3)]
     t = bytes_mod.count(lambda: torch._foreach_add_(xs, ys))
@@ -99,6 +112,7 @@ def test_script_on_a_tiny_model(tmp_path):
     assert len(rows) == 7
     autocast = rows["torch fused AdamW, fp32 params, `torch.autocast` bf16"]
     assert autocast["step"] == pytest.approx(32, abs=0.2)
+    assert autocast["transient"] == pytest.approx(0, abs=0.1)  # torch's kernel: in place
     assert autocast["forward"] == pytest.approx(6, abs=0.5)  # + the input's cast, one token
     assert autocast["backward"] == pytest.approx(6, abs=0.5)
     fused_only = next(r for name, r in rows.items() if name.startswith("O2 with torch's fused"))
