@@ -101,7 +101,8 @@ class MixedPrecision:
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy; got {type(policy).__name__}")
         vocabulary.check_policy_alone(policy, level, dtype, "MixedPrecision")
-        prepare_checks.check_keywords(keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
+        keep_fp32, low_precision_ops, fp32_ops = prepare_checks.check_keywords(
+            keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
         if policy is None:
             Policy.from_level(level, dtype, warn=False)  # validate now, resolve on a device later
         self._fp8 = lowbit.resolve(fp8)  # the low-bit format, validated now

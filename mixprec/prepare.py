@@ -224,7 +224,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
     checks.check_one_of(policy, level, dtype)
-    checks.check_keywords(keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
+    keep_fp32, low_precision_ops, fp32_ops = checks.check_keywords(
+        keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
     names, chooser = fp8_choice.split_spec(fp8 or getattr(policy, "fp8", None), fp8_modules)
     model, optimizers = prepare_many(
         model, [] if optimizer is None else [optimizer],

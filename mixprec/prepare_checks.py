@@ -6,6 +6,7 @@ optimizer's parameters, an fp16 model's Adam-style state, and ``policy=`` beside
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ def adam_state_underflow(beta2: float) -> float:
 
 
 def check_keywords(keep_fp32=None, low_precision_ops=(), fp32_ops=(),
-                   emulate_fp16="auto") -> None:
+                   emulate_fp16="auto") -> tuple:
     """Refuse a precision keyword whose value no model could make valid: ``keep_fp32`` entries
     that are neither module classes nor names, op lists that are not (known) op names, an
     ``emulate_fp16`` other than "auto", True or False. Every entry point calls it when it is
@@ -40,13 +41,20 @@ def check_keywords(keep_fp32=None, low_precision_ops=(), fp32_ops=(),
     ``parallel.fsdp``); the module names ``keep_fp32`` gives are checked against the model
     where it is prepared (:func:`check_names`).
 
+    Returns:
+        ``(keep_fp32, low_precision_ops, fp32_ops)``, an iterator among them read into a tuple
+        (so the caller passes on what was checked, not an exhausted generator).
+
     Raises:
         TypeError, ValueError: naming the keyword, what it received and what is valid.
     """
     if keep_fp32 is not None:
-        keep_fp32_entries(keep_fp32)
+        keep_fp32 = keep_fp32_entries(keep_fp32)
+    low_precision_ops, fp32_ops = (ops if isinstance(ops, str) or not isinstance(ops, Iterator)
+                                   else tuple(ops) for ops in (low_precision_ops, fp32_ops))
     validate_custom_lists(low_precision_ops, fp32_ops)
     check_mode(emulate_fp16, "emulate_fp16")
+    return keep_fp32, low_precision_ops, fp32_ops
 
 
 def check_names(model: nn.Module, policy: Policy) -> None:

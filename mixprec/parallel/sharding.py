@@ -205,7 +205,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")
     vocabulary.check_policy_alone(policy, level, dtype, "fsdp")
-    prepare_checks.check_keywords(keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
+    keep_fp32, low_precision_ops, fp32_ops = prepare_checks.check_keywords(
+        keep_fp32, low_precision_ops, fp32_ops, emulate_fp16)
     if mixed_precision is not None:
         engine_for(fsdp, mixed_precision, level=level, dtype=dtype, keep_fp32=keep_fp32,
                    policy=policy, low_precision_ops=low_precision_ops, fp32_ops=fp32_ops,
