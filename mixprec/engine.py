@@ -324,7 +324,8 @@ class MixedPrecision:
 
         Returns:
             True when every optimizer stepped; False when any was skipped (inf/NaN gradients:
-            its weights and state are untouched, and the scale backed off).
+            its weights and state are untouched, and the scale backed off). bf16 has no loss
+            scale and skips such a step all the same; its first skip warns.
 
         Host syncs: one per optimizer (the overflow flag, for the return value). Where the
         optimizer skips on the device (a master optimizer on torch's fused kernels), its step
@@ -333,6 +334,14 @@ class MixedPrecision:
 
         Raises:
             ValueError: no optimizer, or a bad ``max_grad_norm``.
+            RuntimeError: a step that would train on wrong numbers, with what to write instead:
+                under a loss scale, no :meth:`backward` since the optimizer's last step
+                (``loss.backward()`` instead); a second step on the same gradients; at a
+                master-weight level, an optimizer over the models' 16-bit parameters that is not
+                a master optimizer (made after :meth:`setup`); an optimizer over none of the
+                models' parameters (copied apart from its model, say).
+            NonFiniteGradientsError: ``max_consecutive_skips`` skips in a row the scale cannot
+                fix.
         """
         if not optimizers:
             raise ValueError("step() needs the optimizer(s) to step, e.g. amp.step(optimizer)")

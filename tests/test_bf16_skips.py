@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_skip_on_device import OpOrder
 from testmodels import norm_mlp
 from testmodels import regression_batch as batch
 from torch import nn
@@ -267,3 +268,27 @@ def test_the_lightning_plugin_skips_and_leaves_the_scheduler_alone():
     assert plugin.scaler.skipped_steps == 1
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # 3 applied updates
     assert finite(mp.fp32_state_dict(module.net))
+
+
+def test_the_flag_goes_to_torchs_fused_kernel_and_is_read_once_after_the_step():
+    amp, model, opt = engine_and_model("O2", "fp32")
+    for i in range(2):
+        backward(amp, model, i)
+        assert amp.step(opt)
+        opt.zero_grad()
+    assert opt.skips_on_device()
+    before = snapshot(model, opt)
+    backward(amp, model, 2, poison=True)
+    before = {**before, **{k: v for k, v in snapshot(model, opt).items()
+                           if "running" in k or "num_batches" in k}}
+    with OpOrder() as order, pytest.warns(RuntimeWarning, match="skipped a step"):
+        assert amp.step(opt) is False
+    assert same(snapshot(model, opt), before)  # the kernel skipped, step counts included
+    reads = [i for i, op in enumerate(order.ops) if op == "aten._local_scalar_dense"]
+    assert reads and reads[0] > order.ops.index("aten._fused_adamw_")  # no read before it
+    opt.zero_grad()
+    backward(amp, model, 3)
+    with OpOrder() as order:
+        assert amp.step(opt)
+    reads = [i for i, op in enumerate(order.ops) if op == "aten._local_scalar_dense"]
+    assert len(reads) == 1 and reads[0] > order.ops.index("aten._fused_adamw_")

@@ -107,9 +107,7 @@ class NoLossScaler(LossScaler):
 
     def _adjust(self, found_inf):
         found = found_inf.to(self._state.device) > 0  # counts skips in a row; the scale stays 1
-        counted = torch.where(found, self._state.skips_at_min + 1,
-                              torch.zeros_like(self._state.skips_at_min))
-        return dataclasses.replace(self._state, skips_at_min=counted)
+        return dataclasses.replace(self._state, skips_at_min=(self._state.skips_at_min + 1) * found)
 
     def _first_skip_message(self, names):
         return (f"skipped a step: gradients hold inf/NaN ({_listed(names)}). There is no loss "
