@@ -122,6 +122,20 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
     assert not integrity.verify_directory(path)  # no manifest: another tool's, unchecked
 
 
+def test_the_checksum_benchmark_times_every_row(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "checkpoint_checksums.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_checksums", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--mb", "1", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for row in ("write, sealed", "read, checked", "verify=False", "verify_directory"):
+        assert row in out
+
+
 # ----------------------------------------------------------------- mp.Trainer
 def trainer():
     model = tiny()
