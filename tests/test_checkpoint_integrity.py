@@ -88,8 +88,8 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
 
     def write(text):
         def go(tmp):
+            (tmp / "sub").mkdir(parents=True)
             (tmp / "a.txt").write_text(text)
-            (tmp / "sub").mkdir()
             (tmp / "sub" / "b.bin").write_bytes(text.encode() * 3)
         return go
 
@@ -99,6 +99,7 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
     assert integrity.verify_directory(path)
 
     def dies(tmp):
+        tmp.mkdir()
         (tmp / "a.txt").write_text("two, half")
         raise Killed("mid-save")
     with pytest.raises(Killed):
