@@ -116,7 +116,10 @@ def _feed(h, obj) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         h.update(f"T{t.dtype}{list(t.shape)}".encode())
+        # the bytes of a plain tensor (a subclass, DTensor or a low-bit one, counts by dtype and
+        # shape only: none reaches a Trainer file, whose model state is plain fp32)
         if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta":
+            t = t.int_repr() if t.is_quantized else t.resolve_conj().resolve_neg()
             h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)}".encode())
