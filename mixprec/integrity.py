@@ -116,7 +116,10 @@ def _feed(h, obj) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         h.update(f"T{t.dtype}{list(t.shape)}".encode())
+        # the bytes of a plain tensor (a subclass, DTensor or a low-bit one, counts by dtype and
+        # shape only: none reaches a Trainer file, whose model state is plain fp32)
         if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta":
+            t = t.int_repr() if t.is_quantized else t.resolve_conj().resolve_neg()
             h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)}".encode())
@@ -247,11 +250,11 @@ def save_directory(path, write: Callable[[Path], Path | None], *, main: bool | N
     """Write a checkpoint directory all or nothing, with its :data:`MANIFEST`.
 
     Every rank of the default process group calls it (one process: no group needed).
-    ``write(tmp)`` writes this rank's part into ``tmp``, a fresh directory (``aside``, default
-    ``.NAME.saving`` beside ``path``, on the same file system), and returns the checkpoint
-    directory it wrote (None: ``tmp`` itself; else a directory inside it). When every rank is
-    done, the ``main`` rank (default: global rank 0) writes the manifest into it and renames it
-    to ``path``, replacing what was there.
+    ``write(tmp)`` writes this rank's part into ``tmp`` (``aside``, default ``.NAME.saving``
+    beside ``path``, on the same file system; not there yet: the writer creates it) and returns
+    the checkpoint directory it wrote (None: ``tmp`` itself; else a directory inside it). When
+    every rank is done, the ``main`` rank (default: global rank 0) writes the manifest into it
+    and renames it to ``path``, replacing what was there.
 
     Returns:
         ``path``.
@@ -286,12 +289,11 @@ def _attempt(action) -> BaseException | None:
 
 
 def _fresh(tmp: Path) -> None:
-    """An empty ``tmp``, and the stale temporaries beside it gone."""
+    """No ``tmp`` (the writer creates it, and reports a path it cannot create), and the stale
+    temporaries beside it gone."""
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(tmp.parent)
-    tmp.mkdir()
 
 
 def _move(written: Path, tmp: Path, path: Path) -> None:

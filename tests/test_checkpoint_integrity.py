@@ -88,8 +88,8 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
 
     def write(text):
         def go(tmp):
+            (tmp / "sub").mkdir(parents=True)
             (tmp / "a.txt").write_text(text)
-            (tmp / "sub").mkdir()
             (tmp / "sub" / "b.bin").write_bytes(text.encode() * 3)
         return go
 
@@ -99,6 +99,7 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
     assert integrity.verify_directory(path)
 
     def dies(tmp):
+        tmp.mkdir()
         (tmp / "a.txt").write_text("two, half")
         raise Killed("mid-save")
     with pytest.raises(Killed):
@@ -120,6 +121,20 @@ def test_a_directory_save_that_dies_leaves_the_old_one_whole(tmp_path):
         integrity.verify_directory(path)
     (path / integrity.MANIFEST).unlink()
     assert not integrity.verify_directory(path)  # no manifest: another tool's, unchecked
+
+
+def test_the_checksum_benchmark_times_every_row(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "checkpoint_checksums.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_checksums", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--mb", "1", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for row in ("write, sealed", "read, checked", "verify=False", "verify_directory"):
+        assert row in out
 
 
 # ----------------------------------------------------------------- mp.Trainer
@@ -269,7 +284,7 @@ def test_load_state_refuses_a_flipped_byte_and_loads_an_edit_with_verify_false(t
 
 
 # ----------------------------------------------------------------- MixprecTrainer
-def hf_trainer(out, **kwargs):
+def hf_trainer(out, eval_rows=None, **kwargs):
     transformers = pytest.importorskip("transformers")
     from mixprec.integrations.transformers import MixprecTrainer
 
@@ -282,7 +297,8 @@ def hf_trainer(out, **kwargs):
         save_strategy="steps", save_steps=1, disable_tqdm=True, seed=0,
         train_sampling_strategy="sequential", **kwargs)
     transformers.logging.set_verbosity_error()
-    return MixprecTrainer(model, args, train_dataset=rows, level="O2", dtype="bf16")
+    return MixprecTrainer(model, args, train_dataset=rows, eval_dataset=eval_rows, level="O2",
+                          dtype="bf16")
 
 
 def test_a_trainer_checkpoint_killed_mid_write_is_not_picked_for_resume(tmp_path, monkeypatch):
@@ -317,6 +333,21 @@ def test_resume_refuses_a_damaged_checkpoint_and_verify_false_loads_an_edit(tmp_
     resumed = hf_trainer(tmp_path)
     resumed.train(resume_from_checkpoint=str(checkpoint), verify=False)
     assert resumed.state.global_step == 2 and resumed.state.logging_steps == 7
+
+
+def test_the_best_checkpoint_is_recorded_under_its_final_name(tmp_path):
+    """load_best_model_at_end: the best checkpoint is found while the current one is still
+    being written aside; the state (and its trainer_state.json) names the renamed one."""
+    rows = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+    trainer = hf_trainer(tmp_path, rows, eval_strategy="steps", eval_steps=1,
+                         load_best_model_at_end=True, metric_for_best_model="loss")
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert os.path.dirname(best) == str(tmp_path) and os.path.isdir(best)
+    recorded = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert recorded["best_model_checkpoint"] in (str(tmp_path / "checkpoint-1"),
+                                                 str(tmp_path / "checkpoint-2"))
+    assert integrity.verify_directory(tmp_path / "checkpoint-2")
 
 
 # ----------------------------------------------------------------- a rank dies, 2 gloo ranks

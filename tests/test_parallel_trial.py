@@ -1,7 +1,7 @@
 """What a distributed trial found, on two gloo ranks: the precision monitor under FSDP (the clip's
 norm is a DTensor; every rank records the whole model's statistics, as one process does), Kahan
 pairs crossing between one-process files and FSDP directories bit for bit, FSDP starting from
-rank 0's initialisation, and a damaged FSDP directory read outside FSDP.
+rank 0's initialisation, and a damaged FSDP directory read outside FSDP (refused by its checksum).
 
 One launch runs every case on both ranks (module fixture); the one-process references run in
 this process.
@@ -9,6 +9,7 @@ this process.
 
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -278,13 +279,21 @@ def test_an_fsdp_directory_loads_into_one_process_bit_for_bit(trial, master):
         assert_same(saved_state(single), saved)
 
 
-def test_a_damaged_fsdp_directory_read_outside_fsdp_raises_a_runtime_error(trial):
+def test_a_damaged_fsdp_directory_read_outside_fsdp_is_refused_naming_the_file(trial):
+    """The truncated shard is refused by its checksum, naming it; without the check
+    (verify=False) reading it fails in torch.distributed.checkpoint, a RuntimeError naming the
+    directory."""
     path = trial["out"] / "damaged"
+    shard = sorted(path.glob("*.distcp"))[0]
     for r in trial["ranks"]:  # under DDP: every rank, after agreeing
-        assert r["damaged"] is not None and r["damaged"].startswith("RuntimeError: ")
-        assert str(path) in r["damaged"]
+        assert r["damaged"] is not None and r["damaged"].startswith("ValueError: ")
+        assert f"{str(shard)!r} is damaged" in r["damaged"]
     single = make_trainer("single", "O2", adam=True)
-    with pytest.raises(RuntimeError, match="reading FSDP checkpoint .*damaged"):
+    with pytest.raises(ValueError, match=f"{re.escape(repr(str(shard)))} is damaged"):
         single.load(path)
     with pytest.raises(RuntimeError, match="reading FSDP checkpoint .*damaged"):
+        single.load(path, verify=False)
+    with pytest.raises(ValueError, match=f"{re.escape(repr(str(shard)))} is damaged"):
         mp.convert_checkpoint(path, trial["out"] / "damaged.pt")
+    with pytest.raises(RuntimeError, match="reading FSDP checkpoint .*damaged"):
+        mp.convert_checkpoint(path, trial["out"] / "damaged.pt", verify=False)

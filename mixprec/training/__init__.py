@@ -1,7 +1,8 @@
 """The training API: :class:`Trainer`, its :class:`History`, callbacks and metrics.
 
 * :mod:`.trainer`: the Trainer (prepare, scale, accumulate, clip, step, resume).
-* :mod:`.state`: checkpoint state, RNG snapshots and atomic files for exact resume.
+* :mod:`.state`: checkpoint state and RNG snapshots for exact resume (its files are written and
+  checked through :mod:`mixprec.integrity`).
 * :mod:`.strategy`, :mod:`.sharded`: one process, DDP or FSDP2 (``Trainer(strategy=...)``).
 * :mod:`.history`, :mod:`.callbacks`, :mod:`.metrics`.
 """

@@ -123,7 +123,7 @@ def fill_fresh_optimizer(ckpt: dict, optimizer: torch.optim.Optimizer) -> dict:
     return {**ckpt, "optimizer": {"state": {}, "param_groups": groups}}
 
 
-def convert_checkpoint(src, dst) -> None:
+def convert_checkpoint(src, dst, *, verify: bool = True) -> None:
     """Write the FSDP checkpoint directory ``src`` as the one file ``dst`` that a one-process
     or DDP :class:`mixprec.Trainer` writes and loads (in one process; no process group).
 
@@ -135,6 +135,8 @@ def convert_checkpoint(src, dst) -> None:
     Args:
         src: an FSDP Trainer checkpoint directory.
         dst: the file to write (replaced atomically).
+        verify: check the checksums of ``src``'s files first (False: a directory edited on
+            purpose).
 
     Raises:
         FileNotFoundError: ``src`` is not a directory holding a Trainer checkpoint.
@@ -150,7 +152,7 @@ def convert_checkpoint(src, dst) -> None:
         raise FileNotFoundError(f"convert_checkpoint reads an FSDP checkpoint directory; "
                                 f"{str(src)!r} is not a directory (a one-process or DDP file "
                                 f"loads into an FSDP Trainer as it is)")
-    ckpt = read_directory(src)
+    ckpt = read_directory(src, verify=verify)
     if ckpt["optimizer"] is None:
         raise ValueError(f"{str(src)!r} was saved before the first step (no optimizer state): "
                          f"load it with Trainer.load, which takes the directory as it is")
