@@ -29,7 +29,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarni
 MASTERS = ["fp32", "split", "kahan", "stochastic"]
 # (master, state dtype): each master method once, with fp32 moments, where the case checks
 # hooks, groups or the step (the moments' dtype changes nothing there); both moment dtypes where
-# the case saves or loads the state (bf16 moments are converted and checked on the way)
+# the case saves or loads the state (bf16 moments are converted and checked on the way) or
+# steps parameters that have no moments
 KINDS, KIND_IDS = [(m, "fp32") for m in MASTERS], MASTERS
 STATE_KINDS = list(itertools.product(MASTERS, ["fp32", "bf16"]))
 STATE_KIND_IDS = [f"{m}-{s}" for m, s in STATE_KINDS]
@@ -468,8 +469,8 @@ def test_zero_grad(kind, set_to_none):
             assert p.grad is None if set_to_none else not p.grad.any()
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_step_is_noop_when_params_have_no_grad(kind):
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)  # bf16 moments: cast around
+def test_step_is_noop_when_params_have_no_grad(kind):  # the step, none made for no gradient
     model, opt, _ = make(kind)
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
