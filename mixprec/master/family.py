@@ -21,12 +21,12 @@ kernel with the very same arguments, on fp32 values loaded from the 16-bit weigh
    bf16 moments are widened into a flat fp32 buffer for the update and rounded back
    stochastically.
 
-So ``master="split"`` steps its masters bit for bit as fp32 masters do, and its forward weight
-is rounded as fp32 masters round theirs (:func:`mixprec.masters.split_bits.round_into_`): the
-two methods train identically. The rounding bits of Kahan and stochastic rounding are those of
-the per-tensor kernels: element ``i`` of a tensor with key ``k`` gets the bits of ``(k, i)`` (a
-per-element key made from the per-tensor keys, shifted by each tensor's place in the flat buffer
-and, for an FSDP2 shard, in its full tensor).
+So ``master="split"`` steps its masters bit for bit as fp32 masters do from the same state and
+gradients; its forward weight is torch's cast of the master (what fp32 masters write) except at
+exact ties, which the split rounds away from zero (:mod:`mixprec.masters.split_bits`). The rounding
+bits of Kahan and stochastic rounding are those of the per-tensor kernels: element ``i`` of a
+tensor with key ``k`` gets the bits of ``(k, i)`` (a per-element key made from the per-tensor keys,
+shifted by each tensor's place in the flat buffer and, for an FSDP2 shard, in its full tensor).
 
 Per step and group: a fixed number of launches (about ten), none per tensor; hyper-parameters
 go to torch's kernel as it takes them; step counts stay torch's per-parameter ``step`` tensors, on

@@ -4,14 +4,16 @@ half of its bits, rounded) and an int16 remainder (the rest).
 **Store** (``new`` -> weight, remainder). With ``b`` the fp32 bits of ``new`` as an int32, ``lo``
 its low 16 bits (0..65535) and ``top = b >> 16`` (an arithmetic shift: the high 16 bits, signed):
 ``up = lo >= 0x8000``; the weight's bits are ``top + up`` and the remainder is ``lo - 65536 * up``
-(-32768..32767, an int16). Adding one to the high half of a float's bits moves it one bf16 ulp
-away from zero whatever its sign, so the weight is ``new`` rounded to nearest bf16, **exact ties
-(``lo == 0x8000``) rounded away from zero** (torch's own ``.to(torch.bfloat16)`` rounds ties to
-even: the two differ only at exact ties). A master above bf16's largest finite value (from
-``0x7F7F8000`` up) rounds to inf, as torch's cast does; the remainder still holds the rest, so
-the master stays exact. A NaN master gives a NaN weight (the high half's quiet bit set: a NaN
-whose high half alone would read as inf stays NaN) and loads back as a NaN, its payload not
-kept.
+(-32768..32767, an int16). Adding one to the high half of a float's bits moves it one bf16 ulp away
+from zero whatever its sign, so the weight is ``new`` rounded to nearest bf16, **exact ties (``lo
+== 0x8000``) rounded away from zero** (torch's own ``.to(torch.bfloat16)`` rounds ties to even: the
+two differ only at exact ties). The remainder needs it: a bf16 weight with an even last bit is the
+nearest-even rounding of 65537 fp32 values, one more than 16 bits can tell apart. Ties away from
+zero live only here; fp32 masters write their weights with torch's cast. A master above bf16's
+largest finite value (from ``0x7F7F8000`` up) rounds to inf, as torch's cast does; the remainder
+still holds the rest, so the master stays exact. A NaN master gives a NaN weight (the high half's
+quiet bit set: a NaN whose high half alone would read as inf stays NaN) and loads back as a NaN,
+its payload not kept.
 
 **Load** (weight, remainder -> ``new``): ``up = remainder < 0``; the high half is the weight's
 bits minus ``up``; the fp32 bits are ``high * 65536 + (remainder & 0xFFFF)``. Every step stays
@@ -32,11 +34,10 @@ results are bit for bit those above.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["split_store", "split_load", "split_of", "split_high", "round_into_", "pair_views",
+__all__ = ["split_store", "split_load", "split_of", "pair_views",
            "split_load_pairs", "split_store_pairs", "split_pairs_of"]
 
 
@@ -57,44 +58,6 @@ def split_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly."""
     high, rem = _high_and_rest(new.contiguous().view(torch.int32), new != new)
     return high.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
-
-
-def split_high(new: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight of the split of the fp32 ``new`` (``split_of(new)[0]`` for every non-NaN
-    value; NaN stays NaN): torch's cast (to nearest, ties to even) plus one ulp away from zero
-    where it rounded an exact tie down to an even high half (the low 17 bits are ``0x8000``;
-    an or, not an add: the cast of a NaN may be odd, ``0xFFFF``, which an add would wrap).
-    Fewer passes than :func:`split_of` when no remainder is wanted."""
-    tie = ((new.view(torch.int32) & 0x1FFFF) == 0x8000).to(torch.int16)
-    return (new.to(torch.bfloat16).view(torch.int16) | tie).view(torch.bfloat16)
-
-
-def round_into_(params: list[torch.Tensor], values: list[torch.Tensor],
-                round_flat: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Write fp32 ``values`` into 16-bit ``params`` (same shapes), rounded as the split rounds
-    (to nearest, exact ties away from zero) for bf16 and by torch's cast otherwise: one rule for
-    the forward weight of fp32 and split masters. A few passes over one flat copy per call, not a
-    kernel per tensor; no host sync. ``round_flat`` (flat fp32 -> flat bf16, the same bits)
-    replaces those passes: :mod:`mixprec.master.write_back` hands its compiled pass here."""
-    bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
-    if len(bf16) < len(params):
-        others = [i for i, p in enumerate(params) if p.dtype != torch.bfloat16]
-        torch._foreach_copy_([params[i] for i in others], [values[i] for i in others])
-        params, values = [params[i] for i in bf16], [values[i] for i in bf16]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        by_device.setdefault(p.device, []).append(i)
-    for indices in by_device.values():
-        ps = [params[i] for i in indices]
-        flat = torch._C._nn.flatten_dense_tensors([values[i].to(ps[0].device) for i in indices])
-        if round_flat is not None:
-            weights = round_flat(flat)
-        else:
-            weights = flat.to(torch.bfloat16)
-            # (not in place: a single contiguous tensor is flattened as a view of itself)
-            ties = flat.view(torch.int32).bitwise_and(0x1FFFF).eq_(0x8000)
-            weights.view(torch.int16).bitwise_or_(ties)
-        torch._foreach_copy_(ps, torch._C._nn.unflatten_dense_tensors(weights, ps))
 
 
 def split_load(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
