@@ -43,6 +43,7 @@ def test_every_device_type_and_dtype_has_its_path(device_type, dtype):
     fused = device_type in ("cpu", "cuda") and dtype not in FP8
     assert table.fused_optimizer(device_type, dtype) is fused
     assert table.master_step(device_type) == ("compile" if device_type == "cpu" else "fused")
+    assert table.compiles_master_kernels(device_type) is (device_type == "cuda")
     assert table.norm_reads_low_precision("batch_norm", device_type) is (
         device_type in ("cpu", "cuda"))
     for kind in ("layer_norm", "group_norm"):

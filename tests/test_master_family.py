@@ -11,6 +11,7 @@ with its eager twin is replaced by it, so the numbers are bit for bit the eager 
 
 import copy
 import io
+import logging
 import subprocess
 import sys
 import textwrap
@@ -87,8 +88,9 @@ def assert_weights_of(fp32_net, split_net, masters) -> int:
     return count
 
 
-def step_in_lockstep(nets, opts, i, scalers=None):
-    """One step of each run with the gradients of the first (bf16, so the same bits)."""
+def step_in_lockstep(nets, opts, i, scalers=None, clip=None):
+    """One step of each run with the gradients of the first (bf16, so the same bits); with
+    ``clip``, each scaler clips its optimizer's true gradients to that norm first."""
     x, y = batch(i)
     loss = nn.functional.mse_loss(nets[0](x).float(), y)
     (loss if scalers is None else scalers[0].scale(loss)).backward()
@@ -99,6 +101,8 @@ def step_in_lockstep(nets, opts, i, scalers=None):
         if scalers is None:
             opt.step()
         else:
+            if clip is not None:
+                scalers[k].clip_grad_norm_(opt, clip)
             scalers[k].step(opt)
             scalers[k].update()
         opt.zero_grad()
@@ -348,17 +352,74 @@ def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
     assert "stepped" in done.stdout
 
 
-def test_fp32_masters_and_split_agree_through_a_loss_scale():
-    """A static loss scale of 2**10 (the step reads gradients x 2**-10), the same gradients:
-    masters bitwise equal, weights equal except at exact ties."""
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fp32_masters_and_split_agree_through_a_loss_scale_and_a_clip(clip):
+    """A static loss scale of 2**10 (the step reads gradients x 2**-10), and a clip to a norm
+    of 0.05 folded into it (what ``amp.step(max_grad_norm=)`` does), the same gradients: torch's
+    fused kernel divides by the scale for both, so the masters are bitwise equal and the
+    weights equal except at exact ties."""
     (net32, opt32), (net, opt) = (prepared(m, OPTIMIZERS["adamw"]) for m in ("fp32", "split"))
     scalers = [mp.StaticLossScaler(2.0 ** 10) for _ in range(2)]
     for i in range(5):
-        step_in_lockstep([net32, net], [opt32, opt], i, scalers)
+        step_in_lockstep([net32, net], [opt32, opt], i, scalers, clip)
     ref = masters_of(net32, opt32)
     for a, b in zip(masters_of(net, opt), ref):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert_weights_of(net32, net, ref)
+
+
+@pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
+def test_the_default_step_compiles_nothing_on_the_cpu(master, fresh_verdicts):
+    """``fused="auto"`` on the CPU: torch's fused kernel between eager load and store passes (a
+    first step costs what a later one does, not seconds of compilation); CUDA's row compiles."""
+    params = [nn.Parameter(torch.randn(6, 5).bfloat16()) for _ in range(3)]
+    opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master)
+    for p in params:
+        p.grad = torch.randn(6, 5).bfloat16()
+    opt.step()
+    assert guard.verdicts() == {} and not opt._compiled()
+    opt.fused = "compile"
+    assert opt._compiled()
+
+
+def test_a_compile_is_logged_once_with_what_and_how_long(fresh_verdicts, caplog):
+    kernel = guard.GuardedKernel("double", lambda x: x.mul_(2), compiler=lambda fn: fn)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        kernel(torch.ones(8))
+        kernel(torch.ones(8))
+        kernel(torch.ones(8, dtype=torch.float64))
+    said = [r.getMessage() for r in caplog.records
+            if "compiled the 'double' kernel" in r.getMessage()]
+    assert len(said) == 2  # once per signature
+    assert "cpu" in said[0] and "torch.float32" in said[0] and " s (once per process)" in said[0]
+
+
+def test_a_group_is_stepped_in_bounded_pieces_with_the_same_bits(monkeypatch):
+    """Pieces of at most PIECE elements (a larger tensor alone) give the bits one piece gives:
+    each tensor draws its own rounding bits wherever it lies."""
+    from mixprec.master import compact_kernels
+    sizes = [(40, 30), (7,), (64, 64), (3, 3), (100,)]
+    runs = []
+    for piece in (1 << 20, 1000):
+        monkeypatch.setattr(compact_kernels, "PIECE", piece)
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in sizes]
+        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-2), "kahan",
+                                     state_dtype="bf16")
+        calls = []
+        monkeypatch.setattr(compact_kernels.family, "group_step",
+                            lambda *a, real=compact_kernels.family.group_step:
+                            calls.append(sum(p.numel() for p, _, _ in a[3])) or real(*a))
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        monkeypatch.undo()
+        runs.append(([p.detach().clone() for p in params], calls))
+    (whole, one), (cut, many) = runs
+    assert len(set(one)) == 1 and max(many) <= 64 * 64 and len(many) > len(one)
+    for a, b in zip(whole, cut):
+        assert torch.equal(a, b)
 
 
 def test_copies_of_the_inputs_are_checked_not_the_inputs(fresh_verdicts):

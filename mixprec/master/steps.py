@@ -29,7 +29,7 @@ from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
-           "settle_grads"]
+           "settle_grads", "amp_arguments"]
 
 
 def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
@@ -179,7 +179,7 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
             unscale_(own + held + views + made, inv)
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
-                _amp_arguments(opt.inner, grad_scale, found_inf), \
+                amp_arguments(opt.inner, grad_scale, found_inf), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
@@ -189,7 +189,7 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
 
 
 @contextlib.contextmanager
-def _amp_arguments(inner, grad_scale, found_inf):
+def amp_arguments(inner, grad_scale, found_inf):
     """Inside the block, torch's fused step of ``inner`` divides the gradients by
     ``grad_scale`` and skips when ``found_inf`` is 1 (torch's optimizers read these attributes,
     which ``torch.amp.GradScaler`` sets for a fused optimizer)."""

@@ -14,6 +14,7 @@ or ``"fp32"`` for fp16).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from ..shards import local
 from .base import MasterMethod, register
 from .split_bits import (
+    load_halves,
     pair_views,
     split_load,
     split_load_pairs,
@@ -28,6 +30,7 @@ from .split_bits import (
     split_pairs_of,
     split_store,
     split_store_pairs,
+    store_halves,
 )
 
 __all__ = ["Split", "REMAINDER_KEY"]
@@ -91,6 +94,18 @@ class Split(MasterMethod):
         if weight.device.type != "cpu":
             return weight, rem
         return pair_views(weight, rem) or (weight, rem)
+
+    # eagerly, straight from and into the lists: the halves of the fp32 words
+    def steps_lists(self) -> bool:
+        return sys.byteorder == "little"
+
+    @staticmethod
+    def load_lists(out, weights, rems):
+        load_halves(out, weights, rems)
+
+    @staticmethod
+    def store_lists(values, weights, rems):
+        store_halves(values, weights, rems)
 
     def assign(self, weight, rem, value):
         value = value.to(device=weight.device, dtype=torch.float32)

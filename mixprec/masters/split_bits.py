@@ -11,9 +11,8 @@ two differ only at exact ties). The remainder needs it: a bf16 weight with an ev
 nearest-even rounding of 65537 fp32 values, one more than 16 bits can tell apart. Ties away from
 zero live only here; fp32 masters write their weights with torch's cast. A master above bf16's
 largest finite value (from ``0x7F7F8000`` up) rounds to inf, as torch's cast does; the remainder
-still holds the rest, so the master stays exact. A NaN master gives a NaN weight (the high half's
-quiet bit set: a NaN whose high half alone would read as inf stays NaN) and loads back as a NaN,
-its payload not kept.
+still holds the rest, so the master stays exact. A NaN master gives a NaN weight (bf16's quiet NaN,
+``0x7FC0``) and loads back as a NaN, its payload not kept.
 
 **Load** (weight, remainder -> ``new``): ``up = remainder < 0``; the high half is the weight's
 bits minus ``up``; the fp32 bits are ``high * 65536 + (remainder & 0xFFFF)``. Every step stays
@@ -38,7 +37,10 @@ import sys
 import torch
 
 __all__ = ["split_store", "split_load", "split_of", "pair_views",
-           "split_load_pairs", "split_store_pairs", "split_pairs_of"]
+           "split_load_pairs", "split_store_pairs", "split_pairs_of", "load_halves",
+           "store_halves"]
+
+_NAN = 0x7FC0  # the weight of a NaN master: bf16's quiet NaN
 
 
 def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +48,7 @@ def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor,
     top = bits >> 16
     lo = bits & 0xFFFF
     up = ((lo >= 0x8000) & ~nan).to(torch.int32)
-    return torch.where(nan, top | 0x40, top + up), lo - 65536 * up
+    return torch.where(nan, _NAN, top + up), lo - 65536 * up
 
 
 def _joined(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
@@ -55,15 +57,25 @@ def _joined(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
 
 
 def split_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly."""
-    high, rem = _high_and_rest(new.contiguous().view(torch.int32), new != new)
-    return high.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
+    """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly: the bits of
+    ``_high_and_rest`` in few passes (eager, each pass is one): the remainder is the low 16 bits
+    read as signed (``lo - 65536 * up``), the weight the high half of ``b + 0x8000`` (a low half of
+    ``0x8000`` or more carries into it: ``top + up``), a NaN's the quiet NaN."""
+    bits = new.contiguous().view(torch.int32)
+    high = bits + 0x8000
+    high >>= 16
+    weight = high.to(torch.int16).masked_fill_(new.isnan(), _NAN)
+    return weight.view(torch.bfloat16), bits.to(torch.int16)
 
 
 def split_load(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master a bf16 ``weight`` and its int16 ``remainder`` hold (a new tensor)."""
-    high = weight.contiguous().view(torch.int16).to(torch.int32)
-    return _joined(high, remainder.to(torch.int32)).view(torch.float32)
+    """The fp32 master a bf16 ``weight`` and its int16 ``remainder`` hold (a new tensor):
+    ``weight * 65536 + remainder`` in int32, which is ``_joined``'s
+    ``(weight - up) * 65536 + (remainder & 0xFFFF)`` in three passes."""
+    bits = weight.contiguous().view(torch.int16).to(torch.int32)
+    bits *= 65536
+    bits += remainder
+    return bits.view(torch.float32)
 
 
 def split_store(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
@@ -117,3 +129,40 @@ def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.
     high, rem = split_pairs_of(new)
     weight.copy_(high)
     remainder.copy_(rem)
+
+
+# -- eagerly, straight from the lists: the fp32 words' 16-bit halves (little-endian) -------------
+def _half_runs(flat: torch.Tensor, weights: list[torch.Tensor], remainders: list[torch.Tensor]):
+    """The low and high int16 halves of the flat fp32 ``flat``'s words (strided views), and
+    their runs shaped as each remainder (int16) and each weight (bf16), in a constant number of
+    torch calls."""
+    halves = flat.view(torch.int16)
+    low, high = halves[0::2], halves[1::2]
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    return low, high, unflatten(low, remainders), unflatten(high.view(torch.bfloat16), weights)
+
+
+def load_halves(out: torch.Tensor, weights: list[torch.Tensor],
+                remainders: list[torch.Tensor]) -> None:
+    """:func:`split_load` of each contiguous (weight, remainder) pair, one after the other, into
+    the flat fp32 ``out``: the weights into the high halves and the remainders into the low
+    halves of its words (two copies), then one borrow from the high half where the remainder is
+    negative (``weight * 65536 + remainder``). A little-endian machine's word layout."""
+    low, high, lows, highs = _half_runs(out, weights, remainders)
+    torch._foreach_copy_(highs, weights)
+    torch._foreach_copy_(lows, remainders)
+    high.add_(low >> 15)  # -1 where the remainder is negative
+
+
+def store_halves(values: torch.Tensor, weights: list[torch.Tensor],
+                 remainders: list[torch.Tensor]) -> None:
+    """:func:`split_store` of the flat fp32 ``values`` into each contiguous (weight, remainder)
+    pair, overwriting ``values``: the remainder is the low half of each word; adding ``0x8000``
+    carries a low half of ``0x8000`` or more into the high half, the weight (a NaN's: the quiet
+    NaN). A little-endian machine's word layout."""
+    nan = values.isnan()
+    _, high, lows, highs = _half_runs(values, weights, remainders)
+    torch._foreach_copy_(remainders, lows)
+    values.view(torch.int32).add_(0x8000)
+    high.masked_fill_(nan, _NAN)
+    torch._foreach_copy_(weights, highs)
