@@ -68,15 +68,20 @@ class Companions:
         """The live optimizers whose masters these are (none for a copy)."""
         return [opt for opt in (ref() for ref in self._refs) if opt is not None]
 
-    def load(self, param: torch.Tensor, comp: torch.Tensor, value: torch.Tensor) -> None:
-        """Set ``param``'s companion ``comp`` to ``value`` exactly (a compact optimizer's
-        companion is computed: it sets the weight and the compensation from ``value``)."""
+    def load(self, param: torch.Tensor, comp: torch.Tensor, value: torch.Tensor
+             ) -> torch.Tensor:
+        """Set ``param``'s companion ``comp`` to ``value`` exactly and return what torch's load
+        must then write into ``param``: ``value`` (rounded by torch's cast, as fp32 masters
+        write their weights), or, for a compact optimizer, whose companion is computed, the
+        weight it set with the compensation (a split weight rounds exact ties away from zero:
+        torch's cast of ``value`` would not match the remainder there)."""
         for ref in self._refs:
             opt = ref()
             if isinstance(opt, CompactMasterOptimizer) and opt.compensation(param) is not None:
                 opt.load_fp32_(param, value)
-                return
+                return param.detach().clone()
         comp.copy_(value)
+        return value
 
     @property
     def is_copy(self) -> bool:
@@ -222,7 +227,8 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
             param = tensors.get(key)
             comp = pairs.get(param)
             if comp is not None and torch.is_tensor(value) and value.shape == comp.shape:
-                link.load(param, comp, value)
+                # (torch's load_state_dict hands its hooks its own copy of the dict)
+                state_dict[key] = link.load(param, comp, value)
 
 
 def fp32_state_dict(model: nn.Module,

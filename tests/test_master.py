@@ -11,13 +11,12 @@ import mixprec as mp
 from mixprec import fp32_state_dict
 from mixprec.master import MasterWeightOptimizer, is_master_optimizer
 from mixprec.master.params import valid_grad
-from mixprec.masters.split_bits import split_high
 
 
 def written(master, dtype):
-    """A master as the optimizer writes it into a ``dtype`` weight (bf16: to nearest, exact ties
-    away from zero, as ``master="split"``; otherwise torch's cast)."""
-    return split_high(master.detach()) if dtype == torch.bfloat16 else master.to(dtype)
+    """A master as the optimizer writes it into a ``dtype`` weight: torch's cast (round to
+    nearest, ties to even)."""
+    return master.detach().to(dtype)
 
 
 LOW = [torch.bfloat16, torch.float16]

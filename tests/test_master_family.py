@@ -1,14 +1,17 @@
-"""One optimizer-math family for fp32 and compact masters (mixprec/master/family.py), the split
-rounding of every bf16 write-back, and the compiled-kernel guard (mixprec/master/guard.py).
+"""One optimizer-math family for fp32 and compact masters (mixprec/master/family.py), the
+rounding of the bf16 forward weights, and the compiled-kernel guard (mixprec/master/guard.py).
 
-Tolerances: none. ``master="split"`` trains bit for bit as ``master="fp32"`` on the default path
-(losses, forward weights, masters); a split run resumed from ``state_dict``s is bit for bit the
-uninterrupted one; a compiled kernel that disagrees with its eager twin is replaced by it, so the
-numbers are bit for bit the eager ones.
+Tolerances: none. From the same fp32 state and the same gradients ``master="split"`` steps its
+masters bit for bit as ``master="fp32"`` on the default path; the forward weights are torch's
+cast of the masters (fp32 masters) and equal it except at exact ties (split: away from zero); a
+split model loaded from plain ``state_dict``s, in either order, holds the saved masters and
+weights bit for bit and continues as the uninterrupted run; a compiled kernel that disagrees
+with its eager twin is replaced by it, so the numbers are bit for bit the eager ones.
 """
 
 import copy
 import io
+import logging
 import subprocess
 import sys
 import textwrap
@@ -21,7 +24,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
 from mixprec.masters import Kahan
-from mixprec.masters.split_bits import round_into_, split_of
+from mixprec.masters.split_bits import split_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
 
@@ -62,39 +65,125 @@ OPTIMIZERS = {
 }
 
 
+def ties(master: torch.Tensor) -> torch.Tensor:
+    """Where an fp32 master lies exactly half a bf16 ulp between two bf16 weights."""
+    return (master.detach().view(torch.int32) & 0xFFFF) == 0x8000
+
+
+def assert_weights_of(fp32_net, split_net, masters) -> int:
+    """fp32 masters' weights are torch's cast of the masters; the split's equal them except at
+    exact ties, where they lie one ulp further from zero. Returns the number of ties."""
+    count = 0
+    for w32, w, m in zip(fp32_net.parameters(), split_net.parameters(), masters):
+        m = m.detach()
+        if w.dtype == torch.float32:  # kept in fp32 (a norm layer): its own master
+            assert torch.equal(w, w32) and torch.equal(w32, m)
+            continue
+        assert torch.equal(w32.view(torch.int16), m.to(torch.bfloat16).view(torch.int16))
+        tie = ties(m)
+        assert torch.equal(w[~tie].view(torch.int16), w32[~tie].view(torch.int16))
+        assert torch.equal(w[tie].view(torch.int16), split_of(m[tie])[0].view(torch.int16))
+        assert (w[tie].float().abs() > m[tie].abs()).all()
+        count += int(tie.sum())
+    return count
+
+
+def step_in_lockstep(nets, opts, i, scalers=None, clip=None):
+    """One step of each run with the gradients of the first (bf16, so the same bits); with
+    ``clip``, each scaler clips its optimizer's true gradients to that norm first."""
+    x, y = batch(i)
+    loss = nn.functional.mse_loss(nets[0](x).float(), y)
+    (loss if scalers is None else scalers[0].scale(loss)).backward()
+    for net in nets[1:]:
+        for p, q in zip(nets[0].parameters(), net.parameters()):
+            q.grad = None if p.grad is None else p.grad.clone()
+    for k, opt in enumerate(opts):
+        if scalers is None:
+            opt.step()
+        else:
+            if clip is not None:
+                scalers[k].clip_grad_norm_(opt, clip)
+            scalers[k].step(opt)
+            scalers[k].update()
+        opt.zero_grad()
+
+
+def masters_of(net, opt):
+    """Each parameter's fp32 master (an fp32 parameter is its own)."""
+    held = opt.masters_by_param()
+    return [held.get(p, p).detach() for p in net.parameters()]
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_split_trains_bit_for_bit_as_fp32_masters_on_the_default_path(name):
-    runs = {}
+def test_split_steps_its_masters_bit_for_bit_as_fp32_masters_on_the_default_path(name):
+    """30 steps with the same gradients: masters bitwise equal after every step, weights equal
+    except at exact ties."""
+    (net32, opt32), (net, opt) = (prepared(m, OPTIMIZERS[name]) for m in ("fp32", "split"))
+    for i in range(30):
+        step_in_lockstep([net32, net], [opt32, opt], i)
+        ref = masters_of(net32, opt32)
+        for a, b in zip(masters_of(net, opt), ref):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert_weights_of(net32, net, ref)
+
+
+def plant_ties(value: torch.Tensor, every: int = 3) -> torch.Tensor:
+    """``value`` with the low 16 bits of every ``every``-th element set to ``0x8000``."""
+    bits = value.detach().reshape(-1).view(torch.int32).clone()
+    bits[::every] = (bits[::every] & ~0xFFFF) | 0x8000
+    return bits.view(torch.float32).view(value.shape)
+
+
+ONE_STEP = {**OPTIMIZERS, "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9)}
+
+
+@pytest.mark.parametrize("name", ONE_STEP)
+def test_one_step_from_the_same_state_with_ties_planted(name):
+    """The same fp32 start (a third of it exact ties) and the same gradients (zero on every
+    fifth element: SGD without weight decay leaves those masters on their ties): masters
+    bitwise equal, weights differing only at ties."""
+    gen = torch.Generator().manual_seed(0)
+    start = [plant_ties(torch.randn(24, 16, generator=gen) * 0.1) for _ in range(3)]
+    grads = [torch.randn(24, 16, generator=gen).bfloat16() for _ in start]
+    for g in grads:
+        g.view(-1)[::5] = 0
+    runs = []
     for master in ("fp32", "split"):
-        net, opt = prepared(master, OPTIMIZERS[name])
-        losses = train(net, opt, range(30))
-        runs[master] = (losses, [p.detach().clone() for p in net.parameters()],
-                        mp.fp32_state_dict(net, opt))
-    (ref_losses, ref_weights, ref_masters), (losses, weights, masters) = runs.values()
-    assert losses == ref_losses
-    for a, b in zip(weights, ref_weights):
-        assert torch.equal(a, b)
-    for key in ref_masters:
-        assert torch.equal(masters[key], ref_masters[key]), key
+        params = [nn.Parameter(s.bfloat16()) for s in start]
+        opt = mp.master.wrap_optimizer(mp.masters.resolve(master),
+                                       ONE_STEP[name](params), state_dtype=torch.float32,
+                                       initial_values={p: s.clone()
+                                                       for p, s in zip(params, start)})
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        runs.append((nn.ParameterList(params), [opt.masters_by_param()[p] for p in params]))
+    (net32, masters32), (net, masters) = runs
+    for a, b in zip(masters, masters32):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    planted = assert_weights_of(net32, net, masters32)
+    if name == "sgd-momentum":  # the planted ties under a zero gradient stayed ties
+        assert planted >= sum(s.numel() // 15 for s in start)
 
 
-def test_fp32_masters_round_bf16_weights_as_the_split_does():
-    """Exact ties go away from zero (torch's cast: to even) in every write-back, and the values
+def test_fp32_masters_write_bf16_weights_with_torchs_cast():
+    """Exact ties go to even (torch's cast), at prepare and at every write-back, and the values
     written from are left as they were."""
     value = torch.tensor([1.0 + 2 ** -8, -(1.0 + 2 ** -8), 1.0 + 3 * 2 ** -8, 0.3, float("nan")])
-    kept = value.clone()
-    out = [torch.empty(5, dtype=torch.bfloat16)]
-    round_into_(out, [value])
-    assert torch.equal(value.view(torch.int32), kept.view(torch.int32))
-    assert out[0][:2].tolist() == [1.0078125, -1.0078125]  # torch's cast: 1.0, -1.0
-    assert torch.equal(out[0][:4], split_of(value)[0][:4]) and out[0][4].isnan()
-    # at prepare: the weights are the masters rounded this way, not the model's cast
+    w = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    opt = MasterWeightOptimizer(torch.optim.SGD([w], lr=0.1), initial_masters={w: value.clone()})
+    assert w[:4].tolist() == [1.0, -1.0, 1.015625, value[3].bfloat16().item()] and w[4].isnan()
+    assert torch.equal(opt.master_param(w).view(torch.int32)[:4], value.view(torch.int32)[:4])
+    opt.master_param(w).data.copy_(value.flip(0).nan_to_num(0.5))
+    opt.write_back()
+    assert torch.equal(w, value.flip(0).nan_to_num(0.5).bfloat16())
+    # at prepare: the weights are torch's cast of the fp32 originals
     net = nn.Linear(4, 1, bias=False)
     with torch.no_grad():
         net.weight.copy_(value[:4].view(1, 4))
     net, _ = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
                         dtype="bf16")
-    assert net.weight[0, 0].item() == 1.0078125
+    assert net.weight[0, :2].tolist() == [1.0, -1.0]
 
 
 def test_split_resumes_bit_for_bit_from_state_dicts():
@@ -117,6 +206,38 @@ def test_split_resumes_bit_for_bit_from_state_dicts():
         assert torch.equal(p, q)
     for p, q in zip(opt.fp32_values().values(), resumed_opt.fp32_values().values()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("order", ["model first", "optimizer first"])
+def test_split_loads_from_plain_state_dicts_in_either_order_with_ties(order):
+    """``model.state_dict()`` + ``optimizer.state_dict()`` saved with exact ties in the masters
+    (a third of every weight), loaded into a freshly prepared model in either order: masters
+    and weights bit for bit the saved ones, and 5 more steps bit for bit the uninterrupted
+    run's."""
+    make = OPTIMIZERS["adamw"]
+    net, opt = prepared("split", make)
+    train(net, opt, range(5))
+    for p, value in opt.fp32_values().items():
+        opt.load_fp32_(p, plant_ties(value))
+    assert sum(int(ties(v).sum()) for v in opt.fp32_values().values()) > 1000
+    buffer = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    resumed, resumed_opt = prepared("split", make, seed=5)  # another initialisation
+    loads = [lambda: resumed.load_state_dict(saved["model"]),
+             lambda: resumed_opt.load_state_dict(saved["opt"])]
+    for load in (loads if order == "model first" else loads[::-1]):
+        load()
+    for steps in (None, range(5, 10)):
+        if steps is not None:
+            train(net, opt, steps)
+            train(resumed, resumed_opt, steps)
+        for p, q in zip(net.parameters(), resumed.parameters()):
+            assert torch.equal(p.view(torch.int16) if p.dtype == torch.bfloat16 else p,
+                               q.view(torch.int16) if q.dtype == torch.bfloat16 else q)
+        for p, q in zip(opt.fp32_values().values(), resumed_opt.fp32_values().values()):
+            assert torch.equal(p.view(torch.int32), q.view(torch.int32))
 
 
 def count_ops(opt, model, n_steps=1):
@@ -231,20 +352,73 @@ def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
     assert "stepped" in done.stdout
 
 
-def test_fp32_masters_and_split_agree_through_a_loss_scale():
-    """A static loss scale of 2**10 (the step reads gradients x 2**-10)."""
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fp32_masters_and_split_agree_through_a_loss_scale_and_a_clip(clip):
+    """A static loss scale of 2**10 (the step reads gradients x 2**-10), and a clip to a norm
+    of 0.05 folded into it (what ``amp.step(max_grad_norm=)`` does), the same gradients: torch's
+    fused kernel divides by the scale for both, so the masters are bitwise equal and the
+    weights equal except at exact ties."""
+    (net32, opt32), (net, opt) = (prepared(m, OPTIMIZERS["adamw"]) for m in ("fp32", "split"))
+    scalers = [mp.StaticLossScaler(2.0 ** 10) for _ in range(2)]
+    for i in range(5):
+        step_in_lockstep([net32, net], [opt32, opt], i, scalers, clip)
+    ref = masters_of(net32, opt32)
+    for a, b in zip(masters_of(net, opt), ref):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert_weights_of(net32, net, ref)
+
+
+@pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
+def test_the_default_step_compiles_nothing_on_the_cpu(master, fresh_verdicts):
+    """``fused="auto"`` on the CPU: torch's fused kernel between eager load and store passes (a
+    first step costs what a later one does, not seconds of compilation); CUDA's row compiles."""
+    params = [nn.Parameter(torch.randn(6, 5).bfloat16()) for _ in range(3)]
+    opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master)
+    for p in params:
+        p.grad = torch.randn(6, 5).bfloat16()
+    opt.step()
+    assert guard.verdicts() == {} and not opt._compiled()
+    opt.fused = "compile"
+    assert opt._compiled()
+
+
+def test_a_compile_is_logged_once_with_what_and_how_long(fresh_verdicts, caplog):
+    kernel = guard.GuardedKernel("double", lambda x: x.mul_(2), compiler=lambda fn: fn)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        kernel(torch.ones(8))
+        kernel(torch.ones(8))
+        kernel(torch.ones(8, dtype=torch.float64))
+    said = [r.getMessage() for r in caplog.records
+            if "compiled the 'double' kernel" in r.getMessage()]
+    assert len(said) == 2  # once per signature
+    assert "cpu" in said[0] and "torch.float32" in said[0] and " s (once per process)" in said[0]
+
+
+def test_a_group_is_stepped_in_bounded_pieces_with_the_same_bits(monkeypatch):
+    """Pieces of at most PIECE elements (a larger tensor alone) give the bits one piece gives:
+    each tensor draws its own rounding bits wherever it lies."""
+    from mixprec.master import compact_kernels
+    sizes = [(40, 30), (7,), (64, 64), (3, 3), (100,)]
     runs = []
-    for master in ("fp32", "split"):
-        net, opt = prepared(master, OPTIMIZERS["adamw"])
-        scaler = mp.StaticLossScaler(2.0 ** 10)
-        for i in range(5):
-            x, y = batch(i)
-            scaler.scale(nn.functional.mse_loss(net(x).float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-        runs.append([p.detach().clone() for p in net.parameters()])
-    for a, b in zip(*runs):
+    for piece in (1 << 20, 1000):
+        monkeypatch.setattr(compact_kernels, "PIECE", piece)
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in sizes]
+        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-2), "kahan",
+                                     state_dtype="bf16")
+        calls = []
+        monkeypatch.setattr(compact_kernels.family, "group_step",
+                            lambda *a, real=compact_kernels.family.group_step:
+                            calls.append(sum(p.numel() for p, _, _ in a[3])) or real(*a))
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        monkeypatch.undo()
+        runs.append(([p.detach().clone() for p in params], calls))
+    (whole, one), (cut, many) = runs
+    assert len(set(one)) == 1 and max(many) <= 64 * 64 and len(many) > len(one)
+    for a, b in zip(whole, cut):
         assert torch.equal(a, b)
 
 
@@ -257,11 +431,8 @@ def test_copies_of_the_inputs_are_checked_not_the_inputs(fresh_verdicts):
 
 
 def test_masters_optimizer_is_unchanged_for_fp16():
-    """fp16 weights keep torch's cast (the split holds bf16 only)."""
+    """fp16 weights: torch's cast too (the split holds bf16 only)."""
     value = torch.tensor([1.0 + 2 ** -11])  # an exact fp16 tie
-    out = [torch.empty(1, dtype=torch.float16)]
-    round_into_(out, [value])
-    assert out[0].item() == 1.0
     w = nn.Parameter(torch.ones(1, dtype=torch.float16))
     opt = MasterWeightOptimizer(torch.optim.SGD([w], lr=1.0), initial_masters={w: value})
     assert w.item() == 1.0 and opt.master_param(w).item() == value.item()

@@ -20,13 +20,12 @@ from torch import nn
 import mixprec as mp
 from mixprec.master import MasterWeightOptimizer
 from mixprec.master.params import valid_grad
-from mixprec.masters.split_bits import split_high
 
 
 def written(master, dtype):
-    """A master as the optimizer writes it into a ``dtype`` weight (bf16: to nearest, exact ties
-    away from zero, as ``master="split"``; otherwise torch's cast)."""
-    return split_high(master.detach()) if dtype == torch.bfloat16 else master.to(dtype)
+    """A master as the optimizer writes it into a ``dtype`` weight: torch's cast (round to
+    nearest, ties to even)."""
+    return master.detach().to(dtype)
 
 
 # The first torch.compile imports torch._inductor, which imports torch.utils.mkldnn, which uses

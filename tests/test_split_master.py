@@ -25,7 +25,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
-from mixprec.masters.split_bits import split_load, split_of
+from mixprec.masters.split_bits import load_halves, split_load, split_of, store_halves
 
 pytestmark = [pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),
@@ -77,6 +77,30 @@ def test_the_split_is_bitwise_the_same_compiled():
     assert torch.equal(c_rem, rem)
     c_back = torch.compile(split_load, dynamic=True)(weight, rem)
     assert torch.equal(c_back.view(torch.int32), split_load(weight, rem).view(torch.int32))
+
+
+def test_the_eager_list_form_writes_the_bits_of_the_element_wise_split():
+    """store_halves/load_halves (the CPU's eager group step: straight from the lists, through the
+    halves of the fp32 words) against split_of/split_load, on tensors of odd and even lengths:
+    every stored bit equal (NaN weights too), and every remainder pattern loaded equal."""
+    x = sample_bits(1 << 16, seed=2)
+    cut = [x[:999], x[999:1000], x[1000:1000 + 7 * 9000].reshape(-1, 7)[:, :5].contiguous(),
+           x[-(1 << 16) - 20:]]  # the ties and the edges (infinities, NaNs)
+    weights = [torch.empty(t.shape, dtype=torch.bfloat16) for t in cut]
+    rems = [torch.empty(t.shape, dtype=torch.int16) for t in cut]
+    store_halves(torch.cat([t.reshape(-1) for t in cut]), weights, rems)
+    for t, w, r in zip(cut, weights, rems):
+        w0, r0 = split_of(t)
+        assert torch.equal(w.view(torch.int16), w0.view(torch.int16)) and torch.equal(r, r0)
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randint(-2 ** 15, 2 ** 15, t.shape, generator=g, dtype=torch.int16)
+               .view(torch.bfloat16) for t in cut]
+    rems = [torch.randint(-2 ** 15, 2 ** 15, t.shape, generator=g, dtype=torch.int16)
+            for t in cut]
+    out = torch.empty(sum(t.numel() for t in cut))
+    load_halves(out, weights, rems)
+    expect = torch.cat([split_load(w, r).reshape(-1) for w, r in zip(weights, rems)])
+    assert torch.equal(out.view(torch.int32), expect.view(torch.int32))
 
 
 def test_fp16_and_unknown_masters_are_refused_naming_what_works():

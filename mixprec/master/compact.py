@@ -16,17 +16,18 @@ What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
 **Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
 ``capturable``, ``differentiable``): with ``fused="auto"`` (default) a param group (per device and
-dtypes) at a time with torch's own fused kernel between the method's load and store
-(:mod:`.family`: the arithmetic fp32 masters run, so ``"split"`` trains bit for bit as
-``"fp32"``); with ``fused="compile"`` (or ``"auto"`` where torch has no fused kernel for the
-device, or a tensor is not contiguous) one ``torch.compile``-d pass per tensor
-(:mod:`.compact_kernels`; the first step compiles, seconds); with ``fused=False`` the same
-per-tensor functions eagerly. Compiled kernels are checked against their eager twins before they
-are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
-``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient
-fp32 copies (the compact value, gradient, moments), a bucket at a time for torch's
-per-parameter optimizers, all at once otherwise; the results are written back split, compensated
-or rounded stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
+dtypes, a bounded piece at a time) with torch's own fused kernel between the method's load and
+store (:mod:`.family`: the arithmetic fp32 masters run, so ``"split"``'s masters step bit for bit
+as ``"fp32"``'s); its load/store passes run eagerly on the CPU (a first step compiles nothing) and
+compiled on CUDA. With ``fused="compile"`` (or ``"auto"`` where torch has no fused kernel for the
+device, or a tensor is not contiguous) one pass per tensor (:mod:`.compact_kernels`; compiled with
+``"compile"``, and with ``"auto"`` on CUDA: the first step compiles, seconds, logged once); with
+``fused=False`` the same per-tensor functions eagerly. Compiled kernels are checked against their
+eager twins before they are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
+``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient fp32
+copies (the compact value, gradient, moments), a bucket at a time for torch's per-parameter
+optimizers, all at once otherwise; the results are written back split, compensated or rounded
+stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .. import masters
+from .. import kernel_table, masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator, shard_key
 from ..scaling.unscale import check_and_unscale_, unscale_
@@ -57,6 +58,7 @@ from .compact_state import load_generator, save_pending, share_with_inner
 from .kernels import torch_fused, torch_fused_problem
 from .params import _is_current, _source_key
 from .states import OWN_KEYS
+from .steps import amp_arguments
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -279,7 +281,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._settle_pending()
         try:
             if self._fast_path():
-                self._fast_step(inv)
+                self._fast_step(inv, grad_scale)
             else:
                 for bucket in self.buckets():
                     self._generic_bucket(bucket, inv)
@@ -294,10 +296,18 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return not any(p.grad is not None and p.grad.is_sparse for p in self._low)
 
     def _compiled(self) -> bool:
+        """Whether the load/store passes run compiled: ``fused="compile"``, or ``"auto"`` where
+        the kernel table compiles them (CUDA; on the CPU a first step compiles nothing)."""
+        table = kernel_table.TABLE
         return self._fused == "compile" or (
-            self._fused == "auto" and all(ck.can_compile(p.device.type) for p in self._low))
+            self._fused == "auto" and all(table.compiles_master_kernels(p.device.type)
+                                          and ck.can_compile(p.device.type) for p in self._low))
 
-    def _fast_step(self, inv) -> None:
+    def _fast_step(self, inv, grad_scale) -> None:
+        """The one-pass kernels or the group step; where torch's fused kernel runs, it divides
+        the gradients by ``grad_scale`` as it reads them (as for fp32 masters, so the two agree
+        bit for bit under a loss scale or a clip folded into it), else they are multiplied by
+        ``inv`` first."""
         low, rest = [], []
         for group in self.param_groups:
             items, others = [], []
@@ -311,16 +321,18 @@ class CompactMasterOptimizer(WrappedOptimizer):
             low.append(items)
             rest.append(others)
         ck.fast_step(self.inner, self.master, low, inv, self.rounding, self._compiled(),
-                     self.state_dtype, self.salt, grouped=self._fused == "auto")
+                     self.state_dtype, self.salt, grouped=self._fused == "auto",
+                     grad_scale=grad_scale)
         own = [p.grad for ps in rest for p in ps if p.grad is not None]
-        if inv is not None and own:
-            with torch.no_grad():
-                unscale_(own, inv)
         flat = [p for ps in rest for p in ps]
         fused = self._fused == "auto" and torch_fused_problem(self.inner, flat) is None
+        if inv is not None and own and not fused:
+            with torch.no_grad():
+                unscale_(own, inv)
         with self.only(rest), states.fp32_moments(self.inner, flat, self.state_dtype,
                                                   self.rounding), \
-                (torch_fused(self.inner) if fused else contextlib.nullcontext()):
+                (torch_fused(self.inner) if fused else contextlib.nullcontext()), \
+                amp_arguments(self.inner, grad_scale if fused and own else None, None):
             self.inner_step()  # always runs, so hooks and schedulers see a step
 
     def _generic_bucket(self, bucket: list[list[torch.Tensor]], inv) -> None:

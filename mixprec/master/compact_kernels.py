@@ -185,7 +185,8 @@ def _adam_group(optimizer, method, group, items, inv, keys, compiled, state_dtyp
 def fast_step(optimizer: torch.optim.Optimizer, method: MasterMethod,
               items_by_group: list[list[tuple]],
               inv_scale: torch.Tensor | None, rounding: RoundingGenerator, compiled: bool,
-              state_dtype: torch.dtype, salt: int = 0, grouped: bool = False) -> None:
+              state_dtype: torch.dtype, salt: int = 0, grouped: bool = False,
+              grad_scale: torch.Tensor | None = None) -> None:
     """Update compact weights with the one-pass kernels, or a param group at a time with torch's
     fused kernel between the methods' load and store (``grouped``, :mod:`.family`).
 
@@ -201,6 +202,8 @@ def fast_step(optimizer: torch.optim.Optimizer, method: MasterMethod,
             place in the full tensor, :func:`mixprec.masters.rounding.shard_key`).
         grouped: step each param group (per device and dtypes) at once where torch has a
             fused kernel for it (:func:`.family.group_ready`); the rest per tensor.
+        grad_scale: the factor the gradients carry (``1 / inv_scale``), or None: a group step
+            hands it to torch's fused kernel, which divides by it (as for fp32 masters).
     """
     group_step = _sgd_group if type(optimizer) is torch.optim.SGD else _adam_group
     scale = 1.0 if inv_scale is None else inv_scale
@@ -215,22 +218,45 @@ def fast_step(optimizer: torch.optim.Optimizer, method: MasterMethod,
             rows = drawn[start:start + len(items)]
             start += len(items)
             if grouped and family.group_ready(optimizer, items):
-                _grouped(optimizer, method, group, items, inv_scale, rows, state_dtype)
+                _grouped(optimizer, method, group, items, grad_scale, rows, state_dtype,
+                         compiled)
                 continue
             keys = [shard_key(rows[i], p).to(p.device) for i, (p, _, _) in enumerate(items)]
             group_step(optimizer, method, group, items, inv, keys, compiled, state_dtype)
 
 
-def _grouped(optimizer, method, group, items, inv_scale, rows, state_dtype) -> None:
-    """:func:`.family.group_step` per (device, weight dtype, buffer dtype) of one group."""
+#: Elements of one piece of the group step (a few MiB of fp32 values): its transient flat buffers
+#: are bounded by this (or by the largest tensor), not by the size of the param group.
+PIECE = 1 << 20
+
+
+def _pieces(items: list[tuple], idx: list[int]):
+    """``idx`` cut, in order, into runs of at most :data:`PIECE` elements (a larger tensor
+    alone)."""
+    piece, size = [], 0
+    for i in idx:
+        n = local(items[i][0]).numel()
+        if piece and size + n > PIECE:
+            yield piece
+            piece, size = [], 0
+        piece.append(i)
+        size += n
+    if piece:
+        yield piece
+
+
+def _grouped(optimizer, method, group, items, grad_scale, rows, state_dtype, compiled) -> None:
+    """:func:`.family.group_step` per (device, weight dtype, buffer dtype) of one group, a piece
+    of at most :data:`PIECE` elements at a time (each tensor's rounding bits are its own key's,
+    whatever piece it is in)."""
     kinds: dict[tuple, list[int]] = {}
     for i, (p, _, buf) in enumerate(items):
         kinds.setdefault((p.device, p.dtype, None if buf is None else buf.dtype), []).append(i)
     for (device, _, _), idx in kinds.items():
-        rows_here = rows if len(idx) == len(items) else rows[idx]
-        inv = None if inv_scale is None else inv_scale.to(device, torch.float32)
-        family.group_step(optimizer, method, group, [items[i] for i in idx], inv, rows_here,
-                          state_dtype, can_compile(device.type))
+        scale = None if grad_scale is None else grad_scale.to(device, torch.float32)
+        for piece in _pieces(items, idx):
+            family.group_step(optimizer, method, group, [items[i] for i in piece], scale,
+                              rows[piece], state_dtype, compiled and can_compile(device.type))
 
 
 def compensation(optimizer: torch.optim.Optimizer, param: torch.Tensor,

@@ -11,9 +11,9 @@ kernel with the very same arguments, on fp32 values loaded from the 16-bit weigh
    those buffers makes the fp32 values (the master method's
    :meth:`~mixprec.masters.MasterMethod.load`: the exact split master, weight + compensation,
    or the weight);
-2. **update**: the gradients are copied (and unscaled) into one flat fp32 buffer, and torch's
-   fused kernel steps the fp32 values, as it steps fp32 masters: the Adam/SGD arithmetic is
-   torch's, written once;
+2. **update**: the gradients are copied into one flat fp32 buffer, and torch's fused kernel
+   steps the fp32 values, as it steps fp32 masters (dividing the gradients by a loss scale, or
+   a clip folded into it, as it reads them): the Adam/SGD arithmetic is torch's, written once;
 3. **store**: one element-wise kernel makes the 16-bit results (the method's
    :meth:`~mixprec.masters.MasterMethod.stored`: split exactly, Kahan-compensated, or rounded
    stochastically; it writes into none of its inputs), and one ``_foreach_copy_`` per list
@@ -21,18 +21,20 @@ kernel with the very same arguments, on fp32 values loaded from the 16-bit weigh
    bf16 moments are widened into a flat fp32 buffer for the update and rounded back
    stochastically.
 
-So ``master="split"`` steps its masters bit for bit as fp32 masters do, and its forward weight
-is rounded as fp32 masters round theirs (:func:`mixprec.masters.split_bits.round_into_`): the
-two methods train identically. The rounding bits of Kahan and stochastic rounding are those of
-the per-tensor kernels: element ``i`` of a tensor with key ``k`` gets the bits of ``(k, i)`` (a
-per-element key made from the per-tensor keys, shifted by each tensor's place in the flat buffer
-and, for an FSDP2 shard, in its full tensor).
+So ``master="split"`` steps its masters bit for bit as fp32 masters do from the same state and
+gradients; its forward weight is torch's cast of the master (what fp32 masters write) except at
+exact ties, which the split rounds away from zero (:mod:`mixprec.masters.split_bits`). The rounding
+bits of Kahan and stochastic rounding are those of the per-tensor kernels: element ``i`` of a
+tensor with key ``k`` gets the bits of ``(k, i)`` (a per-element key made from the per-tensor keys,
+shifted by each tensor's place in the flat buffer and, for an FSDP2 shard, in its full tensor).
 
 Per step and group: a fixed number of launches (about ten), none per tensor; hyper-parameters
 go to torch's kernel as it takes them; step counts stay torch's per-parameter ``step`` tensors, on
 the parameters' device; no host sync. The load and store kernels run compiled (checked against
-their eager twins first, :mod:`.guard`) where a compiler is available, else eagerly (the same
-bits).
+their eager twins first, :mod:`.guard`) where the kernel table says so (CUDA, or
+``fused="compile"``) and a compiler is available, else eagerly (the same bits). A group is
+stepped a piece of at most :data:`mixprec.master.compact_kernels.PIECE` elements at a time, so
+the flat buffers are bounded by that (or by the largest tensor), not by the group.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import torch
 
 from ..masters import MasterMethod
 from ..masters.rounding import _GOLDEN, shard_key, stochastic_round
-from ..scaling.unscale import unscale_
 from ..shards import is_dtensor, local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
@@ -140,7 +141,7 @@ def _plan(optimizer, params: list[torch.Tensor], shards: list[torch.Tensor]) -> 
     plan = plans.get(key)
     if (plan is None or plan.shift.device != params[0].device
             or any(a is not b for a, b in zip(plan.params, shards))):
-        if len(plans) > 64:  # param sets come and go (grads of some parameters are None)
+        if len(plans) > 1024:  # param sets come and go (grads of some parameters are None)
             plans.clear()
         plan = plans[key] = _Plan(params, shards)
     return plan
@@ -170,7 +171,8 @@ def _lr(group: dict, device: torch.device):
     return lr
 
 
-def _adam(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled):
+def _adam(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
+          grad_scale):
     device = values[0].device
     entries = []
     for p in params:
@@ -193,19 +195,20 @@ def _adam(optimizer, method, group, params, values, grads, plan, keys, state_dty
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused(values, grads, lists[0], lists[1], [], steps, amsgrad=False, lr=_lr(group, device),
           beta1=beta1, beta2=beta2, weight_decay=_scalar(group["weight_decay"]),
-          eps=_scalar(group["eps"]), maximize=False, grad_scale=None, found_inf=None)
+          eps=_scalar(group["eps"]), maximize=False, grad_scale=grad_scale, found_inf=None)
     for i, (m, w) in enumerate(zip(moments, wide)):
         if m[0].dtype != torch.float32:
             _round_back(method, m, w[0], plan, keys[:, i + 1], compiled)
 
 
-def _sgd(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled):
+def _sgd(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
+         grad_scale):
     momentum = _scalar(group["momentum"])
     if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     options = dict(weight_decay=_scalar(group["weight_decay"]), momentum=momentum,
                    lr=_lr(group, values[0].device), dampening=_scalar(group["dampening"]),
-                   nesterov=bool(group["nesterov"]), maximize=False, grad_scale=None,
+                   nesterov=bool(group["nesterov"]), maximize=False, grad_scale=grad_scale,
                    found_inf=None)
     if momentum == 0:
         torch._fused_sgd_(values, grads, [], is_first_step=False, **options)
@@ -241,7 +244,7 @@ def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: dict,
                items: list[tuple],
-               inv: torch.Tensor | None, keys: torch.Tensor, state_dtype: torch.dtype,
+               grad_scale: torch.Tensor | None, keys: torch.Tensor, state_dtype: torch.dtype,
                compiled: bool) -> None:
     """Step ``items`` (``(param, grad, buffer or None)`` of one param group, one device, one
     weight and buffer dtype) as the module docstring says.
@@ -250,7 +253,8 @@ def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: di
         optimizer: the inner SGD/Adam/AdamW (its ``state`` keyed by the model parameters).
         method: the compact master method: its load and store around the update.
         group: the param group the items belong to.
-        inv: a 0-d fp32 tensor the gradients are multiplied by first (None: 1).
+        grad_scale: a 0-d fp32 tensor torch's fused kernel divides the gradients by as it reads
+            them (None: 1), as it does for fp32 masters.
         keys: ``(len(items), 3)`` int32 rounding keys (weight, first and second moment).
         state_dtype: dtype new moment buffers are made in.
         compiled: run the load/store kernels compiled (checked first), else eagerly.
@@ -258,20 +262,30 @@ def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: di
     params = [p for p, _, _ in items]
     weights = [local(p) for p in params]
     plan = _plan(optimizer, weights, params)
-    flat_w, _ = _gather(weights, weights[0].dtype, plan.total, plan.pad)
     bufs = None if items[0][2] is None else [local(b) for _, _, b in items]
-    flat_b = None if bufs is None else _gather(bufs, bufs[0].dtype, plan.total, plan.pad)[0]
-    w, b = method.kernel_views(flat_w, flat_b)  # a CPU split pair: int32 words
-    values_flat = _kernel(method, "load", compiled)(w, b)
+    device = weights[0].device
+    direct = not compiled and method.steps_lists()  # eager: straight from and into the lists
+    if direct:
+        values_flat = torch.empty(plan.total + plan.pad, device=device)
+        method.load_lists(values_flat[:plan.total], weights, bufs)
+    else:
+        flat_w, _ = _gather(weights, weights[0].dtype, plan.total, plan.pad)
+        flat_b = None if bufs is None else _gather(bufs, bufs[0].dtype, plan.total, plan.pad)[0]
+        # compiled on a CPU: a split pair as int32 words (inductor vectorizes no int16
+        # arithmetic); eagerly the int16 form makes fewer passes
+        w, b = method.kernel_views(flat_w, flat_b) if compiled else (flat_w, flat_b)
+        values_flat = _kernel(method, "load", compiled)(w, b)
     values = list(_unflatten(values_flat[:plan.total], weights))
-    grads = list(_unflatten(torch.empty(plan.total, device=w.device), weights))
+    grads = list(_unflatten(torch.empty(plan.total, device=device), weights))
     torch._foreach_copy_(grads, [local(g) for _, g, _ in items])
-    if inv is not None:
-        unscale_(grads, inv)
     update = _sgd if type(optimizer) is torch.optim.SGD else _adam
-    update(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled)
+    update(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
+           grad_scale)
+    if direct:  # (the values are ours: the store may write into them)
+        method.store_lists(values_flat[:plan.total], weights, bufs)
+        return
     key = (plan.element_keys(keys[:, 0]) if method.draws_bits
-           else keys[0, 0].to(w.device))  # exact (split): no random bits
+           else keys[0, 0].to(device))  # exact (split): no random bits
     new_w, new_b = _kernel(method, "store", compiled)(w, b, values_flat, key)  # writes no input
     torch._foreach_copy_(weights, _unflatten(new_w.view(flat_w.dtype)[:plan.total], weights))
     if bufs is not None:

@@ -15,7 +15,9 @@ weight + compensation), not on their bits. On a mismatch the kernel falls back t
 that signature, with one :class:`CompiledKernelWarning` naming the kernel, the device, the
 dtypes and torch's version.
 The verdicts are cached for the process (a check costs one eager and one compiled step of at most
-:data:`PROBE_ELEMENTS` elements).
+:data:`PROBE_ELEMENTS` elements). The check is where a signature compiles: what was compiled and how
+long it took is logged once (logger ``"mixprec"``; a warning when it took a second or more, so a
+slow first step says why).
 
 Compiling also makes torch emit its own ``torch.jit.script_method`` ``DeprecationWarning`` (from
 inductor's internals, 14 times at the first compiled step): :func:`quiet_compile` silences exactly
@@ -28,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -37,6 +41,9 @@ import torch
 __all__ = ["GuardedKernel", "CompiledKernelWarning", "quiet_compile", "PROBE_ELEMENTS",
            "verdicts", "forget_verdicts", "can_compile"]
 
+_LOG = logging.getLogger("mixprec")
+#: A compile that took this many seconds or more is logged as a warning (else as info).
+SLOW_COMPILE_S = 1.0
 #: At most this many elements of each element-wise argument are stepped by the check.
 PROBE_ELEMENTS = 256
 _TORCH_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
@@ -186,7 +193,13 @@ class GuardedKernel:
         key = _signature(self.name, args)
         verdict = _VERDICTS.get(key)
         if verdict is None:
+            start = time.perf_counter()
             verdict = _VERDICTS[key] = self._check(key, args)
+            took = time.perf_counter() - start
+            _LOG.log(logging.WARNING if took >= SLOW_COMPILE_S else logging.INFO,
+                     "mixprec: compiled the '%s' kernel for %s (arguments %s) and checked it "
+                     "against its eager twin in %.1f s (once per process)", self.name, key[1],
+                     ", ".join(map(str, key[2])), took)
         return verdict
 
     def _check(self, key: tuple, args: tuple) -> bool:

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from .. import kernel_table
-from ..masters.split_bits import split_high
 from ..shards import is_dtensor
 from .guard import GuardedKernel
 
@@ -131,8 +130,7 @@ def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 # -- the compiled kernels (compiled lazily, once per process) -----------------------------------
 def _round_into(master, param, new):
     master.copy_(new)
-    # bf16: split's rounding (to nearest, exact ties away from zero), as every write-back
-    param.copy_(split_high(new) if param.dtype == torch.bfloat16 else new)
+    param.copy_(new)  # torch's cast, as every write-back of fp32 masters
 
 
 def _sgd_plain(master, param, grad, s, hp):

@@ -39,8 +39,8 @@ for an optimizer not per-parameter) into a scratch buffer freed when the step en
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
 CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
-compiled pass per low-precision parameter (:mod:`mixprec.master.kernels`). bf16 weights are
-written back rounded to nearest, exact ties away from zero (``master="split"``'s rule).
+compiled pass per low-precision parameter (:mod:`mixprec.master.kernels`). The 16-bit weights are
+written back with torch's own cast (round to nearest, ties to even), one pass.
 ``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
 (:mod:`mixprec.master.states`). No method syncs with the host, except that ``fused="compile"``
 reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.master`.
@@ -75,7 +75,6 @@ from .wrapper import (
     not_ours,
     stale_fp16_error,
 )
-from .write_back import round_into_
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
@@ -143,8 +142,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             group["params"][:] = self._with_masters(group["params"])
         self._adopt(optimizer, bucket_mb, fused)
         if given := [p for p in (initial_masters or {}) if p in self._master_of]:
-            with torch.no_grad():  # the weights as the masters round (a cast: ties to even)
-                round_into_(given, [self._master_of[p] for p in given])
+            with torch.no_grad():  # the weights as the masters round (torch's cast)
+                torch._foreach_copy_(given, [self._master_of[p] for p in given])
         self._initial = {}
         checkpoint.register(self)
         states.register(self)
@@ -257,11 +256,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 torch._foreach_copy_(masters, params)
 
     def write_back(self) -> None:
-        """Copy the masters into the model parameters, rounded to nearest (bf16: exact ties away
-        from zero, as ``master="split"``: :func:`mixprec.masters.split_bits.round_into_`)."""
+        """Copy the masters into the model parameters with torch's cast (round to nearest, ties
+        to even): one ``_foreach_copy_`` per device and dtype."""
         with torch.no_grad():
             for params, masters in self._pairs:
-                round_into_(params, masters)
+                torch._foreach_copy_(params, masters)
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

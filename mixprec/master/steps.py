@@ -1,11 +1,11 @@
 """The master optimizer's three step paths: bucketed (default), compiled, and with a closure.
 
 Each one reads, for every master, its fp32 gradient if one is held and current (made by
-``unscale_grads_`` or by someone reading ``master.grad``; see :mod:`mixprec.master.params`),
-else its model parameter's gradient; divides what it reads by ``grad_scale`` when the gradients
-still carry a loss scale; steps the inner optimizer on the masters; and writes the masters back
-into the model parameters, rounded to nearest even. fp32 parameters in the groups are their own
-masters: their gradients are unscaled in place.
+``unscale_grads_`` or by someone reading ``master.grad``; see :mod:`mixprec.master.params`), else
+its model parameter's gradient; divides what it reads by ``grad_scale`` when the gradients still
+carry a loss scale; steps the inner optimizer on the masters; and writes the masters back into the
+model parameters with torch's cast (round to nearest, ties to even). fp32 parameters in the groups
+are their own masters: their gradients are unscaled in place.
 
 Where a bucket runs torch's fused kernel, the loss scale is handed to it (``grad_scale``: it
 divides each gradient as it reads it, and writes the quotient back), and so is a scaler's
@@ -27,10 +27,9 @@ from ..scaling.unscale import unscale_
 from ..shards import is_dtensor
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
-from .write_back import round_into_
 
 __all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
-           "settle_grads"]
+           "settle_grads", "amp_arguments"]
 
 
 def _step_grad(t: torch.Tensor) -> torch.Tensor | None:
@@ -180,17 +179,17 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
             unscale_(own + held + views + made, inv)
         with (contextlib.nullcontext() if alone else opt.only(bucket)), \
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
-                _amp_arguments(opt.inner, grad_scale, found_inf), \
+                amp_arguments(opt.inner, grad_scale, found_inf), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
             opt.inner_step()
         if stepped:
-            round_into_([t.model_param for t in stepped], stepped)
+            torch._foreach_copy_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
 
 
 @contextlib.contextmanager
-def _amp_arguments(inner, grad_scale, found_inf):
+def amp_arguments(inner, grad_scale, found_inf):
     """Inside the block, torch's fused step of ``inner`` divides the gradients by
     ``grad_scale`` and skips when ``found_inf`` is 1 (torch's optimizers read these attributes,
     which ``torch.amp.GradScaler`` sets for a fused optimizer)."""

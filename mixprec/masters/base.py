@@ -136,6 +136,26 @@ class MasterMethod(Component):
         :meth:`load`, :meth:`store` and :meth:`stored` take these views)."""
         return weight, buf
 
+    # -- load and store straight from the lists (eager, optional) --------------------------
+    def steps_lists(self) -> bool:
+        """True when the method has an eager :meth:`load_lists`/:meth:`store_lists` (fewer
+        passes over memory than gathering the weights into flat buffers first)."""
+        return False
+
+    @staticmethod
+    def load_lists(out: torch.Tensor, weights: list[torch.Tensor],
+                   bufs: list[torch.Tensor] | None) -> None:
+        """Write the fp32 values of the contiguous ``weights`` (and buffers), one after the
+        other, into the flat fp32 ``out`` (eagerly; :meth:`load`'s values)."""
+        raise NotImplementedError("a method whose steps_lists() is True defines load_lists()")
+
+    @staticmethod
+    def store_lists(values: torch.Tensor, weights: list[torch.Tensor],
+                    bufs: list[torch.Tensor] | None) -> None:
+        """Write the flat fp32 ``values`` into the contiguous ``weights`` and buffers (eagerly;
+        :meth:`store`'s bits; ``values`` may be overwritten)."""
+        raise NotImplementedError("a method whose steps_lists() is True defines store_lists()")
+
     def assign(self, weight: torch.Tensor, buf: torch.Tensor | None,
                value: torch.Tensor) -> None:
         """Set ``weight`` (and its buffer) to the fp32 ``value``, exactly where they can hold

@@ -1,18 +1,20 @@
 """``Split``: an exact fp32 master for 2 extra bytes: the bf16 weight holds the high half of
 its bits (rounded), an int16 remainder the rest.
 
-The optimizer reconstructs the fp32 master from the pair bit for bit before each update and
-splits the result again after it (:mod:`mixprec.masters.split_bits`), so the masters evolve
-exactly as fp32 masters would; the forward weight is the master rounded to nearest bf16 with
-**exact ties rounded away from zero**, as fp32 masters write theirs back (torch's cast rounds
-them to even). The idea is Transformer Engine's ``FusedAdam(store_param_remainders=
-True)``, the default of Megatron-LM's precision-aware optimizer. bf16 weights only: an fp16
-number is not the high half of an fp32 one (use ``"kahan"`` or ``"fp32"`` for fp16).
+The optimizer reconstructs the fp32 master from the pair bit for bit before each update and splits
+the result again after it (:mod:`mixprec.masters.split_bits`), so from the same state and gradients
+the masters step exactly as fp32 masters do; the forward weight is the master rounded to nearest
+bf16, torch's cast (what fp32 masters write) except at **exact ties, rounded away from zero** (a
+16-bit remainder cannot hold a tie rounded to even). The idea is Transformer Engine's
+``FusedAdam(store_param_remainders=True)``, the default of Megatron-LM's precision-aware
+optimizer. bf16 weights only: an fp16 number is not the high half of an fp32 one (use ``"kahan"``
+or ``"fp32"`` for fp16).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import ClassVar
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from ..shards import local
 from .base import MasterMethod, register
 from .split_bits import (
+    load_halves,
     pair_views,
     split_load,
     split_load_pairs,
@@ -27,6 +30,7 @@ from .split_bits import (
     split_pairs_of,
     split_store,
     split_store_pairs,
+    store_halves,
 )
 
 __all__ = ["Split", "REMAINDER_KEY"]
@@ -90,6 +94,18 @@ class Split(MasterMethod):
         if weight.device.type != "cpu":
             return weight, rem
         return pair_views(weight, rem) or (weight, rem)
+
+    # eagerly, straight from and into the lists: the halves of the fp32 words
+    def steps_lists(self) -> bool:
+        return sys.byteorder == "little"
+
+    @staticmethod
+    def load_lists(out, weights, rems):
+        load_halves(out, weights, rems)
+
+    @staticmethod
+    def store_lists(values, weights, rems):
+        store_halves(values, weights, rems)
 
     def assign(self, weight, rem, value):
         value = value.to(device=weight.device, dtype=torch.float32)

@@ -4,14 +4,15 @@ half of its bits, rounded) and an int16 remainder (the rest).
 **Store** (``new`` -> weight, remainder). With ``b`` the fp32 bits of ``new`` as an int32, ``lo``
 its low 16 bits (0..65535) and ``top = b >> 16`` (an arithmetic shift: the high 16 bits, signed):
 ``up = lo >= 0x8000``; the weight's bits are ``top + up`` and the remainder is ``lo - 65536 * up``
-(-32768..32767, an int16). Adding one to the high half of a float's bits moves it one bf16 ulp
-away from zero whatever its sign, so the weight is ``new`` rounded to nearest bf16, **exact ties
-(``lo == 0x8000``) rounded away from zero** (torch's own ``.to(torch.bfloat16)`` rounds ties to
-even: the two differ only at exact ties). A master above bf16's largest finite value (from
-``0x7F7F8000`` up) rounds to inf, as torch's cast does; the remainder still holds the rest, so
-the master stays exact. A NaN master gives a NaN weight (the high half's quiet bit set: a NaN
-whose high half alone would read as inf stays NaN) and loads back as a NaN, its payload not
-kept.
+(-32768..32767, an int16). Adding one to the high half of a float's bits moves it one bf16 ulp away
+from zero whatever its sign, so the weight is ``new`` rounded to nearest bf16, **exact ties (``lo
+== 0x8000``) rounded away from zero** (torch's own ``.to(torch.bfloat16)`` rounds ties to even: the
+two differ only at exact ties). The remainder needs it: a bf16 weight with an even last bit is the
+nearest-even rounding of 65537 fp32 values, one more than 16 bits can tell apart. Ties away from
+zero live only here; fp32 masters write their weights with torch's cast. A master above bf16's
+largest finite value (from ``0x7F7F8000`` up) rounds to inf, as torch's cast does; the remainder
+still holds the rest, so the master stays exact. A NaN master gives a NaN weight (bf16's quiet NaN,
+``0x7FC0``) and loads back as a NaN, its payload not kept.
 
 **Load** (weight, remainder -> ``new``): ``up = remainder < 0``; the high half is the weight's
 bits minus ``up``; the fp32 bits are ``high * 65536 + (remainder & 0xFFFF)``. Every step stays
@@ -32,12 +33,14 @@ results are bit for bit those above.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["split_store", "split_load", "split_of", "split_high", "round_into_", "pair_views",
-           "split_load_pairs", "split_store_pairs", "split_pairs_of"]
+__all__ = ["split_store", "split_load", "split_of", "pair_views",
+           "split_load_pairs", "split_store_pairs", "split_pairs_of", "load_halves",
+           "store_halves"]
+
+_NAN = 0x7FC0  # the weight of a NaN master: bf16's quiet NaN
 
 
 def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +48,7 @@ def _high_and_rest(bits: torch.Tensor, nan: torch.Tensor) -> tuple[torch.Tensor,
     top = bits >> 16
     lo = bits & 0xFFFF
     up = ((lo >= 0x8000) & ~nan).to(torch.int32)
-    return torch.where(nan, top | 0x40, top + up), lo - 65536 * up
+    return torch.where(nan, _NAN, top + up), lo - 65536 * up
 
 
 def _joined(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
@@ -54,53 +57,25 @@ def _joined(high: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
 
 
 def split_of(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly."""
-    high, rem = _high_and_rest(new.contiguous().view(torch.int32), new != new)
-    return high.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
-
-
-def split_high(new: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight of the split of the fp32 ``new`` (``split_of(new)[0]`` for every non-NaN
-    value; NaN stays NaN): torch's cast (to nearest, ties to even) plus one ulp away from zero
-    where it rounded an exact tie down to an even high half (the low 17 bits are ``0x8000``;
-    an or, not an add: the cast of a NaN may be odd, ``0xFFFF``, which an add would wrap).
-    Fewer passes than :func:`split_of` when no remainder is wanted."""
-    tie = ((new.view(torch.int32) & 0x1FFFF) == 0x8000).to(torch.int16)
-    return (new.to(torch.bfloat16).view(torch.int16) | tie).view(torch.bfloat16)
-
-
-def round_into_(params: list[torch.Tensor], values: list[torch.Tensor],
-                round_flat: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Write fp32 ``values`` into 16-bit ``params`` (same shapes), rounded as the split rounds
-    (to nearest, exact ties away from zero) for bf16 and by torch's cast otherwise: one rule for
-    the forward weight of fp32 and split masters. A few passes over one flat copy per call, not a
-    kernel per tensor; no host sync. ``round_flat`` (flat fp32 -> flat bf16, the same bits)
-    replaces those passes: :mod:`mixprec.master.write_back` hands its compiled pass here."""
-    bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
-    if len(bf16) < len(params):
-        others = [i for i, p in enumerate(params) if p.dtype != torch.bfloat16]
-        torch._foreach_copy_([params[i] for i in others], [values[i] for i in others])
-        params, values = [params[i] for i in bf16], [values[i] for i in bf16]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        by_device.setdefault(p.device, []).append(i)
-    for indices in by_device.values():
-        ps = [params[i] for i in indices]
-        flat = torch._C._nn.flatten_dense_tensors([values[i].to(ps[0].device) for i in indices])
-        if round_flat is not None:
-            weights = round_flat(flat)
-        else:
-            weights = flat.to(torch.bfloat16)
-            # (not in place: a single contiguous tensor is flattened as a view of itself)
-            ties = flat.view(torch.int32).bitwise_and(0x1FFFF).eq_(0x8000)
-            weights.view(torch.int16).bitwise_or_(ties)
-        torch._foreach_copy_(ps, torch._C._nn.unflatten_dense_tensors(weights, ps))
+    """``(bf16 weight, int16 remainder)`` holding the fp32 tensor ``new`` exactly: the bits of
+    ``_high_and_rest`` in few passes (eager, each pass is one): the remainder is the low 16 bits
+    read as signed (``lo - 65536 * up``), the weight the high half of ``b + 0x8000`` (a low half of
+    ``0x8000`` or more carries into it: ``top + up``), a NaN's the quiet NaN."""
+    bits = new.contiguous().view(torch.int32)
+    high = bits + 0x8000
+    high >>= 16
+    weight = high.to(torch.int16).masked_fill_(new.isnan(), _NAN)
+    return weight.view(torch.bfloat16), bits.to(torch.int16)
 
 
 def split_load(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master a bf16 ``weight`` and its int16 ``remainder`` hold (a new tensor)."""
-    high = weight.contiguous().view(torch.int16).to(torch.int32)
-    return _joined(high, remainder.to(torch.int32)).view(torch.float32)
+    """The fp32 master a bf16 ``weight`` and its int16 ``remainder`` hold (a new tensor):
+    ``weight * 65536 + remainder`` in int32, which is ``_joined``'s
+    ``(weight - up) * 65536 + (remainder & 0xFFFF)`` in three passes."""
+    bits = weight.contiguous().view(torch.int16).to(torch.int32)
+    bits *= 65536
+    bits += remainder
+    return bits.view(torch.float32)
 
 
 def split_store(weight: torch.Tensor, remainder: torch.Tensor, new: torch.Tensor) -> None:
@@ -154,3 +129,40 @@ def split_store_pairs(weight: torch.Tensor, remainder: torch.Tensor, new: torch.
     high, rem = split_pairs_of(new)
     weight.copy_(high)
     remainder.copy_(rem)
+
+
+# -- eagerly, straight from the lists: the fp32 words' 16-bit halves (little-endian) -------------
+def _half_runs(flat: torch.Tensor, weights: list[torch.Tensor], remainders: list[torch.Tensor]):
+    """The low and high int16 halves of the flat fp32 ``flat``'s words (strided views), and
+    their runs shaped as each remainder (int16) and each weight (bf16), in a constant number of
+    torch calls."""
+    halves = flat.view(torch.int16)
+    low, high = halves[0::2], halves[1::2]
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    return low, high, unflatten(low, remainders), unflatten(high.view(torch.bfloat16), weights)
+
+
+def load_halves(out: torch.Tensor, weights: list[torch.Tensor],
+                remainders: list[torch.Tensor]) -> None:
+    """:func:`split_load` of each contiguous (weight, remainder) pair, one after the other, into
+    the flat fp32 ``out``: the weights into the high halves and the remainders into the low
+    halves of its words (two copies), then one borrow from the high half where the remainder is
+    negative (``weight * 65536 + remainder``). A little-endian machine's word layout."""
+    low, high, lows, highs = _half_runs(out, weights, remainders)
+    torch._foreach_copy_(highs, weights)
+    torch._foreach_copy_(lows, remainders)
+    high.add_(low >> 15)  # -1 where the remainder is negative
+
+
+def store_halves(values: torch.Tensor, weights: list[torch.Tensor],
+                 remainders: list[torch.Tensor]) -> None:
+    """:func:`split_store` of the flat fp32 ``values`` into each contiguous (weight, remainder)
+    pair, overwriting ``values``: the remainder is the low half of each word; adding ``0x8000``
+    carries a low half of ``0x8000`` or more into the high half, the weight (a NaN's: the quiet
+    NaN). A little-endian machine's word layout."""
+    nan = values.isnan()
+    _, high, lows, highs = _half_runs(values, weights, remainders)
+    torch._foreach_copy_(remainders, lows)
+    values.view(torch.int32).add_(0x8000)
+    high.masked_fill_(nan, _NAN)
+    torch._foreach_copy_(weights, highs)
