@@ -271,6 +271,9 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         assign_regions(model, island_region(model, root_island) if root_island is not None
                        else _root_region(model, policy, context))
     register_fp32_state_dict(model, policy.master_weights)
+    if policy.master_weights:
+        checks.watch_masterless_steps(p for p in model.parameters()
+                                      if p.dtype in (torch.float16, torch.bfloat16))
     setattr(model, _POLICY_ATTR, policy)
     for mod in model.modules():
         setattr(mod, PREPARED_ATTR, True)

@@ -10,17 +10,20 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import vocabulary
 from .emulation import check_mode
 from .formats import get as float_format
 from .master import is_master_optimizer
+from .master.hooks import STEPPED_BY_WRAPPER
+from .master.wrapper import WrappedOptimizer
 from .oplists import validate_custom_lists
 from .policy import Policy
 from .precision_map import keep_fp32_entries
 
-__all__ = ["check_keywords", "check_names", "check_optimizer", "check_fp16_state",
-           "check_one_of"]
+__all__ = ["watch_masterless_steps", "check_keywords", "check_names", "check_optimizer",
+           "check_fp16_state", "check_one_of"]
 
 _FP16 = float_format("fp16")
 
@@ -109,3 +112,36 @@ def check_fp16_state(optimizer, policy: Policy) -> None:
 
 def check_one_of(policy, level, dtype) -> None:
     vocabulary.check_policy_alone(policy, level, dtype, "prepare")
+
+
+#: Set on each 16-bit parameter of a model prepared with master weights.
+NEEDS_MASTER = "_mixprec_needs_master"
+_STEP_HOOK = []  # the global step pre-hook's handle, once registered
+
+
+def watch_masterless_steps(params) -> None:
+    """Mark the 16-bit ``params`` of a model prepared with master weights, so that any torch
+    optimizer stepping them itself (made after ``prepare(model)``, never wrapped: no masters,
+    16-bit moments) is refused at its ``step()``. One global step pre-hook does it, registered
+    by the first such model; an optimizer over none of them pays one ``getattr`` per tensor."""
+    for p in params:
+        setattr(p, NEEDS_MASTER, True)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(
+            register_optimizer_step_pre_hook(_refuse_masterless_step))
+
+
+def _refuse_masterless_step(optimizer, args, kwargs) -> None:
+    if isinstance(optimizer, WrappedOptimizer) or optimizer.__dict__.get(STEPPED_BY_WRAPPER):
+        return  # a master optimizer, or its inner optimizer stepped by it
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, NEEDS_MASTER, False) and p.dtype in (torch.float16, torch.bfloat16):
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} steps the 16-bit weights of a model "
+                    f"prepared with master weights (a {tuple(p.shape)} {p.dtype} parameter) "
+                    f"itself: it was made after prepare(model) and has no fp32 masters "
+                    f"(16-bit moments, updates below half a 16-bit ulp lost). Make it before "
+                    f"and pass it: model, opt = mp.prepare(model, opt, level=...) (or "
+                    f"amp.setup(model, opt)); or wrap this one: "
+                    f"opt = mp.MasterWeightOptimizer(opt)")

@@ -119,6 +119,29 @@ def test_an_optimizer_made_after_setup_is_refused_at_o2(master):
     assert wrapped.state[wrapped.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_an_optimizer_made_after_prepare_and_stepped_itself_is_refused(master):
+    """No engine in the loop: torch's own ``opt.step()`` on the 16-bit weights of a model
+    prepared with master weights raises before anything changes; wrapped, it steps masters."""
+    model = mp.prepare(net(), level="O2", dtype="bf16", master=master)
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"this AdamW steps the 16-bit weights of a model "
+                                           r"prepared with master weights .*itself.*"
+                                           r"mp\.prepare\(model, opt, level=\.\.\.\).*"
+                                           r"opt = mp\.MasterWeightOptimizer\(opt\)"):
+        late.step()
+    assert same(model.state_dict(), before) and not late.state
+    wrapped = mp.MasterWeightOptimizer(late)  # what the message says to write
+    wrapped.step()
+    assert wrapped.state[wrapped.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
+    fp32 = torch.nn.Linear(4, 4)  # an optimizer over nothing prepared is left alone
+    plain = torch.optim.SGD(fp32.parameters(), lr=0.1)
+    fp32(torch.randn(2, 4)).sum().backward()
+    plain.step()
+
+
 def test_at_o3_a_plain_optimizer_is_what_the_policy_means():
     amp = mp.MixedPrecision(level="O3", dtype="bf16")
     model = amp.setup(net())
