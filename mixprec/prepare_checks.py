@@ -16,7 +16,7 @@ from . import vocabulary
 from .emulation import check_mode
 from .formats import get as float_format
 from .master import is_master_optimizer
-from .master.hooks import STEPPED_BY_WRAPPER
+from .master.hooks import INTERNAL, STEPPED_BY_WRAPPER
 from .master.wrapper import WrappedOptimizer
 from .oplists import validate_custom_lists
 from .policy import Policy
@@ -134,6 +134,9 @@ def watch_masterless_steps(params) -> None:
 def _refuse_masterless_step(optimizer, args, kwargs) -> None:
     if isinstance(optimizer, WrappedOptimizer) or optimizer.__dict__.get(STEPPED_BY_WRAPPER):
         return  # a master optimizer, or its inner optimizer stepped by it
+    if any(isinstance(getattr(hook, "__self__", None), WrappedOptimizer)
+           for hook in optimizer._optimizer_step_pre_hooks.values()):
+        return  # a wrapped optimizer called directly: the wrapper's own refusal names it
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, NEEDS_MASTER, False) and p.dtype in (torch.float16, torch.bfloat16):
@@ -145,3 +148,6 @@ def _refuse_masterless_step(optimizer, args, kwargs) -> None:
                     f"and pass it: model, opt = mp.prepare(model, opt, level=...) (or "
                     f"amp.setup(model, opt)); or wrap this one: "
                     f"opt = mp.MasterWeightOptimizer(opt)")
+
+
+setattr(_refuse_masterless_step, INTERNAL, True)

@@ -78,6 +78,10 @@ def raw_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
         optimizer.__dict__.pop(STEPPED_BY_WRAPPER, None)
 
 
+#: Set on mixprec's own global step pre-hook (a refusal that passes every master optimizer by):
+#: it does not count as a user's hook in :func:`has_step_pre_hooks`.
+INTERNAL = "_mixprec_internal"
+
 #: Set on an inner optimizer while its wrapper steps it (see :func:`raw_step`).
 STEPPED_BY_WRAPPER = "_mixprec_stepped_by_wrapper"
 
@@ -85,7 +89,8 @@ STEPPED_BY_WRAPPER = "_mixprec_stepped_by_wrapper"
 def has_step_pre_hooks(wrapper) -> bool:
     """True when step pre-hooks other than the wrapper's own refusal would run on its
     ``step()`` (its own, its inner optimizer's, or torch's global ones)."""
-    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None):
+    if any(not getattr(h, INTERNAL, False)
+           for h in getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values()):
         return True
     return any(h != wrapper._refuse_direct_step
                for h in wrapper._optimizer_step_pre_hooks.values())
