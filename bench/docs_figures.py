@@ -31,8 +31,9 @@ MP = [*PY, "-m", "mixprec"]
 
 #: (name, the page the figures go to, command, needs CUDA)
 FIGURES = [
-    ("bench-nine-linear", "README.md (Measured)", [*MP, "bench", "--repeat", "3"], False),
-    ("bench-nine-linear-compile", "README.md (Measured)",
+    ("bench-nine-linear", "README.md (Measured speed on a CPU)",
+     [*MP, "bench", "--repeat", "3"], False),
+    ("bench-nine-linear-compile", "README.md (Measured speed on a CPU)",
      [*MP, "bench", "--compile", "--levels", "O0,O2,O3", "--repeat", "2"], False),
     ("bench-transformer", "docs/benchmarks.md",
      [*MP, "bench", "--model", "transformer", "--repeat", "2"], False),
