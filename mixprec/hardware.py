@@ -2,7 +2,7 @@
 
 On a CPU, whether bf16 is fast is measured, not read from the CPU's flags: AVX512-BF16 without
 AMX has bf16 instructions, and torch's bf16 GEMMs still run slower than its fp32 ones (a two-core
-Intel Xeon with AVX512-BF16 and no AMX: 0.51-0.96x fp32's rate at 1024x1024x1024 in six probes
+Intel Xeon with AVX512-BF16 and no AMX: 0.51-0.96x fp32's rate at 1024x1024x1024 in nine probes
 under load from other processes). :func:`cpu_gemm_probe` times one bf16 and one fp32 GEMM at
 :data:`PROBE_SHAPE`, interleaved, once per process (0.57-0.61 s on that machine at load average
 8; less on an idle one); bf16 is fast when it ran at least :data:`BF16_FAST_RATIO` times fp32's
