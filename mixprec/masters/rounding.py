@@ -22,7 +22,7 @@ import torch
 from ..shards import is_dtensor
 
 __all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
-           "round_stochastically", "shard_key", "weyl16",
+           "round_stochastically", "shard_key", "weyl16", "noise_lists", "round_into_lists",
            "DEFAULT_SEED"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
@@ -65,6 +65,46 @@ def weyl16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """
     idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
     return ((idx * _GOLDEN + key) >> 15) & 0xFFFF
+
+
+# -- eagerly, over a flat buffer of several tensors (in place, few passes) ------------------------
+def noise_lists(keys: torch.Tensor, tensors: list[torch.Tensor], total: int,
+                noise=random16) -> torch.Tensor:
+    """:func:`random16` or :func:`weyl16` of each of the contiguous ``tensors``, one after the
+    other, as one flat int32 tensor of ``total`` elements: element ``i`` of the flat run gets
+    the bits of ``i * 0x9E3779B1 + keys[t]`` for the tensor ``t`` it falls in (``keys``: per
+    tensor, already shifted by minus each tensor's flat offset times the multiplier, so a
+    tensor's elements get the bits its own key gives them alone). The same bits as ``noise``,
+    computed in place over one buffer (one ``_foreach_add_`` for the keys)."""
+    x = torch.arange(total, dtype=torch.int32, device=keys.device).mul_(_GOLDEN)
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    torch._foreach_add_(list(unflatten(x, tensors)), list(keys.unbind(0)))
+    if noise is weyl16:
+        return x.bitwise_right_shift_(15).bitwise_and_(0xFFFF)
+    if noise is not random16:
+        raise ValueError(f"noise is random16 or weyl16; got {noise!r}")
+    for last in (False, False, True):
+        x.bitwise_xor_(x >> 16)
+        if not last:
+            x.mul_(_MIX)
+    return x.bitwise_and_(0xFFFF)
+
+
+def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], noise: torch.Tensor,
+                     nan: int | None = None) -> None:
+    """:func:`stochastic_round` of the flat fp32 ``values`` (overwritten) into the contiguous
+    bf16 ``outs``, one after the other, with the flat int32 ``noise`` (:func:`noise_lists`):
+    the noise is added to the words in place and their high halves are the rounded values (a
+    little-endian machine's layout). ``nan``: the bf16 bit pattern written where a value is NaN
+    (None: the NaN's own high half, which a carry from its low half can turn into another
+    value; for a buffer whose NaNs the weight holds anyway)."""
+    bad = values.isnan() if nan is not None else None
+    values.view(torch.int32).add_(noise)
+    high = values.view(torch.int16)[1::2]
+    if bad is not None:
+        high.masked_fill_(bad, nan)
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    torch._foreach_copy_(outs, unflatten(high.view(outs[0].dtype), outs))
 
 
 def stochastic_round(value: torch.Tensor, key: torch.Tensor, noise=random16) -> torch.Tensor:
