@@ -32,6 +32,7 @@ DEFAULT_SEED = 0x5EED
 # int32 arithmetic that wraps around (two's complement), in eager torch and in compiled kernels
 _GOLDEN = -0x61C8864F  # 0x9E3779B1 as int32: spreads consecutive indices over 32 bits
 _MIX = 0x45D9F3B
+_GOLDEN_TWICE = 2 * _GOLDEN + 2 ** 32  # 2 * 0x9E3779B1 modulo 2**32, as int32
 _KEY_RANGE = 2 ** 31 - 1
 
 
@@ -75,19 +76,27 @@ def noise_lists(keys: torch.Tensor, tensors: list[torch.Tensor], total: int,
     the bits of ``i * 0x9E3779B1 + keys[t]`` for the tensor ``t`` it falls in (``keys``: per
     tensor, already shifted by minus each tensor's flat offset times the multiplier, so a
     tensor's elements get the bits its own key gives them alone). The same bits as ``noise``,
-    computed in place over one buffer (one ``_foreach_add_`` for the keys)."""
-    x = torch.arange(total, dtype=torch.int32, device=keys.device).mul_(_GOLDEN)
-    unflatten = torch._C._nn.unflatten_dense_tensors
-    torch._foreach_add_(list(unflatten(x, tensors)), list(keys.unbind(0)))
-    if noise is weyl16:
-        return x.bitwise_right_shift_(15).bitwise_and_(0xFFFF)
-    if noise is not random16:
+    computed in place over one buffer (one ``_foreach_add_`` for the keys), the steps that
+    touch 16 bits of a word on its int16 halves (a little-endian machine's layout)."""
+    if noise is not random16 and noise is not weyl16:
         raise ValueError(f"noise is random16 or weyl16; got {noise!r}")
-    for last in (False, False, True):
-        x.bitwise_xor_(x >> 16)
-        if not last:
+    weyl = noise is weyl16
+    # weyl16's bits 15-30 of the sum are bits 16-31 (the high half) of twice the sum
+    x = torch.arange(total, dtype=torch.int32, device=keys.device)
+    x.mul_(_GOLDEN_TWICE if weyl else _GOLDEN)
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    torch._foreach_add_(list(unflatten(x, tensors)), list((keys * 2 if weyl else keys).unbind(0)))
+    low, high = x.view(torch.int16)[0::2], x.view(torch.int16)[1::2]
+    if weyl:
+        low.copy_(high)
+    else:  # three rounds of x ^= x >> 16 (the low half takes the high; the high its sign)
+        for _ in range(2):
+            low.bitwise_xor_(high)
+            high.bitwise_xor_(high >> 15)
             x.mul_(_MIX)
-    return x.bitwise_and_(0xFFFF)
+        low.bitwise_xor_(high)
+    high.zero_()  # the & 0xFFFF
+    return x
 
 
 def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], noise: torch.Tensor,
