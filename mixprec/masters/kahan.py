@@ -106,8 +106,9 @@ class Kahan(MasterMethod):
 
     @staticmethod
     def store_lists(values, weights, comps, keys):
-        torch._foreach_copy_(weights, _unflatten(values, weights))  # rounded to nearest
-        torch._foreach_sub_(_unflatten(values, weights), weights)  # what that lost (exact)
+        runs = _unflatten(values, weights)
+        torch._foreach_copy_(weights, runs)  # rounded to nearest
+        torch._foreach_sub_(runs, weights)  # what that lost (exact)
         noise = noise_lists(keys, weights, values.numel(), weyl16)
         if comps[0].dtype == torch.bfloat16:  # a NaN's compensation: the weight is NaN too
             round_into_lists(values, comps, noise)
