@@ -297,6 +297,8 @@ def test_a_compiled_kernel_that_disagrees_falls_back_to_eager_with_one_warning(
     def eager(method, name, compiled):  # every kernel eager: the reference
         return family._eager(type(method), name)
 
+    # the flat-buffer path, the one compiled kernels run on (eagerly Kahan steps the lists)
+    monkeypatch.setattr(Kahan, "steps_lists", lambda self: False)
     monkeypatch.setattr(family, "_kernel", eager)
     expected = run_kahan()
     bad = guard.GuardedKernel("group store (kahan)", Kahan.stored, compiler=wrong_compiler)
@@ -465,3 +467,35 @@ def test_kahan_and_stochastic_group_updates_track_an_fp32_reference(master):
     for p, r in zip(low, ref):
         scale = r.detach().abs().max().item()
         torch.testing.assert_close(values[p], r.detach(), rtol=0, atol=factor * scale)
+
+
+@pytest.mark.parametrize("master,dtype", [("kahan", torch.bfloat16), ("kahan", torch.float16),
+                                          ("stochastic", torch.bfloat16)])
+def test_the_eager_lists_step_gives_the_flat_kernels_bits(master, dtype, monkeypatch):
+    """Eagerly Kahan and stochastic rounding load from and store into the lists straight (no
+    flat copies of the weights): 3 steps give the weights and compensations, bit for bit, of the
+    flat-buffer kernels (the ones compiled kernels are checked against), rounding bits included;
+    a NaN weight stays NaN."""
+    from mixprec.masters import resolve
+    cls = type(resolve(master))
+    sizes = [(40, 30), (7,), (64, 64), (3, 3), (101,)]
+    runs = []
+    for lists in (True, False):
+        monkeypatch.setattr(cls, "steps_lists", lambda self, lists=lists: lists)
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in sizes]
+        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-2), master,
+                                     state_dtype="bf16")
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            if step == 2:
+                params[1].data[3] = float("nan")
+            opt.step()
+        comps = [opt.compensation(p) for p in params] if master == "kahan" else []
+        runs.append([t.detach().clone().view(torch.int16) for t in params + comps])
+    assert runs[0][1][3].view(dtype).isnan()
+    for a, b in zip(*runs):  # NaN patterns may differ (a NaN either way)
+        nan = a.view(dtype).isnan()
+        assert torch.equal(nan, b.view(dtype).isnan())
+        assert torch.equal(a[~nan], b[~nan])

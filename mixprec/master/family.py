@@ -282,7 +282,8 @@ def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: di
     update(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
            grad_scale)
     if direct:  # (the values are ours: the store may write into them)
-        method.store_lists(values_flat[:plan.total], weights, bufs)
+        shifted = (keys[:, 0].to(device) + plan.shift) if method.draws_bits else None
+        method.store_lists(values_flat[:plan.total], weights, bufs, shifted)
         return
     key = (plan.element_keys(keys[:, 0]) if method.draws_bits
            else keys[0, 0].to(device))  # exact (split): no random bits

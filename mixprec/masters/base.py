@@ -151,9 +151,11 @@ class MasterMethod(Component):
 
     @staticmethod
     def store_lists(values: torch.Tensor, weights: list[torch.Tensor],
-                    bufs: list[torch.Tensor] | None) -> None:
+                    bufs: list[torch.Tensor] | None, keys: torch.Tensor | None) -> None:
         """Write the flat fp32 ``values`` into the contiguous ``weights`` and buffers (eagerly;
-        :meth:`store`'s bits; ``values`` may be overwritten)."""
+        :meth:`store`'s bits; ``values`` may be overwritten). ``keys``: the int32 rounding key
+        of each tensor, shifted so that flat element ``i`` of tensor ``t`` draws the bits of
+        ``i * 0x9E3779B1 + keys[t]`` (None when :attr:`draws_bits` is False)."""
         raise NotImplementedError("a method whose steps_lists() is True defines store_lists()")
 
     def assign(self, weight: torch.Tensor, buf: torch.Tensor | None,

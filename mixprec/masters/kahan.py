@@ -23,6 +23,7 @@ shards with the file's values).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import ClassVar
 
@@ -30,9 +31,17 @@ import torch
 
 from ..shards import is_dtensor
 from .base import MasterMethod, register
-from .rounding import round_stochastically, weyl16
+from .rounding import (
+    noise_lists,
+    round_into_lists,
+    round_stochastically,
+    stochastic_round_fp16,
+    weyl16,
+)
 
 __all__ = ["Kahan", "COMPENSATION_KEY", "keep_pair"]
+
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 #: The optimizer ``state`` key of a parameter's compensation (in the weight's dtype).
 COMPENSATION_KEY = "compensation"
@@ -84,6 +93,28 @@ class Kahan(MasterMethod):
     def stored(weight, comp, new, key):
         hi = new.to(weight.dtype)
         return hi, round_stochastically(new - hi.float(), key, comp.dtype, weyl16)
+
+    # eagerly, straight from and into the lists (the same bits as load and store)
+    def steps_lists(self) -> bool:
+        return sys.byteorder == "little"
+
+    @staticmethod
+    def load_lists(out, weights, comps):
+        values = _unflatten(out, weights)
+        torch._foreach_copy_(values, weights)
+        torch._foreach_add_(values, comps)  # in fp32, as load's weight.float() + comp.float()
+
+    @staticmethod
+    def store_lists(values, weights, comps, keys):
+        runs = _unflatten(values, weights)
+        torch._foreach_copy_(weights, runs)  # rounded to nearest
+        torch._foreach_sub_(runs, weights)  # what that lost (exact)
+        noise = noise_lists(keys, weights, values.numel(), weyl16)
+        if comps[0].dtype == torch.bfloat16:  # a NaN's compensation: the weight is NaN too
+            round_into_lists(values, comps, noise)
+        else:
+            rounded = stochastic_round_fp16(values, keys, lambda key, like: noise)
+            torch._foreach_copy_(comps, _unflatten(rounded, comps))
 
     def assign(self, weight, comp, value):
         """Rounded to nearest, the compensation taking what that lost (to nearest: no

@@ -22,7 +22,7 @@ import torch
 from ..shards import is_dtensor
 
 __all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
-           "round_stochastically", "shard_key", "weyl16",
+           "round_stochastically", "shard_key", "weyl16", "noise_lists", "round_into_lists",
            "DEFAULT_SEED"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
@@ -32,6 +32,7 @@ DEFAULT_SEED = 0x5EED
 # int32 arithmetic that wraps around (two's complement), in eager torch and in compiled kernels
 _GOLDEN = -0x61C8864F  # 0x9E3779B1 as int32: spreads consecutive indices over 32 bits
 _MIX = 0x45D9F3B
+_GOLDEN_TWICE = 2 * _GOLDEN + 2 ** 32  # 2 * 0x9E3779B1 modulo 2**32, as int32
 _KEY_RANGE = 2 ** 31 - 1
 
 
@@ -65,6 +66,54 @@ def weyl16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """
     idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
     return ((idx * _GOLDEN + key) >> 15) & 0xFFFF
+
+
+# -- eagerly, over a flat buffer of several tensors (in place, few passes) ------------------------
+def noise_lists(keys: torch.Tensor, tensors: list[torch.Tensor], total: int,
+                noise=random16) -> torch.Tensor:
+    """:func:`random16` or :func:`weyl16` of each of the contiguous ``tensors``, one after the
+    other, as one flat int32 tensor of ``total`` elements: element ``i`` of the flat run gets
+    the bits of ``i * 0x9E3779B1 + keys[t]`` for the tensor ``t`` it falls in (``keys``: per
+    tensor, already shifted by minus each tensor's flat offset times the multiplier, so a
+    tensor's elements get the bits its own key gives them alone). The same bits as ``noise``,
+    computed in place over one buffer (one ``_foreach_add_`` for the keys), the steps that
+    touch 16 bits of a word on its int16 halves (a little-endian machine's layout)."""
+    if noise is not random16 and noise is not weyl16:
+        raise ValueError(f"noise is random16 or weyl16; got {noise!r}")
+    weyl = noise is weyl16
+    # weyl16's bits 15-30 of the sum are bits 16-31 (the high half) of twice the sum
+    x = torch.arange(total, dtype=torch.int32, device=keys.device)
+    x.mul_(_GOLDEN_TWICE if weyl else _GOLDEN)
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    torch._foreach_add_(list(unflatten(x, tensors)), list((keys * 2 if weyl else keys).unbind(0)))
+    low, high = x.view(torch.int16)[0::2], x.view(torch.int16)[1::2]
+    if weyl:
+        low.copy_(high)
+    else:  # three rounds of x ^= x >> 16 (the low half takes the high; the high its sign)
+        for _ in range(2):
+            low.bitwise_xor_(high)
+            high.bitwise_xor_(high >> 15)
+            x.mul_(_MIX)
+        low.bitwise_xor_(high)
+    high.zero_()  # the & 0xFFFF
+    return x
+
+
+def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], noise: torch.Tensor,
+                     nan: int | None = None) -> None:
+    """:func:`stochastic_round` of the flat fp32 ``values`` (overwritten) into the contiguous
+    bf16 ``outs``, one after the other, with the flat int32 ``noise`` (:func:`noise_lists`):
+    the noise is added to the words in place and their high halves are the rounded values (a
+    little-endian machine's layout). ``nan``: the bf16 bit pattern written where a value is NaN
+    (None: the NaN's own high half, which a carry from its low half can turn into another
+    value; for a buffer whose NaNs the weight holds anyway)."""
+    bad = values.isnan() if nan is not None else None
+    values.view(torch.int32).add_(noise)
+    high = values.view(torch.int16)[1::2]
+    if bad is not None:
+        high.masked_fill_(bad, nan)
+    unflatten = torch._C._nn.unflatten_dense_tensors
+    torch._foreach_copy_(outs, unflatten(high.view(outs[0].dtype), outs))
 
 
 def stochastic_round(value: torch.Tensor, key: torch.Tensor, noise=random16) -> torch.Tensor:

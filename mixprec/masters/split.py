@@ -104,7 +104,7 @@ class Split(MasterMethod):
         load_halves(out, weights, rems)
 
     @staticmethod
-    def store_lists(values, weights, rems):
+    def store_lists(values, weights, rems, keys):
         store_halves(values, weights, rems)
 
     def assign(self, weight, rem, value):

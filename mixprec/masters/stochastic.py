@@ -5,14 +5,17 @@ stochastic rounding (:mod:`mixprec.masters.rounding`), unbiased in expectation. 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import ClassVar
 
 import torch
 
 from .base import MasterMethod, register
-from .rounding import stochastic_round
+from .rounding import noise_lists, round_into_lists, stochastic_round
 
 __all__ = ["Stochastic"]
+
+_NAN = 0x7FC0  # the weight of a NaN: bf16's quiet NaN
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +45,18 @@ class Stochastic(MasterMethod):
     @staticmethod
     def stored(weight, buf, new, key):
         return stochastic_round(new, key), None
+
+    # eagerly, straight from and into the lists (the same bits as load and store)
+    def steps_lists(self) -> bool:
+        return sys.byteorder == "little"
+
+    @staticmethod
+    def load_lists(out, weights, buf):
+        torch._foreach_copy_(list(torch._C._nn.unflatten_dense_tensors(out, weights)), weights)
+
+    @staticmethod
+    def store_lists(values, weights, buf, keys):
+        round_into_lists(values, weights, noise_lists(keys, weights, values.numel()), _NAN)
 
     def assign(self, weight, buf, value):
         weight.copy_(value.to(device=weight.device, dtype=torch.float32))
