@@ -182,7 +182,11 @@ def small_model():
 
 def test_tracks_fp32_masters_on_a_small_model():
     """Both through the compiled one-pass AdamW step (fp32 masters with ``fused="compile"``),
-    so only the forward weights can differ (at exact ties)."""
+    so only the forward weights can differ, at exact ties (split's weight rounds a tie away from
+    zero, torch's cast to even). A weight that differs changes every later gradient: with one
+    intra-op thread this run meets a tie and the two drift apart by up to 1.9e-4 in a master
+    and 2.3e-4 (relative) in a loss over 30 steps; with none the runs are bitwise equal. Lockstep
+    equality (same gradients: masters bitwise equal) is tests/test_master_family.py's."""
     base = small_model()
     runs = {}
     for master in ("fp32", "split"):
@@ -202,8 +206,8 @@ def test_tracks_fp32_masters_on_a_small_model():
         runs[master] = (mp.fp32_state_dict(net, opt), losses)
     (ref, ref_losses), (got, losses) = runs["fp32"], runs["split"]
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
 
 
 def test_the_pair_starts_from_the_exact_original_and_exports_it():
