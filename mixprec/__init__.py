@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # what _LAZY loads, for type checkers and editors
     )
     from .training.portable import convert_checkpoint
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "__version__",
