@@ -22,10 +22,10 @@ split and rounding arithmetic) and imports it; nothing there imports this packag
 """
 
 from .build import compile_master_step, wrap_optimizer
-from .compact import CompactMasterOptimizer, is_compact_optimizer
+from .compact import CompactMasterOptimizer
 from .optimizer import MasterWeightOptimizer, is_master_optimizer
 from .params import MasterParameter
 
 __all__ = ["MasterWeightOptimizer", "MasterParameter", "is_master_optimizer",
-           "CompactMasterOptimizer", "is_compact_optimizer", "wrap_optimizer",
+           "CompactMasterOptimizer", "wrap_optimizer",
            "compile_master_step"]

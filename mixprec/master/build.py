@@ -48,9 +48,9 @@ def wrap_optimizer(method: MasterMethod, optimizer: torch.optim.Optimizer, *, st
 
 def compile_master_step(optimizer) -> None:
     """Turn on the compiled master step (``fused="compile"``) of a CPU master optimizer that
-    supports it. Not on CUDA: torch's fused multi-tensor kernels (the default) measured faster
-    there, since the compiled step launches one kernel per parameter (nine-linear on an H100:
-    1.8 vs 2.9 ms per update)."""
+    supports it. Not on CUDA, where the compiled step's one launch per parameter costs more than
+    torch's fused multi-tensor kernels (the default) save (docs/benchmarks.md, "nine-linear and
+    transformer on a GPU")."""
     if (is_master_optimizer(optimizer) and is_compilable(optimizer.inner)
             and optimizer.state_dtype == torch.float32):
         optimizer.fused = "compile"

@@ -67,12 +67,7 @@ from .wrapper import (
     stale_fp16_error,
 )
 
-__all__ = ["CompactMasterOptimizer", "is_compact_optimizer"]
-
-
-def is_compact_optimizer(optimizer: Any) -> bool:
-    """True for a :class:`CompactMasterOptimizer`."""
-    return isinstance(optimizer, CompactMasterOptimizer)
+__all__ = ["CompactMasterOptimizer"]
 
 
 class CompactMasterOptimizer(WrappedOptimizer):
