@@ -248,15 +248,50 @@ def test_the_wrapped_optimizer_refuses_to_step_directly():
         clone.inner.step()
 
 
-def test_torch_grad_scaler_is_refused_with_a_pointer_to_mixprec_scalers():
-    model = Mixed([torch.float16])
-    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    before = [p.detach().clone() for p in model.parameters()]
-    scaler.scale(loss_of(model, torch.randn(3, 8))).backward()
-    with pytest.raises(RuntimeError, match="torch.amp.GradScaler.*mp.DynamicLossScaler"):
+def _scaled_run(master, driver, clip):
+    """6 O2 fp16 AdamW steps of a small net, the third with inf gradients, the loss scaled at
+    1024 (no growth) by ``driver``: mixprec's engine or ``torch.amp.GradScaler``. Returns the
+    fp32 masters and each step's outcome."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 2))
+    net, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2), level="O2",
+                          dtype="fp16", master=master)
+    if driver == "mixprec":
+        scaler = mp.DynamicLossScaler(init_scale=1024.0, growth_interval=10**6)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    stepped = []
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        loss = net(torch.randn(8, 8, generator=g)).float().pow(2).mean()
+        scaler.scale(loss * (float("inf") if i == 2 else 1.0)).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_([p for grp in opt.param_groups for p in grp["params"]],
+                                           0.5)
+        before = scaler.get_scale()
         scaler.step(opt)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        scaler.update()
+        stepped.append(scaler.get_scale() == before)
+        opt.zero_grad()
+    return fp32_state_dict(net, opt), stepped
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_ + clip"])
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_torch_grad_scaler_drives_a_master_optimizer_as_mixprecs_scaler_does(master, clip):
+    """torch.amp.GradScaler hands the step its scale and overflow flag
+    (``_step_supports_amp_scaling``): the same masters, bit for bit, as mixprec's scaler, and
+    the step with inf gradients skipped by both."""
+    if clip and master == "kahan":  # GradScaler's unscale_ refuses fp16 gradients itself
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            _scaled_run(master, "torch", clip)
+        return
+    ours, ours_stepped = _scaled_run(master, "mixprec", clip)
+    theirs, theirs_stepped = _scaled_run(master, "torch", clip)
+    assert ours_stepped == theirs_stepped == [True, True, False, True, True, True]
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
 
 
 def test_sparse_embedding_gradient_reaches_its_master():

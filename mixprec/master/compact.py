@@ -258,10 +258,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
 
         Raises:
-            RuntimeError: a ``closure``; driven by ``torch.amp.GradScaler``; fp16 gradients
-                changed after :meth:`unscale_grads_`.
+            RuntimeError: a ``closure``; fp16 gradients changed after
+                :meth:`unscale_grads_`.
         """
-        self._refuse_torch_grad_scaler()
+        grad_scale, found_inf = self.amp_scaling(grad_scale, None)
+        if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
+            self.drop_master_grads()
+            return None
         if closure is not None:
             raise RuntimeError(
                 f"{type(self).__name__} can't step with a closure (it would re-evaluate the "

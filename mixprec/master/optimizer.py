@@ -35,7 +35,8 @@ for an optimizer not per-parameter) into a scratch buffer freed when the step en
 * ``step(found_inf=f)``, where ``skips_on_device()``: torch's fused kernels skip on the device
   when the 0/1 flag ``f`` is 1 (no host read); masters, parameters and state stay untouched.
 * ``drop_master_grads()`` drops the fp32 gradients (a scaler skipping the step calls it).
-  ``torch.amp.GradScaler`` cannot drive this optimizer (``step()`` raises a clear error).
+  ``torch.amp.GradScaler`` drives it through the same two values, which it sets as attributes
+  before ``step()`` (``_step_supports_amp_scaling``; see ``amp_scaling``).
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
 CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
@@ -333,10 +334,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
             What the inner optimizer's ``step`` returns (the closure's loss, or None).
 
         Raises:
-            RuntimeError: driven by ``torch.amp.GradScaler``; a ``closure`` together with
-                ``grad_scale`` or ``found_inf``; ``found_inf`` while not ``skips_on_device()``.
+            RuntimeError: a ``closure`` together with ``grad_scale`` or ``found_inf`` (or
+                driven by ``torch.amp.GradScaler``); ``found_inf`` while not
+                ``skips_on_device()``.
         """
-        self._refuse_torch_grad_scaler()
+        grad_scale, found_inf = self.amp_scaling(grad_scale, found_inf)
+        if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
+            self.drop_master_grads()
+            return None
         self._carry.inv = None
         self.step_kwargs = kwargs
         try:

@@ -3,9 +3,11 @@
 A master optimizer (:class:`mixprec.MasterWeightOptimizer` with fp32 masters,
 :class:`mixprec.master.CompactMasterOptimizer` with Kahan-compensated or stochastically rounded
 16-bit weights) wraps a torch optimizer, shares its ``param_groups`` and ``state`` (so LR
-schedulers and hooks work as for any torch optimizer), steps it itself, and refuses to be stepped
-by ``torch.amp.GradScaler`` or to have its inner optimizer stepped directly: both would bypass
-the loss-scaler protocol (:mod:`mixprec.scaling.protocol`) the master step implements.
+schedulers and hooks work as for any torch optimizer), steps it itself, and refuses to have its
+inner optimizer stepped directly (that would bypass the masters). Loss scalers hand the step
+the factor the gradients carry and the overflow flag: mixprec's through the protocol of
+:mod:`mixprec.scaling.protocol`, ``torch.amp.GradScaler`` through torch's own
+(``_step_supports_amp_scaling``: :meth:`WrappedOptimizer.amp_scaling`).
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     """
 
     _set_up = False  # False while torch's Optimizer.__init__ registers the groups
-    # torch.amp.GradScaler then hands over grad_scale/found_inf instead of stepping blindly,
-    # and step() refuses it with a message (see _refuse_torch_grad_scaler)
+    # torch.amp.GradScaler's protocol for optimizers that unscale while they step: it sets
+    # ``grad_scale`` and ``found_inf`` on the optimizer before step() (see amp_scaling)
     _step_supports_amp_scaling = True
 
     def _adopt(self, optimizer: torch.optim.Optimizer, bucket_mb, fused) -> None:
@@ -225,17 +227,30 @@ class WrappedOptimizer(torch.optim.Optimizer):
         into them."""
         self._rebuild()
 
-    # -- refusals ------------------------------------------------------------------------------
-    def _refuse_torch_grad_scaler(self) -> None:
-        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
-            raise RuntimeError(
-                f"a {type(self).__name__} can't be driven by torch.amp.GradScaler: the "
-                "gradients its step reads are not the ones in its param_groups, so GradScaler "
-                "would unscale and check the wrong tensors. Use mixprec's scalers, which take "
-                "the same calls: scaler = mp.DynamicLossScaler() (or mp.make_loss_scaler("
-                "'auto', policy)); scaler.scale(loss).backward(); scaler.step(optimizer); "
-                "scaler.update()")
+    # -- torch.amp.GradScaler ------------------------------------------------------------------
+    def amp_scaling(self, grad_scale, found_inf) -> tuple:
+        """This step's ``(grad_scale, found_inf)``: the keywords mixprec's scalers pass, or what
+        ``torch.amp.GradScaler.step`` set on the optimizer (``_step_supports_amp_scaling``: it
+        checked the gradients in ``param_groups``, which read as the model's, and hands over the
+        factor they still carry, None after its ``unscale_``, and the 0/1 overflow flag).
+        Where the step can't skip on the device, the flag is read here, as GradScaler reads it
+        for any other optimizer: ``found_inf`` is then None, or the step is to be skipped
+        (returned as ``(None, True)``)."""
+        if "found_inf" not in self.__dict__:
+            return grad_scale, found_inf
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError("step() was given grad_scale/found_inf while torch.amp.GradScaler "
+                               "drives it: use one scaler")
+        grad_scale, found_inf = self.__dict__.get("grad_scale"), self.__dict__["found_inf"]
+        if not self.skips_on_device():
+            return (None, True) if found_inf.item() else (grad_scale, None)
+        return grad_scale, found_inf
 
+    def skips_on_device(self) -> bool:
+        """Whether ``step(found_inf=f)`` can skip on the device."""
+        return False
+
+    # -- refusals ------------------------------------------------------------------------------
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
         if optimizer is self.inner and not optimizer.__dict__.get(hooks.STEPPED_BY_WRAPPER):
             raise RuntimeError(
