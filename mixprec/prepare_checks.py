@@ -6,6 +6,7 @@ optimizer's parameters, an fp16 model's Adam-style state, and ``policy=`` beside
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -117,15 +118,20 @@ def check_one_of(policy, level, dtype) -> None:
 #: Set on each 16-bit parameter of a model prepared with master weights.
 NEEDS_MASTER = "_mixprec_needs_master"
 _STEP_HOOK = []  # the global step pre-hook's handle, once registered
+#: optimizer -> (models watched, its param groups' list ids and lengths) when last found clear
+_WATCHED = [0]
+_CLEARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def watch_masterless_steps(params) -> None:
     """Mark the 16-bit ``params`` of a model prepared with master weights, so that any torch
     optimizer stepping them itself (made after ``prepare(model)``, never wrapped: no masters,
     16-bit moments) is refused at its ``step()``. One global step pre-hook does it, registered
-    by the first such model; an optimizer over none of them pays one ``getattr`` per tensor."""
+    by the first such model; an optimizer over none of them is checked tensor by tensor once, then
+    again only when its param groups or the watched models change."""
     for p in params:
         setattr(p, NEEDS_MASTER, True)
+    _WATCHED[0] += 1  # an optimizer cleared before may now hold some of them
     if not _STEP_HOOK:
         _STEP_HOOK.append(
             register_optimizer_step_pre_hook(_refuse_masterless_step))
@@ -137,6 +143,9 @@ def _refuse_masterless_step(optimizer, args, kwargs) -> None:
     if any(isinstance(getattr(hook, "__self__", None), WrappedOptimizer)
            for hook in optimizer._optimizer_step_pre_hooks.values()):
         return  # a wrapped optimizer called directly: the wrapper's own refusal names it
+    groups = (_WATCHED[0], *((id(g["params"]), len(g["params"])) for g in optimizer.param_groups))
+    if _CLEARED.get(optimizer) == groups:
+        return  # its groups were checked and have not changed: no per-tensor work per step
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, NEEDS_MASTER, False) and p.dtype in (torch.float16, torch.bfloat16):
@@ -148,6 +157,7 @@ def _refuse_masterless_step(optimizer, args, kwargs) -> None:
                     f"and pass it: model, opt = mp.prepare(model, opt, level=...) (or "
                     f"amp.setup(model, opt)); or wrap this one: "
                     f"opt = mp.MasterWeightOptimizer(opt)")
+    _CLEARED[optimizer] = groups
 
 
 setattr(_refuse_masterless_step, INTERNAL, True)

@@ -212,3 +212,18 @@ def test_amp_load_state_dict_takes_a_grad_scalers_state_dict():
         bf16.load_state_dict(theirs.state_dict())
     with pytest.raises(ValueError, match=r"or a torch\.amp\.GradScaler's"):
         amp.load_state_dict({"scale": 1.0})
+
+
+def test_an_optimizer_cleared_before_a_later_prepare_is_checked_again():
+    """The refusal caches a plain optimizer's clean verdict; preparing a model whose weights it
+    holds at a master-weight level makes it check again."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model).backward()
+    opt.step()  # fp32, nothing prepared with masters over it: cleared
+    other = mp.prepare(net(), level="O2", dtype="bf16")  # watches another model: still clear
+    loss_of(other).backward()
+    opt.step()
+    mp.prepare(model, level="O2", dtype="bf16")  # now its own weights are 16-bit, unwrapped
+    with pytest.raises(RuntimeError, match="steps the 16-bit weights of a model prepared"):
+        opt.step()

@@ -41,7 +41,7 @@ through ``Trainer.log``, so every ``report_to`` integration (TensorBoard, W&B, .
 
 Several processes (``torchrun``, ``accelerate launch``): the model is prepared in
 ``create_optimizer``, before accelerate wraps it, through
-:func:`mixprec.integrations.accelerate.setup_for_host` (rank 0's fp32 weights first; under FSDP2,
+:func:`mixprec.integrations.hosts.setup_for_host` (rank 0's fp32 weights first; under FSDP2,
 ``fsdp_config={"version": 2}``, :func:`mixprec.parallel.fsdp` shards the prepared model with the
 plugin's sharding units, the fp32 shards being the masters); under DDP the 16-bit gradients are
 averaged in fp32 (``_prepare_for_training``). DeepSpeed, FSDP1, XLA and ``DataParallel`` are
@@ -69,14 +69,14 @@ from ..integrity import save_directory, verify_on_ranks
 from ..lowbit.backend import quiet_import
 from ..monitor import CallbackWriter
 from ..policy import Policy
-from .accelerate import (
+from .gradscaler import EngineGradScaler
+from .hosts import (
     fsdp_units,
     lay_out_state,
     reduce_in_fp32,
     refused_host,
     setup_for_host,
 )
-from .gradscaler import EngineGradScaler
 
 try:
     with quiet_import():  # transformers.trainer imports torchao when it is installed
@@ -202,7 +202,7 @@ class MixprecTrainer(transformers.Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """The Trainer's own; under FSDP2 the optimizer's state is first laid out
-        (:func:`mixprec.integrations.accelerate.lay_out_state`), so that loading the model and
+        (:func:`mixprec.integrations.hosts.lay_out_state`), so that loading the model and
         then the optimizer restores both exactly."""
         if _is_fsdp2(self) and self._engine_optimizer is not None:
             lay_out_state(self.model, self._engine_optimizer)
