@@ -23,7 +23,7 @@ import time
 import torch
 
 import mixprec as mp
-from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
+from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer
 
 METHODS = ("fp32", "split", "kahan", "stochastic")
 

@@ -20,18 +20,18 @@ from .engine import MixedPrecision
 from .footprint import bytes_per_parameter
 from .fp8 import fp8_modules
 from .hardware import SlowDtypeWarning, device_capabilities
-from .master import CompactMasterOptimizer, MasterWeightOptimizer
 from .oplists import OpListWarning, op_lists
+from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .policy import NormLayer, Policy, is_norm_layer
 from .precision import Precision
 from .precision_map import PrecisionMap
 from .prepare import policy_of, prepare
 from .scaling import (
-                      DynamicLossScaler,
-                      NoLossScaler,
-                      NonFiniteGradientsError,
-                      StaticLossScaler,
-                      make_loss_scaler,
+    DynamicLossScaler,
+    NoLossScaler,
+    NonFiniteGradientsError,
+    StaticLossScaler,
+    make_loss_scaler,
 )
 from .statedict import fp32_state_dict
 

@@ -45,8 +45,8 @@ from .engine_checks import (
 )
 from .engine_parallel import check_not_wrapped, check_owned
 from .fp8.choice import split_spec, with_modules
-from .master.compact_state import show_held
-from .master.params import show_master_grads
+from .optim.compact_state import show_held
+from .optim.params import show_master_grads
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients

@@ -2,7 +2,7 @@
 
 Every figure is counted from the tensors the model and its optimizer hold right now, not from a
 table: the model's weights as stored, fp32 masters (:class:`mixprec.MasterWeightOptimizer`),
-the 16-bit buffers of compact masters (:class:`mixprec.master.CompactMasterOptimizer`: Kahan
+the 16-bit buffers of compact masters (:class:`mixprec.optim.CompactMasterOptimizer`: Kahan
 compensations, split remainders), the optimizer's
 state (moments in their dtype; quantized states of torchao's and bitsandbytes' low-bit
 optimizers by their codes, scales and maps; step counters), and the gradients currently held
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .master import CompactMasterOptimizer, MasterWeightOptimizer
-from .master.params import held_grad
-from .master.states import BUFFER_KEYS, GENERATOR_KEY
+from .optim import CompactMasterOptimizer, MasterWeightOptimizer
+from .optim.params import held_grad
+from .optim.states import BUFFER_KEYS, GENERATOR_KEY
 from .shards import is_dtensor
 
 __all__ = ["bytes_per_parameter", "tensor_bytes"]

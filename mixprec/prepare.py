@@ -41,10 +41,10 @@ from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
 from .hfsave import fp32_save_pretrained
-from .master import is_master_optimizer, wrap_optimizer
-from .master.wrapper import WrappedOptimizer
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
+from .optim import is_master_optimizer, wrap_optimizer
+from .optim.wrapper import WrappedOptimizer
 from .policy import Policy, no_masters_message
 from .precision_map import keep_fp32_entries
 from .regions import (

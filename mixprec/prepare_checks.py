@@ -16,10 +16,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import vocabulary
 from .emulation import check_mode
 from .formats import get as float_format
-from .master import is_master_optimizer
-from .master.hooks import INTERNAL, STEPPED_BY_WRAPPER
-from .master.wrapper import WrappedOptimizer
 from .oplists import validate_custom_lists
+from .optim import is_master_optimizer
+from .optim.hooks import INTERNAL, STEPPED_BY_WRAPPER
+from .optim.wrapper import WrappedOptimizer
 from .policy import Policy
 from .precision_map import keep_fp32_entries
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision
-from .master import CompactMasterOptimizer, MasterWeightOptimizer
+from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .regions import Entry
 from .shards import local as _local
 

@@ -135,7 +135,7 @@ _DECLARED = (
             "master copies (:class:`mixprec.MasterWeightOptimizer`); the exact fp32 master as "
             "the bf16 weight plus a 16-bit remainder; a 16-bit Kahan compensation buffer; or "
             "stochastic rounding into bf16 weights (the last three "
-            ":class:`mixprec.master.CompactMasterOptimizer`). None: the policy's (fp32 masters "
+            ":class:`mixprec.optim.CompactMasterOptimizer`). None: the policy's (fp32 masters "
             "at O2). The value is passed on as given; the policy checks it.",
             ("fp32", "split", "kahan", "stochastic")),
     Keyword("state_dtype", None, '"fp32", "bf16", or None',

@@ -21,9 +21,9 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.commands.plan import plan_report
-from mixprec.master import CompactMasterOptimizer
-from mixprec.master.states import COMPENSATION_KEY, REMAINDER_KEY
 from mixprec.masters.rounding import RoundingGenerator, random16, stochastic_round
+from mixprec.optim import CompactMasterOptimizer
+from mixprec.optim.states import COMPENSATION_KEY, REMAINDER_KEY
 from mixprec.parallel.plan import plan
 
 pytestmark = pytest.mark.filterwarnings(

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import CompactMasterOptimizer
 from mixprec.masters.rounding import (
     RoundingGenerator,
     stochastic_round,
     stochastic_round_fp16,
     weyl16,
 )
+from mixprec.optim import CompactMasterOptimizer
 from mixprec.statedict import rounds_to
 
 pytestmark = pytest.mark.filterwarnings(

@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.benchmodels import TinyGPT
-from mixprec.master.params import held_grad
+from mixprec.optim.params import held_grad
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")]

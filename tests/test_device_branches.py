@@ -17,7 +17,7 @@ from mixprec.compat.apex_casts import disable_casts
 from mixprec.fp8 import choice
 from mixprec.lowbit import backend
 from mixprec.lowbit.mxfp8 import MXFP8
-from mixprec.master import guard
+from mixprec.optim import guard
 from mixprec.parallel.ddp import _comm_hook, device_ids_for
 from mixprec.training.checks import check_device
 from mixprec.training.state import capture_rng, restore_rng

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec as mp
-from mixprec.master.params import valid_grad
+from mixprec.optim.params import valid_grad
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::mixprec.hardware.SlowDtypeWarning",

@@ -11,8 +11,8 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import kernel_table
-from mixprec.master import kernels
-from mixprec.master.params import held_grad
+from mixprec.optim import kernels
+from mixprec.optim.params import held_grad
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::mixprec.hardware.SlowDtypeWarning",

@@ -1,7 +1,7 @@
 """The layers of the package, drawn in docs/internals.md ("Layers"), checked from the source.
 
 Read from the AST of every module under mixprec/ (nothing is imported). A room is a top-level
-module or package of mixprec (``mixprec.policy``, ``mixprec.master``; ``mixprec`` itself is the
+module or package of mixprec (``mixprec.policy``, ``mixprec.optim``; ``mixprec`` itself is the
 package's ``__init__.py``). The rules:
 
 1. every room has a layer in :data:`LAYERS`;
@@ -14,7 +14,7 @@ package's ``__init__.py``). The rules:
    ``__getattr__``, for import time).
 
 ``mixprec.masters`` (the master methods and their arithmetic) sits one layer below
-``mixprec.master`` (the optimizers that step them).
+``mixprec.optim`` (the optimizers that step them).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LAYERS = (
                      "norms", "forwards", "distenv", "oplists", "emulation", "modulecasts",
                      "hfsave", "benchmodels", "integrity")),
     ("master methods", ("masters",)),
-    ("components", ("lowbit", "scaling", "master")),
+    ("components", ("lowbit", "scaling", "optim")),
     ("policy and casting", ("precision", "precision_map", "policy", "autocast", "outputs",
                             "regions", "casting")),
     ("preparing a model", ("vocabulary", "fp8", "statedict", "prepare_checks", "prepare",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import CompactMasterOptimizer
+from mixprec.optim import CompactMasterOptimizer
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning",

@@ -1,4 +1,4 @@
-"""Tests for mixprec.master: fp32 master weights around a torch optimizer."""
+"""Tests for mixprec.optim: fp32 master weights around a torch optimizer."""
 
 import copy
 import io
@@ -9,8 +9,8 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import fp32_state_dict
-from mixprec.master import MasterWeightOptimizer, is_master_optimizer
-from mixprec.master.params import valid_grad
+from mixprec.optim import MasterWeightOptimizer, is_master_optimizer
+from mixprec.optim.params import valid_grad
 
 
 def written(master, dtype):

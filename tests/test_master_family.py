@@ -1,5 +1,5 @@
-"""One optimizer-math family for fp32 and compact masters (mixprec/master/family.py), the
-rounding of the bf16 forward weights, and the compiled-kernel guard (mixprec/master/guard.py).
+"""One optimizer-math family for fp32 and compact masters (mixprec/optim/family.py), the
+rounding of the bf16 forward weights, and the compiled-kernel guard (mixprec/optim/guard.py).
 
 Tolerances: none. From the same fp32 state and the same gradients ``master="split"`` steps its
 masters bit for bit as ``master="fp32"`` on the default path; the forward weights are torch's
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
 from mixprec.masters import Kahan
 from mixprec.masters.split_bits import split_of
+from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
 
@@ -150,7 +150,7 @@ def test_one_step_from_the_same_state_with_ties_planted(name):
     runs = []
     for master in ("fp32", "split"):
         params = [nn.Parameter(s.bfloat16()) for s in start]
-        opt = mp.master.wrap_optimizer(mp.masters.resolve(master),
+        opt = mp.optim.wrap_optimizer(mp.masters.resolve(master),
                                        ONE_STEP[name](params), state_dtype=torch.float32,
                                        initial_values={p: s.clone()
                                                        for p, s in zip(params, start)})
@@ -341,7 +341,7 @@ def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
     code = textwrap.dedent("""
         import torch
         from torch import nn
-        from mixprec.master import CompactMasterOptimizer
+        from mixprec.optim import CompactMasterOptimizer
         w = nn.Parameter(torch.randn(64).bfloat16())
         opt = CompactMasterOptimizer(torch.optim.AdamW([w], lr=1e-3), "kahan", fused="compile")
         w.grad = torch.randn(64).bfloat16()
@@ -399,7 +399,7 @@ def test_a_compile_is_logged_once_with_what_and_how_long(fresh_verdicts, caplog)
 def test_a_group_is_stepped_in_bounded_pieces_with_the_same_bits(monkeypatch):
     """Pieces of at most PIECE elements (a larger tensor alone) give the bits one piece gives:
     each tensor draws its own rounding bits wherever it lies."""
-    from mixprec.master import compact_kernels
+    from mixprec.optim import compact_kernels
     sizes = [(40, 30), (7,), (64, 64), (3, 3), (100,)]
     runs = []
     for piece in (1 << 20, 1000):

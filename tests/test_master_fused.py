@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import MasterWeightOptimizer
-from mixprec.master.params import valid_grad
+from mixprec.optim import MasterWeightOptimizer
+from mixprec.optim.params import valid_grad
 
 
 def written(master, dtype):

@@ -1,5 +1,5 @@
 """The master packages in layers: ``mixprec.masters`` (the methods, their load/store and the split
-and rounding arithmetic) below ``mixprec.master`` (the optimizers), which asks each method for
+and rounding arithmetic) below ``mixprec.optim`` (the optimizers), which asks each method for
 its load and store; no import climbs back, none hides in a function, and neither package loads
 ``torch.distributed.tensor`` when it is imported.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import CompactMasterOptimizer, compact_kernels
 from mixprec.masters import Kahan, MasterMethod, Split, Stochastic
+from mixprec.optim import CompactMasterOptimizer, compact_kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -47,8 +47,8 @@ def _imports(source: str, module: str, is_package: bool):
 def _problems(source: str, module: str, is_package: bool = False) -> list[str]:
     out = []
     for target, line, inner in _imports(source, module, is_package):
-        if module.startswith("mixprec.masters") and (target == "mixprec.master"
-                                                     or target.startswith("mixprec.master.")):
+        if module.startswith("mixprec.masters") and (target == "mixprec.optim"
+                                                     or target.startswith("mixprec.optim.")):
             out.append(f"{module}:{line} imports {target} (the layer above)")
         if inner and target.startswith("mixprec"):
             out.append(f"{module}:{line} imports {target} inside a function")
@@ -68,11 +68,11 @@ def test_masters_import_no_optimizer_and_nothing_hides_in_a_function():
 
 
 def test_the_import_rules_can_fail():
-    source = ("from ..master import CompactMasterOptimizer\n"
+    source = ("from ..optim import CompactMasterOptimizer\n"
               "from torch.distributed.tensor import DTensor\n"
               "def f():\n    from .split_bits import split_of\n")
     assert _problems(source, "mixprec.masters.kahan") == [
-        "mixprec.masters.kahan:1 imports mixprec.master.CompactMasterOptimizer (the layer above)",
+        "mixprec.masters.kahan:1 imports mixprec.optim.CompactMasterOptimizer (the layer above)",
         "mixprec.masters.kahan:2 imports torch.distributed.tensor.DTensor at import time",
         "mixprec.masters.kahan:4 imports mixprec.masters.split_bits.split_of inside a function"]
 

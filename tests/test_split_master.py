@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
 from mixprec.masters.split_bits import load_halves, split_load, split_of, store_halves
+from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer
 
 pytestmark = [pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"),

@@ -91,7 +91,7 @@ def test_odd_and_even_parameters_step_as_fp32_masters_bitwise():
     pairs meet the plain fp32 reference step in the split master tests)."""
     from torch import nn
 
-    from mixprec.master import CompactMasterOptimizer, MasterWeightOptimizer
+    from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer
 
     g = torch.Generator().manual_seed(2)
     starts = [torch.randn(n, generator=g) for n in (64, 33)]

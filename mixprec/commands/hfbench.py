@@ -43,7 +43,7 @@ import torch
 import mixprec as mp
 
 from ..lowbit.backend import quiet_import
-from ..master import compile_master_step
+from ..optim import compile_master_step
 
 __all__ = ["HF_MODELS", "ROWS", "LEGEND", "run_hf_bench", "format_hf_table", "run_from_args",
            "parse_rows", "quiet_profiler"]
@@ -107,7 +107,7 @@ def _batch(sizes: dict) -> dict:
 def _setup(model_name: str, row: str, sizes: dict, compile: bool = False):
     """(model, optimizer, step) for one row, the model built from the same seed; ``compile``:
     a mixprec row's forward (loss included) under ``torch.compile``, its master step compiled
-    where :func:`~mixprec.master.compile_master_step` applies."""
+    where :func:`~mixprec.optim.compile_master_step` applies."""
     torch.manual_seed(0)
     with quiet_import():  # transformers' model modules import torchao when it is installed
         model = HF_MODELS[model_name][0](sizes["width"], sizes["seq"], sizes["batch"],

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..master import MasterWeightOptimizer
-from ..master.hooks import raw_step, share_hooks
+from ..optim import MasterWeightOptimizer
+from ..optim.hooks import raw_step, share_hooks
 from ..scaling import owns_gradients
 from ..scaling.unscale import unscale_and_check_
 

@@ -55,9 +55,9 @@ from torch import nn
 from .. import vocabulary
 from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
-from ..master.optimizer import MasterWeightOptimizer
-from ..master.wrapper import is_wrapped
 from ..monitor import CallbackWriter
+from ..optim.optimizer import MasterWeightOptimizer
+from ..optim.wrapper import is_wrapped
 from ..policy import Policy
 from ..prepare import policy_of
 from ..regions import Entry

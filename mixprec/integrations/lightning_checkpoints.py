@@ -8,7 +8,7 @@ one writes each rank's shards. Two things would keep such a resume from being bi
 
 * ``master="split"``: gloo (the CPU backend) has no int16 collectives. The compact optimizer
   itself gives its int16 remainder as int32 in its ``state_dict``, sharded or not, and narrows
-  it back on load (``mixprec.master.compact_state``), so one-file and sharded checkpoints
+  it back on load (``mixprec.optim.compact_state``), so one-file and sharded checkpoints
   resume bitwise, also in one process, and a one-process checkpoint resumes at several ranks:
   nothing Lightning-specific is needed.
 * ``master="kahan"``: Lightning loads an FSDP2 model one sub-module at a time, then, before
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import distenv as env
-from ..master.states import COMPENSATION_KEY
+from ..optim.states import COMPENSATION_KEY
 from ..shards import is_dtensor
 from ..training.state import capture_rng, restore_rng
 from . import lightning_strategies as strategies

@@ -9,7 +9,7 @@ policies) that owns everything depending on which method it is:
 
 * its validation: the 16-bit dtypes it can hold (:meth:`MasterMethod.check_dtype`);
 * fp32 copies or weights stepped in place (:attr:`~MasterMethod.compact`: the optimizers of
-  :mod:`mixprec.master` wrap accordingly, :func:`mixprec.master.wrap_optimizer`) and, for a
+  :mod:`mixprec.optim` wrap accordingly, :func:`mixprec.optim.wrap_optimizer`) and, for a
   compact method, its per-parameter buffer (:attr:`~MasterMethod.buffer_key`,
   :meth:`~MasterMethod.make_buffer`) and its load hooks;
 * for a compact method, how the fp32 value the optimizer steps is read from the weight and its
@@ -21,7 +21,7 @@ policies) that owns everything depending on which method it is:
   the fp32 shards are the masters) and whether the wrapped optimizer needs the fp32 values
   from before the cast (:attr:`~MasterMethod.needs_initial_values`).
 
-This package sits below the optimizers (:mod:`mixprec.master` imports it, never the reverse):
+This package sits below the optimizers (:mod:`mixprec.optim` imports it, never the reverse):
 a method is data and arithmetic on tensors, and knows no optimizer class.
 
 :func:`register` adds a method class and its string shorthand; :func:`resolve` turns what a user
@@ -52,7 +52,7 @@ class MasterMethod(Component):
         name: the registered name (a policy's ``state_dict`` carries it).
         dtypes: the 16-bit parameter dtypes it can hold (empty: any).
         compact: True when there is no fp32 copy: the optimizer steps the 16-bit weights in
-            place (:class:`mixprec.master.CompactMasterOptimizer`).
+            place (:class:`mixprec.optim.CompactMasterOptimizer`).
         buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
         draws_bits: True when :meth:`store` rounds with random bits (it gets a key per
             element over a param group's flat buffer); False when it is exact.

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 import torch
 
 from .. import kernel_table
-from ..master.states import COMPENSATION_KEY
-from ..master.wrapper import is_wrapped
+from ..optim.states import COMPENSATION_KEY
+from ..optim.wrapper import is_wrapped
 from ..scaling.protocol import owns_gradients
 from ..shards import local
 from .ranks import lost_fraction

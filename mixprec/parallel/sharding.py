@@ -9,7 +9,7 @@ How the levels map onto FSDP2's ``MixedPrecisionPolicy``:
   master weights, so there is no :class:`mixprec.MasterWeightOptimizer` and no second fp32 copy.
   With a compact master method (``"split"``, ``"kahan"``, ``"stochastic"``: the method's
   ``compact``) the shards are 16-bit and the optimizer comes back wrapped in a
-  :class:`mixprec.master.CompactMasterOptimizer` that steps them (remainder or compensation
+  :class:`mixprec.optim.CompactMasterOptimizer` that steps them (remainder or compensation
   buffers and moments sharded alike; each shard rounds stochastically with the random bits
   its elements get in one process); with ``state_dtype="bf16"`` and fp32 masters, in a
   ``MasterWeightOptimizer`` that only keeps the moments in bf16.
@@ -48,8 +48,8 @@ from ..distenv import is_fsdp
 from ..engine import MixedPrecision, engine_for
 from ..fp8 import all_gather_in_fp8
 from ..fp8.choice import split_spec
-from ..master import build, is_master_optimizer
-from ..master.wrapper import WrappedOptimizer
+from ..optim import build, is_master_optimizer
+from ..optim.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
 from .ddp import reduce_dtype_of

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..integrity import verify_directory
-from ..master.checkpoint import MASTERS_KEY
-from ..master.states import COMPENSATION_KEY
 from ..masters.kahan import keep_pair
+from ..optim.checkpoint import MASTERS_KEY
+from ..optim.states import COMPENSATION_KEY
 from ..shards import local
 from . import state as ts
 

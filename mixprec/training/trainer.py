@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import kernel_table, vocabulary
 from ..engine import engine_for
-from ..master import compile_master_step
+from ..optim import compile_master_step
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts

@@ -1,4 +1,4 @@
-"""The state of a :class:`~mixprec.master.compact.CompactMasterOptimizer` and its
+"""The state of a :class:`~mixprec.optim.compact.CompactMasterOptimizer` and its
 ``state_dict()`` hooks.
 
 Compact masters draw the keys of their stochastic roundings (Kahan compensations, stochastic
@@ -12,7 +12,7 @@ the weight's dtype) or the split remainder under ``state[p]["remainder"]`` (int1
 ``state_dict()``, which gloo's collectives carry), so torch's, DCP's and FSDP2's state-dict
 machinery carry it like any moment.
 fp32 parameters in the groups (norm layers kept in fp32) are stepped by the inner optimizer as
-they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.master.states`).
+they are. ``state_dtype="bf16"`` stores the moments in bf16 (:mod:`mixprec.optim.states`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ What is checked, per parameter with saved state:
 A mismatch is a ``ValueError`` naming the parameter (its qualified name when ``prepare`` made
 the optimizer, else its group and index), the state key and both shapes. Moments saved in
 another dtype than the optimizer's ``state_dtype`` are converted after loading (see
-:mod:`mixprec.master.states`).
+:mod:`mixprec.optim.states`).
 
 A Kahan pair loaded is split the saved way by the method's own load hooks
 (:meth:`mixprec.masters.Kahan.register_load_hooks`).

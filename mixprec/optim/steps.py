@@ -1,7 +1,7 @@
 """The master optimizer's three step paths: bucketed (default), compiled, and with a closure.
 
 Each one reads, for every master, its fp32 gradient if one is held and current (made by
-``unscale_grads_`` or by someone reading ``master.grad``; see :mod:`mixprec.master.params`), else
+``unscale_grads_`` or by someone reading ``master.grad``; see :mod:`mixprec.optim.params`), else
 its model parameter's gradient; divides what it reads by ``grad_scale`` when the gradients still
 carry a loss scale; steps the inner optimizer on the masters; and writes the masters back into the
 model parameters with torch's cast (round to nearest, ties to even). fp32 parameters in the groups
@@ -128,7 +128,7 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 def bucketed_step(opt, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
-    per-parameter; see :mod:`mixprec.master.buckets`)."""
+    per-parameter; see :mod:`mixprec.optim.buckets`)."""
     # one rule for all buckets (and settle_grads); a found_inf the step took implies it
     folds = grad_scale is not None and (found_inf is not None or folds_scale(opt))
     inv = None if folds or grad_scale is None else grad_scale.reciprocal()
@@ -204,7 +204,7 @@ def amp_arguments(inner, grad_scale, found_inf):
 
 
 def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:
-    """One compiled pass per master (see :func:`mixprec.master.kernels.compiled_step`)."""
+    """One compiled pass per master (see :func:`mixprec.optim.kernels.compiled_step`)."""
     inv = None if grad_scale is None else grad_scale.reciprocal()
     masters = [t for g in opt.param_groups for t in g["params"] if is_master(t)]
     model_of = {t: t.model_param for t in masters}

@@ -1,7 +1,7 @@
 """What every mixprec master optimizer shares: wrapping a torch optimizer and stepping it.
 
 A master optimizer (:class:`mixprec.MasterWeightOptimizer` with fp32 masters,
-:class:`mixprec.master.CompactMasterOptimizer` with Kahan-compensated or stochastically rounded
+:class:`mixprec.optim.CompactMasterOptimizer` with Kahan-compensated or stochastically rounded
 16-bit weights) wraps a torch optimizer, shares its ``param_groups`` and ``state`` (so LR
 schedulers and hooks work as for any torch optimizer), steps it itself, and refuses to have its
 inner optimizer stepped directly (that would bypass the masters). Loss scalers hand the step
@@ -189,7 +189,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def inner_step(self, closure=None) -> Any:
         """Run the inner optimizer's ``step`` (only the step paths call this), without torch's
-        step hooks: ``step()`` ran them once (see :mod:`mixprec.master.hooks`), with the
+        step hooks: ``step()`` ran them once (see :mod:`mixprec.optim.hooks`), with the
         keywords ``step()`` was given (``optimizer.step(closure, **kwargs)``, as Lightning's
         plugins forward them)."""
         return hooks.raw_step(self.inner, closure, **getattr(self, "step_kwargs", {}))

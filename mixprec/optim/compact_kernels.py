@@ -4,9 +4,9 @@ Each kernel reads a 16-bit weight and its buffer through the master method's
 :meth:`~mixprec.masters.MasterMethod.load` (the exact split master, weight + Kahan
 compensation, or the weight), its gradient in any dtype, and its moments (fp32 or bf16);
 computes the update in fp32 with torch's single-tensor arithmetic (as
-:mod:`mixprec.master.kernels`); and writes the result back through the method's
+:mod:`mixprec.optim.kernels`); and writes the result back through the method's
 :meth:`~mixprec.masters.MasterMethod.store`, and bf16 moments stochastically rounded
-(:mod:`mixprec.master.states` says why).
+(:mod:`mixprec.optim.states` says why).
 
 The same Python functions run eagerly (``fused=False``) or compiled by ``torch.compile``
 (``fused="compile"``, or ``"auto"`` where :mod:`.family`'s group update can't run): one pass

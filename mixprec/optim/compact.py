@@ -35,7 +35,7 @@ model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks the
 values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
 the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
 rounding generator stay bitwise untouched. No host syncs (the per-tensor path reads Adam's
-step count, a sync on a GPU, as :mod:`mixprec.master.kernels`).
+step count, a sync on a GPU, as :mod:`mixprec.optim.kernels`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ expects (a master's is its model parameter's gradient in fp32, made when read), 
 ``clip_grad_norm_`` over the optimizer's parameters, gradient-norm logging and Lightning's
 clipping see the real gradients; an in-place change to them is what the step uses. The inner
 optimizer's ``step()`` runs once per ``step()`` unless it is one of torch's per-parameter
-optimizers (SGD, Adam, AdamW, ...; see :data:`mixprec.master.buckets.PER_PARAMETER_OPTIMIZERS`),
+optimizers (SGD, Adam, AdamW, ...; see :data:`mixprec.optim.buckets.PER_PARAMETER_OPTIMIZERS`),
 whose results do not depend on which parameters are stepped together: those are stepped a bucket
 at a time. The inner optimizer itself must no longer be stepped directly (its ``param_groups``
 now hold masters): its ``step()`` raises a ``RuntimeError`` that says to use the wrapper.
@@ -40,11 +40,11 @@ for an optimizer not per-parameter) into a scratch buffer freed when the step en
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
 CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
-compiled pass per low-precision parameter (:mod:`mixprec.master.kernels`). The 16-bit weights are
+compiled pass per low-precision parameter (:mod:`mixprec.optim.kernels`). The 16-bit weights are
 written back with torch's own cast (round to nearest, ties to even), one pass.
 ``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
-(:mod:`mixprec.master.states`). No method syncs with the host, except that ``fused="compile"``
-reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.master`.
+(:mod:`mixprec.optim.states`). No method syncs with the host, except that ``fused="compile"``
+reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.optim`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     Wraps a torch optimizer built over a model's parameters. Every parameter narrower than fp32
     (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master
-    (a :class:`mixprec.master.params.MasterParameter`, laid out as its parameter: a
+    (a :class:`mixprec.optim.params.MasterParameter`, laid out as its parameter: a
     channels_last weight has a channels_last master); fp32 (and fp64) parameters stay as they
     are (they are their own masters). ``step()`` steps the inner optimizer on the masters and
     writes them back, rounded to nearest (:meth:`write_back`). The state (moments) is fp32, or

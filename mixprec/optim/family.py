@@ -33,7 +33,7 @@ go to torch's kernel as it takes them; step counts stay torch's per-parameter ``
 the parameters' device; no host sync. The load and store kernels run compiled (checked against
 their eager twins first, :mod:`.guard`) where the kernel table says so (CUDA, or
 ``fused="compile"``) and a compiler is available, else eagerly (the same bits). A group is
-stepped a piece of at most :data:`mixprec.master.compact_kernels.PIECE` elements at a time, so
+stepped a piece of at most :data:`mixprec.optim.compact_kernels.PIECE` elements at a time, so
 the flat buffers are bounded by that (or by the largest tensor), not by the group.
 """
 
