@@ -21,7 +21,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.commands.plan import plan_report
-from mixprec.masters.rounding import RoundingGenerator, random16, stochastic_round
+from mixprec.masters.rounding import RoundingGenerator, noise16, stochastic_round
 from mixprec.optim import CompactMasterOptimizer
 from mixprec.optim.states import COMPENSATION_KEY, REMAINDER_KEY
 from mixprec.parallel.plan import plan
@@ -88,8 +88,8 @@ def test_stochastic_rounding_passes_specials_and_keeps_exact_values():
 
 def test_random_bits_are_uniform_and_differ_per_key():
     like = torch.empty(2 ** 16)
-    a = random16(torch.tensor(1, dtype=torch.int32), like).float()
-    b = random16(torch.tensor(2, dtype=torch.int32), like).float()
+    a = noise16(torch.tensor(1, dtype=torch.int32), like).float()
+    b = noise16(torch.tensor(2, dtype=torch.int32), like).float()
     assert abs(a.mean().item() / 65535 - 0.5) < 0.01
     assert abs(a.std().item() / 65535 - 12 ** -0.5) < 0.01
     assert (a != b).float().mean() > 0.99

@@ -6,8 +6,9 @@ optimizer steps, about 16 significant bits with bf16 (22 with fp16), 2 bytes per
 lost (exact in fp32), rounded stochastically: rounded to nearest, the compensation of a weight
 receiving many small updates of one sign drifts (an update of 1/700 of an ulp a step moved bf16
 weights 11% too far in 2000 steps); stochastic rounding is unbiased, so weight + compensation
-follows the fp32 sum in expectation. Its random numbers are a Weyl sequence
-(:func:`mixprec.masters.rounding.weyl16`: one multiply-add per element).
+follows the fp32 sum in expectation. Its random numbers are read from the noise table
+(:mod:`mixprec.masters.rounding`: a key per tensor per step, 4 bytes read per element; fp16
+compensations take the top 13 bits of each number).
 
 **A pair split the saved way** (:meth:`Kahan.register_load_hooks`). A model ``state_dict``
 holds each Kahan weight's value (weight + compensation) in fp32; loading it splits the value
@@ -31,13 +32,7 @@ import torch
 
 from ..shards import is_dtensor
 from .base import MasterMethod, register
-from .rounding import (
-    noise_lists,
-    round_into_lists,
-    round_stochastically,
-    stochastic_round_fp16,
-    weyl16,
-)
+from .rounding import noise_lists, round_fp16_with, round_into_lists, round_stochastically
 
 __all__ = ["Kahan", "COMPENSATION_KEY", "keep_pair"]
 
@@ -87,12 +82,12 @@ class Kahan(MasterMethod):
     def store(weight, comp, new, key):
         hi = new.to(weight.dtype)
         weight.copy_(hi)
-        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype, weyl16))
+        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype))
 
     @staticmethod
     def stored(weight, comp, new, key):
         hi = new.to(weight.dtype)
-        return hi, round_stochastically(new - hi.float(), key, comp.dtype, weyl16)
+        return hi, round_stochastically(new - hi.float(), key, comp.dtype)
 
     # eagerly, straight from and into the lists (the same bits as load and store)
     def steps_lists(self) -> bool:
@@ -109,12 +104,11 @@ class Kahan(MasterMethod):
         runs = _unflatten(values, weights)
         torch._foreach_copy_(weights, runs)  # rounded to nearest
         torch._foreach_sub_(runs, weights)  # what that lost (exact)
-        noise = noise_lists(keys, weights, values.numel(), weyl16)
         if comps[0].dtype == torch.bfloat16:  # a NaN's compensation: the weight is NaN too
-            round_into_lists(values, comps, noise)
+            round_into_lists(values, comps, keys)
         else:
-            rounded = stochastic_round_fp16(values, keys, lambda key, like: noise)
-            torch._foreach_copy_(comps, _unflatten(rounded, comps))
+            noise = noise_lists(keys, [c.numel() for c in comps], values.device)
+            torch._foreach_copy_(comps, _unflatten(round_fp16_with(values, noise), comps))
 
     def assign(self, weight, comp, value):
         """Rounded to nearest, the compensation taking what that lost (to nearest: no

@@ -1,4 +1,4 @@
-"""Stochastic rounding into bf16 (and fp16), and the generator its random bits come from.
+"""Stochastic rounding into bf16 (and fp16), and where its random bits come from.
 
 Rounding an fp32 value to bf16 keeps the top 16 bits of its bit pattern. Stochastic rounding adds
 a uniformly random 16-bit integer to the pattern before dropping the low 16 bits: the magnitude
@@ -8,107 +8,193 @@ itself (unbiased), whatever the size of the update. An update far below half an 
 round-to-nearest loses every time, moves the weight now and then by one ulp, as often as its size
 asks. inf and NaN pass unchanged.
 
-The random bits are a counter-based hash of (key, element index): the same function in eager code
-and inside a compiled kernel, so both give the same bits. The keys come from a
-``torch.Generator`` (one draw per tensor per step, :meth:`RoundingGenerator.keys`); its state is
-what a checkpoint saves, so a resumed run rounds exactly as the uninterrupted one, and a skipped
-step, which draws nothing, leaves it untouched.
+**The random bits are read from a fixed noise table.** The table ``T`` holds
+:data:`TABLE_SIZE` (``L = 2**20``) integers in [0, 2**16), each 16-bit value exactly
+``L / 2**16`` = 16 times, in a scrambled order: ``T[j]`` is the low 16 bits of a fixed bijection
+of the 20-bit integers (:func:`noise_at`: three xor-shift-multiply rounds; no generator, so the
+table is the same in every process, on every device and with every torch version). Element ``i``
+of a tensor rounded with key ``k`` gets ``T[(k + i) mod L]``. Keys are drawn uniformly from
+[0, L), so each element's number is exactly uniform over [0, 2**16) at every step: every
+rounding is exactly unbiased. Eagerly the numbers of a tensor are one or two contiguous slices
+of the table (one more per ``L`` elements), added to the fp32 words in place: 4 bytes read per
+element, nothing computed. A compiled kernel computes ``T[j]`` from ``j`` instead (no memory
+read; the same bits).
+
+Within one key the numbers of neighbouring elements are those of neighbouring table entries
+(unrelated); two tensors rounded in one step read windows of the table at independent random
+places, and an element ``L`` places after another in the same tensor reads the same entry. None of
+that biases a rounding: each element's number is uniform for its fresh key.
+
+The keys come from a ``torch.Generator`` (one draw per tensor per step,
+:meth:`RoundingGenerator.keys`); its state is what a checkpoint saves, so a resumed run rounds
+exactly as the uninterrupted one, and a skipped step, which draws nothing, leaves it untouched.
+Several tensors rounded as one flat run keep their own bits: a tensor placed ``off`` elements
+into the run gets the key ``k - off * KEY_STRIDE`` (:data:`KEY_STRIDE` is 1: element ``j`` of the
+run reads ``T[(j + key) mod L]``), and an FSDP2 shard starting ``off`` elements into its full
+tensor the key ``k + off * KEY_STRIDE`` (:func:`shard_key`).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from ..shards import is_dtensor
 
-__all__ = ["RoundingGenerator", "random16", "stochastic_round", "stochastic_round_fp16",
-           "round_stochastically", "shard_key", "weyl16", "noise_lists", "round_into_lists",
-           "DEFAULT_SEED"]
+__all__ = ["RoundingGenerator", "noise16", "noise_at", "noise_table", "noise_lists",
+           "stochastic_round", "stochastic_round_fp16", "round_fp16_with", "round_stochastically",
+           "round_into_lists", "shard_key", "DEFAULT_SEED", "TABLE_SIZE", "KEY_STRIDE"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
 DEFAULT_SEED = 0x5EED
+#: Entries of the noise table (``L``): keys are uniform in [0, L), and element ``i`` of a tensor
+#: with key ``k`` reads entry ``(k + i) mod L``.
+TABLE_SIZE = 1 << 20
+#: How far one element moves the table index: element ``j`` of a flat run with key ``k`` reads
+#: entry ``(j * KEY_STRIDE + k) mod L``, so a tensor placed ``off`` elements into a run keeps its
+#: own bits with the key ``k - off * KEY_STRIDE``.
+KEY_STRIDE = 1
 
-# int32 arithmetic that wraps around (two's complement), in eager torch and in compiled kernels
-_GOLDEN = -0x61C8864F  # 0x9E3779B1 as int32: spreads consecutive indices over 32 bits
-_MIX = 0x45D9F3B
-_GOLDEN_TWICE = 2 * _GOLDEN + 2 ** 32  # 2 * 0x9E3779B1 modulo 2**32, as int32
-_KEY_RANGE = 2 ** 31 - 1
+_MASK = TABLE_SIZE - 1
+# the bijection of 20-bit integers behind the table: x ^= x >> shift; x *= odd (mod 2**20)
+_ROUNDS = ((10, 0x2C1B3), (9, 0x9E485), (11, 0x5D5A7))
+_LITTLE = sys.byteorder == "little"
+_BF16_NAN = 0x7FC0  # torch's cast of an fp32 NaN to bf16
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def random16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Uniform random integers in [0, 2**16), one per element of ``like``.
+def noise_at(index: torch.Tensor) -> torch.Tensor:
+    """``T[index mod L]`` computed from the index (int64 arithmetic: no wrap-around, the same
+    in eager torch and in a compiled kernel); an int32 tensor shaped as ``index``."""
+    x = index.to(torch.int64) & _MASK
+    for shift, odd in _ROUNDS:
+        x = ((x ^ (x >> shift)) * odd) & _MASK
+    return ((x ^ (x >> 10)) & 0xFFFF).to(torch.int32)
+
+
+def noise_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The noise table on ``device`` (int32, :data:`TABLE_SIZE` entries; made once per process
+    and device, 4 MiB). Read it, never write it."""
+    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+    table = _TABLES.get(device)
+    if table is None:
+        cpu = _TABLES.get(torch.device("cpu"))
+        if cpu is None:
+            cpu = _TABLES[torch.device("cpu")] = noise_at(torch.arange(TABLE_SIZE))
+        table = _TABLES[device] = cpu.to(device)
+    return table
+
+
+def _runs(key: int, count: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, entry)``: elements ``start:stop`` of a run of ``count`` elements with
+    ``key`` read the table from ``entry`` on (contiguous slices; a new one at each wrap)."""
+    runs, start, entry = [], 0, key % TABLE_SIZE
+    while start < count:
+        stop = min(count, start + TABLE_SIZE - entry)
+        runs.append((start, stop, entry))
+        start, entry = stop, 0
+    return runs
+
+
+def _host_keys(keys: torch.Tensor) -> bool:
+    """Keys the table can be sliced at without a device sync (on the CPU, eagerly)."""
+    return keys.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _gathered(keys: torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
+    """The numbers of ``count`` elements, element ``j`` with ``keys[j]`` (a key per element, or
+    one 0-d key), read by index (keys on a device: no host sync) or computed (compiled)."""
+    index = torch.arange(count, device=device, dtype=torch.int32) + keys.to(device).reshape(-1)
+    if torch.compiler.is_compiling():
+        return noise_at(index)
+    return noise_table(device)[index & _MASK]
+
+
+def noise16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The random numbers in [0, 2**16) of ``like``'s elements: element ``i`` (flat index) gets
+    ``T[(key + i) mod L]``.
 
     Args:
-        key: a 0-d int32 tensor (drawn from a :class:`RoundingGenerator`).
-        like: the tensor whose elements get a random number each (flat index order).
+        key: a 0-d int32 tensor (drawn from a :class:`RoundingGenerator`), or one key per
+            element (shaped as ``like``; element ``i`` then gets ``T[(key[i] + i) mod L]``).
+        like: the tensor whose elements get a number each.
 
     Returns:
-        An int32 tensor shaped as ``like``.
+        A new int32 tensor shaped as ``like``.
     """
-    idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
-    x = idx * _GOLDEN + key
-    x = ((x >> 16) ^ x) * _MIX
-    x = ((x >> 16) ^ x) * _MIX
-    return ((x >> 16) ^ x) & 0xFFFF
+    n = like.numel()
+    if key.dim() == 0 and _host_keys(key):
+        table = noise_table(like.device)
+        slices = [table[e:e + stop - start] for start, stop, e in _runs(int(key), n)]
+        flat = slices[0].clone() if len(slices) == 1 else torch.cat(slices)
+        return flat.view(like.shape)
+    return _gathered(key, n, like.device).view(like.shape)
 
 
-def weyl16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Integers in [0, 2**16), one per element of ``like``: bits 15-30 of
-    ``index * 0x9E3779B1 + key`` (a Weyl sequence), one multiply-add per element.
-
-    Keys are uniform in [0, 2**31), so bits 15-30 of ``c + key`` run through every 16-bit
-    value equally often (bit 31 would not): for a fresh key each element's number is
-    uniform, which is all an unbiased
-    rounding needs; within one key the numbers are evenly spread rather than independent (the
-    rounding errors of neighbours partly cancel). :func:`random16` mixes further, for roundings
-    whose errors should be independent (the weights of ``master="stochastic"``).
-    """
-    idx = torch.arange(like.numel(), device=like.device, dtype=torch.int32).view(like.shape)
-    return ((idx * _GOLDEN + key) >> 15) & 0xFFFF
-
-
-# -- eagerly, over a flat buffer of several tensors (in place, few passes) ------------------------
-def noise_lists(keys: torch.Tensor, tensors: list[torch.Tensor], total: int,
-                noise=random16) -> torch.Tensor:
-    """:func:`random16` or :func:`weyl16` of each of the contiguous ``tensors``, one after the
-    other, as one flat int32 tensor of ``total`` elements: element ``i`` of the flat run gets
-    the bits of ``i * 0x9E3779B1 + keys[t]`` for the tensor ``t`` it falls in (``keys``: per
-    tensor, already shifted by minus each tensor's flat offset times the multiplier, so a
-    tensor's elements get the bits its own key gives them alone). The same bits as ``noise``,
-    computed in place over one buffer (one ``_foreach_add_`` for the keys), the steps that
-    touch 16 bits of a word on its int16 halves (a little-endian machine's layout)."""
-    if noise is not random16 and noise is not weyl16:
-        raise ValueError(f"noise is random16 or weyl16; got {noise!r}")
-    weyl = noise is weyl16
-    # weyl16's bits 15-30 of the sum are bits 16-31 (the high half) of twice the sum
-    x = torch.arange(total, dtype=torch.int32, device=keys.device)
-    x.mul_(_GOLDEN_TWICE if weyl else _GOLDEN)
-    unflatten = torch._C._nn.unflatten_dense_tensors
-    torch._foreach_add_(list(unflatten(x, tensors)), list((keys * 2 if weyl else keys).unbind(0)))
-    low, high = x.view(torch.int16)[0::2], x.view(torch.int16)[1::2]
-    if weyl:
-        low.copy_(high)
-    else:  # three rounds of x ^= x >> 16 (the low half takes the high; the high its sign)
-        for _ in range(2):
-            low.bitwise_xor_(high)
-            high.bitwise_xor_(high >> 15)
-            x.mul_(_MIX)
-        low.bitwise_xor_(high)
-    high.zero_()  # the & 0xFFFF
-    return x
+def noise_lists(keys: torch.Tensor, sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The numbers of a flat run of tensors of ``sizes`` elements, one after the other: element
+    ``j`` of the run, in tensor ``t``, gets ``T[(j + keys[t]) mod L]`` (``keys``: per tensor,
+    already shifted by minus each tensor's offset in the run, so a tensor gets the numbers its
+    own key gives it alone). A flat int32 tensor."""
+    if not _host_keys(keys):
+        sizes_t = torch.tensor(sizes, device=keys.device)
+        return _gathered(torch.repeat_interleave(keys, sizes_t, output_size=sum(sizes)),
+                         sum(sizes), device)
+    table = noise_table(device)
+    slices, offset = [], 0
+    for key, size in zip(keys.tolist(), sizes):
+        slices += [table[e:e + stop - start] for start, stop, e in _runs(key + offset, size)]
+        offset += size
+    return torch.cat(slices) if slices else torch.empty(0, dtype=torch.int32, device=device)
 
 
-def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], noise: torch.Tensor,
+def _add_noise_(words: torch.Tensor, keys: torch.Tensor, sizes: list[int]) -> None:
+    """Add :func:`noise_lists` to the flat int32 ``words`` in place (eagerly with host keys:
+    one ``_foreach_add_`` of table slices onto the tensors' runs, nothing made)."""
+    if not _host_keys(keys):
+        words.add_(noise_lists(keys, sizes, words.device))
+        return
+    table = noise_table(words.device)
+    runs, tables, offset = [], [], 0
+    for key, size, run in zip(keys.tolist(), sizes, words.split(sizes)):
+        pieces = _runs(key + offset, size)
+        if len(pieces) == 1:  # (most tensors: the run itself, one slice of the table)
+            runs.append(run)
+            tables.append(table[pieces[0][2]:pieces[0][2] + size])
+        else:
+            runs += [run[start:stop] for start, stop, _ in pieces]
+            tables += [table[entry:entry + stop - start] for start, stop, entry in pieces]
+        offset += size
+    if runs:
+        torch._foreach_add_(runs, tables)
+
+
+def _plus_noise(words: torch.Tensor, key: int) -> torch.Tensor:
+    """The flat int32 ``words`` plus the numbers of ``key`` (a new tensor; the table's slices
+    read once)."""
+    table = noise_table(words.device)
+    runs = _runs(key, words.numel())
+    if len(runs) == 1:
+        return words + table[runs[0][2]:runs[0][2] + runs[0][1]]
+    out = torch.empty_like(words)
+    for start, stop, entry in runs:
+        torch.add(words[start:stop], table[entry:entry + stop - start], out=out[start:stop])
+    return out
+
+
+def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor,
                      nan: int | None = None) -> None:
     """:func:`stochastic_round` of the flat fp32 ``values`` (overwritten) into the contiguous
-    bf16 ``outs``, one after the other, with the flat int32 ``noise`` (:func:`noise_lists`):
-    the noise is added to the words in place and their high halves are the rounded values (a
-    little-endian machine's layout). ``nan``: the bf16 bit pattern written where a value is NaN
-    (None: the NaN's own high half, which a carry from its low half can turn into another
-    value; for a buffer whose NaNs the weight holds anyway)."""
+    bf16 ``outs``, one after the other, with per-tensor ``keys`` (shifted as
+    :func:`noise_lists` says): the table's numbers are added to the words in place and their
+    high halves are the rounded values (a little-endian machine's layout). ``nan``: the bf16
+    bit pattern written where a value is NaN (None: the NaN's own high half, which a carry from
+    its low half can turn into another value; for a buffer whose NaNs the weight holds
+    anyway)."""
     bad = values.isnan() if nan is not None else None
-    values.view(torch.int32).add_(noise)
+    _add_noise_(values.view(torch.int32), keys, [o.numel() for o in outs])
     high = values.view(torch.int16)[1::2]
     if bad is not None:
         high.masked_fill_(bad, nan)
@@ -116,17 +202,24 @@ def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], noise: torc
     torch._foreach_copy_(outs, unflatten(high.view(outs[0].dtype), outs))
 
 
-def stochastic_round(value: torch.Tensor, key: torch.Tensor, noise=random16) -> torch.Tensor:
-    """``value`` (fp32) rounded stochastically to bf16 with the random bits of ``key``.
+def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to bf16 with the numbers of ``key``
+    (:func:`noise16`: a 0-d key, or one per element).
 
-    The result holds exact bf16 values in an fp32 tensor's place, returned as bf16 (the final
-    conversion is exact). ``noise``: :func:`random16` or :func:`weyl16`. Works eagerly and under
-    ``torch.compile``.
+    Works eagerly (a 0-d CPU key: the table's slices added to the words, their high halves
+    kept) and under ``torch.compile`` (the numbers computed), with the same bits.
     """
-    # finite patterns never overflow int32 here; inf/NaN are passed through by the where
-    bits = value.view(torch.int32) + noise(key, value)
-    rounded = (bits & -65536).view(torch.float32)
-    return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+    if (_LITTLE and key.dim() == 0 and _host_keys(key) and value.is_contiguous()
+            and value.dtype == torch.float32):
+        words = _plus_noise(value.view(torch.int32).reshape(-1), int(key))
+        rounded = torch.empty(value.shape, dtype=torch.int16, device=value.device)
+        rounded.view(-1).copy_(words.view(torch.int16)[1::2])
+        return rounded.masked_fill_(value.isnan(), _BF16_NAN).view(torch.bfloat16)
+    # the high halves of the words plus the numbers (finite patterns never overflow int32, inf
+    # stays inf); a NaN becomes bf16's quiet NaN
+    bits = value.view(torch.int32) + noise16(key, value)
+    bits = torch.where(value.isnan(), _BF16_NAN << 16, bits)
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -141,42 +234,51 @@ def shard_key(key: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                      tensor.placements)
     strides = torch.empty(tensor.shape, device="meta").stride()
-    offset = sum(i * s for i, s in zip(start, strides))
-    # random16 hashes index * _GOLDEN + key: shifting the index is shifting the key (mod 2**32)
-    shift = (offset * _GOLDEN) % 2 ** 32
-    shift = shift - 2 ** 32 if shift >= 2 ** 31 else shift
-    return key + torch.tensor(shift, dtype=torch.int32, device=key.device)
+    return offset_key(key, sum(i * s for i, s in zip(start, strides)))
 
 
-def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor,
-                          noise=random16) -> torch.Tensor:
-    """``value`` (fp32) rounded stochastically to fp16 with the random bits of ``key``.
+def offset_key(key: torch.Tensor, offset: int) -> torch.Tensor:
+    """The key whose element ``i`` reads what element ``offset + i`` reads with ``key`` (in
+    [0, L) for a key in [0, L))."""
+    shift = (offset * KEY_STRIDE) % TABLE_SIZE
+    return (key + torch.tensor(shift, dtype=torch.int32, device=key.device)) & _MASK
 
-    fp16's exponent range is narrower than fp32's, so the bit-dropping of
-    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
-    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
-    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (13 bits), whose
-    expectation is ``value`` (to 2**-13 of a spacing in fp16's subnormal range). Works eagerly
-    and under ``torch.compile``. Values beyond fp16's range become inf, as a cast would make
-    them.
-    """
+
+def round_fp16_with(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round_fp16` of ``value`` with the numbers ``noise`` (int32, shaped as
+    ``value``: :func:`noise16` or :func:`noise_lists`)."""
     exponent = ((value.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|value|), normal fp32
     spacing_exp = torch.clamp(exponent - 10, min=-24)  # fp16: 10 stored mantissa bits
     q = ((spacing_exp + 127) << 23).view(torch.float32)
     # 13 random bits: an fp32 value holds 13 bits below the fp16 grid, and value / q + u must
     # stay exact in fp32 (16 bits could round a sum up to the next integer)
-    u = (noise(key, value) >> 3).float() * (1.0 / 8192)
+    u = (noise >> 3).float() * (1.0 / 8192)
     rounded = torch.floor(value / q + u) * q
     return torch.where(value.isfinite(), rounded, value).to(torch.float16)
 
 
-def round_stochastically(value: torch.Tensor, key: torch.Tensor, dtype: torch.dtype,
-                         noise=random16) -> torch.Tensor:
+def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to fp16 with the numbers of ``key``
+    (:func:`noise16`).
+
+    fp16's exponent range is narrower than fp32's, so the bit-dropping of
+    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
+    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
+    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (the top 13 bits of
+    the number), whose expectation is ``value`` (to 2**-13 of a spacing in fp16's subnormal
+    range). Works eagerly and under ``torch.compile``. Values beyond fp16's range become inf, as
+    a cast would make them.
+    """
+    return round_fp16_with(value, noise16(key, value))
+
+
+def round_stochastically(value: torch.Tensor, key: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
     """``value`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16; fp32: unchanged)."""
     if dtype == torch.bfloat16:
-        return stochastic_round(value, key, noise)
+        return stochastic_round(value, key)
     if dtype == torch.float16:
-        return stochastic_round_fp16(value, key, noise)
+        return stochastic_round_fp16(value, key)
     return value.to(dtype)
 
 
@@ -196,11 +298,13 @@ class RoundingGenerator:
         self.generator = torch.Generator().manual_seed(seed)
 
     def keys(self, count: int, salt: int = 0) -> list[torch.Tensor]:
-        """``count`` fresh 0-d int32 keys on the CPU (advances the generator; no host sync)."""
-        drawn = torch.randint(0, _KEY_RANGE, (max(count, 1),), generator=self.generator,
+        """``count`` fresh 0-d int32 keys on the CPU, uniform in [0, :data:`TABLE_SIZE`)
+        (advances the generator; no host sync). ``salt`` is xor-ed into them (modulo the
+        table size: still uniform)."""
+        drawn = torch.randint(0, TABLE_SIZE, (max(count, 1),), generator=self.generator,
                               dtype=torch.int32)
-        if salt:
-            drawn = drawn ^ salt
+        if salt % TABLE_SIZE:
+            drawn = drawn ^ (salt % TABLE_SIZE)
         return list(drawn.unbind(0))[:count]
 
     def state_dict(self) -> torch.Tensor:

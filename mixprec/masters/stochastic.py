@@ -1,5 +1,7 @@
 """``Stochastic``: no buffer; the updated fp32 value is written into the bf16 weight with
 stochastic rounding (:mod:`mixprec.masters.rounding`), unbiased in expectation. 0 extra bytes.
+Its random numbers are read from the noise table (a key per tensor per step, 4 bytes read per
+element), as are the Kahan compensation's.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from .base import MasterMethod, register
-from .rounding import noise_lists, round_into_lists, stochastic_round
+from .rounding import round_into_lists, stochastic_round
 
 __all__ = ["Stochastic"]
 
@@ -56,7 +58,7 @@ class Stochastic(MasterMethod):
 
     @staticmethod
     def store_lists(values, weights, buf, keys):
-        round_into_lists(values, weights, noise_lists(keys, weights, values.numel()), _NAN)
+        round_into_lists(values, weights, keys, _NAN)
 
     def assign(self, weight, buf, value):
         weight.copy_(value.to(device=weight.device, dtype=torch.float32))

@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from ..masters import MasterMethod
-from ..masters.rounding import _GOLDEN, shard_key, stochastic_round
+from ..masters.rounding import KEY_STRIDE, shard_key, stochastic_round
 from ..shards import is_dtensor, local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
@@ -113,7 +113,7 @@ class _Plan:
         zero = torch.zeros((), dtype=torch.int32)
         for size, shard in zip(sizes, shards):
             shift = int(shard_key(zero, shard)) if is_dtensor(shard) else 0
-            shifts.append(_wrap(shift - offset * _GOLDEN))
+            shifts.append(_wrap(shift - offset * KEY_STRIDE))
             offset += size
         sizes[-1] += self.pad
         self.shift = torch.tensor(shifts, dtype=torch.int32, device=device)
@@ -121,8 +121,8 @@ class _Plan:
 
     def element_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Per-element rounding keys from per-tensor ``keys``: element ``i`` of tensor ``t``
-        draws the bits its tensor's kernel would (``flat index * golden + key`` = ``i * golden
-        + key of t``)."""
+        draws the bits its tensor's kernel would (``flat index * KEY_STRIDE + key`` =
+        ``i * KEY_STRIDE + key of t``)."""
         k = keys.to(self.shift.device) + self.shift
         return torch.repeat_interleave(k, self.sizes, output_size=self.total + self.pad)
 

@@ -93,8 +93,8 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
         for i, k in enumerate(keys):
             value = state[k]
             if drawn is not None and value.dtype == torch.float32:
-                key = shard_key(drawn[i], value)
-                state[k] = _map_local(value, lambda t: stochastic_round(t, key.to(t.device)))
+                key = shard_key(drawn[i], value)  # on the CPU: the table is sliced there
+                state[k] = _map_local(value, lambda t: stochastic_round(t, key))
             else:
                 state[k] = value.to(dtype)
 
