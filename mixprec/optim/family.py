@@ -40,12 +40,13 @@ the flat buffers are bounded by that (or by the largest tensor), not by the grou
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
 
 from ..masters import MasterMethod
-from ..masters.rounding import KEY_STRIDE, shard_key, stochastic_round
+from ..masters.rounding import KEY_STRIDE, round_into_lists, shard_key, stochastic_round
 from ..shards import is_dtensor, local
 from .guard import GuardedKernel
 from .kernels import compile_options, torch_fused_problem
@@ -53,6 +54,7 @@ from .kernels import compile_options, torch_fused_problem
 __all__ = ["group_ready", "group_step"]
 
 _DEVICES = ("cpu", "cuda")
+_NAN = 0x7FC0  # a NaN moment's bf16 pattern (the compiled rounding's)
 _unflatten = torch._C._nn.unflatten_dense_tensors
 
 
@@ -233,6 +235,9 @@ def _sgd(optimizer, method, group, params, values, grads, plan, keys, state_dtyp
 
 
 def _round_back(method, moments, wide_flat, plan, keys, compiled) -> None:
+    if not compiled and sys.byteorder == "little":  # eagerly: the noise table's slices, in place
+        round_into_lists(wide_flat, moments, keys.to(plan.shift.device) + plan.shift, _NAN)
+        return
     keys = plan.element_keys(keys)[:plan.total]
     rounded = _kernel(method, "round_moment", compiled)(wide_flat, keys)
     torch._foreach_copy_(moments, _unflatten(rounded, moments))
