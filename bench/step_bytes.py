@@ -1,7 +1,7 @@
 """Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
 
     python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops]
-        [--inner default|fused|foreach] [--json FILE]
+        [--inner default|fused|foreach] [--state-dtype fp32|bf16] [--json FILE]
 
 A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
 (the third, so the state exists): an op reads each tensor argument and writes each output and
@@ -15,7 +15,8 @@ so no compiled kernel hides an op). Rows:
   gradient cast in the backward, 6 more, shown apart);
 * mixprec O2 bf16 with fp32 masters, ``master="split"``, ``"kahan"`` and ``"stochastic"``
   (``amp.step(opt)``: everything mixprec runs for the step, over a ``torch.optim.AdamW`` made
-  with ``--inner``'s flags);
+  with ``--inner``'s flags; its moments in ``--state-dtype``: bf16 moments are rounded
+  stochastically every step);
 * O2 written with torch's fused kernel and nothing more, in plain torch: the bf16 gradients
   widened into fp32 buffers (one ``_foreach_copy_``), torch's fused AdamW on fp32 masters, the
   masters cast back into the bf16 weights (one ``_foreach_copy_``), run and counted like the rest;
@@ -106,10 +107,11 @@ def bf16_row(layers: int, width: int, x: torch.Tensor) -> Row:
 INNER = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}
 
 
-def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "default") -> Row:
+def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "default",
+                state_dtype: str = "fp32") -> Row:
     model = build(layers, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **INNER[inner])
-    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master, state_dtype=state_dtype)
     model, opt = amp.setup(model, opt)
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
                lambda: opt.zero_grad(set_to_none=True), model.parameters())
@@ -146,7 +148,8 @@ def numel(row: Row) -> int:
     return sum(p.numel() for p in row.params)
 
 
-def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default") -> list[dict]:
+def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default",
+        state_dtype: str = "fp32") -> list[dict]:
     """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
     model's, launches, the step's transient peak per parameter. Returns a list of dicts
     (``name``, ``step``, ``launches``, ``transient``, ``forward``, ``backward``, ``measured``)."""
@@ -156,7 +159,7 @@ def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "defaul
     n = numel(ref_row)
     makers = [("torch fused AdamW, fp32 params, `torch.autocast` bf16",
                lambda: autocast_row(layers, width, x))]
-    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m, inner))
+    makers += [(name, lambda m=m: mixprec_row(layers, width, x, m, inner, state_dtype))
                for name, m in MASTERS.items()]
     makers += [(FUSED_ONLY, lambda: fused_only_row(layers, width, x))]
     rows = []
@@ -208,6 +211,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--inner", default="default", choices=tuple(INNER),
                         help="the AdamW mixprec's rows wrap: torch's default, fused=True or "
                              "foreach=True")
+    parser.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="the moments' dtype in mixprec's rows")
     parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
     args = parser.parse_args(argv)
     for key in ("layers", "width", "batch"):
@@ -215,11 +220,11 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
     torch.set_num_threads(1)
     with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
-        rows = run(args.layers, args.width, args.batch, args.inner)
+        rows = run(args.layers, args.width, args.batch, args.inner, args.state_dtype)
     n = args.layers * (args.width + 1) * args.width
     print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
           f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}, "
-          f"mixprec's rows over AdamW({INNER[args.inner]}); "
+          f"mixprec's rows over AdamW({INNER[args.inner]}), {args.state_dtype} moments; "
           f"bytes read + written per parameter, launches = aten ops that are not views.")
     print(f"autocast adds {AUTOCAST_CAST} B/param each forward outside the step (its weight cast):"
           f" step + cast = {rows[0]['step'] + AUTOCAST_CAST:.1f}.\n")
@@ -231,8 +236,8 @@ def main(argv=None) -> list[dict]:
                                 for k, v in r["step_ops"].items())
                 print(f"\n{r['name']}: {ops}")
     write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch,
-                           "inner": args.inner, "torch": torch.__version__,
-                           "mixprec": mp.__version__, "rows": rows})
+                           "inner": args.inner, "state_dtype": args.state_dtype,
+                           "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows})
     return rows
 
 
