@@ -126,6 +126,33 @@ def test_a_flat_run_of_tensors_gets_the_bits_each_tensor_gets_alone():
         assert torch.equal(out.view(torch.int16), stochastic_round(t, k).view(torch.int16))
 
 
+def test_keys_on_a_device_index_the_table_for_the_same_bits(monkeypatch):
+    """Keys that live on a device are not read on the host (no sync): the table is indexed
+    instead of sliced (here on the CPU, the host read switched off), with the same bits; an
+    empty tensor in a run included."""
+    from mixprec.masters import rounding
+    gen = torch.Generator().manual_seed(2)
+    sizes = [(40, 30), (0,), (7,), (L + 3,)]
+    tensors = [torch.randn(s, generator=gen) for s in sizes]
+    keys = torch.tensor([5, 9, L - 2, 100], dtype=torch.int32)
+    offsets = torch.tensor([0] + [t.numel() for t in tensors[:-1]]).cumsum(0)
+    shifted = keys - offsets.to(torch.int32)
+
+    def run():
+        outs = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        round_into_lists(torch.cat([t.reshape(-1) for t in tensors]), outs, shifted, 0x7FC0)
+        alone = [stochastic_round(t, k) for t, k in zip(tensors, keys)]
+        flat = noise_lists(shifted, [t.numel() for t in tensors], torch.device("cpu"))
+        return [t.view(torch.int16) for t in outs + alone] + [flat]
+
+    sliced = run()
+    monkeypatch.setattr(rounding, "_host_keys", lambda keys: False)
+    for a, b in zip(sliced, run()):
+        assert torch.equal(a, b)
+    for out, alone in zip(sliced[:4], sliced[4:8]):
+        assert torch.equal(out, alone)
+
+
 def test_the_sliced_and_the_indexed_rounding_agree_on_every_kind_of_value():
     """A 0-d key on the CPU slices the table; a key per element (or on a device) indexes it:
     the same bf16 bits, inf, NaN and the largest finite values included."""

@@ -36,6 +36,7 @@ tensor the key ``k + off * KEY_STRIDE`` (:func:`shard_key`).
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -133,21 +134,37 @@ def noise16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return _gathered(key, n, like.device).view(like.shape)
 
 
+def _slices(table: torch.Tensor, keys: list[int], sizes: list[int],
+            runs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ``runs`` (tensors of ``sizes`` elements, one after the other in a flat run, element
+    ``j`` of the run in tensor ``t`` reading entry ``(j + keys[t]) mod L``) cut where they wrap
+    past the table's end, and the table's slices they read."""
+    entries = [(k + o) % TABLE_SIZE for k, o in zip(keys, itertools.accumulate(sizes, initial=0))]
+    if all(e + n <= TABLE_SIZE for e, n in zip(entries, sizes)):  # no wrap: a slice each
+        return runs, [table[e:e + n] for e, n in zip(entries, sizes)]
+    cut, read = [], []
+    for run, entry, size in zip(runs, entries, sizes):
+        for start, stop, e in _runs(entry, size):
+            cut.append(run[start:stop])
+            read.append(table[e:e + stop - start])
+    return cut, read
+
+
 def noise_lists(keys: torch.Tensor, sizes: list[int], device: torch.device) -> torch.Tensor:
     """The numbers of a flat run of tensors of ``sizes`` elements, one after the other: element
     ``j`` of the run, in tensor ``t``, gets ``T[(j + keys[t]) mod L]`` (``keys``: per tensor,
     already shifted by minus each tensor's offset in the run, so a tensor gets the numbers its
     own key gives it alone). A flat int32 tensor."""
+    total = sum(sizes)
     if not _host_keys(keys):
-        sizes_t = torch.tensor(sizes, device=keys.device)
-        return _gathered(torch.repeat_interleave(keys, sizes_t, output_size=sum(sizes)),
-                         sum(sizes), device)
-    table = noise_table(device)
-    slices, offset = [], 0
-    for key, size in zip(keys.tolist(), sizes):
-        slices += [table[e:e + stop - start] for start, stop, e in _runs(key + offset, size)]
-        offset += size
-    return torch.cat(slices) if slices else torch.empty(0, dtype=torch.int32, device=device)
+        per_element = torch.repeat_interleave(keys, torch.tensor(sizes, device=keys.device),
+                                              output_size=total)
+        return _gathered(per_element, total, device)
+    out = torch.empty(total, dtype=torch.int32, device=device)
+    if total:
+        runs, read = _slices(noise_table(device), keys.tolist(), sizes, list(out.split(sizes)))
+        torch._foreach_copy_(runs, read)
+    return out
 
 
 def _add_noise_(words: torch.Tensor, keys: torch.Tensor, sizes: list[int]) -> None:
@@ -155,20 +172,10 @@ def _add_noise_(words: torch.Tensor, keys: torch.Tensor, sizes: list[int]) -> No
     one ``_foreach_add_`` of table slices onto the tensors' runs, nothing made)."""
     if not _host_keys(keys):
         words.add_(noise_lists(keys, sizes, words.device))
-        return
-    table = noise_table(words.device)
-    runs, tables, offset = [], [], 0
-    for key, size, run in zip(keys.tolist(), sizes, words.split(sizes)):
-        pieces = _runs(key + offset, size)
-        if len(pieces) == 1:  # (most tensors: the run itself, one slice of the table)
-            runs.append(run)
-            tables.append(table[pieces[0][2]:pieces[0][2] + size])
-        else:
-            runs += [run[start:stop] for start, stop, _ in pieces]
-            tables += [table[entry:entry + stop - start] for start, stop, entry in pieces]
-        offset += size
-    if runs:
-        torch._foreach_add_(runs, tables)
+    elif words.numel():
+        runs, read = _slices(noise_table(words.device), keys.tolist(), sizes,
+                             list(words.split(sizes)))
+        torch._foreach_add_(runs, read)
 
 
 def _plus_noise(words: torch.Tensor, key: int) -> torch.Tensor:
