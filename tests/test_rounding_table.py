@@ -164,6 +164,9 @@ def test_the_sliced_and_the_indexed_rounding_agree_on_every_kind_of_value():
     indexed = stochastic_round(x, k.expand(x.shape))
     assert torch.equal(sliced.view(torch.int16), indexed.view(torch.int16))
     assert sliced[2].isnan() and sliced[0] == float("inf") and sliced[1] == -float("inf")
+    empty = torch.empty(0, 3)
+    assert stochastic_round(empty, k).shape == stochastic_round(empty, k.expand(0, 3)).shape
+    assert noise16(k, empty).shape == (0, 3)
     assert torch.equal(stochastic_round(x.view(50, 100).t(), k).view(torch.int16),
                        stochastic_round(x.view(50, 100).t().contiguous(), k).view(torch.int16))
 

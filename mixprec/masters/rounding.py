@@ -62,7 +62,7 @@ _MASK = TABLE_SIZE - 1
 # the bijection of 20-bit integers behind the table: x ^= x >> shift; x *= odd (mod 2**20)
 _ROUNDS = ((10, 0x2C1B3), (9, 0x9E485), (11, 0x5D5A7))
 _LITTLE = sys.byteorder == "little"
-_BF16_NAN = 0x7FC0  # torch's cast of an fp32 NaN to bf16
+_BF16_NAN = 0x7FC0  # what a NaN rounds to: bf16's quiet NaN
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -107,7 +107,7 @@ def _host_keys(keys: torch.Tensor) -> bool:
 def _gathered(keys: torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
     """The numbers of ``count`` elements, element ``j`` with ``keys[j]`` (a key per element, or
     one 0-d key), read by index (keys on a device: no host sync) or computed (compiled)."""
-    index = torch.arange(count, device=device, dtype=torch.int32) + keys.to(device).reshape(-1)
+    index = torch.arange(count, device=device) + keys.to(device).reshape(-1)
     if torch.compiler.is_compiling():
         return noise_at(index)
     return noise_table(device)[index & _MASK]
@@ -129,7 +129,7 @@ def noise16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if key.dim() == 0 and _host_keys(key):
         table = noise_table(like.device)
         slices = [table[e:e + stop - start] for start, stop, e in _runs(int(key), n)]
-        flat = slices[0].clone() if len(slices) == 1 else torch.cat(slices)
+        flat = slices[0].clone() if len(slices) == 1 else torch.cat(slices or [table[:0]])
         return flat.view(like.shape)
     return _gathered(key, n, like.device).view(like.shape)
 
