@@ -123,6 +123,27 @@ def test_script_on_a_tiny_model(tmp_path):
         assert rows[name]["step"] >= 28 and rows[name]["launches"] >= 1, rows[name]
 
 
+def test_script_with_bf16_moments_counts_their_rounding(tmp_path):
+    """``--state-dtype bf16``: mixprec's rows widen each bf16 moment for the update and round it
+    back (at least 2 + 4 read and written per moment, twice), torch's rows are unchanged."""
+    steps = {}
+    for state_dtype in ("fp32", "bf16"):
+        out = tmp_path / f"{state_dtype}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench/step_bytes.py"), "--layers", "2",
+                               "--width", "32", "--batch", "1", "--state-dtype", state_dtype,
+                               "--json", str(out)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert report["state_dtype"] == state_dtype
+        steps[state_dtype] = {r["name"]: r["step"] for r in report["rows"]}
+    for name, fp32 in steps["fp32"].items():
+        if name.startswith("O2 bf16") or name.startswith("O2 `master"):
+            assert steps["bf16"][name] >= fp32 + 12, name
+        else:
+            assert steps["bf16"][name] == fp32, name
+
+
 @pytest.mark.parametrize("row", ["autocast", "O2", "optimi-kahan"])
 def test_llama_rows_train_at_a_tiny_size(row):
     """The rows bench/peer_memory.py and bench/step_speed.py compare build and train (loss
