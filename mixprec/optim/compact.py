@@ -14,28 +14,24 @@ per-parameter buffer and reads and writes the fp32 value the optimizer steps: it
 
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
-**Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
-``capturable``, ``differentiable``): with ``fused="auto"`` (default) a param group (per device and
-dtypes, a bounded piece at a time) with torch's own fused kernel between the method's load and
-store (:mod:`.family`: the arithmetic fp32 masters run, so ``"split"``'s masters step bit for bit
-as ``"fp32"``'s); its load/store passes run eagerly on the CPU (a first step compiles nothing) and
-compiled on CUDA. With ``fused="compile"`` (or ``"auto"`` where torch has no fused kernel for the
-device, or a tensor is not contiguous) one pass per tensor (:mod:`.compact_kernels`; compiled with
-``"compile"``, and with ``"auto"`` on CUDA: the first step compiles, seconds, logged once); with
-``fused=False`` the same per-tensor functions eagerly. Compiled kernels are checked against their
-eager twins before they are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
-``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient fp32
-copies (the compact value, gradient, moments), a bucket at a time for torch's per-parameter
-optimizers, all at once otherwise; the results are written back split, compensated or rounded
-stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
+**The step** (:mod:`.family`): every optimizer, a bounded piece of the 16-bit parameters at a
+time (a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers):
+the method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's
+store. With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the
+device (SGD/Adam/AdamW), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
+``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
+accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
+torch's; the step's transient buffers are about 8 bytes per piece element (16 with bf16 Adam
+moments), whatever the model's size, except for an optimizer that reads several parameters at
+once (a global statistic), which is stepped over everything in one piece. A step with a
+``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
 (fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
 values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
 the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
-rounding generator stay bitwise untouched. No host syncs (the per-tensor path reads Adam's
-step count, a sync on a GPU, as :mod:`mixprec.optim.kernels`).
+rounding generator stay bitwise untouched. No host syncs.
 """
 
 from __future__ import annotations
@@ -75,7 +71,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             ``Stochastic()``) or its shorthand ``"split"``, ``"kahan"``, ``"stochastic"``.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
-        bucket_mb: MiB of transient fp32 copies per bucket on the generic path (None: auto).
+        bucket_mb: MiB of fp32 values per piece of the step (None: 4 MiB, 2^20 elements).
         initial_values: 16-bit parameter -> its exact fp32 value before the cast: a Kahan
             compensation starts as what the cast lost; a split pair holds it exactly.
         seed: seed of the rounding generator.
@@ -85,6 +81,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         ValueError: already wrapped; an unknown or non-compact ``master``, ``state_dtype``,
             ``fused`` or ``bucket_mb``; ``"stochastic"``/``"split"`` with fp16 parameters.
+        RuntimeError: a big-endian machine (the store writes the halves of fp32 words).
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)

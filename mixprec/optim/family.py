@@ -1,45 +1,35 @@
 """The one step of compact masters: a bounded piece at a time, load, torch's own step, store.
 
-:class:`~mixprec.optim.compact.CompactMasterOptimizer` steps every optimizer this way, torch's
-SGD/Adam/AdamW and any other:
+:class:`~mixprec.optim.compact.CompactMasterOptimizer` steps every optimizer this way:
 
-1. **cut** the 16-bit parameters that have gradients into pieces of at most :data:`PIECE`
-   elements (``bucket_mb`` MiB of fp32 values when set), per device and weight dtype, in order.
-   A tensor larger than a piece is cut into slices (views of consecutive elements: row ranges,
-   down to ranges of a last dimension) when the inner optimizer's update of an element reads
-   only that element and per-parameter scalars (torch's per-parameter optimizers, Adafactor and
-   SparseAdam aside); a tensor of another optimizer, or with a sparse gradient, is one slice.
-   An optimizer whose update reads several parameters at once (a global statistic: any type
-   not in :data:`mixprec.optim.buckets.PER_PARAMETER_OPTIMIZERS`) gets one piece holding
-   everything: its transient buffers are the model's size;
-2. **load** each piece into a flat fp32 buffer with the master method's
-   :meth:`~mixprec.masters.MasterMethod.load_lists` (the exact split master, weight +
-   compensation, or the weight), its gradients into another (one ``_foreach_copy_``); the fp32
-   values, shaped as the slices, stand in for the parameters, their ``state`` swapped in:
-   fp32 moments as views of the parameter's own, bf16 (or strided) ones widened into a flat
-   fp32 buffer, ``step`` and other scalars the parameter's own (a slice of a cut tensor: a
-   copy, the parameter taking the result once: torch's layout, one ``step`` per parameter);
-3. **step**: the inner optimizer's own ``step()`` over those values: torch's fused kernel
-   (``fused="auto"``, where torch has one for the device and fp32; it divides the gradients by
-   a loss scale as it reads them, as for fp32 masters), else the optimizer as configured
-   (foreach or single-tensor, the gradients unscaled first). The Adam/SGD arithmetic is
-   torch's; ``fused="compile"`` runs the same step (a compact step compiles nothing);
-4. **store** with the method's :meth:`~mixprec.masters.MasterMethod.store_lists` (split
-   exactly, Kahan-compensated, or rounded stochastically) and the widened moments back
-   (bf16: rounded stochastically; moments made by the step are stored in ``state_dtype``).
+1. **cut** the 16-bit parameters with gradients into pieces of at most :data:`PIECE` elements
+   (``bucket_mb`` MiB of fp32 values when set) per device and weight dtype, in order. For
+   torch's per-parameter optimizers (Adafactor and SparseAdam aside: their state is not
+   element-wise) a larger tensor is cut into slices: flat ranges of multiples of 64 elements
+   (torch's fused CPU kernel then groups the elements for its vector loop as for the whole
+   tensor), or, for a strided tensor, row ranges. Any other optimizer (a global statistic) gets
+   one piece holding everything, its fp32 parameters too;
+2. **load** a piece into flat fp32 values (the method's
+   :meth:`~mixprec.masters.MasterMethod.load_lists`) and gradients (one ``_foreach_copy_``);
+   the values, shaped as the slices, stand in for the parameters, with their ``state``: fp32
+   moments as views of the parameter's, bf16 or strided ones widened into a flat buffer,
+   ``step`` and other scalars the parameter's own (a copy per slice of a cut tensor, written
+   back once: torch's layout, one ``step`` per parameter);
+3. **step**: the inner optimizer's own ``step()`` over them: torch's fused kernel where torch
+   has one (``fused="auto"`` or ``"compile"``: it divides the gradients by a loss scale as it
+   reads them, as for fp32 masters), else as configured (foreach or single-tensor, gradients
+   unscaled first). No Adam or SGD arithmetic of mixprec's own; nothing compiled;
+4. **store** with :meth:`~mixprec.masters.MasterMethod.store_lists` (split exactly,
+   Kahan-compensated, or rounded stochastically); widened moments go back (bf16: rounded
+   stochastically), and moments the step made are stored in ``state_dtype``.
 
-The fp32 parameters of the groups (norm layers kept in fp32) are stepped as they are, in the
-last piece's step (which runs even when no 16-bit parameter has a gradient, so schedulers and
-hooks see a step).
-
-So ``master="split"`` steps its masters bit for bit as fp32 masters do from the same state and
-gradients, and a cut tensor steps bit for bit as a whole one. Rounding bits are those of the
-element, whatever piece it lies in: element ``i`` of a tensor with key ``k`` draws the bits of
-``(k, i)`` (the per-tensor keys shifted by each slice's place in its piece and its tensor and,
-for an FSDP2 shard, the shard's place in the full tensor). Per piece: a fixed number of
-launches besides torch's step (which is per list, not per tensor, fused or foreach); no host
-sync; transient memory about 8 bytes per piece element (values, gradients), 8 more for bf16
-Adam moments.
+Then the groups' fp32 parameters (norm layers kept in fp32) are stepped as they are (that step
+always runs, so schedulers see one). So ``master="split"`` steps its masters bit for bit as fp32
+masters do, and a cut tensor as a whole one: element ``i`` of a tensor with key ``k`` draws the
+bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice's place in its
+piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
+launches besides torch's (per list, fused or foreach); no host sync; about 8 transient bytes
+per piece element (values, gradients), 8 more for bf16 Adam moments.
 """
 
 from __future__ import annotations
