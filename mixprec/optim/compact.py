@@ -204,7 +204,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return [(p, self._grad_of(p)) for p in self._model_params if p.grad is not None]
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        held = self._grads32.get(p)
+        held = self._grads32.get(p) if self._grads32 else None
         if held is not None and _is_current(held[1], p.grad):
             return held[0]
         return p.grad
@@ -280,12 +280,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
         """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
         items, fp32 = [], []
         for g, group in enumerate(self.param_groups):
-            fp32.append([p for p in group["params"] if not is_low_precision(p)])
+            fp32.append([])
             for p in group["params"]:
-                grad = self._grad_of(p) if is_low_precision(p) else None
-                if grad is not None:
-                    items.append(family.Slice(g, p, grad, self.compensation(p), len(items),
-                                              numel=local(p).numel()))
+                if not is_low_precision(p):
+                    fp32[-1].append(p)
+                elif p.grad is not None:
+                    items.append(family.Slice(g, p, self._grad_of(p), self.compensation(p),
+                                              len(items), numel=local(p).numel()))
         return items, fp32
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -148,6 +148,12 @@ def _shifts(slices: list[Slice], positions: list[int], device) -> torch.Tensor:
     return torch.tensor(shifts, dtype=torch.int32, device=device)
 
 
+def _moment(key, value, param: torch.Tensor) -> bool:
+    """:func:`.states.is_moment`, the cheap refusals first."""
+    return (isinstance(value, torch.Tensor) and value.dim() > 0
+            and states.is_moment(key, value, param))
+
+
 def _positions(slices: list[Slice]) -> list[int]:
     return list(itertools.accumulate((s.numel for s in slices), initial=0))[:-1]
 
@@ -189,7 +195,6 @@ class _Run:
             temp.grad = s.grad.float() if s.grad.is_sparse else self._placed(view, s)
             if s.grad.is_sparse:
                 self.sparse.append(temp.grad)
-        self.shift = _shifts(slices, _positions(slices), self.device)
         self._swap_in(saved)
 
     def _placed(self, tensor: torch.Tensor, s: Slice) -> torch.Tensor:
@@ -201,11 +206,11 @@ class _Run:
         self.given, wide = [], {}
         for i, (s, temp) in enumerate(zip(self.slices, self.params)):
             entry, given = {}, {}
-            source = saved.get(s.param, state.get(s.param, {}))
+            source = saved[id(s.param)] if s.index else state.get(s.param, {})
             for key, value in source.items():
                 if key in OWN_KEYS:
                     continue
-                if states.is_moment(key, value, s.param):
+                if _moment(key, value, s.param):
                     region = _view(local(value), s)
                     if region.dtype == torch.float32 and region.is_contiguous():
                         entry[key] = given[key] = self._placed(region, s)
@@ -229,27 +234,26 @@ class _Run:
     def store(self) -> None:
         """The values into the weights and buffers, the moments back, the state swapped out."""
         opt = self.opt
-        keys = self.keys[:, 0] + self.shift if opt.master.draws_bits else None
+        keys = (self.keys[:, 0] + _shifts(self.slices, _positions(self.slices), self.device)
+                if opt.master.draws_bits else None)
         opt.master.store_lists(self.values, self.weights, self.bufs, keys)
         state = opt.inner.state
         entries = [state.pop(temp) for temp in self.params]
-        # a moment's key: the column of its name among the tensor's moments (sorted)
-        names = [sorted(k for k, v in entry.items() if states.is_moment(k, v, temp))
-                 for entry, temp in zip(entries, self.params)]
 
-        def column(i: int, key: str) -> int:
-            return 1 + names[i].index(key) % (_KEYS - 1)
+        def column(i: int, key: str) -> int:  # of the name among the tensor's moments, sorted
+            names = sorted(k for k, v in entries[i].items() if _moment(k, v, self.params[i]))
+            return 1 + names.index(key) % (_KEYS - 1)
 
         for key, (flat, idx, regions) in self.wide.items():
             slices = [self.slices[i] for i in idx]
             shift = _shifts(slices, _positions(slices), self.device)
             _narrow(flat, regions, self.keys[idx, [column(i, key) for i in idx]] + shift)
         for i, (s, entry) in enumerate(zip(self.slices, entries)):
-            held = state[s.param]
+            held = state[s.param] if entry else {}  # no empty entry left behind
             for key, value in entry.items():
                 if self.given[i].get(key) is value:
                     continue
-                if key in names[i]:  # made by this step (its first): into the state dtype
+                if _moment(key, value, self.params[i]):  # made by this step: state dtype
                     self._adopt(s, held, key, local(value), self.keys[i, column(i, key)].view(1))
                 else:
                     held[key] = value
@@ -292,8 +296,8 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
     saved = {}  # the state before the step of the tensors cut into slices
     for piece in pieces:
         for s in piece:
-            if s.index and s.param not in saved:
-                saved[s.param] = dict(inner.state.get(s.param, {}))
+            if s.index and id(s.param) not in saved:
+                saved[id(s.param)] = dict(inner.state.get(s.param, {}))
     for piece in pieces:
         _step_piece(opt, piece, None, keys, grad_scale, inv, saved, whole)
     _step_piece(opt, [], fp32_params, keys, grad_scale, inv, saved, whole)
