@@ -1,12 +1,16 @@
-"""One optimizer-math family for fp32 and compact masters (mixprec/optim/family.py), the
-rounding of the bf16 forward weights, and the compiled-kernel guard (mixprec/optim/guard.py).
+"""One optimizer arithmetic, torch's, for fp32 and compact masters (the compact step a bounded
+piece at a time: mixprec/optim/family.py), the rounding of the bf16 forward weights, and the
+compiled-kernel guard (mixprec/optim/guard.py).
 
 Tolerances: none. From the same fp32 state and the same gradients ``master="split"`` steps its
-masters bit for bit as ``master="fp32"`` on the default path; the forward weights are torch's
-cast of the masters (fp32 masters) and equal it except at exact ties (split: away from zero); a
-split model loaded from plain ``state_dict``s, in either order, holds the saved masters and
-weights bit for bit and continues as the uninterrupted run; a compiled kernel that disagrees
-with its eager twin is replaced by it, so the numbers are bit for bit the eager ones.
+masters bit for bit as ``master="fp32"`` on the default path, with tensors cut into slices too;
+a tensor cut into slices steps bit for bit as a whole one (every method, rounding bits
+included); the forward weights are torch's cast of the masters (fp32 masters) and equal it
+except at exact ties (split: away from zero); a split model loaded from plain ``state_dict``s,
+in either order, holds the saved masters and weights bit for bit and continues as the
+uninterrupted run; a compiled kernel that disagrees with its eager twin is replaced by it, so
+the numbers are bit for bit the eager ones. The transient memory of a compact step: under 40
+bytes per piece element, whatever the size of the tensor.
 """
 
 import copy
