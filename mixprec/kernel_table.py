@@ -31,10 +31,6 @@ The paths:
   ``"compile"`` (one compiled pass per parameter) on the CPU; ``"fused"`` (torch's fused
   multi-tensor kernels) elsewhere, where one compiled launch per parameter costs more than it
   saves (docs/benchmarks.md, "nine-linear and transformer on a GPU").
-* **the load/store passes of the compact masters' group step**
-  (:meth:`KernelTable.compiles_master_kernels`): compiled on CUDA, where eager element-wise
-  passes are bound by memory traffic; eager on the CPU and elsewhere, so a first step compiles
-  nothing (``fused="compile"`` compiles them anywhere).
 * **norm layers fed low-precision activations** (:meth:`KernelTable.norm_reads_low_precision`):
   which norm kernels read bf16/fp16 input with fp32 parameters (see
   :func:`mixprec.casting.takes_low_precision_input`).
@@ -194,12 +190,6 @@ class KernelTable:
         """The master step a compiling Trainer turns on: ``"compile"`` on the CPU, else
         ``"fused"`` (torch's fused kernels, ``MasterWeightOptimizer(fused="auto")``)."""
         return "compile" if self.row(device_type) == "cpu" else "fused"
-
-    def compiles_master_kernels(self, device_type: str) -> bool:
-        """Whether a compact master optimizer with ``fused="auto"`` runs its load/store passes
-        compiled on ``device_type`` (CUDA) rather than eagerly (the CPU: a compile there costs
-        seconds on the first step, more than it saves in a short run)."""
-        return self.row(device_type) == "cuda"
 
     def norm_reads_low_precision(self, kind: str, device_type: str) -> bool:
         """Whether the norm kernel of ``kind`` (``"batch_norm"``, ``"layer_norm"``,

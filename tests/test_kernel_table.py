@@ -37,7 +37,6 @@ def test_a_device_type_without_rows_of_its_own_assumes_no_fused_kernel(device_ty
             with pytest.raises(TypeError, match=rf"{dtype}.*must be one of"):
                 path(device_type, dtype)
     assert table.master_step(device_type) == "fused"
-    assert table.compiles_master_kernels(device_type) is False
     for kind in ("batch_norm", "layer_norm", "group_norm"):
         assert table.norm_reads_low_precision(kind, device_type) is False
 

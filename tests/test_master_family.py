@@ -1,12 +1,16 @@
-"""One optimizer-math family for fp32 and compact masters (mixprec/optim/family.py), the
-rounding of the bf16 forward weights, and the compiled-kernel guard (mixprec/optim/guard.py).
+"""One optimizer arithmetic, torch's, for fp32 and compact masters (the compact step a bounded
+piece at a time: mixprec/optim/family.py), the rounding of the bf16 forward weights, and the
+compiled-kernel guard (mixprec/optim/guard.py).
 
 Tolerances: none. From the same fp32 state and the same gradients ``master="split"`` steps its
-masters bit for bit as ``master="fp32"`` on the default path; the forward weights are torch's
-cast of the masters (fp32 masters) and equal it except at exact ties (split: away from zero); a
-split model loaded from plain ``state_dict``s, in either order, holds the saved masters and
-weights bit for bit and continues as the uninterrupted run; a compiled kernel that disagrees
-with its eager twin is replaced by it, so the numbers are bit for bit the eager ones.
+masters bit for bit as ``master="fp32"`` on the default path, with tensors cut into slices too;
+a tensor cut into slices steps bit for bit as a whole one (every method, rounding bits
+included); the forward weights are torch's cast of the masters (fp32 masters) and equal it
+except at exact ties (split: away from zero); a split model loaded from plain ``state_dict``s,
+in either order, holds the saved masters and weights bit for bit and continues as the
+uninterrupted run; a compiled kernel that disagrees with its eager twin is replaced by it, so
+the numbers are bit for bit the eager ones. The transient memory of a compact step: under 40
+bytes per piece element, whatever the size of the tensor.
 """
 
 import copy
@@ -16,13 +20,14 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec as mp
-from mixprec.masters import Kahan
 from mixprec.masters.split_bits import split_of
 from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
 
@@ -114,10 +119,14 @@ def masters_of(net, opt):
     return [held.get(p, p).detach() for p in net.parameters()]
 
 
+@pytest.mark.parametrize("piece", [None, 64])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_split_steps_its_masters_bit_for_bit_as_fp32_masters_on_the_default_path(name):
+def test_split_steps_its_masters_bit_for_bit_as_fp32_masters_on_the_default_path(name, piece,
+                                                                                   monkeypatch):
     """30 steps with the same gradients: masters bitwise equal after every step, weights equal
-    except at exact ties."""
+    except at exact ties; also with pieces of 64 elements (every tensor of the MLP cut)."""
+    if piece is not None:
+        monkeypatch.setattr(family, "PIECE", piece)
     (net32, opt32), (net, opt) = (prepared(m, OPTIMIZERS[name]) for m in ("fp32", "split"))
     for i in range(30):
         step_in_lockstep([net32, net], [opt32, opt], i)
@@ -273,11 +282,17 @@ def test_a_group_is_stepped_with_a_fixed_number_of_operations(master):
 
 
 # -- the guard ------------------------------------------------------------------------------------
+def kahan_store(weight, comp, new):
+    """An eager Kahan store (weight to nearest, the compensation what that lost)."""
+    hi = new.to(weight.dtype)
+    return hi, (new - hi.float()).to(comp.dtype)
+
+
 def wrong_compiler(fn):
     """A "compiled" store that writes 4.73 times too far (what one torch's Kahan kernel did)."""
-    def wrong(weight, comp, new, key):
-        before = Kahan.load(weight, comp)
-        return fn(weight, comp, before + (new - before) * -4.73, key)
+    def wrong(weight, comp, new):
+        before = weight.float() + comp.float()
+        return fn(weight, comp, before + (new - before) * -4.73)
     return wrong
 
 
@@ -288,35 +303,20 @@ def fresh_verdicts():
     guard.forget_verdicts()
 
 
-def run_kahan(steps=4):
-    torch.manual_seed(3)
-    w = nn.Parameter(torch.randn(40, 30).bfloat16())
-    opt = CompactMasterOptimizer(torch.optim.AdamW([w], lr=1e-2), "kahan", fused="auto")
-    for i in range(steps):
-        w.grad = torch.randn(40, 30, generator=torch.Generator().manual_seed(i)).bfloat16()
-        opt.step()
-    return opt.fp32_values()[w]
-
-
-def test_a_compiled_kernel_that_disagrees_falls_back_to_eager_with_one_warning(
-        monkeypatch, fresh_verdicts):
-    def eager(method, name, compiled):  # every kernel eager: the reference
-        return family._eager(type(method), name)
-
-    # the flat-buffer path, the one compiled kernels run on (eagerly Kahan steps the lists)
-    monkeypatch.setattr(Kahan, "steps_lists", lambda self: False)
-    monkeypatch.setattr(family, "_kernel", eager)
-    expected = run_kahan()
-    bad = guard.GuardedKernel("group store (kahan)", Kahan.stored, compiler=wrong_compiler)
-    monkeypatch.setattr(family, "_kernel", lambda method, name, compiled:
-                        bad if name == "store" else eager(method, name, compiled))
+def test_a_compiled_kernel_that_disagrees_falls_back_to_eager_with_one_warning(fresh_verdicts):
+    weight = torch.randn(40, 30).bfloat16()
+    comp = torch.zeros(40, 30, dtype=torch.bfloat16)
+    news = [torch.randn(40, 30, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    expected = [kahan_store(weight, comp, new) for new in news]
+    bad = guard.GuardedKernel("group store (kahan)", kahan_store, compiler=wrong_compiler)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = run_kahan()
+        got = [bad(weight, comp, new) for new in news]
     ours = [w for w in seen if issubclass(w.category, guard.CompiledKernelWarning)]
     assert len(ours) == 1
     assert "group store" in str(ours[0].message) and torch.__version__ in str(ours[0].message)
-    assert torch.equal(got, expected)
+    for (w0, c0), (w1, c1) in zip(expected, got):
+        assert torch.equal(w0, w1) and torch.equal(c0, c1)
     assert list(guard.verdicts().values()) == [False]
 
 
@@ -376,18 +376,21 @@ def test_fp32_masters_and_split_agree_through_a_loss_scale_and_a_clip(clip):
     assert_weights_of(net32, net, ref)
 
 
+@pytest.mark.parametrize("fused", ["auto", "compile", False])
 @pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
-def test_the_default_step_compiles_nothing_on_the_cpu(master, fresh_verdicts):
-    """``fused="auto"`` on the CPU: torch's fused kernel between eager load and store passes (a
-    first step costs what a later one does, not seconds of compilation); CUDA's row compiles."""
+def test_a_compact_step_compiles_nothing(master, fused, fresh_verdicts, monkeypatch):
+    """torch's step between eager load and store passes, whatever ``fused`` says (a first step
+    costs what a later one does, not seconds of compilation)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a compact step compiled something")
+
+    monkeypatch.setattr(torch, "compile", refuse)
     params = [nn.Parameter(torch.randn(6, 5).bfloat16()) for _ in range(3)]
-    opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master)
+    opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master, fused=fused)
     for p in params:
         p.grad = torch.randn(6, 5).bfloat16()
     opt.step()
-    assert guard.verdicts() == {} and not opt._compiled()
-    opt.fused = "compile"
-    assert opt._compiled()
+    assert guard.verdicts() == {}
 
 
 def test_a_compile_is_logged_once_with_what_and_how_long(fresh_verdicts, caplog):
@@ -402,32 +405,108 @@ def test_a_compile_is_logged_once_with_what_and_how_long(fresh_verdicts, caplog)
     assert "cpu" in said[0] and "torch.float32" in said[0] and " s (once per process)" in said[0]
 
 
-def test_a_group_is_stepped_in_bounded_pieces_with_the_same_bits(monkeypatch):
-    """Pieces of at most PIECE elements (a larger tensor alone) give the bits one piece gives:
-    each tensor draws its own rounding bits wherever it lies."""
-    from mixprec.optim import compact_kernels
-    sizes = [(40, 30), (7,), (64, 64), (3, 3), (100,)]
-    runs = []
-    for piece in (1 << 20, 1000):
-        monkeypatch.setattr(compact_kernels, "PIECE", piece)
-        gen = torch.Generator().manual_seed(0)
-        params = [nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in sizes]
-        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-2), "kahan",
-                                     state_dtype="bf16")
-        calls = []
-        monkeypatch.setattr(compact_kernels.family, "group_step",
-                            lambda *a, real=compact_kernels.family.group_step:
-                            calls.append(sum(p.numel() for p, _, _ in a[3])) or real(*a))
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
-            opt.step()
-        monkeypatch.undo()
-        runs.append(([p.detach().clone() for p in params], calls))
-    (whole, one), (cut, many) = runs
-    assert len(set(one)) == 1 and max(many) <= 64 * 64 and len(many) > len(one)
+SIZES = [(40, 30), (7,), (64, 64), (3, 3), (101,), (5, 300), (64, 40), (128, 3)]
+
+
+def cut_run(master, dtype, state_dtype, make, piece, monkeypatch):
+    """3 steps of 8 tensors (the last two transposed: cut by rows, and by ranges of a row) with
+    pieces of ``piece`` elements; a NaN planted in a weight before the last. Returns the 16-bit
+    weights, buffers, moments and step counts (as int16 / fp32 bits), and the elements of each piece
+    stepped."""
+    monkeypatch.setattr(family, "PIECE", piece)
+    stepped = []
+    real = family._step_piece
+    monkeypatch.setattr(family, "_step_piece", lambda opt, piece, *a: (piece and stepped.append(
+        sum(s.numel for s in piece))) or real(opt, piece, *a))
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SIZES]
+    params[-2:] = [nn.Parameter(p.detach().t()) for p in params[-2:]]  # not contiguous
+    opt = CompactMasterOptimizer(make(params), master, state_dtype=state_dtype)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        if step == 2:
+            params[1].data[3] = float("nan")
+        opt.step()
+    monkeypatch.undo()
+    held = [p.detach().clone() for p in params]
+    for p in params:
+        held += [v.clone() for v in opt.state[p].values() if torch.is_tensor(v)]
+    return held, stepped
+
+
+CUT = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+       "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+       "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True, momentum=0.5)}
+
+
+@pytest.mark.parametrize("name", CUT)
+@pytest.mark.parametrize("master,dtype,state_dtype", [
+    ("split", torch.bfloat16, "fp32"), ("kahan", torch.bfloat16, "bf16"),
+    ("kahan", torch.float16, "bf16"), ("stochastic", torch.bfloat16, "bf16")])
+def test_tensors_larger_than_a_piece_step_bit_for_bit_as_whole_ones(master, dtype, state_dtype,
+                                                                     name, monkeypatch):
+    """Pieces of 64 elements (tensors cut into slices: ranges of the flat tensor, strided rows,
+    ranges of a strided row) against one piece: weights, buffers, moments and step counts bit for
+    bit (each element draws its own rounding bits wherever it lies; a NaN weight stays NaN)."""
+    whole, one = cut_run(master, dtype, state_dtype, CUT[name], 1 << 20, monkeypatch)
+    cut, many = cut_run(master, dtype, state_dtype, CUT[name], 64, monkeypatch)
+    assert len(one) == 3 and max(many) <= 64 and len(many) > 3 * 100
+    assert len(whole) == len(cut)
+    assert whole[1][3].isnan()
     for a, b in zip(whole, cut):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        nan = a.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+        assert torch.equal(nan, b.isnan() if b.is_floating_point() else nan)
+        assert torch.equal(a[~nan], b[~nan])
+
+
+class TransientPeak(TorchDispatchMode):
+    """The most bytes of storages made by ops inside the block alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, size):
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(t, torch.Tensor) and func._schema.returns[0].alias_info is None:
+                    storage = t.untyped_storage()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, storage.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("master,state_dtype", [("split", "fp32"), ("kahan", "bf16"),
+                                                ("stochastic", "bf16")])
+def test_the_transient_memory_of_a_step_is_bounded_by_the_piece(master, state_dtype,
+                                                                 monkeypatch):
+    """One big tensor (16 or 64 pieces of 1024 elements) beside a small one, AdamW, the third
+    step: the storages the step makes and frees peak at under 40 bytes per piece element (fp32
+    values, gradients, widened moments, rounding bits), whatever the tensor's size."""
+    monkeypatch.setattr(family, "PIECE", 1024)
+    peaks = []
+    for rows in (16, 64):
+        params = [nn.Parameter(torch.randn(rows, 1024).bfloat16()),
+                  nn.Parameter(torch.randn(10).bfloat16())]
+        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-3), master,
+                                     state_dtype=state_dtype)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape).bfloat16()
+            if step < 2:
+                opt.step()
+        with TransientPeak() as counted:
+            opt.step()
+        peaks.append(counted.peak)
+    assert max(peaks) < 40 * 1024
+    assert peaks[1] <= peaks[0] + 1024  # no part that grows with the tensor
 
 
 def test_copies_of_the_inputs_are_checked_not_the_inputs(fresh_verdicts):
@@ -473,35 +552,3 @@ def test_kahan_and_stochastic_group_updates_track_an_fp32_reference(master):
     for p, r in zip(low, ref):
         scale = r.detach().abs().max().item()
         torch.testing.assert_close(values[p], r.detach(), rtol=0, atol=factor * scale)
-
-
-@pytest.mark.parametrize("master,dtype", [("kahan", torch.bfloat16), ("kahan", torch.float16),
-                                          ("stochastic", torch.bfloat16)])
-def test_the_eager_lists_step_gives_the_flat_kernels_bits(master, dtype, monkeypatch):
-    """Eagerly Kahan and stochastic rounding load from and store into the lists straight (no
-    flat copies of the weights): 3 steps give the weights and compensations, bit for bit, of the
-    flat-buffer kernels (the ones compiled kernels are checked against), rounding bits included;
-    a NaN weight stays NaN."""
-    from mixprec.masters import resolve
-    cls = type(resolve(master))
-    sizes = [(40, 30), (7,), (64, 64), (3, 3), (101,)]
-    runs = []
-    for lists in (True, False):
-        monkeypatch.setattr(cls, "steps_lists", lambda self, lists=lists: lists)
-        gen = torch.Generator().manual_seed(0)
-        params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in sizes]
-        opt = CompactMasterOptimizer(torch.optim.AdamW(params, lr=1e-2), master,
-                                     state_dtype="bf16")
-        for step in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-            if step == 2:
-                params[1].data[3] = float("nan")
-            opt.step()
-        comps = [opt.compensation(p) for p in params] if master == "kahan" else []
-        runs.append([t.detach().clone().view(torch.int16) for t in params + comps])
-    assert runs[0][1][3].view(dtype).isnan()
-    for a, b in zip(*runs):  # NaN patterns may differ (a NaN either way)
-        nan = a.view(dtype).isnan()
-        assert torch.equal(nan, b.view(dtype).isnan())
-        assert torch.equal(a[~nan], b[~nan])

@@ -13,9 +13,9 @@ policies) that owns everything depending on which method it is:
   compact method, its per-parameter buffer (:attr:`~MasterMethod.buffer_key`,
   :meth:`~MasterMethod.make_buffer`) and its load hooks;
 * for a compact method, how the fp32 value the optimizer steps is read from the weight and its
-  buffer and written back (:meth:`~MasterMethod.load`, :meth:`~MasterMethod.store`,
-  :meth:`~MasterMethod.stored`, :meth:`~MasterMethod.assign`): the optimizers ask the method,
-  per tensor or over a param group's flat buffers;
+  buffer and written back (:meth:`~MasterMethod.load_lists`, :meth:`~MasterMethod.store_lists`
+  over a piece of a param group's tensors; :meth:`~MasterMethod.load` of one tensor;
+  :meth:`~MasterMethod.assign`): the optimizer asks the method;
 * its size: :meth:`~MasterMethod.master_bytes` per 16-bit parameter;
 * what FSDP2 needs: whether the shards stay fp32 (:attr:`~MasterMethod.compact` is False:
   the fp32 shards are the masters) and whether the wrapped optimizer needs the fp32 values
@@ -54,8 +54,8 @@ class MasterMethod(Component):
         compact: True when there is no fp32 copy: the optimizer steps the 16-bit weights in
             place (:class:`mixprec.optim.CompactMasterOptimizer`).
         buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
-        draws_bits: True when :meth:`store` rounds with random bits (it gets a key per
-            element over a param group's flat buffer); False when it is exact.
+        draws_bits: True when :meth:`store_lists` rounds with random bits (it gets a key per
+            tensor); False when it is exact.
     """
 
     registry: ClassVar[Registry] = _REGISTRY
@@ -106,57 +106,28 @@ class MasterMethod(Component):
         its others); default: none."""
 
     # -- load and store (compact methods) --------------------------------------------------
-    # Static functions of plain tensors (this rank's part of an FSDP2 shard): they run eagerly
-    # and inside compiled kernels (one compile per method class), with the same bits.
+    # Static functions of plain tensors (this rank's part of an FSDP2 shard), eager.
     @staticmethod
     def load(weight: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         """The fp32 value a 16-bit ``weight`` and its buffer (None: the method keeps none)
-        stand for (a new tensor)."""
+        stand for (a new tensor): what :meth:`load_lists` writes, for one tensor."""
         raise NotImplementedError("a compact master method defines load()")
-
-    @staticmethod
-    def store(weight: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor,
-              key: torch.Tensor) -> None:
-        """Write the fp32 ``new`` into ``weight`` and its buffer, in place; ``key``: the int32
-        rounding key of the tensor (0-d) or of each element (shaped as ``new``)."""
-        raise NotImplementedError("a compact master method defines store()")
-
-    @staticmethod
-    def stored(weight: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor,
-               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What :meth:`store` writes, as new tensors ``(weight, buffer or None)`` in the dtypes
-        of ``weight`` and ``buf``; writes into none of its inputs (the form the compiled group
-        kernels take: no in-place mutation of inputs inside a compiled graph)."""
-        raise NotImplementedError("a compact master method defines stored()")
-
-    @staticmethod
-    def kernel_views(weight: torch.Tensor, buf: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The views of a flat ``weight`` and buffer the kernels read (default: themselves;
-        :meth:`load`, :meth:`store` and :meth:`stored` take these views)."""
-        return weight, buf
-
-    # -- load and store straight from the lists (eager, optional) --------------------------
-    def steps_lists(self) -> bool:
-        """True when the method has an eager :meth:`load_lists`/:meth:`store_lists` (fewer
-        passes over memory than gathering the weights into flat buffers first)."""
-        return False
 
     @staticmethod
     def load_lists(out: torch.Tensor, weights: list[torch.Tensor],
                    bufs: list[torch.Tensor] | None) -> None:
-        """Write the fp32 values of the contiguous ``weights`` (and buffers), one after the
-        other, into the flat fp32 ``out`` (eagerly; :meth:`load`'s values)."""
-        raise NotImplementedError("a method whose steps_lists() is True defines load_lists()")
+        """Write the fp32 values of the ``weights`` (and buffers; any strides: their elements in
+        order), one after the other, into the flat fp32 ``out`` (:meth:`load`'s values)."""
+        raise NotImplementedError("a compact master method defines load_lists()")
 
     @staticmethod
     def store_lists(values: torch.Tensor, weights: list[torch.Tensor],
                     bufs: list[torch.Tensor] | None, keys: torch.Tensor | None) -> None:
-        """Write the flat fp32 ``values`` into the contiguous ``weights`` and buffers (eagerly;
-        :meth:`store`'s bits; ``values`` may be overwritten). ``keys``: the int32 rounding key
-        of each tensor, shifted so that flat element ``i`` of tensor ``t`` draws the bits of
-        ``i * 0x9E3779B1 + keys[t]`` (None when :attr:`draws_bits` is False)."""
-        raise NotImplementedError("a method whose steps_lists() is True defines store_lists()")
+        """Write the flat fp32 ``values`` into the ``weights`` and buffers (any strides; ``values``
+        may be overwritten). ``keys``: the int32 rounding key of each tensor, shifted so that
+        flat element ``i`` of tensor ``t`` draws the bits of ``i * 0x9E3779B1 + keys[t]``
+        (None when :attr:`draws_bits` is False)."""
+        raise NotImplementedError("a compact master method defines store_lists()")
 
     def assign(self, weight: torch.Tensor, buf: torch.Tensor | None,
                value: torch.Tensor) -> None:

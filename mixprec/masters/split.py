@@ -14,24 +14,13 @@ or ``"fp32"`` for fp16).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import ClassVar
 
 import torch
 
 from ..shards import local
 from .base import MasterMethod, register
-from .split_bits import (
-    load_halves,
-    pair_views,
-    split_load,
-    split_load_pairs,
-    split_of,
-    split_pairs_of,
-    split_store,
-    split_store_pairs,
-    store_halves,
-)
+from .split_bits import load_halves, split_load, split_store, store_halves
 
 __all__ = ["Split", "REMAINDER_KEY"]
 
@@ -70,37 +59,12 @@ class Split(MasterMethod):
         return rem
 
     # -- load and store: the exact join and split (mixprec.masters.split_bits) ---------------
-    # An int32 weight is a CPU pair of neighbours as int32 words (kernel_views): inductor's CPU
-    # code vectorizes int32 arithmetic, not int16. Triton handles int16 well: CUDA keeps it.
     @staticmethod
     def load(weight, rem):
-        if weight.dtype == torch.int32:
-            return split_load_pairs(weight, rem)
         return split_load(weight, rem)
 
     @staticmethod
-    def store(weight, rem, new, key):
-        if weight.dtype == torch.int32:
-            split_store_pairs(weight, rem, new)
-        else:
-            split_store(weight, rem, new)
-
-    @staticmethod
-    def stored(weight, rem, new, key):
-        return split_pairs_of(new) if weight.dtype == torch.int32 else split_of(new)
-
-    @staticmethod
-    def kernel_views(weight, rem):
-        if weight.device.type != "cpu":
-            return weight, rem
-        return pair_views(weight, rem) or (weight, rem)
-
-    # eagerly, straight from and into the lists: the halves of the fp32 words
-    def steps_lists(self) -> bool:
-        return sys.byteorder == "little"
-
-    @staticmethod
-    def load_lists(out, weights, rems):
+    def load_lists(out, weights, rems):  # the halves of the fp32 words
         load_halves(out, weights, rems)
 
     @staticmethod

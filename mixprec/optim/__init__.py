@@ -16,9 +16,9 @@ split and rounding arithmetic) and imports it; nothing there imports this packag
   run once per step, over every parameter); :mod:`.loadcheck` (a loaded ``state_dict`` checked
   against the parameters).
 * :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights stepped in place through
-  their method's ``load``/``store``; :mod:`.compact_kernels` (its one-pass kernels),
-  :mod:`.family` (a param group at a time through torch's fused kernels), :mod:`.compact_state`,
-  :mod:`.states` (bf16 moments), :mod:`.guard` (compiled kernels checked against eager ones).
+  their method's load and store; :mod:`.family` (its one step: a bounded piece at a time,
+  torch's own step between load and store), :mod:`.compact_state`, :mod:`.states` (bf16
+  moments), :mod:`.guard` (compiled kernels checked against eager ones).
 """
 
 from .build import compile_master_step, wrap_optimizer

@@ -14,51 +14,42 @@ per-parameter buffer and reads and writes the fp32 value the optimizer steps: it
 
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
-**Update paths.** torch's ``SGD``/``Adam``/``AdamW`` (without ``amsgrad``, ``maximize``,
-``capturable``, ``differentiable``): with ``fused="auto"`` (default) a param group (per device and
-dtypes, a bounded piece at a time) with torch's own fused kernel between the method's load and
-store (:mod:`.family`: the arithmetic fp32 masters run, so ``"split"``'s masters step bit for bit
-as ``"fp32"``'s); its load/store passes run eagerly on the CPU (a first step compiles nothing) and
-compiled on CUDA. With ``fused="compile"`` (or ``"auto"`` where torch has no fused kernel for the
-device, or a tensor is not contiguous) one pass per tensor (:mod:`.compact_kernels`; compiled with
-``"compile"``, and with ``"auto"`` on CUDA: the first step compiles, seconds, logged once); with
-``fused=False`` the same per-tensor functions eagerly. Compiled kernels are checked against their
-eager twins before they are trusted (:mod:`.guard`). Any other torch optimizer (``RMSprop``,
-``Adagrad``, torchao's and bitsandbytes' 8-bit optimizers, ...) runs its own step on transient fp32
-copies (the compact value, gradient, moments), a bucket at a time for torch's per-parameter
-optimizers, all at once otherwise; the results are written back split, compensated or rounded
-stochastically. A step with a ``closure`` (LBFGS) is refused: use fp32 masters.
+**The step** (:mod:`.family`): every optimizer, a bounded piece of the 16-bit parameters at a
+time (a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers):
+the method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's
+store. With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the
+device (SGD/Adam/AdamW), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
+``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
+accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
+torch's; the step's transient buffers are about 8 bytes per piece element (16 with bf16 Adam
+moments), whatever the model's size, except for an optimizer that reads several parameters at
+once (a global statistic), which is stepped over everything in one piece. A step with a
+``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
 (fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
 values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
 the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
-rounding generator stay bitwise untouched. No host syncs (the per-tensor path reads Adam's
-step count, a sync on a GPU, as :mod:`mixprec.optim.kernels`).
+rounding generator stay bitwise untouched. No host syncs.
 """
 
 from __future__ import annotations
 
-import contextlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .. import kernel_table, masters
+from .. import masters
 from ..dtypes import is_low_precision
-from ..masters.rounding import DEFAULT_SEED, RoundingGenerator, shard_key
+from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from ..shards import local
-from . import compact_kernels as ck
-from . import compact_state, states
-from .buckets import is_per_parameter
+from ..shards import like_shard, local
+from . import compact_state, family, states
 from .compact_state import load_generator, save_pending, share_with_inner
-from .kernels import torch_fused, torch_fused_problem
 from .params import _is_current, _source_key
-from .states import OWN_KEYS
-from .steps import amp_arguments
 from .wrapper import (
     WrappedOptimizer,
     check_bucket_mb,
@@ -80,7 +71,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             ``Stochastic()``) or its shorthand ``"split"``, ``"kahan"``, ``"stochastic"``.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
-        bucket_mb: MiB of transient fp32 copies per bucket on the generic path (None: auto).
+        bucket_mb: MiB of fp32 values per piece of the step (None: 4 MiB, 2^20 elements).
         initial_values: 16-bit parameter -> its exact fp32 value before the cast: a Kahan
             compensation starts as what the cast lost; a split pair holds it exactly.
         seed: seed of the rounding generator.
@@ -90,6 +81,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         ValueError: already wrapped; an unknown or non-compact ``master``, ``state_dtype``,
             ``fused`` or ``bucket_mb``; ``"stochastic"``/``"split"`` with fp16 parameters.
+        RuntimeError: a big-endian machine (the store writes the halves of fp32 words).
 
     Example:
         >>> model = nn.Linear(4, 2).to(torch.bfloat16)
@@ -112,6 +104,9 @@ class CompactMasterOptimizer(WrappedOptimizer):
             raise ValueError(f"CompactMasterOptimizer steps 16-bit weights without fp32 masters: "
                              f"master must be one of {', '.join(map(repr, compact))}; got "
                              f"{master!r} (fp32 masters: mixprec.MasterWeightOptimizer)")
+        if sys.byteorder != "little":  # the store writes the halves of fp32 words
+            raise RuntimeError(f"master={str(method)!r} steps on little-endian machines only; "
+                               "use master='fp32'")
         self.master = method
         self._buffer_key = method.buffer_key
         self.state_dtype = states.check_state_dtype(state_dtype)
@@ -136,13 +131,6 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 f"{len(self._low)} 16-bit parameters, fused={self.fused!r}, {self.inner!r})")
 
     # -- set-up --------------------------------------------------------------------------------
-    def _check_fused(self, value) -> None:
-        if value == "compile":
-            problem = ck.fast_problem(self.inner)
-            if problem is not None:
-                raise ValueError(f"fused='compile' runs torch.optim.SGD/Adam/AdamW; {problem}. "
-                                 "Use fused='auto' or False for other optimizers or options")
-
     def _rebuild(self) -> None:
         super()._rebuild()
         self._low = [p for p in self._model_params if is_low_precision(p)]
@@ -183,7 +171,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s buffer: its Kahan compensation (``"kahan"``) or int16 remainder
         (``"split"``); None for ``"stochastic"`` or fp32 params."""
-        comp = ck.compensation(self, param, self._buffer_key)
+        key = self._buffer_key
+        comp = None if key is None else self.state.get(param, {}).get(key)
         return self._pending.get(param) if comp is None else comp
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -196,7 +185,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         master for ``"split"``, weight + compensation for ``"kahan"``, the weight's upcast for
         ``"stochastic"``."""
         with torch.no_grad():
-            return {p: ck.value_of(self.master, p.detach(), self.compensation(p))
+            return {p: like_shard(self.master.load(local(p.detach()),
+                                                   local(self.compensation(p))), p)
                     for p in self._low}
 
     def masters_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
@@ -214,7 +204,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return [(p, self._grad_of(p)) for p in self._model_params if p.grad is not None]
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        held = self._grads32.get(p)
+        held = self._grads32.get(p) if self._grads32 else None
         if held is not None and _is_current(held[1], p.grad):
             return held[0]
         return p.grad
@@ -278,105 +268,26 @@ class CompactMasterOptimizer(WrappedOptimizer):
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._settle_pending()
         try:
-            if self._fast_path():
-                self._fast_step(inv, grad_scale)
-            else:
-                for bucket in self.buckets():
-                    self._generic_bucket(bucket, inv)
+            items, fp32 = self._items()
+            family.step(self, items, fp32, None if grad_scale is None
+                        else grad_scale.to(torch.float32), inv)
         finally:
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return None
 
-    def _fast_path(self) -> bool:
-        if ck.fast_problem(self.inner) is not None:
-            return False
-        return not any(p.grad is not None and p.grad.is_sparse for p in self._low)
-
-    def _compiled(self) -> bool:
-        """Whether the load/store passes run compiled: ``fused="compile"``, or ``"auto"`` where
-        the kernel table compiles them (CUDA; on the CPU a first step compiles nothing)."""
-        table = kernel_table.TABLE
-        return self._fused == "compile" or (
-            self._fused == "auto" and all(table.compiles_master_kernels(p.device.type)
-                                          and ck.can_compile(p.device.type) for p in self._low))
-
-    def _fast_step(self, inv, grad_scale) -> None:
-        """The one-pass kernels or the group step; where torch's fused kernel runs, it divides
-        the gradients by ``grad_scale`` as it reads them (as for fp32 masters, so the two agree
-        bit for bit under a loss scale or a clip folded into it), else they are multiplied by
-        ``inv`` first."""
-        low, rest = [], []
-        for group in self.param_groups:
-            items, others = [], []
+    def _items(self) -> tuple[list[family.Slice], list[list[torch.Tensor]]]:
+        """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
+        items, fp32 = [], []
+        for g, group in enumerate(self.param_groups):
+            fp32.append([])
             for p in group["params"]:
-                grad = self._grad_of(p)
-                if is_low_precision(p):
-                    if grad is not None:
-                        items.append((p, grad, self.compensation(p)))
-                else:
-                    others.append(p)
-            low.append(items)
-            rest.append(others)
-        ck.fast_step(self.inner, self.master, low, inv, self.rounding, self._compiled(),
-                     self.state_dtype, self.salt, grouped=self._fused == "auto",
-                     grad_scale=grad_scale)
-        own = [p.grad for ps in rest for p in ps if p.grad is not None]
-        flat = [p for ps in rest for p in ps]
-        fused = self._fused == "auto" and torch_fused_problem(self.inner, flat) is None
-        if inv is not None and own and not fused:
-            with torch.no_grad():
-                unscale_(own, inv)
-        with self.only(rest), states.fp32_moments(self.inner, flat, self.state_dtype,
-                                                  self.rounding), \
-                (torch_fused(self.inner) if fused else contextlib.nullcontext()), \
-                amp_arguments(self.inner, grad_scale if fused and own else None, None):
-            self.inner_step()  # always runs, so hooks and schedulers see a step
-
-    def _generic_bucket(self, bucket: list[list[torch.Tensor]], inv) -> None:
-        """Step one bucket through transient fp32 copies (see the module docstring)."""
-        state = self.inner.state
-        lists, pairs, grads = [], [], []
-        with torch.no_grad():
-            for tensors in bucket:
-                out = []
-                for p in tensors:
-                    grad = self._grad_of(p)
-                    if not is_low_precision(p) or grad is None:
-                        out.append(p)
-                        if grad is not None:
-                            grads.append(grad)
-                        continue
-                    temp = ck.value_of(self.master, p.detach(), self.compensation(p))
-                    temp.requires_grad_(True)
-                    temp.grad = grad.to(torch.float32, copy=True)
-                    grads.append(temp.grad)
-                    entry = state.pop(p, {})
-                    ours = {k: entry.pop(k) for k in OWN_KEYS if k in entry}
-                    if entry:
-                        state[temp] = entry
-                    pairs.append((p, temp, ours))
-                    out.append(temp)
-                lists.append(out)
-            if inv is not None:
-                unscale_(grads, inv)
-        flat = [t for ts in lists for t in ts]
-        try:
-            with self.only(lists), states.fp32_moments(self.inner, flat, self.state_dtype,
-                                                       self.rounding):
-                self.inner_step()
-        finally:
-            self._write_back(pairs)
-
-    def _write_back(self, pairs: list[tuple]) -> None:
-        state = self.inner.state
-        keys = self.rounding.keys(len(pairs), self.salt)
-        with torch.no_grad():
-            for i, (p, temp, ours) in enumerate(pairs):
-                key = shard_key(keys[i], p).to(p.device)
-                comp = ours.get(self._buffer_key)
-                self.master.store(*map(local, (p.detach(), comp, temp.detach())), key)
-                state[p] = {**state.pop(temp, {}), **ours}
+                if not is_low_precision(p):
+                    fp32[-1].append(p)
+                elif p.grad is not None:
+                    items.append(family.Slice(g, p, self._grad_of(p), self.compensation(p),
+                                              len(items), numel=local(p).numel()))
+        return items, fp32
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (its 16-bit parameters get their buffers under kahan/split).
@@ -402,8 +313,3 @@ class CompactMasterOptimizer(WrappedOptimizer):
             if self._buffer_key is not None:
                 self.state.get(p, {}).pop(self._buffer_key, None)
         super().params_widened(params)
-
-    @property
-    def per_parameter(self) -> bool:
-        """True when the generic path steps a bucket at a time."""
-        return is_per_parameter(self.inner)

@@ -1,132 +1,135 @@
-"""One optimizer-math family for fp32 and compact masters: torch's own fused SGD/Adam/AdamW
-kernels over a whole param group, between a master method's ``load`` and ``store``.
+"""The one step of compact masters: a bounded piece at a time, load, torch's own step, store.
 
-fp32 masters (``fused="auto"``) step their fp32 masters with torch's fused kernel
-(``torch._fused_sgd_``/``_fused_adam_``/``_fused_adamw_``: one call per param group, device and
-dtype; :mod:`.kernels`). The compact masters' default step (:func:`group_step`) runs the very same
-kernel with the very same arguments, on fp32 values loaded from the 16-bit weights:
+:class:`~mixprec.optim.compact.CompactMasterOptimizer` steps every optimizer this way:
 
-1. **load**: the group's weights (and their split remainders or Kahan compensations) are copied
-   into one flat buffer each (one ``_foreach_copy_`` per list), and one element-wise kernel over
-   those buffers makes the fp32 values (the master method's
-   :meth:`~mixprec.masters.MasterMethod.load`: the exact split master, weight + compensation,
-   or the weight);
-2. **update**: the gradients are copied into one flat fp32 buffer, and torch's fused kernel
-   steps the fp32 values, as it steps fp32 masters (dividing the gradients by a loss scale, or
-   a clip folded into it, as it reads them): the Adam/SGD arithmetic is torch's, written once;
-3. **store**: one element-wise kernel makes the 16-bit results (the method's
-   :meth:`~mixprec.masters.MasterMethod.stored`: split exactly, Kahan-compensated, or rounded
-   stochastically; it writes into none of its inputs), and one ``_foreach_copy_`` per list
-   copies them into the weights and buffers.
-   bf16 moments are widened into a flat fp32 buffer for the update and rounded back
-   stochastically.
+1. **cut** the 16-bit parameters with gradients into pieces of at most :data:`PIECE` elements
+   (``bucket_mb`` MiB of fp32 values when set) per device and weight dtype, in order. For
+   torch's per-parameter optimizers (Adafactor and SparseAdam aside: their state is not
+   element-wise) a larger tensor is cut into slices: flat ranges of multiples of 64 elements
+   (torch's fused CPU kernel then groups the elements for its vector loop as for the whole
+   tensor), or, for a strided tensor, row ranges. Any other optimizer (a global statistic) gets
+   one piece holding everything, its fp32 parameters too;
+2. **load** a piece into flat fp32 values (the method's
+   :meth:`~mixprec.masters.MasterMethod.load_lists`) and gradients (one ``_foreach_copy_``);
+   the values, shaped as the slices, stand in for the parameters, with their ``state``: fp32
+   moments as views of the parameter's, bf16 or strided ones widened into a flat buffer,
+   ``step`` and other scalars the parameter's own (a copy per slice of a cut tensor, written
+   back once: torch's layout, one ``step`` per parameter);
+3. **step**: the inner optimizer's own ``step()`` over them: torch's fused kernel where torch
+   has one (``fused="auto"`` or ``"compile"``: it divides the gradients by a loss scale as it
+   reads them, as for fp32 masters), else as configured (foreach or single-tensor, gradients
+   unscaled first). No Adam or SGD arithmetic of mixprec's own; nothing compiled;
+4. **store** with :meth:`~mixprec.masters.MasterMethod.store_lists` (split exactly,
+   Kahan-compensated, or rounded stochastically); widened moments go back (bf16: rounded
+   stochastically), and moments the step made are stored in ``state_dtype``.
 
-So ``master="split"`` steps its masters bit for bit as fp32 masters do from the same state and
-gradients; its forward weight is torch's cast of the master (what fp32 masters write) except at
-exact ties, which the split rounds away from zero (:mod:`mixprec.masters.split_bits`). The rounding
-bits of Kahan and stochastic rounding are those of the per-tensor kernels: element ``i`` of a
-tensor with key ``k`` gets the bits of ``(k, i)`` (a per-element key made from the per-tensor keys,
-shifted by each tensor's place in the flat buffer and, for an FSDP2 shard, in its full tensor).
-
-Per step and group: a fixed number of launches (about ten), none per tensor; hyper-parameters
-go to torch's kernel as it takes them; step counts stay torch's per-parameter ``step`` tensors, on
-the parameters' device; no host sync. The load and store kernels run compiled (checked against
-their eager twins first, :mod:`.guard`) where the kernel table says so (CUDA, or
-``fused="compile"``) and a compiler is available, else eagerly (the same bits). A group is
-stepped a piece of at most :data:`mixprec.optim.compact_kernels.PIECE` elements at a time, so
-the flat buffers are bounded by that (or by the largest tensor), not by the group.
+Then the groups' fp32 parameters (norm layers kept in fp32) are stepped as they are (that step
+always runs, so schedulers see one). So ``master="split"`` steps its masters bit for bit as fp32
+masters do, and a cut tensor as a whole one: element ``i`` of a tensor with key ``k`` draws the
+bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice's place in its
+piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
+launches besides torch's (per list, fused or foreach); no host sync; about 8 transient bytes
+per piece element (values, gradients), 8 more for bf16 Adam moments.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-import weakref
+import contextlib
+import itertools
+import math
+from typing import NamedTuple
 
 import torch
 
-from ..masters import MasterMethod
-from ..masters.rounding import KEY_STRIDE, round_into_lists, shard_key, stochastic_round
-from ..shards import is_dtensor, local
-from .guard import GuardedKernel
-from .kernels import compile_options, torch_fused_problem
+from ..masters.rounding import KEY_STRIDE, round_into_lists, shard_key
+from ..scaling.unscale import unscale_
+from ..shards import is_dtensor, like_shard, local
+from . import states
+from .buckets import PER_PARAMETER_OPTIMIZERS, is_per_parameter
+from .kernels import torch_fused, torch_fused_problem
+from .states import OWN_KEYS
+from .steps import amp_arguments
 
-__all__ = ["group_ready", "group_step"]
+__all__ = ["PIECE", "Slice", "step"]
 
-_DEVICES = ("cpu", "cuda")
-_NAN = 0x7FC0  # a NaN moment's bf16 pattern (the compiled rounding's)
+#: Elements of one piece (4 MiB of fp32 values): the step's transient buffers are bounded by it.
+PIECE = 1 << 20
+#: torch's optimizers whose update of an element reads that element and per-parameter scalars.
+_CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
+_KEYS = 3  # rounding keys per tensor and step: the weight's, two moments' (a third shares)
+# slices of a flat tensor start at multiples of this: torch's fused CPU kernels group elements
+# for their vector loops by cache lines from a tensor's start, so a slice's are the whole one's
+_ALIGN = 64
 _unflatten = torch._C._nn.unflatten_dense_tensors
+_NAN = 0x7FC0  # a NaN moment's bf16 pattern
 
 
-def group_ready(optimizer: torch.optim.Optimizer, items: list[tuple]) -> bool:
-    """True when :func:`group_step` can step ``items`` (``(param, grad, buffer)``): torch has a
-    fused kernel for the optimizer on their device, and the weights, buffers and moments are
-    dense and contiguous (the flat buffers are laid out as they are)."""
-    if torch_fused_problem(optimizer, ()) is not None:
-        return False
-    for param, grad, buf in items:
-        p = local(param)
-        if p.device.type not in _DEVICES or not p.is_contiguous():
-            return False
-        if buf is not None and not local(buf).is_contiguous():
-            return False
-        if grad.is_sparse:
-            return False
-        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-            t = optimizer.state.get(param, {}).get(key)
-            if t is not None and not local(t).is_contiguous():
-                return False
-    return True
+class Slice(NamedTuple):
+    """A 16-bit parameter, or a slice of one, in a piece."""
+
+    group: int               # its param group
+    param: torch.Tensor      # the optimizer's parameter (an FSDP2 shard's DTensor)
+    grad: torch.Tensor
+    buf: torch.Tensor | None  # its split remainder or Kahan compensation
+    row: int                 # its row of the step's rounding keys
+    index: tuple = ()        # of the local tensors: consecutive elements; (): the whole tensor
+    start: int = 0           # the flat offset of its first element in the local tensor
+    numel: int = 0
+    flat: bool = False       # ``index`` is of the flat (contiguous) tensors
 
 
-# -- the element-wise kernels over the flat buffers (compiled or eager) --------------------------
-def _round_moment(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    return stochastic_round(value, key)
+def _view(tensor: torch.Tensor, s: Slice) -> torch.Tensor:
+    if not s.index:
+        return tensor
+    return (tensor.view(-1) if s.flat else tensor)[s.index]
 
 
-_OPTIONS = {**compile_options, "emulate_precision_casts": True}
+def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
+    """``(index, start, numel)`` of runs of at most ``limit`` consecutive elements covering a
+    tensor of ``shape`` (more than ``limit`` elements), in order: ranges of rows, or of a last
+    dimension."""
+    inner = math.prod(shape[1:])
+    if inner > limit:
+        for i in range(shape[0]):
+            yield from _runs(shape[1:], limit, (*prefix, i), start + i * inner)
+        return
+    rows = max(1, limit // inner)
+    for a in range(0, shape[0], rows):
+        b = min(a + rows, shape[0])
+        yield (*prefix, slice(a, b)), start + a * inner, (b - a) * inner
 
 
-def _eager(method: type[MasterMethod], name: str):
-    """The eager kernel ``name`` ("load", "store", "round_moment") of a method class."""
-    return {"load": method.load, "store": method.stored, "round_moment": _round_moment}[name]
+def _parts(item: Slice, limit: int, state: dict):
+    """``(index, start, numel, flat)`` of the slices of ``item``: runs of the flat tensors where
+    the weight, gradient, buffer and moments are contiguous, else of rows."""
+    param = local(item.param)
+    tensors = [param, item.grad, item.buf, *(v for k, v in state.get(item.param, {}).items()
+                                             if states.is_moment(k, v, item.param))]
+    if all(local(t).is_contiguous() for t in tensors if t is not None):
+        return ((*run, True) for run in _runs((param.numel(),), limit))
+    return ((*run, False) for run in _runs(param.shape, limit))
 
 
-@functools.lru_cache(maxsize=None)
-def _guarded(method: type[MasterMethod], name: str) -> GuardedKernel:
-    label = f"group {name}" if name == "round_moment" else f"group {name} ({method.name})"
-    return GuardedKernel(label, _eager(method, name), _OPTIONS)
-
-
-def _kernel(method: MasterMethod, name: str, compiled: bool):
-    cls = MasterMethod if name == "round_moment" else type(method)  # one kernel for every method
-    return _guarded(cls, name) if compiled else _eager(cls, name)
-
-
-# -- the plan of a group: sizes, places, rounding-key shifts (made once per set of tensors) -------
-class _Plan:
-    def __init__(self, params: list[torch.Tensor], shards: list[torch.Tensor]):
-        self.params = shards  # the optimizer's parameters (an FSDP2 shard's local view changes)
-        sizes = [p.numel() for p in params]
-        self.total = sum(sizes)
-        self.pad = self.total % 2  # even: a CPU split pair is read as int32 words
-        device = params[0].device
-        shifts, offset = [], 0
-        zero = torch.zeros((), dtype=torch.int32)
-        for size, shard in zip(sizes, shards):
-            shift = int(shard_key(zero, shard)) if is_dtensor(shard) else 0
-            shifts.append(_wrap(shift - offset * KEY_STRIDE))
-            offset += size
-        sizes[-1] += self.pad
-        self.shift = torch.tensor(shifts, dtype=torch.int32, device=device)
-        self.sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
-
-    def element_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """Per-element rounding keys from per-tensor ``keys``: element ``i`` of tensor ``t``
-        draws the bits its tensor's kernel would (``flat index * KEY_STRIDE + key`` =
-        ``i * KEY_STRIDE + key of t``)."""
-        k = keys.to(self.shift.device) + self.shift
-        return torch.repeat_interleave(k, self.sizes, output_size=self.total + self.pad)
+def _pieces(items: list[Slice], limit: int, cut: bool, state: dict):
+    """``items`` (whole tensors) in pieces of at most ``limit`` elements per device and dtype,
+    tensors larger than that cut into slices when ``cut`` (else alone)."""
+    kinds: dict[tuple, list[Slice]] = {}
+    for item in items:
+        kinds.setdefault((local(item.param).device, item.param.dtype), []).append(item)
+    for kind in kinds.values():
+        piece, size = [], 0
+        for item in kind:
+            n = item.numel
+            parts = ([((), 0, n, False)] if n <= limit or not cut or item.grad.is_sparse
+                     else _parts(item, limit, state))
+            for index, start, numel, flat in parts:
+                if piece and size + numel > limit:
+                    yield piece
+                    piece, size = [], 0
+                piece.append(item._replace(index=index, start=start, numel=numel, flat=flat))
+                size += numel
+        if piece:
+            yield piece
 
 
 def _wrap(value: int) -> int:
@@ -134,165 +137,200 @@ def _wrap(value: int) -> int:
     return value - 2 ** 32 if value >= 2 ** 31 else value
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _shifts(slices: list[Slice], positions: list[int], device) -> torch.Tensor:
+    """Per slice, what its tensor's key is shifted by so that the element at flat ``position +
+    j`` of a buffer draws the bits of element ``start + j`` of its (full) tensor."""
+    shifts = []
+    zero = torch.zeros((), dtype=torch.int32)
+    for s, position in zip(slices, positions):
+        offset = position - s.start
+        shift = int(shard_key(zero, s.param)) if is_dtensor(s.param) else 0
+        shifts.append(_wrap(shift - offset * KEY_STRIDE))
+    return torch.tensor(shifts, dtype=torch.int32, device=device)
 
 
-def _plan(optimizer, params: list[torch.Tensor], shards: list[torch.Tensor]) -> _Plan:
-    plans = _PLANS.setdefault(optimizer, {})
-    key = tuple(map(id, shards))
-    plan = plans.get(key)
-    if (plan is None or plan.shift.device != params[0].device
-            or any(a is not b for a, b in zip(plan.params, shards))):
-        if len(plans) > 1024:  # param sets come and go (grads of some parameters are None)
-            plans.clear()
-        plan = plans[key] = _Plan(params, shards)
-    return plan
+def _moment(key, value, param: torch.Tensor) -> bool:
+    """:func:`.states.is_moment`, the cheap refusals first."""
+    return (isinstance(value, torch.Tensor) and value.dim() > 0
+            and states.is_moment(key, value, param))
 
 
-# -- flat buffers ---------------------------------------------------------------------------------
-def _gather(tensors: list[torch.Tensor], dtype: torch.dtype, total: int, pad: int = 0):
-    """A flat buffer holding ``tensors`` one after the other (converted to ``dtype``), with
-    ``pad`` zeros after them, and its views shaped as them."""
-    flat = torch.empty(total + pad, dtype=dtype, device=tensors[0].device)
-    views = list(_unflatten(flat[:total] if pad else flat, tensors))
-    torch._foreach_copy_(views, tensors)
-    if pad:
-        flat[total:].zero_()
-    return flat, views
+def _positions(slices: list[Slice]) -> list[int]:
+    return list(itertools.accumulate((s.numel for s in slices), initial=0))[:-1]
 
 
-# -- the update: torch's fused kernels ------------------------------------------------------------
-def _scalar(value) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+def _narrow(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor) -> None:
+    """The flat fp32 ``values`` (overwritten) into ``outs``: bf16 ones rounded stochastically
+    (``keys``: per out, shifted), others copied."""
+    if outs[0].dtype == torch.bfloat16:
+        round_into_lists(values, outs, keys, _NAN)
+    else:
+        torch._foreach_copy_(outs, _unflatten(values, outs))
 
 
-def _lr(group: dict, device: torch.device):
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
-        lr = lr.to(device)
-    return lr
+class _Run:
+    """The slices of a piece on one device and of one weight dtype, loaded: their fp32 values
+    (``temps``) and what the optimizer steps (``params``: the values, or, for an optimizer that
+    reads several parameters at once (``whole``), FSDP2 shards' values placed as the shards)
+    with gradients and swapped-in state."""
+
+    def __init__(self, opt, slices: list[Slice], keys: torch.Tensor, saved: dict,
+                 whole: bool) -> None:
+        self.opt, self.slices, self.keys, self.whole = opt, slices, keys, whole
+        self.weights = [_view(local(s.param), s) for s in slices]
+        self.bufs = (None if slices[0].buf is None
+                     else [_view(local(s.buf), s) for s in slices])
+        self.device = self.weights[0].device
+        total = sum(s.numel for s in slices)
+        self.values = torch.empty(total, device=self.device)
+        opt.master.load_lists(self.values, self.weights, self.bufs)
+        self.temps = list(_unflatten(self.values, self.weights))
+        self.params = [self._placed(t, s) for t, s in zip(self.temps, slices)]
+        self.grads = torch.empty(total, device=self.device)
+        views = _unflatten(self.grads, self.weights)
+        dense = [(v, _view(local(s.grad), s)) for v, s in zip(views, slices)
+                 if not s.grad.is_sparse]
+        torch._foreach_copy_([v for v, _ in dense], [g for _, g in dense])
+        self.sparse = []
+        for temp, view, s in zip(self.params, views, slices):
+            temp.grad = s.grad.float() if s.grad.is_sparse else self._placed(view, s)
+            if s.grad.is_sparse:
+                self.sparse.append(temp.grad)
+        self._swap_in(saved)
+
+    def _placed(self, tensor: torch.Tensor, s: Slice) -> torch.Tensor:
+        return like_shard(tensor, s.param) if self.whole else tensor
+
+    def _swap_in(self, saved: dict) -> None:
+        """Each value's ``state``: the parameter's, moments as views or widened copies."""
+        state = self.opt.inner.state
+        self.given, wide = [], {}
+        for i, (s, temp) in enumerate(zip(self.slices, self.params)):
+            entry, given = {}, {}
+            source = saved[id(s.param)] if s.index else state.get(s.param, {})
+            for key, value in source.items():
+                if key in OWN_KEYS:
+                    continue
+                if _moment(key, value, s.param):
+                    region = _view(local(value), s)
+                    if region.dtype == torch.float32 and region.is_contiguous():
+                        entry[key] = given[key] = self._placed(region, s)
+                    else:
+                        wide.setdefault(key, []).append((i, region))
+                else:  # step and other scalars; a slice of a cut tensor steps a copy
+                    entry[key] = value.clone() if s.index and torch.is_tensor(value) else value
+            state[temp] = entry
+            self.given.append(given)
+        self.wide = {}
+        for key, found in wide.items():
+            regions = [r for _, r in found]
+            flat = torch.empty(sum(r.numel() for r in regions), device=self.device)
+            views = list(_unflatten(flat, regions))
+            torch._foreach_copy_(views, regions)
+            for (i, _), view in zip(found, views):
+                view = self._placed(view, self.slices[i])
+                state[self.params[i]][key] = self.given[i][key] = view
+            self.wide[key] = (flat, [i for i, _ in found], regions)
+
+    def store(self) -> None:
+        """The values into the weights and buffers, the moments back, the state swapped out."""
+        opt = self.opt
+        keys = (self.keys[:, 0] + _shifts(self.slices, _positions(self.slices), 'cpu')
+                if opt.master.draws_bits else None)
+        opt.master.store_lists(self.values, self.weights, self.bufs, keys)
+        state = opt.inner.state
+        entries = [state.pop(temp) for temp in self.params]
+
+        def column(i: int, key: str) -> int:  # of the name among the tensor's moments, sorted
+            names = sorted(k for k, v in entries[i].items() if _moment(k, v, self.params[i]))
+            return 1 + names.index(key) % (_KEYS - 1)
+
+        for key, (flat, idx, regions) in self.wide.items():
+            slices = [self.slices[i] for i in idx]
+            shift = _shifts(slices, _positions(slices), 'cpu')
+            _narrow(flat, regions, self.keys[idx, [column(i, key) for i in idx]] + shift)
+        for i, (s, entry) in enumerate(zip(self.slices, entries)):
+            held = state[s.param] if entry else {}  # no empty entry left behind
+            for key, value in entry.items():
+                if self.given[i].get(key) is value:
+                    continue
+                if _moment(key, value, self.params[i]):  # made by this step: state dtype
+                    self._adopt(s, held, key, local(value), self.keys[i, column(i, key)].view(1))
+                else:
+                    held[key] = value
+
+    def _adopt(self, s: Slice, held: dict, key: str, value: torch.Tensor,
+               key_bits: torch.Tensor) -> None:
+        param, dtype = local(s.param), self.opt.state_dtype
+        if not s.index and dtype == torch.float32 and value.stride() == param.stride():
+            held[key] = like_shard(value, s.param)
+            return
+        full = held.get(key)
+        if full is None or not states.is_moment(key, full, s.param):
+            full = held[key] = like_shard(torch.zeros_like(param, dtype=dtype), s.param)
+        region = _view(local(full), s)
+        _narrow(value.reshape(-1), [region], key_bits + _shifts([s], [0], 'cpu'))
 
 
-def _adam(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
-          grad_scale):
-    device = values[0].device
-    entries = []
-    for p in params:
-        state = optimizer.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
-            state["exp_avg"] = _zeros(p, state_dtype)
-            state["exp_avg_sq"] = _zeros(p, state_dtype)
-        elif state["step"].device != device:  # torch's fused kernel keeps it on the device
-            state["step"] = state["step"].to(device, torch.float32)
-        entries.append(state)
-    steps = [s["step"] for s in entries]
-    moments = [[local(s[k]) for s in entries] for k in ("exp_avg", "exp_avg_sq")]
-    wide = [m if m[0].dtype == torch.float32 else _gather(m, torch.float32, plan.total)
-            for m in moments]
-    lists = [m if m[0].dtype == torch.float32 else w[1] for m, w in zip(moments, wide)]
-    beta1, beta2 = (_scalar(b) for b in group["betas"])
-    decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
-    torch._foreach_add_(steps, 1)
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fused(values, grads, lists[0], lists[1], [], steps, amsgrad=False, lr=_lr(group, device),
-          beta1=beta1, beta2=beta2, weight_decay=_scalar(group["weight_decay"]),
-          eps=_scalar(group["eps"]), maximize=False, grad_scale=grad_scale, found_inf=None)
-    for i, (m, w) in enumerate(zip(moments, wide)):
-        if m[0].dtype != torch.float32:
-            _round_back(method, m, w[0], plan, keys[:, i + 1], compiled)
-
-
-def _sgd(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
-         grad_scale):
-    momentum = _scalar(group["momentum"])
-    if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    options = dict(weight_decay=_scalar(group["weight_decay"]), momentum=momentum,
-                   lr=_lr(group, values[0].device), dampening=_scalar(group["dampening"]),
-                   nesterov=bool(group["nesterov"]), maximize=False, grad_scale=grad_scale,
-                   found_inf=None)
-    if momentum == 0:
-        torch._fused_sgd_(values, grads, [], is_first_step=False, **options)
-        return
-    entries = [optimizer.state[p] for p in params]
-    first = [i for i, s in enumerate(entries) if "momentum_buffer" not in s]
-    for i in first:  # torch starts the buffer at the first gradient
-        entries[i]["momentum_buffer"] = _zeros(params[i], state_dtype)
-    bufs = [local(s["momentum_buffer"]) for s in entries]
-    wide = None if bufs[0].dtype == torch.float32 else _gather(bufs, torch.float32, plan.total)
-    lists = bufs if wide is None else wide[1]
-    if not first or len(first) == len(entries):
-        torch._fused_sgd_(values, grads, lists, is_first_step=bool(first), **options)
-    else:  # new parameters beside stepped ones
-        chosen = set(first)
-        for is_first in (True, False):
-            idx = [i for i in range(len(entries)) if (i in chosen) == is_first]
-            torch._fused_sgd_([values[i] for i in idx], [grads[i] for i in idx],
-                              [lists[i] for i in idx], is_first_step=is_first, **options)
-    if wide is not None:
-        _round_back(method, bufs, wide[0], plan, keys[:, 1], compiled)
-
-
-def _round_back(method, moments, wide_flat, plan, keys, compiled) -> None:
-    if not compiled and sys.byteorder == "little":  # eagerly: the noise table's slices, in place
-        round_into_lists(wide_flat, moments, keys.to(plan.shift.device) + plan.shift, _NAN)
-        return
-    keys = plan.element_keys(keys)[:plan.total]
-    rounded = _kernel(method, "round_moment", compiled)(wide_flat, keys)
-    torch._foreach_copy_(moments, _unflatten(rounded, moments))
-
-
-def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-
-
-def group_step(optimizer: torch.optim.Optimizer, method: MasterMethod, group: dict,
-               items: list[tuple],
-               grad_scale: torch.Tensor | None, keys: torch.Tensor, state_dtype: torch.dtype,
-               compiled: bool) -> None:
-    """Step ``items`` (``(param, grad, buffer or None)`` of one param group, one device, one
-    weight and buffer dtype) as the module docstring says.
+@torch.no_grad()
+def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
+         grad_scale: torch.Tensor | None, inv: torch.Tensor | None) -> None:
+    """Step ``opt`` (a :class:`~mixprec.optim.compact.CompactMasterOptimizer`) as the module
+    docstring says.
 
     Args:
-        optimizer: the inner SGD/Adam/AdamW (its ``state`` keyed by the model parameters).
-        method: the compact master method: its load and store around the update.
-        group: the param group the items belong to.
-        grad_scale: a 0-d fp32 tensor torch's fused kernel divides the gradients by as it reads
-            them (None: 1), as it does for fp32 masters.
-        keys: ``(len(items), 3)`` int32 rounding keys (weight, first and second moment).
-        state_dtype: dtype new moment buffers are made in.
-        compiled: run the load/store kernels compiled (checked first), else eagerly.
+        items: the 16-bit parameters with gradients, whole (``row``: their place in order).
+        fp32_params: per param group, its fp32 parameters (stepped as they are).
+        grad_scale: the factor the gradients carry (a 0-d tensor), or None.
+        inv: its reciprocal, or None.
     """
-    params = [p for p, _, _ in items]
-    weights = [local(p) for p in params]
-    plan = _plan(optimizer, weights, params)
-    bufs = None if items[0][2] is None else [local(b) for _, _, b in items]
-    device = weights[0].device
-    direct = not compiled and method.steps_lists()  # eager: straight from and into the lists
-    if direct:
-        values_flat = torch.empty(plan.total + plan.pad, device=device)
-        method.load_lists(values_flat[:plan.total], weights, bufs)
-    else:
-        flat_w, _ = _gather(weights, weights[0].dtype, plan.total, plan.pad)
-        flat_b = None if bufs is None else _gather(bufs, bufs[0].dtype, plan.total, plan.pad)[0]
-        # compiled on a CPU: a split pair as int32 words (inductor vectorizes no int16
-        # arithmetic); eagerly the int16 form makes fewer passes
-        w, b = method.kernel_views(flat_w, flat_b) if compiled else (flat_w, flat_b)
-        values_flat = _kernel(method, "load", compiled)(w, b)
-    values = list(_unflatten(values_flat[:plan.total], weights))
-    grads = list(_unflatten(torch.empty(plan.total, device=device), weights))
-    torch._foreach_copy_(grads, [local(g) for _, g, _ in items])
-    update = _sgd if type(optimizer) is torch.optim.SGD else _adam
-    update(optimizer, method, group, params, values, grads, plan, keys, state_dtype, compiled,
-           grad_scale)
-    if direct:  # (the values are ours: the store may write into them)
-        shifted = (keys[:, 0].to(device) + plan.shift) if method.draws_bits else None
-        method.store_lists(values_flat[:plan.total], weights, bufs, shifted)
+    inner = opt.inner
+    keys = (torch.stack(opt.rounding.keys(_KEYS * len(items), opt.salt)).view(-1, _KEYS)
+            if items else None)
+    whole = not is_per_parameter(inner)
+    if whole:  # a global statistic: everything in one step
+        _step_piece(opt, items, fp32_params, keys, grad_scale, inv, {}, whole)
         return
-    key = (plan.element_keys(keys[:, 0]) if method.draws_bits
-           else keys[0, 0].to(device))  # exact (split): no random bits
-    new_w, new_b = _kernel(method, "store", compiled)(w, b, values_flat, key)  # writes no input
-    torch._foreach_copy_(weights, _unflatten(new_w.view(flat_w.dtype)[:plan.total], weights))
-    if bufs is not None:
-        torch._foreach_copy_(bufs, _unflatten(new_b.view(flat_b.dtype)[:plan.total], bufs))
+    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
+    limit = max(_ALIGN, limit - limit % _ALIGN)
+    pieces = list(_pieces(items, limit, type(inner) in _CUT, inner.state))
+    saved = {}  # the state before the step of the tensors cut into slices
+    for piece in pieces:
+        for s in piece:
+            if s.index and id(s.param) not in saved:
+                saved[id(s.param)] = dict(inner.state.get(s.param, {}))
+    for piece in pieces:
+        _step_piece(opt, piece, None, keys, grad_scale, inv, saved, whole)
+    _step_piece(opt, [], fp32_params, keys, grad_scale, inv, saved, whole)
+
+
+def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole) -> None:
+    inner = opt.inner
+    kinds: dict[tuple, list[Slice]] = {}
+    for s in piece:
+        kinds.setdefault((local(s.param).device, s.param.dtype), []).append(s)
+    runs: list[_Run] = []
+    lists = [[] for _ in inner.param_groups] if fp32_params is None else [
+        list(ps) for ps in fp32_params]
+    own = [p for ps in lists for p in ps]
+    try:
+        for slices in kinds.values():
+            rows = keys[[s.row for s in slices]]  # on the CPU: the noise table is sliced at them
+            runs.append(_Run(opt, slices, rows, saved, whole))
+            for s, temp in zip(slices, runs[-1].params):
+                lists[s.group].append(temp)
+        tensors = [t for ts in lists for t in ts]
+        fused = opt.fused is not False and torch_fused_problem(inner, tensors) is None
+        if inv is not None and not fused:
+            grads = [r.grads for r in runs] + [g for r in runs for g in r.sparse]
+            unscale_(grads + [p.grad for p in own if p.grad is not None], inv)
+        with opt.only(lists), states.fp32_moments(inner, own, opt.state_dtype, opt.rounding), \
+                (torch_fused(inner) if fused else contextlib.nullcontext()), \
+                amp_arguments(inner, grad_scale if fused else None, None):
+            opt.inner_step()
+        for run in runs:
+            run.store()
+    finally:
+        for run in runs:
+            for temp in run.params:
+                inner.state.pop(temp, None)
