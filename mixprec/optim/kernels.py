@@ -26,9 +26,12 @@ gradient dtype) pair.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch.optim import adam as torch_adam
+from torch.optim import sgd as torch_sgd
 
 from .. import kernel_table
 from ..shards import is_dtensor
@@ -45,7 +48,7 @@ COMPILED_SUPPORTED = (
 
 _SGD_OFF = ("maximize", "differentiable")
 _ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
-_TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 # -- which optimizers each path runs --------------------------------------------------------------
@@ -88,7 +91,7 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors,
                         grad_of: Callable | None = None) -> str | None:
     """Why torch's fused kernel can't step ``tensors`` with ``optimizer`` (None when it can);
     ``grad_of(t)`` is the gradient the step reads for ``t`` (default: ``t.grad``)."""
-    if type(optimizer) not in _TORCH_FUSED_TYPES:
+    if type(optimizer) not in TORCH_FUSED_TYPES:
         return f"{type(optimizer).__name__} has no fused kernel in torch"
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("capturable"):
@@ -125,6 +128,45 @@ def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group, (fused, foreach) in zip(optimizer.param_groups, saved):
             group["fused"], group["foreach"] = fused, foreach
+
+
+def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list, grads: list
+                     ) -> Callable:
+    """What ``optimizer.step()`` runs for ``group`` with ``fused=True``, over ``params`` and
+    ``grads``: torch's functional SGD or Adam/AdamW (:data:`TORCH_FUSED_TYPES`) with the
+    group's options and the state the inner step made, as a call ``(grad_scale, found_inf)``.
+
+    Raises:
+        KeyError: some of that state is not made yet (a first step makes it).
+    """
+    state = optimizer.state
+    if type(optimizer) is torch.optim.SGD:
+        momentum = group["momentum"]
+        bufs = [state[p]["momentum_buffer"] for p in params] if momentum else [None] * len(params)
+        if momentum and any(b is None for b in bufs):
+            raise KeyError("momentum_buffer")
+        return functools.partial(
+            _sgd_call, params, grads, bufs, weight_decay=group["weight_decay"],
+            momentum=momentum, lr=group["lr"], dampening=group["dampening"],
+            nesterov=group["nesterov"], maximize=group["maximize"])
+    held = [state[p] for p in params]
+    amsgrad = group["amsgrad"]
+    beta1, beta2 = group["betas"]
+    return functools.partial(
+        _adam_call, params, grads, [s["exp_avg"] for s in held],
+        [s["exp_avg_sq"] for s in held], [s["max_exp_avg_sq"] for s in held] if amsgrad else [],
+        [s["step"] for s in held], decoupled_weight_decay=group["decoupled_weight_decay"],
+        amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+def _sgd_call(*lists, grad_scale, found_inf, **options) -> None:
+    torch_sgd.sgd(*lists, fused=True, grad_scale=grad_scale, found_inf=found_inf, **options)
+
+
+def _adam_call(*lists, grad_scale, found_inf, **options) -> None:
+    torch_adam.adam(*lists, fused=True, grad_scale=grad_scale, found_inf=found_inf,
+                          **options)
 
 
 # -- the compiled kernels (compiled lazily, once per process) -----------------------------------

@@ -207,6 +207,13 @@ class MasterWeightOptimizer(WrappedOptimizer):
             masters.append(master)
         self._pairs = list(pairs.values())
         super()._rebuild()
+        self.scratch.reset()
+        self.pieces = steps.plan(self)  # the buckets' lists for torch's fused kernel
+
+    def _loaded(self) -> None:
+        for piece in self.pieces:  # the next step runs through the inner optimizer's step
+            if piece is not None:
+                piece.ready = False
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
@@ -372,7 +379,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
             states.record_generator(self.inner, self.rounding)
         return None
 
+    def held_grads(self) -> bool:
+        """True when some master may hold an fp32 gradient (made by ``unscale_grads_``, or by
+        reading its ``.grad``); False: every gradient the step reads is the model's."""
+        return self._carry.held
+
     def _check_fp16_changes(self) -> None:
+        if not self._carry.held:
+            return
         if stale := [m for m in self._master_of.values()
                      if is_stale(m) and m.model_param.dtype == torch.float16]:
             raise stale_fp16_error(len(stale), stale[0].shape)
@@ -380,8 +394,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def drop_master_grads(self) -> None:
         """Drop the masters' fp32 gradients (the model's stay; a scaler skipping a step)."""
         self._carry.inv = None
-        for master in self._master_of.values():
-            drop_grad(master)
+        if self._carry.held:
+            for master in self._master_of.values():
+                drop_grad(master)
+            self._carry.held = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its low-precision parameters get fp32 masters.

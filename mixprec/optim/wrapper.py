@@ -160,6 +160,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
                       if not isinstance(v, Mapping) or any(key not in OWN_KEYS for key in v)}
             self.inner.__setstate__({"state": theirs, "param_groups": self.param_groups})
             self.inner.state = self.state
+            self._loaded()
+
+    def _loaded(self) -> None:
+        """A ``state_dict`` was loaded (subclasses forget what they cached of the state)."""
 
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:
