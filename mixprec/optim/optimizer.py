@@ -39,9 +39,13 @@ for an optimizer not per-parameter) into a scratch buffer freed when the step en
   before ``step()`` (``_step_supports_amp_scaling``; see ``amp_scaling``).
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
-CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
-compiled pass per low-precision parameter (:mod:`mixprec.optim.kernels`). The 16-bit weights are
-written back with torch's own cast (round to nearest, ties to even), one pass.
+CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"``
+torch's single-tensor step compiled into one pass per low-precision parameter
+(:mod:`mixprec.optim.kernels`). The 16-bit weights are written back with torch's own cast (round
+to nearest, ties to even), one pass. With ``"auto"`` the lists a bucket's step reads (masters,
+model parameters, fp32 scratch views) are made once per change of the param groups: while no
+master holds an fp32 gradient, a step is three calls per bucket and group (widen, torch's
+functional fused step, cast), with no Python work per tensor beyond reading the gradients.
 ``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
 (:mod:`mixprec.optim.states`). No method syncs with the host, except that ``fused="compile"``
 reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.optim`.
