@@ -138,3 +138,21 @@ def test_llama_rows_train_at_a_tiny_size(row):
     assert trainee.timed_update() > 0
     if row == "O2":
         assert next(trainee.model.parameters()).dtype == torch.bfloat16
+
+
+def test_compiled_master_step_row_counts_its_kernel_by_hand(tmp_path):
+    """With --compiled, the compiled fp32-master step's kernel (torch's AdamW between the
+    widening and the cast, one kernel per parameter) reads the bf16 gradient, the master and
+    the moments and writes them and the bf16 weight: 28 B/param, the ideal fused step, and the
+    row adds what runs around it (the bf16 inf/NaN check)."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/step_bytes.py"), "--layers", "2",
+                           "--width", "32", "--batch", "1", "--compiled", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    row = next(r for name, r in rows.items() if "compile" in name)
+    assert row["step_ops"]["compiled master kernel"] == pytest.approx(28, abs=0.3)
+    assert row["step_launches"]["compiled master kernel"] == 4  # one per parameter
+    assert row["step"] < rows["O2 bf16, fp32 masters"]["step"]
