@@ -149,27 +149,19 @@ def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list
         if momentum and any(b is None for b in bufs):
             raise KeyError("momentum_buffer")
         return functools.partial(
-            _sgd_call, params, grads, bufs, weight_decay=group["weight_decay"],
+            torch_sgd.sgd, params, grads, bufs, fused=True, weight_decay=group["weight_decay"],
             momentum=momentum, lr=group["lr"], dampening=group["dampening"],
             nesterov=group["nesterov"], maximize=group["maximize"])
     held = [state[p] for p in params]
     amsgrad = group["amsgrad"]
     beta1, beta2 = group["betas"]
     return functools.partial(
-        _adam_call, params, grads, [s["exp_avg"] for s in held],
+        torch_adam.adam, params, grads, [s["exp_avg"] for s in held],
         [s["exp_avg_sq"] for s in held], [s["max_exp_avg_sq"] for s in held] if amsgrad else [],
-        [s["step"] for s in held], decoupled_weight_decay=group["decoupled_weight_decay"],
-        amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"],
-        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
-
-
-def _sgd_call(*lists, grad_scale, found_inf, **options) -> None:
-    torch_sgd.sgd(*lists, fused=True, grad_scale=grad_scale, found_inf=found_inf, **options)
-
-
-def _adam_call(*lists, grad_scale, found_inf, **options) -> None:
-    torch_adam.adam(*lists, fused=True, grad_scale=grad_scale, found_inf=found_inf,
-                          **options)
+        [s["step"] for s in held], fused=True,
+        decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1,
+        beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+        maximize=group["maximize"])
 
 
 # -- the compiled step: torch's own arithmetic, compiled ----------------------------------------

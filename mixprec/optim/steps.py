@@ -201,12 +201,15 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
     state is missing (the inner optimizer's own step makes it)."""
     grads = [p.grad for p in piece.model]
     own = [[t.grad for t in ts] for *_, ts in piece.groups]
-    if any(g is not None and g.is_sparse for g in itertools.chain(grads, *own)):
-        return False
+    whole = True
+    for g in itertools.chain(grads, *own):
+        if g is None:
+            whole = False
+        elif g.is_sparse:
+            return False
     views = opt.scratch.kept(piece.key, piece.masters)
     if views is None:
         return False
-    whole = all(g is not None for g in itertools.chain(grads, *own))
     calls = []
     try:
         for (group, start, end, ts), own_grads in zip(piece.groups, own):
