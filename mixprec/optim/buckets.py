@@ -106,8 +106,8 @@ class Scratch:
       keep them.
     * :meth:`kept`: views made once per bucket (``key``) and handed to torch's fused kernel
       only, of a buffer whose memory is given back when the step ends (its storage shrinks to
-      nothing) and taken again by the next step's first :meth:`kept`; :meth:`reset` forgets
-      them (the param groups changed).
+      nothing) and taken again by the next step's first :meth:`kept` (the optimizer makes a new
+      ``Scratch`` when its param groups change).
     """
 
     def __init__(self):
@@ -153,7 +153,3 @@ class Scratch:
         self._buffers = {}
         for buffer in self._kept.values():
             buffer.untyped_storage().resize_(0)
-
-    def reset(self) -> None:
-        self.release()
-        self._kept, self._views = {}, {}

@@ -62,6 +62,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, states, steps
+from .buckets import Scratch
 from .params import (
     GradCarry,
     MasterParameter,
@@ -211,7 +212,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             masters.append(master)
         self._pairs = list(pairs.values())
         super()._rebuild()
-        self.scratch.reset()
+        self.scratch = Scratch()  # views made for the old groups go with it
         self.pieces = steps.plan(self)  # the buckets' lists for torch's fused kernel
 
     def _loaded(self) -> None:

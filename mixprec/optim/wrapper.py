@@ -20,7 +20,7 @@ import torch
 
 from ..formats import get as float_format
 from . import hooks, loadcheck
-from .buckets import Scratch, is_per_parameter, make_buckets
+from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
 
 __all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
@@ -111,7 +111,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
         hooks.share_hooks(self, optimizer)  # the user's hooks run once per step (see .hooks)
         self.param_names: dict[int, str] = {}
         self.register_load_state_dict_pre_hook(loadcheck.check_before_load)
-        self.scratch = Scratch()
         self._bucket_mb = bucket_mb
         self._rebuild()
         self._fused: bool | str = False
