@@ -177,14 +177,14 @@ def _adam(master, param, grad, exp_avg, exp_avg_sq, step, inv, lr, beta1, beta2,
 
 
 def _sgd(master, param, grad, buf, inv, lr, weight_decay, momentum, dampening, nesterov):
-    """torch's single-tensor SGD, as :func:`_adam`; returns the momentum buffer (torch makes it
-    at the first step)."""
+    """torch's single-tensor SGD, as :func:`_adam`; returns the momentum buffer torch made when
+    ``buf`` is None (its first step with momentum), else None."""
     bufs = [buf]
     torch_sgd.sgd([master], [grad.float() * inv], bufs, foreach=False, fused=False,
                   weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                   nesterov=nesterov, maximize=False)
     param.copy_(master)
-    return bufs[0]
+    return bufs[0] if buf is None else None
 
 
 # Dynamic shapes: inductor would pick serial or parallel loops from the size of the first tensor
@@ -271,9 +271,9 @@ def _sgd_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
         # torch makes the buffer at the first step: that step runs eagerly (one compile)
         run = kernel.fn if buf is None and momentum else kernel
         dev = master.device
-        buf = run(*_detached(master, param, grad, buf), inv(dev), lr(dev), *options)
-        if momentum:
-            state["momentum_buffer"] = buf.view_as(master)  # made from the flat gradient
+        made = run(*_detached(master, param, grad, buf), inv(dev), lr(dev), *options)
+        if made is not None:
+            state["momentum_buffer"] = made.view_as(master)  # made from the flat gradient
 
 
 def _adam_state(optimizer, master: torch.Tensor) -> dict:

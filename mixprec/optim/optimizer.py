@@ -279,6 +279,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(model parameter, gradient)`` pairs the next ``step()`` reads (see the class
         docstring); parameters without a gradient are left out."""
+        if not self._carry.held:  # every gradient the step reads is the model's
+            return [(p, p.grad) for p in self._model_params if p.grad is not None]
         out = []
         for group in self.param_groups:
             for p in group["params"]:
