@@ -34,10 +34,13 @@ so no compiled kernel hides an op). Rows:
 
 "transient peak" is the most memory the step's ops allocated that was alive at once (its
 scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
-fp32 gradient buffers, 4 B/param). ``--backward`` adds what each row runs in its forward and its
-backward beyond a plain bf16 model's (same layers, same batch; work a method moves into backward
-hooks shows here), counted the same way, and the step plus both. ``--ops`` prints each measured
-row's traffic by op.
+fp32 gradient buffers, 4 B/param). Memory a storage takes by resizing itself in place is no
+aten op and is not counted: the fp32-master rows' gradient scratch (views kept between steps
+of a buffer whose storage is emptied after each step and refilled at the next; one bucket of
+fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
+each row runs in its forward and its backward beyond a plain bf16 model's (same layers, same
+batch; work a method moves into backward hooks shows here), counted the same way, and the step
+plus both. ``--ops`` prints each measured row's traffic by op.
 """
 
 from __future__ import annotations
