@@ -25,12 +25,12 @@ so no compiled kernel hides an op). Rows:
   (``fused="compile"``: torch's single-tensor AdamW between the widening of the gradient and the
   cast, compiled by inductor into one C++ kernel per parameter). The counter does not see into a
   compiled kernel (under a dispatch mode dynamo runs the function eagerly), so each kernel call
-  runs outside it and is counted by hand from its arguments (:class:`KernelCount`): every tensor
-  argument read once except the 16-bit weight (only the destination of the cast), and every
-  argument whose version counter the call moved written once; what the step runs around the
-  kernels is counted as usual. (This matches the kernel inductor generates: its C++ signature
-  takes the bf16 gradient, master and moments as inputs and the master, moments and bf16 weight
-  as outputs.)
+  (``mixprec.optim.kernels._run``) runs outside it and is counted by hand from its arguments
+  (:class:`KernelCount`): every tensor argument read once except the 16-bit weight (only the
+  destination of the cast), and every argument whose version counter the call moved written
+  once; what the step runs around the kernels is counted as usual. (This matches the kernel
+  inductor generates: its C++ signature takes the bf16 gradient, master and moments as inputs
+  and the master, moments and bf16 weight as outputs.)
 
 "transient peak" is the most memory the step's ops allocated that was alive at once (its
 scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
@@ -144,18 +144,19 @@ def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
 
 
 class KernelCount:
-    """Stands in for a compiled master kernel (``mixprec.optim.kernels._GUARDED``): runs it
-    outside the byte counter (so it runs compiled) and, while ``counting``, counts its traffic by
-    hand (see the module docstring) into ``traffic`` (one launch per call)."""
+    """Stands in for ``mixprec.optim.kernels._run`` (every call of a compiled master kernel):
+    runs the kernel outside the byte counter (so it runs compiled) and, while ``counting``,
+    counts its traffic by hand (see the module docstring) into ``traffic`` (one launch per
+    call)."""
 
-    def __init__(self, kernel):
-        self.kernel, self.fn, self.counting, self.traffic = kernel, kernel.fn, False, Traffic()
+    def __init__(self, run):
+        self.run, self.counting, self.traffic = run, False, Traffic()
 
-    def __call__(self, *args):
+    def __call__(self, kernel, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         versions = [t._version for t in tensors]
         with _disable_current_modes():
-            out = self.kernel(*args)
+            out = self.run(kernel, *args)
         if self.counting:
             t = self.traffic
             for i, (arg, version) in enumerate(zip(tensors, versions)):
@@ -176,24 +177,20 @@ def measure_compiled(layers: int, width: int, x: torch.Tensor) -> dict[str, Traf
     (they compile), then one counted, its kernels' traffic (:class:`KernelCount`) added to the
     step's."""
     from mixprec.optim import kernels
-    saved = dict(kernels._GUARDED)
-    counts = {k: KernelCount(v) for k, v in saved.items()}
-    kernels._GUARDED.update(counts)
+    count = kernels._run = KernelCount(kernels._run)
     try:
         with torch._dynamo.config.patch(disable=False):
             row = mixprec_row(layers, width, x, None, fused="compile")
             measure(row, steps=2)
-            for c in counts.values():
-                c.counting = True
+            count.counting = True
             got = measure(row, steps=1)
     finally:
-        kernels._GUARDED.update(saved)
-    step = got["step"]
-    for c in counts.values():
-        step.read, step.written = step.read + c.traffic.read, step.written + c.traffic.written
-        step.launches += c.traffic.launches
-        step.by_op.update(c.traffic.by_op)
-        step.launches_by_op.update(c.traffic.launches_by_op)
+        kernels._run = count.run
+    step, kernel = got["step"], count.traffic
+    step.read, step.written = step.read + kernel.read, step.written + kernel.written
+    step.launches += kernel.launches
+    step.by_op.update(kernel.by_op)
+    step.launches_by_op.update(kernel.launches_by_op)
     return got
 
 

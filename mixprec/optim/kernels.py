@@ -37,7 +37,7 @@ from torch.optim import sgd as torch_sgd
 
 from .. import kernel_table
 from ..shards import is_dtensor
-from .guard import GuardedKernel
+from .guard import GuardedKernel, quiet_compile
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
            "torch_fused_problem", "torch_fused", "torch_functional", "TORCH_FUSED_TYPES",
@@ -269,7 +269,7 @@ def _sgd_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
         state = optimizer.state[master]
         buf = state.get("momentum_buffer")
         # torch makes the buffer at the first step: that step runs eagerly (one compile)
-        run = kernel.fn if buf is None and momentum else kernel
+        run = kernel.fn if buf is None and momentum else functools.partial(_run, kernel)
         dev = master.device
         made = run(*_detached(master, param, grad, buf), inv(dev), lr(dev), *options)
         if made is not None:
@@ -292,9 +292,15 @@ def _adam_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
                bool(group["decoupled_weight_decay"]))
     for master, param, grad in items:
         state, dev = _adam_state(optimizer, master), master.device
-        _GUARDED[torch.optim.Adam](*_detached(master, param, grad, state["exp_avg"],
-                                              state["exp_avg_sq"]), state["step"],
-                                   inv(dev), lr(dev), *options)
+        _run(_GUARDED[torch.optim.Adam], *_detached(master, param, grad, state["exp_avg"],
+                                                    state["exp_avg_sq"]), state["step"],
+             inv(dev), lr(dev), *options)
+
+
+def _run(kernel: GuardedKernel, *args):
+    """``kernel(*args)``, inside the warning filter :func:`compiled_step` sets once for all its
+    calls (a filter per call costs more than a small tensor's update)."""
+    return kernel.compiled()(*args) if kernel.trusted(*args) else kernel.fn(*args)
 
 
 def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
@@ -317,7 +323,9 @@ def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
     scale = 1.0 if inv_scale is None else inv_scale
     inv = PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
     rest_lists = []
-    with torch.no_grad():
+    # hyper-parameters other than lr as constants of the compiled kernel (a change recompiles;
+    # as inputs each call would wrap each of them in a tensor)
+    with torch.no_grad(), quiet_compile(), torch._dynamo.config.patch(specialize_float=True):
         for group in optimizer.param_groups:
             items, rest = [], []
             for p in group["params"]:
