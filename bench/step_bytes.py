@@ -1,7 +1,7 @@
 """Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
 
     python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops]
-        [--inner default|fused|foreach] [--state-dtype fp32|bf16] [--json FILE]
+        [--inner default|fused|foreach] [--state-dtype fp32|bf16] [--compiled] [--json FILE]
 
 A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
 (the third, so the state exists): an op reads each tensor argument and writes each output and
@@ -21,14 +21,27 @@ so no compiled kernel hides an op). Rows:
   widened into fp32 buffers (one ``_foreach_copy_``), torch's fused AdamW on fp32 masters, the
   masters cast back into the bf16 weights (one ``_foreach_copy_``), run and counted like the rest;
 * the ideal fused O2 step, computed: one pass reading the bf16 gradient and the fp32 master and
-  moments, writing the master, the moments and the bf16 weight (2+4+4+4 + 4+4+4+2 = 28).
+  moments, writing the master, the moments and the bf16 weight (2+4+4+4 + 4+4+4+2 = 28);
+* with ``--compiled``, O2 with fp32 masters and the compiled master step
+  (``fused="compile"``: torch's single-tensor AdamW between the widening of the gradient and the
+  cast, compiled by inductor into one C++ kernel per parameter). The counter does not see into a
+  compiled kernel (under a dispatch mode dynamo runs the function eagerly), so each kernel call
+  (``mixprec.optim.kernels._run``) runs outside it and is counted by hand from its arguments
+  (:class:`KernelCount`): every tensor argument read once except the 16-bit weight (only the
+  destination of the cast), and every argument whose version counter the call moved written
+  once; what the step runs around the kernels is counted as usual. (This matches the kernel
+  inductor generates: its C++ signature takes the bf16 gradient, master and moments as inputs
+  and the master, moments and bf16 weight as outputs.)
 
 "transient peak" is the most memory the step's ops allocated that was alive at once (its
 scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
-fp32 gradient buffers, 4 B/param). ``--backward`` adds what each row runs in its forward and its
-backward beyond a plain bf16 model's (same layers, same batch; work a method moves into backward
-hooks shows here), counted the same way, and the step plus both. ``--ops`` prints each measured
-row's traffic by op.
+fp32 gradient buffers, 4 B/param). Memory a storage takes by resizing itself in place is no
+aten op and is not counted: the fp32-master rows' gradient scratch (views kept between steps
+of a buffer whose storage is emptied after each step and refilled at the next; one bucket of
+fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
+each row runs in its forward and its backward beyond a plain bf16 model's (same layers, same
+batch; work a method moves into backward hooks shows here), counted the same way, and the step
+plus both. ``--ops`` prints each measured row's traffic by op.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bytes import ByteCounter, Traffic  # noqa: E402
 from _plain_o2 import PlainO2  # noqa: E402
 from _report import write_json  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
 import mixprec as mp  # noqa: E402
 
@@ -61,6 +75,7 @@ AUTOCAST_CAST = 4 + 2
 MASTERS = {"O2 bf16, fp32 masters": None, 'O2 `master="split"`': "split",
            'O2 `master="kahan"`': "kahan", 'O2 `master="stochastic"`': "stochastic"}
 FUSED_ONLY = "O2 with torch's fused kernel, nothing more (widen + kernel + cast)"
+COMPILED_ROW = 'O2 bf16, fp32 masters, `fused="compile"` (compiled kernels counted by hand)'
 
 
 def build(layers: int, width: int, dtype=torch.float32) -> nn.Module:
@@ -108,11 +123,13 @@ INNER = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}
 
 
 def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "default",
-                state_dtype: str = "fp32") -> Row:
+                state_dtype: str = "fp32", fused=None) -> Row:
     model = build(layers, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **INNER[inner])
     amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master, state_dtype=state_dtype)
     model, opt = amp.setup(model, opt)
+    if fused is not None:
+        opt.fused = fused
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
                lambda: opt.zero_grad(set_to_none=True), model.parameters())
 
@@ -125,6 +142,57 @@ def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
     o2 = PlainO2(model.parameters(), masters, lr=1e-3)
     return Row(lambda: _loss(model(x.to(BF16))), lambda loss: loss.backward(), o2.step,
                o2.zero_grad, o2.params)
+
+
+class KernelCount:
+    """Stands in for ``mixprec.optim.kernels._run`` (every call of a compiled master kernel):
+    runs the kernel outside the byte counter (so it runs compiled) and, while ``counting``,
+    counts its traffic by hand (see the module docstring) into ``traffic`` (one launch per
+    call)."""
+
+    def __init__(self, run):
+        self.run, self.counting, self.traffic = run, False, Traffic()
+
+    def __call__(self, kernel, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        with _disable_current_modes():
+            out = self.run(kernel, *args)
+        if self.counting:
+            t = self.traffic
+            for i, (arg, version) in enumerate(zip(tensors, versions)):
+                size = arg.numel() * arg.element_size()
+                t.read += size if i != 1 else 0  # argument 1: the 16-bit weight, written only
+                t.written += size if arg._version != version else 0
+            t.launches += 1
+            t.by_op[COMPILED] = t.read + t.written
+            t.launches_by_op[COMPILED] = t.launches
+        return out
+
+
+COMPILED = "compiled master kernel"
+
+
+def measure_compiled(layers: int, width: int, x: torch.Tensor) -> dict[str, Traffic]:
+    """O2 with fp32 masters and ``fused="compile"`` (dynamo switched on for it): two steps
+    (they compile), then one counted, its kernels' traffic (:class:`KernelCount`) added to the
+    step's."""
+    from mixprec.optim import kernels
+    count = kernels._run = KernelCount(kernels._run)
+    try:
+        with torch._dynamo.config.patch(disable=False):
+            row = mixprec_row(layers, width, x, None, fused="compile")
+            measure(row, steps=2)
+            count.counting = True
+            got = measure(row, steps=1)
+    finally:
+        kernels._run = count.run
+    step, kernel = got["step"], count.traffic
+    step.read, step.written = step.read + kernel.read, step.written + kernel.written
+    step.launches += kernel.launches
+    step.by_op.update(kernel.by_op)
+    step.launches_by_op.update(kernel.launches_by_op)
+    return got
 
 
 def measure(row: Row, steps: int = 3) -> dict[str, Traffic]:
@@ -149,7 +217,7 @@ def numel(row: Row) -> int:
 
 
 def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "default",
-        state_dtype: str = "fp32") -> list[dict]:
+        state_dtype: str = "fp32", compiled: bool = False) -> list[dict]:
     """Every row's counts: step, forward and backward bytes per parameter beyond the bf16
     model's, launches, the step's transient peak per parameter. Returns a list of dicts
     (``name``, ``step``, ``launches``, ``transient``, ``forward``, ``backward``, ``measured``)."""
@@ -162,20 +230,22 @@ def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "defaul
     makers += [(name, lambda m=m: mixprec_row(layers, width, x, m, inner, state_dtype))
                for name, m in MASTERS.items()]
     makers += [(FUSED_ONLY, lambda: fused_only_row(layers, width, x))]
-    rows = []
+    counted = []
     for name, make in makers:
         row = make()
         if numel(row) != n:
             raise RuntimeError(f"{name}: {numel(row)} parameters, expected {n}")
-        got = measure(row)
-        rows.append({
-            "name": name, "measured": True, "step": got["step"].total / n,
-            "launches": got["step"].launches, "transient": got["step"].peak_live / n,
-            "transient_bytes": got["step"].peak_live,
-            "forward": (got["forward"].total - ref["forward"].total) / n,
-            "backward": (got["backward"].total - ref["backward"].total) / n,
-            "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
-            "step_launches": dict(got["step"].launches_by_op.most_common())})
+        counted.append((name, measure(row)))
+    if compiled:  # last: it replaces the compiled kernels for the process while it runs
+        counted.append((COMPILED_ROW, measure_compiled(layers, width, x)))
+    rows = [{"name": name, "measured": True, "step": got["step"].total / n,
+             "launches": got["step"].launches, "transient": got["step"].peak_live / n,
+             "transient_bytes": got["step"].peak_live,
+             "forward": (got["forward"].total - ref["forward"].total) / n,
+             "backward": (got["backward"].total - ref["backward"].total) / n,
+             "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
+             "step_launches": dict(got["step"].launches_by_op.most_common())}
+            for name, got in counted]
     rows.append({"name": "ideal fused O2 step (computed)", "measured": False,
                  "step": float(IDEAL_O2), "launches": None, "transient": 0.0,
                  "transient_bytes": 0, "forward": 0.0, "backward": 0.0})
@@ -213,6 +283,8 @@ def main(argv=None) -> list[dict]:
                              "foreach=True")
     parser.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="the moments' dtype in mixprec's rows")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add O2 with the compiled master step (compiles: seconds)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
     args = parser.parse_args(argv)
     for key in ("layers", "width", "batch"):
@@ -220,7 +292,8 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
     torch.set_num_threads(1)
     with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
-        rows = run(args.layers, args.width, args.batch, args.inner, args.state_dtype)
+        rows = run(args.layers, args.width, args.batch, args.inner, args.state_dtype,
+                   args.compiled)
     n = args.layers * (args.width + 1) * args.width
     print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
           f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}, "

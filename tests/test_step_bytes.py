@@ -97,18 +97,23 @@ def test_fused_adamw_moves_32_bytes_per_fp32_parameter(bytes_mod):
     assert abs(t.total / N - 32) < 0.05
 
 
+def _run_script(tmp_path, *flags) -> tuple[str, dict]:
+    """bench/step_bytes.py on 2 x Linear(32, 32) in a fresh process: its output and rows."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/step_bytes.py"), "--layers", "2",
+                           "--width", "32", "--batch", "1", *flags, "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+
+
 def test_script_on_a_tiny_model(tmp_path):
     """The script runs eagerly in a fresh process and its rows hold the known counts: torch's
     fused step 32 B/param, widen + kernel + cast 44, the computed ideal 28, autocast's weight
     cast in the forward and gradient cast in the backward 6 each beyond a bf16 model's."""
-    out = tmp_path / "rows.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/step_bytes.py"), "--layers", "2",
-                           "--width", "32", "--batch", "1", "--backward", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| row | step B/param |" in proc.stdout
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    stdout, rows = _run_script(tmp_path, "--backward")
+    assert "| row | step B/param |" in stdout
     assert len(rows) == 7
     autocast = rows["torch fused AdamW, fp32 params, `torch.autocast` bf16"]
     assert autocast["step"] == pytest.approx(32, abs=0.2)
@@ -159,3 +164,15 @@ def test_llama_rows_train_at_a_tiny_size(row):
     assert trainee.timed_update() > 0
     if row == "O2":
         assert next(trainee.model.parameters()).dtype == torch.bfloat16
+
+
+def test_compiled_master_step_row_counts_its_kernel_by_hand(tmp_path):
+    """With --compiled, the compiled fp32-master step's kernel (torch's AdamW between the
+    widening and the cast, one kernel per parameter) reads the bf16 gradient, the master and
+    the moments and writes them and the bf16 weight: 28 B/param, the ideal fused step, and the
+    row adds what runs around it (the bf16 inf/NaN check)."""
+    _, rows = _run_script(tmp_path, "--compiled")
+    row = next(r for name, r in rows.items() if "compile" in name)
+    assert row["step_ops"]["compiled master kernel"] == pytest.approx(28, abs=0.3)
+    assert row["step_launches"]["compiled master kernel"] == 4  # one per parameter
+    assert row["step"] < rows["O2 bf16, fp32 masters"]["step"]

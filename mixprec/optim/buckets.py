@@ -78,34 +78,78 @@ def _dense_layout(t: torch.Tensor) -> bool:
             or t.is_contiguous(memory_format=torch.channels_last_3d))
 
 
+def _views(like: list[torch.Tensor], buffer_of) -> list[torch.Tensor]:
+    """fp32 tensors shaped and strided as each of ``like``: views of ``buffer_of(device, numel)``
+    where the layout is dense, else tensors of their own."""
+    out: list[torch.Tensor | None] = [None] * len(like)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(like):
+        if _dense_layout(t):
+            by_device.setdefault(t.device, []).append(i)
+        else:  # an unusual layout: its own tensor, strided as the master
+            out[i] = torch.empty_like(t, dtype=torch.float32)
+    for device, indices in by_device.items():
+        buffer, start = buffer_of(device, sum(like[i].numel() for i in indices)), 0
+        for i in indices:
+            t = like[i]
+            out[i] = buffer.as_strided(t.shape, t.stride(), start)
+            start += t.numel()
+    return out  # type: ignore[return-value]
+
+
 class Scratch:
-    """One fp32 buffer per device, reused from bucket to bucket within a step (fresh memory for
-    every bucket costs page faults on a CPU); :meth:`release` drops it when the step ends."""
+    """The fp32 gradients of a step, one buffer per device reused from bucket to bucket (fresh
+    memory for every bucket costs page faults on a CPU), in two kinds:
+
+    * :meth:`views`: fresh views each step, of a buffer dropped when the step ends
+      (:meth:`release`); what the inner optimizer's own ``step`` reads as ``.grad``, which may
+      keep them.
+    * :meth:`kept`: views made once per bucket (``key``) and handed to torch's fused kernel
+      only, of a buffer whose memory is given back when the step ends (its storage shrinks to
+      nothing) and taken again by the next step's first :meth:`kept` (the optimizer makes a new
+      ``Scratch`` when its param groups change).
+    """
 
     def __init__(self):
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._kept: dict[torch.device, torch.Tensor] = {}
+        self._views: dict = {}
 
     def views(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """Uninitialised fp32 tensors shaped and strided as each of ``like``."""
-        out: list[torch.Tensor | None] = [None] * len(like)
-        by_device: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(like):
-            if _dense_layout(t):
-                by_device.setdefault(t.device, []).append(i)
-            else:  # an unusual layout: its own tensor, strided as the master
-                out[i] = torch.empty_like(t, dtype=torch.float32)
-        for device, indices in by_device.items():
-            need = sum(like[i].numel() for i in indices)
+        def buffer_of(device, need):
             buffer = self._buffers.get(device)
             if buffer is None or buffer.numel() < need:
                 buffer = self._buffers[device] = torch.empty(need, dtype=torch.float32,
                                                              device=device)
-            start = 0
-            for i in indices:
-                t = like[i]
-                out[i] = buffer.as_strided(t.shape, t.stride(), start)
-                start += t.numel()
-        return out  # type: ignore[return-value]
+            return buffer
+        return _views(like, buffer_of)
+
+    def kept(self, key, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """:meth:`views` made once for ``key``; None where a layout is not dense (those buckets
+        take :meth:`views`)."""
+        for buffer in self._kept.values():
+            storage = buffer.untyped_storage()
+            if storage.nbytes() < buffer.numel() * 4:
+                storage.resize_(buffer.numel() * 4)
+        out = self._views.get(key)
+        if out is None:
+            if not all(_dense_layout(t) for t in like):
+                return None
+            out = self._views[key] = _views(like, self._kept_buffer)
+        return out
+
+    def _kept_buffer(self, device, need) -> torch.Tensor:
+        buffer = self._kept.get(device)
+        if buffer is None or buffer.numel() < need:
+            if buffer is not None:  # views of the smaller one are made again
+                buffer.untyped_storage().resize_(0)
+                self._views = {}
+            buffer = self._kept[device] = torch.empty(need, dtype=torch.float32, device=device)
+        return buffer
 
     def release(self) -> None:
+        """The step ended: drop the fresh views' buffers, give the kept ones' memory back."""
         self._buffers = {}
+        for buffer in self._kept.values():
+            buffer.untyped_storage().resize_(0)

@@ -31,7 +31,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 __all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks",
-           "has_step_hooks"]
+           "has_step_hooks", "mark_stepped"]
 
 #: The per-instance hook dicts of ``torch.optim.Optimizer``.
 HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -67,8 +67,7 @@ def raw_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
     step = type(optimizer).step
     if getattr(step, "hooked", False):  # torch's profile_hook_step around the class's step
         step = step.__wrapped__
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True  # what the scheduler's own step wrapper records
+    mark_stepped(optimizer)
     # a subclass whose step calls super().step() goes through torch's hook wrapper of the base
     # class (once any plain instance of it exists): that call is the wrapper's, not a direct one
     optimizer.__dict__[STEPPED_BY_WRAPPER] = True
@@ -76,6 +75,13 @@ def raw_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
         return step(optimizer, **kwargs) if closure is None else step(optimizer, closure, **kwargs)
     finally:
         optimizer.__dict__.pop(STEPPED_BY_WRAPPER, None)
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record, for an LR scheduler built on ``optimizer``, that it stepped (what the
+    scheduler's own step wrapper records), where the wrapper ran its update for it."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
 
 
 #: Set on mixprec's own global step pre-hook (a refusal that passes every master optimizer by):

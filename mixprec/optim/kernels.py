@@ -1,42 +1,45 @@
-"""The update kernels behind ``MasterWeightOptimizer``: torch's fused ones, and a compiled pass.
+"""The update kernels behind ``MasterWeightOptimizer``: torch's own SGD and Adam/AdamW, fused
+or compiled; no arithmetic of mixprec's own.
 
-Two ways to run SGD and Adam/AdamW on fp32 masters faster than the inner optimizer's default
-(foreach) step:
+* ``fused="auto"``: torch's fused kernels (``torch._fused_sgd_``/``_fused_adam_``/
+  ``_fused_adamw_``, one pass per bucket of tensors, on CPU and CUDA). The inner optimizer's own
+  ``step`` runs them with its groups' ``fused`` switched on for the call (:func:`torch_fused`)
+  where it must make state; every other step calls torch's functional ``sgd``/``adam`` with
+  ``fused=True`` on lists made once (:func:`torch_functional`). They need gradients of the
+  masters' dtype: the master optimizer widens the 16-bit ones into fp32 scratch a bucket at a
+  time.
+* ``fused="compile"``: torch's single-tensor SGD/Adam/AdamW (its functional API with
+  ``foreach=False``) between a widening of the 16-bit gradient and torch's cast of the master
+  into the weight, compiled by ``torch.compile``: inductor fuses the three into one pass per
+  parameter that reads the 16-bit gradient and writes the 16-bit weight (:func:`compiled_step`).
+  Each compiled kernel is checked against the same function run eagerly (:mod:`.guard`, which
+  logs once what it compiled and how long it took). Results agree with torch's eager step to a
+  few fp32 ulps (inductor may fuse a multiply-add).
 
-* ``fused="auto"``: torch's own fused kernels (``torch._fused_sgd_``/``_fused_adam_``/
-  ``_fused_adamw_``, one pass per bucket of tensors, on CPU and CUDA), run by the inner
-  optimizer itself with its param groups' ``fused`` switched on for the call
-  (:func:`torch_fused`). They need gradients of the masters' dtype, so the master optimizer feeds
-  them transient fp32 copies, one bucket at a time.
-* ``fused="compile"``: one ``torch.compile``-d elementwise kernel per low-precision parameter
-  (:func:`compiled_step`) that reads its low-precision gradient directly, unscales it, and
-  writes the master, the optimizer state and the rounded model parameter in one pass: no fp32
-  gradient at all.
-
-The compiled arithmetic follows torch's single-tensor SGD and Adam/AdamW (same operations on the
-same fp32 values, so results agree to a few fp32 ulps: the compiled kernel may fuse a
-multiply-add). State keys and layouts are torch's own (``momentum_buffer``; ``step``,
-``exp_avg``, ``exp_avg_sq``), so state dicts move freely between the three paths.
-Hyper-parameters and the gradient's inverse scale travel as tensors, never as Python numbers, so
-a learning-rate scheduler or a changing loss scale does not recompile. The kernels are compiled
-with dynamic shapes over flattened tensors: one compile per kernel and (parameter dtype,
-gradient dtype) pair.
+State keys and layouts are torch's own (``momentum_buffer``; ``step``, ``exp_avg``,
+``exp_avg_sq``), so state dicts move freely between the paths. The compiled kernels take flat
+views and dynamic shapes (one compile per gradient dtype, not per tensor), the learning rate and
+the gradient's inverse scale as 0-d tensors (a scheduler or a changing loss scale recompiles
+nothing); a change of another hyper-parameter (momentum, betas, weight decay) recompiles.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch.optim import adam as torch_adam
+from torch.optim import sgd as torch_sgd
 
 from .. import kernel_table
 from ..shards import is_dtensor
-from .guard import GuardedKernel
+from .guard import GuardedKernel, quiet_compile
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
-           "torch_fused_problem", "torch_fused", "compiled_step", "sgd_hparams", "adam_hparams",
-           "PerDevice", "hp_tensor", "flat", "compile_options"]
+           "torch_fused_problem", "torch_fused", "torch_functional", "TORCH_FUSED_TYPES",
+           "compiled_step", "PerDevice", "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
     "torch.optim.SGD (momentum, dampening, nesterov, weight_decay; not maximize or "
@@ -45,7 +48,7 @@ COMPILED_SUPPORTED = (
 
 _SGD_OFF = ("maximize", "differentiable")
 _ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
-_TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+TORCH_FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 # -- which optimizers each path runs --------------------------------------------------------------
@@ -88,7 +91,7 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors,
                         grad_of: Callable | None = None) -> str | None:
     """Why torch's fused kernel can't step ``tensors`` with ``optimizer`` (None when it can);
     ``grad_of(t)`` is the gradient the step reads for ``t`` (default: ``t.grad``)."""
-    if type(optimizer) not in _TORCH_FUSED_TYPES:
+    if type(optimizer) not in TORCH_FUSED_TYPES:
         return f"{type(optimizer).__name__} has no fused kernel in torch"
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("capturable"):
@@ -127,57 +130,66 @@ def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["fused"], group["foreach"] = fused, foreach
 
 
-# -- the compiled kernels (compiled lazily, once per process) -----------------------------------
-def _round_into(master, param, new):
-    master.copy_(new)
-    param.copy_(new)  # torch's cast, as every write-back of fp32 masters
+def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list, grads: list
+                     ) -> Callable:
+    """What ``optimizer.step()`` runs for ``group`` with ``fused=True``, over ``params`` and
+    ``grads``: torch's functional SGD or Adam/AdamW (:data:`TORCH_FUSED_TYPES`) with the
+    group's options and the state the inner step made, as a call ``(grad_scale, found_inf)``.
+
+    Raises:
+        KeyError: some of that state is not made yet (a first step makes it).
+    """
+    state = optimizer.state
+    if type(optimizer) is torch.optim.SGD:
+        momentum = group["momentum"]
+        bufs = [state[p]["momentum_buffer"] for p in params] if momentum else [None] * len(params)
+        if momentum and any(b is None for b in bufs):
+            raise KeyError("momentum_buffer")
+        return functools.partial(
+            torch_sgd.sgd, params, grads, bufs, fused=True, weight_decay=group["weight_decay"],
+            momentum=momentum, lr=group["lr"], dampening=group["dampening"],
+            nesterov=group["nesterov"], maximize=group["maximize"])
+    held = [state[p] for p in params]
+    amsgrad = group["amsgrad"]
+    beta1, beta2 = group["betas"]
+    return functools.partial(
+        torch_adam.adam, params, grads, [s["exp_avg"] for s in held],
+        [s["exp_avg_sq"] for s in held], [s["max_exp_avg_sq"] for s in held] if amsgrad else [],
+        [s["step"] for s in held], fused=True,
+        decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1,
+        beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+        maximize=group["maximize"])
 
 
-def _sgd_plain(master, param, grad, s, hp):
-    # s: the gradient's inverse scale. hp: -lr, weight_decay, buffer decay (momentum; 0 at the
-    # first step), gradient weight (1 - dampening; 1 at the first step), momentum
-    g = grad.float() * s + hp[1] * master
-    _round_into(master, param, master + hp[0] * g)
+# -- the compiled step: torch's own arithmetic, compiled ----------------------------------------
+def _adam(master, param, grad, exp_avg, exp_avg_sq, step, inv, lr, beta1, beta2, weight_decay,
+          eps, decoupled):
+    """torch's single-tensor Adam/AdamW over ``master`` from ``grad`` (any dtype) times ``inv``
+    (``lr`` and ``inv`` 0-d tensors), then torch's cast of the master into ``param``."""
+    torch_adam.adam([master], [grad.float() * inv], [exp_avg], [exp_avg_sq], [], [step],
+                    foreach=False, fused=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                    weight_decay=weight_decay, eps=eps, maximize=False,
+                    decoupled_weight_decay=decoupled)
+    param.copy_(master)
 
 
-def _sgd_momentum(master, param, grad, buf, s, hp):
-    g = grad.float() * s + hp[1] * master
-    b = buf * hp[2] + hp[3] * g
-    buf.copy_(b)
-    _round_into(master, param, master + hp[0] * b)
+def _sgd(master, param, grad, buf, inv, lr, weight_decay, momentum, dampening, nesterov):
+    """torch's single-tensor SGD, as :func:`_adam`; returns the momentum buffer torch made when
+    ``buf`` is None (its first step with momentum), else None."""
+    bufs = [buf]
+    torch_sgd.sgd([master], [grad.float() * inv], bufs, foreach=False, fused=False,
+                  weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                  nesterov=nesterov, maximize=False)
+    param.copy_(master)
+    return bufs[0] if buf is None else None
 
 
-def _sgd_nesterov(master, param, grad, buf, s, hp):
-    g = grad.float() * s + hp[1] * master
-    b = buf * hp[2] + hp[3] * g
-    buf.copy_(b)
-    _round_into(master, param, master + hp[0] * (g + hp[4] * b))
-
-
-def _adam(master, param, grad, exp_avg, exp_avg_sq, s, hp):
-    # hp: L2 weight decay, decoupled decay factor, 1 - beta1, beta2, 1 - beta2,
-    #     sqrt(bias correction 2), eps, -step size
-    g = grad.float() * s + hp[0] * master
-    m = master * hp[1]
-    ea = exp_avg + hp[2] * (g - exp_avg)
-    eas = exp_avg_sq * hp[3] + hp[4] * g * g
-    exp_avg.copy_(ea)
-    exp_avg_sq.copy_(eas)
-    _round_into(master, param, m + hp[7] * (ea / (eas.sqrt() / hp[5] + hp[6])))
-
-
-_KERNELS = {"sgd_plain": _sgd_plain, "sgd_momentum": _sgd_momentum,
-            "sgd_nesterov": _sgd_nesterov, "adam": _adam}
 # Dynamic shapes: inductor would pick serial or parallel loops from the size of the first tensor
 # it compiled for (a bias: serial, for every tensor after). Let OpenMP decide at run time instead.
 compile_options = {"cpp.dynamic_threads": True}
 # each compiled kernel is checked against its eager twin before it is trusted (.guard)
-_GUARDED = {name: GuardedKernel(f"fp32-master {name}", fn, compile_options)
-            for name, fn in _KERNELS.items()}
-
-
-def _kernel(name: str) -> Callable:
-    return _GUARDED[name]
+_GUARDED = {torch.optim.SGD: GuardedKernel("fp32-master SGD", _sgd, compile_options),
+            torch.optim.Adam: GuardedKernel("fp32-master Adam", _adam, compile_options)}
 
 
 def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -186,12 +198,6 @@ def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if all(t is None or t.is_contiguous() for t in tensors):
         return tuple(None if t is None else t.view(-1) for t in tensors)
     return tensors
-
-
-def hp_tensor(values, device: torch.device) -> torch.Tensor:
-    """Hyper-parameters as an fp32 tensor on ``device`` (tensors, so a change never
-    recompiles)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -211,47 +217,30 @@ class PerDevice:
         return t
 
 
-def sgd_hparams(group: dict) -> tuple[list[float], list[float], float]:
-    """SGD's kernel hyper-parameters at the first step and later ones (see ``_sgd_plain``),
-    and the momentum.
-
-    Raises:
-        ValueError: Nesterov without momentum or with dampening (as torch).
-    """
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    momentum, damp = float(group["momentum"]), float(group["dampening"])
-    if group["nesterov"] and (momentum <= 0 or damp != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    return [-lr, wd, 0.0, 1.0, momentum], [-lr, wd, momentum, 1.0 - damp, momentum], momentum
+def _lr(group: dict) -> PerDevice:
+    """The group's learning rate as a 0-d tensor per device: a scheduler's change recompiles
+    nothing (torch's step takes a tensor lr; a Python float would be specialised on)."""
+    return PerDevice(lambda d: torch.as_tensor(group["lr"], dtype=torch.float64, device=d))
 
 
-def adam_hparams(optimizer, group: dict, step: float) -> list[float]:
-    """Adam/AdamW's kernel hyper-parameters at ``step`` (see ``_adam``)."""
-    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
-    l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-    return [l2, decay, 1 - beta1, beta2, 1 - beta2, bc2 ** 0.5, eps, -lr / bc1]
+def _detached(*tensors):
+    """Flat views (:func:`flat`) that require no grad, as the check's copies: one compile."""
+    return flat(*(None if t is None else t.detach() for t in tensors))
 
 
 def _sgd_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
-    first_values, later_values, momentum = sgd_hparams(group)
-    first_hp = PerDevice(lambda d: hp_tensor(first_values, d))
-    later_hp = PerDevice(lambda d: hp_tensor(later_values, d))
+    kernel, lr, momentum = _GUARDED[torch.optim.SGD], _lr(group), group["momentum"]
+    options = (float(group["weight_decay"]), float(momentum), float(group["dampening"]),
+               bool(group["nesterov"]))
     for master, param, grad in items:
-        dev = master.device
-        if momentum == 0:
-            _kernel("sgd_plain")(*flat(master, param, grad), inv(dev), first_hp(dev))
-            continue
         state = optimizer.state[master]
         buf = state.get("momentum_buffer")
-        first = buf is None  # torch starts the buffer at the first gradient: 0 * m + 1 * g
-        if first:
-            buf = state["momentum_buffer"] = torch.zeros_like(master)
-        name = "sgd_nesterov" if group["nesterov"] else "sgd_momentum"
-        hp = first_hp(dev) if first else later_hp(dev)
-        _kernel(name)(*flat(master, param, grad, buf), inv(dev), hp)
+        # torch makes the buffer at the first step: that step runs eagerly (one compile)
+        run = kernel.fn if buf is None and momentum else functools.partial(_run, kernel)
+        dev = master.device
+        made = run(*_detached(master, param, grad, buf), inv(dev), lr(dev), *options)
+        if made is not None:
+            state["momentum_buffer"] = made.view_as(master)  # made from the flat gradient
 
 
 def _adam_state(optimizer, master: torch.Tensor) -> dict:
@@ -264,17 +253,21 @@ def _adam_state(optimizer, master: torch.Tensor) -> dict:
 
 
 def _adam_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
-    states = [_adam_state(optimizer, master) for master, _, _ in items]
-    torch._foreach_add_([s["step"] for s in states], 1)
-    hps: dict = {}
-    for (master, param, grad), state in zip(items, states):
-        step = float(state["step"])  # a host read: a sync only if the step lives on a GPU
-        key = (master.device, step)
-        hp = hps.get(key)
-        if hp is None:
-            hp = hps[key] = hp_tensor(adam_hparams(optimizer, group, step), master.device)
-        _kernel("adam")(*flat(master, param, grad, state["exp_avg"], state["exp_avg_sq"]),
-                        inv(master.device), hp)
+    beta1, beta2 = group["betas"]
+    lr = _lr(group)
+    options = (float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
+               bool(group["decoupled_weight_decay"]))
+    for master, param, grad in items:
+        state, dev = _adam_state(optimizer, master), master.device
+        _run(_GUARDED[torch.optim.Adam], *_detached(master, param, grad, state["exp_avg"],
+                                                    state["exp_avg_sq"]), state["step"],
+             inv(dev), lr(dev), *options)
+
+
+def _run(kernel: GuardedKernel, *args):
+    """``kernel(*args)``, inside the warning filter :func:`compiled_step` sets once for all its
+    calls (a filter per call costs more than a small tensor's update)."""
+    return kernel.compiled()(*args) if kernel.trusted(*args) else kernel.fn(*args)
 
 
 def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
@@ -297,7 +290,9 @@ def compiled_step(optimizer: torch.optim.Optimizer, model_of: Mapping,
     scale = 1.0 if inv_scale is None else inv_scale
     inv = PerDevice(lambda d: torch.as_tensor(scale, dtype=torch.float32, device=d))
     rest_lists = []
-    with torch.no_grad():
+    # hyper-parameters other than lr as constants of the compiled kernel (a change recompiles;
+    # as inputs each call would wrap each of them in a tensor)
+    with torch.no_grad(), quiet_compile(), torch._dynamo.config.patch(specialize_float=True):
         for group in optimizer.param_groups:
             items, rest = [], []
             for p in group["params"]:

@@ -39,9 +39,13 @@ for an optimizer not per-parameter) into a scratch buffer freed when the step en
   before ``step()`` (``_step_supports_amp_scaling``; see ``amp_scaling``).
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
-CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"`` one
-compiled pass per low-precision parameter (:mod:`mixprec.optim.kernels`). The 16-bit weights are
-written back with torch's own cast (round to nearest, ties to even), one pass.
+CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"``
+torch's single-tensor step compiled into one pass per low-precision parameter
+(:mod:`mixprec.optim.kernels`). The 16-bit weights are written back with torch's own cast (round
+to nearest, ties to even), one pass. With ``"auto"`` the lists a bucket's step reads (masters,
+model parameters, fp32 scratch views) are made once per change of the param groups: while no
+master holds an fp32 gradient, a step is three calls per bucket and group (widen, torch's
+functional fused step, cast), with no Python work per tensor beyond reading the gradients.
 ``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
 (:mod:`mixprec.optim.states`). No method syncs with the host, except that ``fused="compile"``
 reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.optim`.
@@ -58,6 +62,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, states, steps
+from .buckets import Scratch
 from .params import (
     GradCarry,
     MasterParameter,
@@ -207,6 +212,13 @@ class MasterWeightOptimizer(WrappedOptimizer):
             masters.append(master)
         self._pairs = list(pairs.values())
         super()._rebuild()
+        self.scratch = Scratch()  # views made for the old groups go with it
+        self.pieces = steps.plan(self)  # the buckets' lists for torch's fused kernel
+
+    def _loaded(self) -> None:
+        for piece in self.pieces:  # the next step runs through the inner optimizer's step
+            if piece is not None:
+                piece.ready = False
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,6 +279,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(model parameter, gradient)`` pairs the next ``step()`` reads (see the class
         docstring); parameters without a gradient are left out."""
+        if not self._carry.held:  # every gradient the step reads is the model's
+            return [(p, p.grad) for p in self._model_params if p.grad is not None]
         out = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -372,7 +386,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
             states.record_generator(self.inner, self.rounding)
         return None
 
+    def held_grads(self) -> bool:
+        """True when some master may hold an fp32 gradient (made by ``unscale_grads_``, or by
+        reading its ``.grad``); False: every gradient the step reads is the model's."""
+        return self._carry.held
+
     def _check_fp16_changes(self) -> None:
+        if not self._carry.held:
+            return
         if stale := [m for m in self._master_of.values()
                      if is_stale(m) and m.model_param.dtype == torch.float16]:
             raise stale_fp16_error(len(stale), stale[0].shape)
@@ -380,8 +401,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def drop_master_grads(self) -> None:
         """Drop the masters' fp32 gradients (the model's stay; a scaler skipping a step)."""
         self._carry.inv = None
-        for master in self._master_of.values():
-            drop_grad(master)
+        if self._carry.held:
+            for master in self._master_of.values():
+                drop_grad(master)
+            self._carry.held = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its low-precision parameters get fp32 masters.

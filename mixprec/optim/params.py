@@ -40,13 +40,18 @@ class GradCarry:
     gradients (set after a step that unscaled them on the fly, so reads after ``step()`` see the
     true gradients, as with ``torch.amp``). :meth:`carry` records the scale itself: its inverse
     is made when first read (no kernel on a step nobody reads a gradient after).
+
+    ``held`` is False while no master sharing it holds an fp32 gradient (set when one is given
+    one; cleared by its optimizer once it dropped them all): a step then reads every model
+    gradient as it is, with no look at the masters one by one.
     """
 
-    __slots__ = ("_inv", "_scale")
+    __slots__ = ("_inv", "_scale", "held")
 
     def __init__(self):
         self._inv: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
+        self.held = False
 
     @property
     def inv(self) -> torch.Tensor | None:
@@ -113,8 +118,7 @@ class MasterParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        _GRAD.__set__(self, value)
-        self._mp_source = None if value is None else _source_key(self._mp_param.grad)
+        set_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -170,6 +174,8 @@ def set_grad(master: MasterParameter, grad: torch.Tensor | None) -> None:
     """Give ``master`` a gradient made from its model parameter's current gradient."""
     _GRAD.__set__(master, grad)
     master._mp_source = None if grad is None else _source_key(master._mp_param.grad)
+    if grad is not None:
+        master._mp_carry.held = True
 
 
 def drop_grad(master: MasterParameter) -> None:

@@ -17,6 +17,7 @@ overflow flag (``found_inf``: the kernel skips on the device and takes back its 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -125,26 +126,129 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return out
 
 
+class Piece:
+    """One bucket's lists for torch's fused kernel, made once per change of the param groups:
+    per param group, its masters (a span of ``masters``) and its fp32 tensors (``own``); the
+    masters' model parameters. ``ready`` once a step through the inner optimizer made the
+    bucket's state (and put Adam's ``step`` on the parameters' device)."""
+
+    __slots__ = ("key", "groups", "masters", "model", "ready")
+
+    def __init__(self, key, groups, masters):
+        self.key, self.groups, self.masters = key, groups, masters
+        self.model = [m.model_param for m in masters]
+        self.ready = False
+
+
+def plan(opt) -> list[Piece | None]:
+    """Per bucket of ``opt``, its :class:`Piece`, or None where torch's fused kernel can't step
+    it (another optimizer type, a device or dtype without the kernel, an FSDP2 shard)."""
+    fusable = type(opt.inner) in kernels.TORCH_FUSED_TYPES
+    pieces: list[Piece | None] = []
+    for i, bucket in enumerate(opt.buckets()):
+        tensors = [t for ts in bucket for t in ts]
+        if not fusable or kernels.torch_fused_problem(opt.inner, tensors, lambda t: None):
+            pieces.append(None)
+            continue
+        groups, masters = [], []
+        for group, ts in zip(opt.param_groups, bucket):
+            ms = [t for t in ts if is_master(t)]
+            groups.append((group, len(masters), len(masters) + len(ms),
+                           [t for t in ts if not is_master(t)]))
+            masters += ms
+        pieces.append(Piece(i, groups, masters))
+    return pieces
+
+
 def bucketed_step(opt, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None = None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
-    per-parameter; see :mod:`mixprec.optim.buckets`)."""
+    per-parameter; see :mod:`mixprec.optim.buckets`): each through torch's fused kernel on its
+    cached lists (:func:`fused_bucket`) where it can, else through the inner optimizer's own
+    ``step`` (:func:`_step_bucket`)."""
     # one rule for all buckets (and settle_grads); a found_inf the step took implies it
     folds = grad_scale is not None and (found_inf is not None or folds_scale(opt))
     inv = None if folds or grad_scale is None else grad_scale.reciprocal()
+    scale = grad_scale if folds else None
     buckets = opt.buckets()
+    pieces = opt.pieces if _cached_lists_apply(opt) else [None] * len(buckets)
     try:
-        for bucket in buckets:
-            _step_bucket(opt, bucket, grad_scale if folds else None, found_inf, inv,
-                         alone=len(buckets) == 1)
+        for bucket, piece in zip(buckets, pieces):
+            if piece is None or not piece.ready or not fused_bucket(opt, piece, scale,
+                                                                    found_inf, inv):
+                fused = _step_bucket(opt, bucket, scale, found_inf, inv, len(buckets) == 1)
+                if piece is not None:
+                    piece.ready = fused
     finally:
         opt.scratch.release()  # transient: the fp32 gradients do not outlive the step
+        opt.drop_master_grads()
+
+
+def _cached_lists_apply(opt) -> bool:
+    """The step may read the model's gradients straight from the cached lists: torch's fused
+    kernels asked for, fp32 moments, no master holding an fp32 gradient of its own, no keyword
+    for the inner ``step``, no group option the fused kernels refuse."""
+    return (opt.fused == "auto" and opt.state_dtype == torch.float32 and not opt.held_grads()
+            and not opt.step_kwargs
+            and not any(g.get("differentiable") or g.get("capturable") for g in opt.param_groups))
+
+
+def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
+    """Step one bucket from its cached lists: widen the model's gradients into the kept
+    scratch views (one ``_foreach_copy_``), run torch's functional step of the inner optimizer's
+    type (its fused kernel) per param group, and cast the masters into the model's parameters
+    (one ``_foreach_copy_``). False, having changed nothing, where a gradient is sparse or some
+    state is missing (the inner optimizer's own step makes it)."""
+    grads = [p.grad for p in piece.model]
+    own = [[t.grad for t in ts] for *_, ts in piece.groups]
+    whole = True
+    for g in itertools.chain(grads, *own):
+        if g is None:
+            whole = False
+        elif g.is_sparse:
+            return False
+    views = opt.scratch.kept(piece.key, piece.masters)
+    if views is None:
+        return False
+    calls = []
+    try:
+        for (group, start, end, ts), own_grads in zip(piece.groups, own):
+            tensors = piece.masters[start:end] + ts
+            step_grads = views[start:end] + own_grads
+            if not whole:
+                have = grads[start:end] + own_grads
+                tensors, step_grads = _having(have, tensors), _having(have, step_grads)
+            if tensors:
+                calls.append(kernels.torch_functional(opt.inner, group, tensors, step_grads))
+    except KeyError:  # state not made yet
+        return False
+    masters, model = piece.masters, piece.model
+    if not whole:
+        views, masters, model = (_having(grads, ts) for ts in (views, masters, model))
+        grads = _having(grads, grads)
+    with torch.no_grad():
+        if grads:
+            torch._foreach_copy_(views, grads)
+        if inv is not None:
+            unscale_(views + [g for gs in own for g in gs if g is not None], inv)
+        for call in calls:
+            call(grad_scale=grad_scale, found_inf=found_inf)
+        if model:
+            torch._foreach_copy_(model, masters)
+    hooks.mark_stepped(opt.inner)
+    return True
+
+
+def _having(grads: list, tensors: list) -> list:
+    """The entries of ``tensors`` whose gradient in ``grads`` is not None."""
+    return [t for t, g in zip(tensors, grads) if g is not None]
 
 
 def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, inv,
-                 alone: bool) -> None:
-    """Step one bucket: the kernel divides by ``grad_scale`` (folded) or the gradients are
-    multiplied by ``inv`` first (at most one of them is given)."""
+                 alone: bool) -> bool:
+    """Step one bucket through the inner optimizer's ``step``: the kernel divides by
+    ``grad_scale`` (folded) or the gradients are multiplied by ``inv`` first (at most one of
+    them is given). Returns whether torch's fused kernel ran."""
     dense, sparse, held, own, stepped = [], [], [], [], []
     for tensors in bucket:
         for t in tensors:
@@ -186,6 +290,7 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
             torch._foreach_copy_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
+    return fused
 
 
 @contextlib.contextmanager

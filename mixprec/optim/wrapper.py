@@ -20,7 +20,7 @@ import torch
 
 from ..formats import get as float_format
 from . import hooks, loadcheck
-from .buckets import Scratch, is_per_parameter, make_buckets
+from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
 
 __all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
@@ -111,7 +111,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
         hooks.share_hooks(self, optimizer)  # the user's hooks run once per step (see .hooks)
         self.param_names: dict[int, str] = {}
         self.register_load_state_dict_pre_hook(loadcheck.check_before_load)
-        self.scratch = Scratch()
         self._bucket_mb = bucket_mb
         self._rebuild()
         self._fused: bool | str = False
@@ -160,6 +159,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
                       if not isinstance(v, Mapping) or any(key not in OWN_KEYS for key in v)}
             self.inner.__setstate__({"state": theirs, "param_groups": self.param_groups})
             self.inner.state = self.state
+            self._loaded()
+
+    def _loaded(self) -> None:
+        """A ``state_dict`` was loaded (subclasses forget what they cached of the state)."""
 
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:

@@ -1,0 +1,110 @@
+"""The fp32-master step from lists made once: torch's fused kernel over the masters, read from
+the model's gradients, bitwise as torch's own fused step on fp32 copies fed the same gradients,
+through everything that changes between steps (learning rates, missing gradients, replaced
+state, loaded state dicts, gradients read through ``param_groups``)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.optim import MasterWeightOptimizer
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+}
+
+
+def pair(name, seed=0):
+    """A bf16 model (two groups, one holding an fp32 norm) in a master optimizer, and fp32
+    copies of its values in torch's fused optimizer: the reference."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    model[:2].to(torch.bfloat16)
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.5e-2}]  # noqa: E731
+    opt = MasterWeightOptimizer(OPTIMIZERS[name](groups(list(model.parameters()))))
+    ref_opt = OPTIMIZERS[name](groups(ref))
+    for g in ref_opt.param_groups:
+        g["fused"], g["foreach"] = True, False
+    return model, opt, ref, ref_opt
+
+
+def give_grads(model, ref, seed, skip=()):
+    """The same gradients on both sides: bf16 (fp32 for the norm) on the model, their fp32
+    values on the reference; parameters at ``skip`` get none."""
+    g = torch.Generator().manual_seed(seed)
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        if i in skip:
+            p.grad = r.grad = None
+            continue
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        r.grad = p.grad.float().clone()  # its own tensor, also for the fp32 norm
+
+
+def assert_bitwise(model, opt, ref):
+    for p, r in zip(model.parameters(), ref):
+        assert torch.equal(opt.master_param(p), r.detach())
+        assert torch.equal(p.detach(), r.detach().to(p.dtype))  # torch's cast
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_steps_are_torchs_fused_step_on_fp32_copies_bitwise(name):
+    model, opt, ref, ref_opt = pair(name)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for step in range(6):
+        give_grads(model, ref, step, skip=(1,) if step == 3 else ())  # a bias sits one out
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        assert_bitwise(model, opt, ref)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_state_replaced_or_loaded_between_steps_is_the_state_stepped():
+    model, opt, ref, ref_opt = pair("adamw")
+    for step in range(2):
+        give_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    w = model[0].weight
+    fresh = torch.full_like(opt.master_param(w), 0.01)
+    opt.state[opt.master_param(w)]["exp_avg"] = fresh
+    ref_opt.state[ref[0]]["exp_avg"] = fresh.clone()
+    give_grads(model, ref, 2)
+    opt.step()
+    ref_opt.step()
+    assert_bitwise(model, opt, ref)
+    # a state dict from before (another object's tensors) loaded into both
+    saved, ref_saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    give_grads(model, ref, 3)
+    opt.step()
+    ref_opt.step()
+    opt.load_state_dict(saved)
+    ref_opt.load_state_dict(ref_saved)
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref):
+            r.copy_(opt.master_param(p))
+    for step in (4, 5):
+        give_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+        assert_bitwise(model, opt, ref)
+
+
+def test_gradients_read_and_clipped_through_param_groups_are_what_the_step_uses():
+    model, opt, ref, ref_opt = pair("adamw")
+    for step in range(3):
+        give_grads(model, ref, step)
+        if step == 1:  # clip over the optimizer's parameters: the masters' fp32 gradients
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
+                                           0.5)
+            torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        opt.step()
+        ref_opt.step()
+        assert_bitwise(model, opt, ref)
