@@ -97,6 +97,27 @@ def test_state_replaced_or_loaded_between_steps_is_the_state_stepped():
         assert_bitwise(model, opt, ref)
 
 
+def test_a_schedule_after_load_state_dict_reaches_the_step():
+    """load_state_dict makes new param-group dicts: the learning rate a scheduler sets in them
+    afterwards is the one stepped (a cached group would keep stepping the old one)."""
+    model, opt, ref, ref_opt = pair("sgd_momentum")
+    for step in range(2):
+        give_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.25)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.25)
+    for step in range(2, 6):
+        give_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        assert_bitwise(model, opt, ref)
+
+
 def test_gradients_read_and_clipped_through_param_groups_are_what_the_step_uses():
     model, opt, ref, ref_opt = pair("adamw")
     for step in range(3):

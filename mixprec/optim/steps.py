@@ -128,9 +128,10 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 
 class Piece:
     """One bucket's lists for torch's fused kernel, made once per change of the param groups:
-    per param group, its masters (a span of ``masters``) and its fp32 tensors (``own``); the
-    masters' model parameters. ``ready`` once a step through the inner optimizer made the
-    bucket's state (and put Adam's ``step`` on the parameters' device)."""
+    per param group (by index: its options are read at each step), its masters (a span of
+    ``masters``) and its fp32 tensors (``own``); the masters' model parameters. ``ready`` once
+    a step through the inner optimizer made the bucket's state (and put Adam's ``step`` on the
+    parameters' device)."""
 
     __slots__ = ("key", "groups", "masters", "model", "ready")
 
@@ -151,9 +152,9 @@ def plan(opt) -> list[Piece | None]:
             pieces.append(None)
             continue
         groups, masters = [], []
-        for group, ts in zip(opt.param_groups, bucket):
+        for index, ts in enumerate(bucket):  # by index: load_state_dict makes new group dicts
             ms = [t for t in ts if is_master(t)]
-            groups.append((group, len(masters), len(masters) + len(ms),
+            groups.append((index, len(masters), len(masters) + len(ms),
                            [t for t in ts if not is_master(t)]))
             masters += ms
         pieces.append(Piece(i, groups, masters))
@@ -212,7 +213,8 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
         return False
     calls = []
     try:
-        for (group, start, end, ts), own_grads in zip(piece.groups, own):
+        for (index, start, end, ts), own_grads in zip(piece.groups, own):
+            group = opt.param_groups[index]
             tensors = piece.masters[start:end] + ts
             step_grads = views[start:end] + own_grads
             if not whole:
