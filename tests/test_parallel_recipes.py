@@ -240,8 +240,12 @@ def test_fsdp_lands_as_close_to_one_process_as_ddp(ranks, recipe):
     to_ddp = max_diff(ddp["weights"], single["weights"])
     to_fsdp = max_diff(a["weights"], single["weights"])
     # measured (AMD EPYC VM, AVX2, torch 2.13.0+cpu): FSDP's distance within 3.9e-4 of DDP's in
-    # every recipe (either side; DDP's: 3.5e-5 to 8.8e-3)
-    assert abs(to_fsdp - to_ddp) <= 1e-3
+    # every recipe (either side; DDP's: 3.5e-5 to 8.8e-3). With clipping a run's distance to
+    # one process is decided by where a reduction order tips the clip (measured on an Intel Xeon
+    # VM, fp32 masters with bf16 moments: DDP 8.8e-3 and FSDP 8.5e-3 on one tree, 7.4e-4 and
+    # 8.5e-3 on the next): there only the bound below holds
+    if not recipe[3]:
+        assert abs(to_fsdp - to_ddp) <= 1e-3
     assert to_fsdp <= 1e-2  # parallel_cases.TOLERANCE["O2"]; measured at most 8.7e-3
 
 
