@@ -124,13 +124,11 @@ def noise16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Returns:
         A new int32 tensor shaped as ``like``.
     """
-    n = like.numel()
     if key.dim() == 0 and _host_keys(key):
-        table = noise_table(like.device)
-        slices = [table[e:e + stop - start] for start, stop, e in _runs(int(key), n)]
-        flat = slices[0].clone() if len(slices) == 1 else torch.cat(slices or [table[:0]])
-        return flat.view(like.shape)
-    return _gathered(key, n, like.device).view(like.shape)
+        flat = noise_lists(key.reshape(1), [like.numel()], like.device)
+    else:
+        flat = _gathered(key, like.numel(), like.device)
+    return flat.view(like.shape)
 
 
 def _slices(table: torch.Tensor, keys: list[int], sizes: list[int],
