@@ -1,32 +1,14 @@
 """What a master method is to mixprec: :class:`MasterMethod`, and the registry of methods.
 
-A master method says how a 16-bit parameter keeps the updates its own rounding would lose: an
-fp32 copy (:class:`~mixprec.masters.FP32`), the 16-bit weight plus an exact 16-bit remainder
-(:class:`~mixprec.masters.Split`), a 16-bit Kahan compensation
-(:class:`~mixprec.masters.Kahan`), or stochastic rounding into the weight
-(:class:`~mixprec.masters.Stochastic`). It is a frozen dataclass (equal methods give equal
-policies) that owns everything depending on which method it is:
-
-* its validation: the 16-bit dtypes it can hold (:meth:`MasterMethod.check_dtype`);
-* fp32 copies or weights stepped in place (:attr:`~MasterMethod.compact`: the optimizers of
-  :mod:`mixprec.optim` wrap accordingly, :func:`mixprec.optim.wrap_optimizer`) and, for a
-  compact method, its per-parameter buffer (:attr:`~MasterMethod.buffer_key`,
-  :meth:`~MasterMethod.make_buffer`) and its load hooks;
-* for a compact method, how the fp32 value the optimizer steps is read from the weight and its
-  buffer and written back (:meth:`~MasterMethod.load_lists`, :meth:`~MasterMethod.store_lists`
-  over a piece of a param group's tensors; :meth:`~MasterMethod.load` of one tensor;
-  :meth:`~MasterMethod.assign`): the optimizer asks the method;
-* its size: :meth:`~MasterMethod.master_bytes` per 16-bit parameter;
-* what FSDP2 needs: whether the shards stay fp32 (:attr:`~MasterMethod.compact` is False:
-  the fp32 shards are the masters) and whether the wrapped optimizer needs the fp32 values
-  from before the cast (:attr:`~MasterMethod.needs_initial_values`).
-
-This package sits below the optimizers (:mod:`mixprec.optim` imports it, never the reverse):
-a method is data and arithmetic on tensors, and knows no optimizer class.
-
-:func:`register` adds a method class and its string shorthand; :func:`resolve` turns what a user
-passes as ``master=`` (a shorthand, a method, or a policy's ``state_dict`` entry) into a method,
-once, where it enters mixprec.
+A method is a frozen dataclass (equal methods give equal policies) owning everything that
+depends on which method it is: the 16-bit dtypes it can hold, whether it keeps an fp32 copy or
+steps the weights in place (:attr:`~MasterMethod.compact`) with a per-parameter buffer, how a
+compact method's fp32 values are read and written (:meth:`~MasterMethod.load_lists`,
+:meth:`~MasterMethod.store_lists`, :meth:`~MasterMethod.assign`), its size, and what FSDP2
+needs. It is data and arithmetic on tensors: :mod:`mixprec.optim` imports this package, never
+the reverse. :func:`register` adds a method class and its shorthands; :func:`resolve` turns what
+a user passes as ``master=`` into a method, once, where it enters mixprec. How to add one:
+docs/extending.md.
 """
 
 from __future__ import annotations
@@ -110,7 +92,8 @@ class MasterMethod(Component):
     @staticmethod
     def load(weight: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         """The fp32 value a 16-bit ``weight`` and its buffer (None: the method keeps none)
-        stand for (a new tensor): what :meth:`load_lists` writes, for one tensor."""
+        stand for (a new tensor): what :meth:`load_lists` writes, for one tensor (the
+        optimizer's ``fp32_values``)."""
         raise NotImplementedError("a compact master method defines load()")
 
     @staticmethod

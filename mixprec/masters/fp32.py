@@ -33,7 +33,7 @@ class FP32(MasterMethod):
 
     @property
     def needs_initial_values(self) -> bool:
-        return not self.compact  # the masters are the fp32 originals
+        return True  # the masters are the fp32 originals
 
 
 register(FP32, {"fp32": {}})

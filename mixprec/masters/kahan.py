@@ -6,9 +6,7 @@ optimizer steps, about 16 significant bits with bf16 (22 with fp16), 2 bytes per
 lost (exact in fp32), rounded stochastically: rounded to nearest, the compensation of a weight
 receiving many small updates of one sign drifts (an update of 1/700 of an ulp a step moved bf16
 weights 11% too far in 2000 steps); stochastic rounding is unbiased, so weight + compensation
-follows the fp32 sum in expectation. Its random numbers are read from the noise table
-(:mod:`mixprec.masters.rounding`: a key per tensor per step, 4 bytes read per element; fp16
-compensations take the top 13 bits of each number).
+follows the fp32 sum in expectation (:mod:`mixprec.masters.rounding`).
 
 **A pair split the saved way** (:meth:`Kahan.register_load_hooks`). A model ``state_dict``
 holds each Kahan weight's value (weight + compensation) in fp32; loading it splits the value
@@ -24,7 +22,6 @@ shards with the file's values).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import weakref
 from typing import ClassVar
 
@@ -32,7 +29,7 @@ import torch
 
 from ..shards import is_dtensor
 from .base import MasterMethod, register
-from .rounding import noise_lists, round_fp16_with, round_into_lists, round_stochastically
+from .rounding import noise_lists, round_fp16_with, round_into_lists
 
 __all__ = ["Kahan", "COMPENSATION_KEY", "keep_pair"]
 
@@ -77,21 +74,6 @@ class Kahan(MasterMethod):
     @staticmethod
     def load(weight, comp):
         return weight.float() + comp.float()
-
-    @staticmethod
-    def store(weight, comp, new, key):
-        hi = new.to(weight.dtype)
-        weight.copy_(hi)
-        comp.copy_(round_stochastically(new - hi.float(), key, comp.dtype))
-
-    @staticmethod
-    def stored(weight, comp, new, key):
-        hi = new.to(weight.dtype)
-        return hi, round_stochastically(new - hi.float(), key, comp.dtype)
-
-    # eagerly, straight from and into the lists (the same bits as load and store)
-    def steps_lists(self) -> bool:
-        return sys.byteorder == "little"
 
     @staticmethod
     def load_lists(out, weights, comps):

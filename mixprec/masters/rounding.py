@@ -17,8 +17,8 @@ of a tensor rounded with key ``k`` gets ``T[(k + i) mod L]``. Keys are drawn uni
 [0, L), so each element's number is exactly uniform over [0, 2**16) at every step: every
 rounding is exactly unbiased. Eagerly the numbers of a tensor are one or two contiguous slices
 of the table (one more per ``L`` elements), added to the fp32 words in place: 4 bytes read per
-element, nothing computed. A compiled kernel computes ``T[j]`` from ``j`` instead (no memory
-read; the same bits).
+element, nothing computed. Keys on a device index the table instead (no host sync; the same
+bits).
 
 Within one key the numbers of neighbouring elements are those of neighbouring table entries
 (unrelated); two tensors rounded in one step read windows of the table at independent random
@@ -44,8 +44,8 @@ import torch
 from ..shards import is_dtensor
 
 __all__ = ["RoundingGenerator", "noise16", "noise_at", "noise_table", "noise_lists",
-           "stochastic_round", "stochastic_round_fp16", "round_fp16_with", "round_stochastically",
-           "round_into_lists", "shard_key", "DEFAULT_SEED", "TABLE_SIZE", "KEY_STRIDE"]
+           "stochastic_round", "round_fp16_with", "round_into_lists", "shard_key",
+           "DEFAULT_SEED", "TABLE_SIZE", "KEY_STRIDE", "BF16_NAN"]
 
 #: Where a rounding generator starts unless told otherwise: the same in every process, so the
 #: replicas of a data-parallel run draw the same keys and stay bitwise equal.
@@ -57,18 +57,19 @@ TABLE_SIZE = 1 << 20
 #: entry ``(j * KEY_STRIDE + k) mod L``, so a tensor placed ``off`` elements into a run keeps its
 #: own bits with the key ``k - off * KEY_STRIDE``.
 KEY_STRIDE = 1
+#: What a NaN rounds to: bf16's quiet NaN (its bit pattern as an int16).
+BF16_NAN = 0x7FC0
 
 _MASK = TABLE_SIZE - 1
 # the bijection of 20-bit integers behind the table: x ^= x >> shift; x *= odd (mod 2**20)
 _ROUNDS = ((10, 0x2C1B3), (9, 0x9E485), (11, 0x5D5A7))
 _LITTLE = sys.byteorder == "little"
-_BF16_NAN = 0x7FC0  # what a NaN rounds to: bf16's quiet NaN
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def noise_at(index: torch.Tensor) -> torch.Tensor:
-    """``T[index mod L]`` computed from the index (int64 arithmetic: no wrap-around, the same
-    in eager torch and in a compiled kernel); an int32 tensor shaped as ``index``."""
+    """``T[index mod L]`` computed from the index (int64 arithmetic: no wrap-around); an int32
+    tensor shaped as ``index``. :func:`noise_table` is made with it."""
     x = index.to(torch.int64) & _MASK
     for shift, odd in _ROUNDS:
         x = ((x ^ (x >> shift)) * odd) & _MASK
@@ -100,16 +101,14 @@ def _runs(key: int, count: int) -> list[tuple[int, int, int]]:
 
 
 def _host_keys(keys: torch.Tensor) -> bool:
-    """Keys the table can be sliced at without a device sync (on the CPU, eagerly)."""
-    return keys.device.type == "cpu" and not torch.compiler.is_compiling()
+    """Keys the table can be sliced at without a device sync (on the CPU)."""
+    return keys.device.type == "cpu"
 
 
 def _gathered(keys: torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
     """The numbers of ``count`` elements, element ``j`` with ``keys[j]`` (a key per element, or
-    one 0-d key), read by index (keys on a device: no host sync) or computed (compiled)."""
+    one 0-d key), read by index (keys on a device: no host sync)."""
     index = torch.arange(count, device=device) + keys.to(device).reshape(-1)
-    if torch.compiler.is_compiling():
-        return noise_at(index)
     return noise_table(device)[index & _MASK]
 
 
@@ -125,13 +124,11 @@ def noise16(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Returns:
         A new int32 tensor shaped as ``like``.
     """
-    n = like.numel()
     if key.dim() == 0 and _host_keys(key):
-        table = noise_table(like.device)
-        slices = [table[e:e + stop - start] for start, stop, e in _runs(int(key), n)]
-        flat = slices[0].clone() if len(slices) == 1 else torch.cat(slices or [table[:0]])
-        return flat.view(like.shape)
-    return _gathered(key, n, like.device).view(like.shape)
+        flat = noise_lists(key.reshape(1), [like.numel()], like.device)
+    else:
+        flat = _gathered(key, like.numel(), like.device)
+    return flat.view(like.shape)
 
 
 def _slices(table: torch.Tensor, keys: list[int], sizes: list[int],
@@ -211,21 +208,18 @@ def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], keys: torch
 
 def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """``value`` (fp32) rounded stochastically to bf16 with the numbers of ``key``
-    (:func:`noise16`: a 0-d key, or one per element).
-
-    Works eagerly (a 0-d CPU key: the table's slices added to the words, their high halves
-    kept) and under ``torch.compile`` (the numbers computed), with the same bits.
-    """
+    (:func:`noise16`: a 0-d key, or one per element). A 0-d CPU key adds the table's slices to
+    the words and keeps their high halves; any other key indexes the table: the same bits."""
     if (_LITTLE and key.dim() == 0 and _host_keys(key) and value.is_contiguous()
             and value.dtype == torch.float32):
         words = _plus_noise(value.view(torch.int32).reshape(-1), int(key))
         rounded = torch.empty(value.shape, dtype=torch.int16, device=value.device)
         rounded.view(-1).copy_(words.view(torch.int16)[1::2])
-        return rounded.masked_fill_(value.isnan(), _BF16_NAN).view(torch.bfloat16)
+        return rounded.masked_fill_(value.isnan(), BF16_NAN).view(torch.bfloat16)
     # the high halves of the words plus the numbers (finite patterns never overflow int32, inf
     # stays inf); a NaN becomes bf16's quiet NaN
     bits = value.view(torch.int32) + noise16(key, value)
-    bits = torch.where(value.isnan(), _BF16_NAN << 16, bits)
+    bits = torch.where(value.isnan(), BF16_NAN << 16, bits)
     return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
@@ -252,8 +246,16 @@ def offset_key(key: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def round_fp16_with(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """:func:`stochastic_round_fp16` of ``value`` with the numbers ``noise`` (int32, shaped as
-    ``value``: :func:`noise16` or :func:`noise_lists`)."""
+    """``value`` (fp32) rounded stochastically to fp16 with the numbers ``noise`` (int32, shaped
+    as ``value``: :func:`noise16` or :func:`noise_lists`).
+
+    fp16's exponent range is narrower than fp32's, so the bit-dropping of
+    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
+    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
+    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (the top 13 bits of
+    the number), whose expectation is ``value`` (to 2**-13 of a spacing in fp16's subnormal
+    range). Values beyond fp16's range become inf, as a cast would make them.
+    """
     exponent = ((value.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|value|), normal fp32
     spacing_exp = torch.clamp(exponent - 10, min=-24)  # fp16: 10 stored mantissa bits
     q = ((spacing_exp + 127) << 23).view(torch.float32)
@@ -262,31 +264,6 @@ def round_fp16_with(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     u = (noise >> 3).float() * (1.0 / 8192)
     rounded = torch.floor(value / q + u) * q
     return torch.where(value.isfinite(), rounded, value).to(torch.float16)
-
-
-def stochastic_round_fp16(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """``value`` (fp32) rounded stochastically to fp16 with the numbers of ``key``
-    (:func:`noise16`).
-
-    fp16's exponent range is narrower than fp32's, so the bit-dropping of
-    :func:`stochastic_round` would be wrong for its subnormals: instead each value is rounded on
-    the grid of its fp16 neighbours, ``floor(value / q + u) * q`` with ``q`` the fp16 spacing at
-    ``value`` (2**-24 in the subnormal range) and ``u`` uniform in [0, 1) (the top 13 bits of
-    the number), whose expectation is ``value`` (to 2**-13 of a spacing in fp16's subnormal
-    range). Works eagerly and under ``torch.compile``. Values beyond fp16's range become inf, as
-    a cast would make them.
-    """
-    return round_fp16_with(value, noise16(key, value))
-
-
-def round_stochastically(value: torch.Tensor, key: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """``value`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16; fp32: unchanged)."""
-    if dtype == torch.bfloat16:
-        return stochastic_round(value, key)
-    if dtype == torch.float16:
-        return stochastic_round_fp16(value, key)
-    return value.to(dtype)
 
 
 class RoundingGenerator:

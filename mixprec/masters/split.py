@@ -54,8 +54,7 @@ class Split(MasterMethod):
     def make_buffer(self, param, initial):
         rem = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
         if initial is not None:  # the weight re-derived from the exact original
-            weight, value = local(param.detach()), local(initial.detach())
-            split_store(weight, local(rem), value.to(device=weight.device, dtype=torch.float32))
+            self.assign(param, rem, initial.detach())
         return rem
 
     # -- load and store: the exact join and split (mixprec.masters.split_bits) ---------------

@@ -1,23 +1,18 @@
 """``Stochastic``: no buffer; the updated fp32 value is written into the bf16 weight with
 stochastic rounding (:mod:`mixprec.masters.rounding`), unbiased in expectation. 0 extra bytes.
-Its random numbers are read from the noise table (a key per tensor per step, 4 bytes read per
-element), as are the Kahan compensation's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import ClassVar
 
 import torch
 
 from .base import MasterMethod, register
-from .rounding import round_into_lists, stochastic_round
+from .rounding import BF16_NAN, round_into_lists
 
 __all__ = ["Stochastic"]
-
-_NAN = 0x7FC0  # the weight of a NaN: bf16's quiet NaN
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,24 +36,12 @@ class Stochastic(MasterMethod):
         return weight.float()
 
     @staticmethod
-    def store(weight, buf, new, key):
-        weight.copy_(stochastic_round(new, key))
-
-    @staticmethod
-    def stored(weight, buf, new, key):
-        return stochastic_round(new, key), None
-
-    # eagerly, straight from and into the lists (the same bits as load and store)
-    def steps_lists(self) -> bool:
-        return sys.byteorder == "little"
-
-    @staticmethod
     def load_lists(out, weights, buf):
         torch._foreach_copy_(list(torch._C._nn.unflatten_dense_tensors(out, weights)), weights)
 
     @staticmethod
     def store_lists(values, weights, buf, keys):
-        round_into_lists(values, weights, keys, _NAN)
+        round_into_lists(values, weights, keys, BF16_NAN)
 
     def assign(self, weight, buf, value):
         weight.copy_(value.to(device=weight.device, dtype=torch.float32))

@@ -1,24 +1,14 @@
 """The master-weight optimizers: :class:`MasterWeightOptimizer` (fp32 masters, which
-``mp.fp32_state_dict`` reads) and :class:`CompactMasterOptimizer` (split, Kahan, stochastic).
+``mp.fp32_state_dict`` reads) and :class:`CompactMasterOptimizer` (split, Kahan, stochastic:
+16-bit weights stepped in place through their method's ``load_lists``/``store_lists``), and
+:func:`wrap_optimizer`, which picks one for a method.
 
-This package sits above :mod:`mixprec.masters` (the methods: their buffers, ``load``/``store``,
-split and rounding arithmetic) and imports it; nothing there imports this package.
-
-* :mod:`.build`: :func:`wrap_optimizer`, the optimizer a method's parameters are stepped by.
-
-* :mod:`.optimizer`: the optimizer wrapper that keeps fp32 masters of low-precision parameters.
-* :mod:`.params`: the master parameter, whose ``.grad`` is its model parameter's gradient.
-* :mod:`.buckets`: which optimizers are stepped in buckets; the fp32 gradient scratch.
-* :mod:`.steps`: the step paths (bucketed, compiled, closure).
-* :mod:`.kernels`: fused update kernels.
-* :mod:`.checkpoint`: masters in the optimizer's ``state_dict``.
-* :mod:`.wrapper`: what every master optimizer shares; :mod:`.hooks` (torch's optimizer hooks
-  run once per step, over every parameter); :mod:`.loadcheck` (a loaded ``state_dict`` checked
-  against the parameters).
-* :mod:`.compact`: :class:`CompactMasterOptimizer`, 16-bit weights stepped in place through
-  their method's load and store; :mod:`.family` (its one step: a bounded piece at a time,
-  torch's own step between load and store), :mod:`.compact_state`, :mod:`.states` (bf16
-  moments), :mod:`.guard` (compiled kernels checked against eager ones).
+This package sits above :mod:`mixprec.masters` (the methods) and imports it; nothing there
+imports this package. Besides the optimizers (:mod:`.optimizer`, :mod:`.compact`), their shared
+base (:mod:`.wrapper`) and their step paths (:mod:`.steps`, :mod:`.kernels`, :mod:`.family`):
+:mod:`.params` (the master parameter), :mod:`.buckets`, :mod:`.hooks` (torch's optimizer hooks
+run once a step), :mod:`.states` (bf16 moments), :mod:`.checkpoint`, :mod:`.compact_state` and
+:mod:`.loadcheck` (state dicts), :mod:`.guard` (compiled kernels checked against eager ones).
 """
 
 from .build import compile_master_step, wrap_optimizer
@@ -27,5 +17,4 @@ from .optimizer import MasterWeightOptimizer, is_master_optimizer
 from .params import MasterParameter
 
 __all__ = ["MasterWeightOptimizer", "MasterParameter", "is_master_optimizer",
-           "CompactMasterOptimizer", "wrap_optimizer",
-           "compile_master_step"]
+           "CompactMasterOptimizer", "wrap_optimizer", "compile_master_step"]

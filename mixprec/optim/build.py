@@ -4,8 +4,8 @@ step path on the CPU (:func:`compile_master_step`).
 A method (:mod:`mixprec.masters`) says what it keeps; this module, above it, picks the optimizer
 that keeps it: fp32 masters (:attr:`~mixprec.masters.MasterMethod.compact` False) a
 :class:`~.optimizer.MasterWeightOptimizer`, the compact methods a
-:class:`~.compact.CompactMasterOptimizer`, which asks the method for its buffer, ``load`` and
-``store``.
+:class:`~.compact.CompactMasterOptimizer`, which asks the method for its buffer and its
+``load_lists``/``store_lists``.
 """
 
 from __future__ import annotations

@@ -1,37 +1,27 @@
-"""Compiled kernels that are checked before they are trusted.
+"""Compiled kernels that are checked before they are trusted (the compiled fp32-master step,
+:mod:`.kernels`).
 
-A ``torch.compile``-d kernel is the same Python function as its eager twin, but what inductor
-makes of it depends on the torch version, the device and the dtypes: one torch release compiled
-the Kahan AdamW step into a kernel that applied -4.73 times the intended update while its eager
-twin was right. So every compiled kernel of the master optimizers runs through
-:class:`GuardedKernel`: the first time it is called for a given (device, argument dtypes) in a
-process, both the compiled kernel and the eager function step copies of a small slice of the
-real arguments (the first elements of every element-wise tensor), and the results are compared:
-integer tensors bit for bit; floating ones to within 1% of how far the eager step moved them plus
-two ulps of their dtype (the compiled kernel may fuse a multiply-add; the 16-bit ones may round
-the other way at a tie). A kernel whose fp32 arithmetic precedes a rounding into bits (the
-one-pass update kernels) is compared on the values its results hold (the split master,
-weight + compensation), not on their bits. On a mismatch the kernel falls back to eager for
-that signature, with one :class:`CompiledKernelWarning` naming the kernel, the device, the
-dtypes and torch's version.
-The verdicts are cached for the process (a check costs one eager and one compiled step of at most
-:data:`PROBE_ELEMENTS` elements). The check is where a signature compiles: what was compiled and how
-long it took is logged once (logger ``"mixprec"``; a warning when it took a second or more, so a
-slow first step says why).
+What inductor makes of a function depends on the torch version, the device and the dtypes (one
+torch release compiled a Kahan AdamW step into a kernel that applied -4.73 times the intended
+update while its eager twin was right). So the first time a :class:`GuardedKernel` is called
+for a given (device, argument dtypes) in a process, the compiled kernel and the eager function
+step copies of a small slice of the real arguments (at most :data:`PROBE_ELEMENTS` elements of
+each element-wise tensor), and the results are compared: integer tensors bit for bit; floating
+ones to within 1% of how far the eager step moved them plus two ulps of their dtype (the
+compiled kernel may fuse a multiply-add). On a mismatch the kernel falls back to eager for that
+signature, with one :class:`CompiledKernelWarning` naming the kernel, the device, the dtypes and
+torch's version. The verdicts are cached for the process; what was compiled and how long it
+took is logged once (logger ``"mixprec"``; a warning when it took a second or more).
 
-Compiling also makes torch emit its own ``torch.jit.script_method`` ``DeprecationWarning`` (from
-inductor's internals, 14 times at the first compiled step): :func:`quiet_compile` silences exactly
-that message around our compiled calls, so ``-W error::DeprecationWarning`` users are not broken
-by torch's internals.
+Compiling makes torch emit its own ``torch.jit.script_method`` ``DeprecationWarning`` (from
+inductor's internals): :func:`quiet_compile` silences exactly that message around our compiled
+calls, so ``-W error::DeprecationWarning`` users are not broken by torch's internals.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import logging
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 __all__ = ["GuardedKernel", "CompiledKernelWarning", "quiet_compile", "PROBE_ELEMENTS",
-           "verdicts", "forget_verdicts", "can_compile"]
+           "verdicts", "forget_verdicts"]
 
 _LOG = logging.getLogger("mixprec")
 #: A compile that took this many seconds or more is logged as a warning (else as info).
@@ -49,17 +39,6 @@ PROBE_ELEMENTS = 256
 _TORCH_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
 # (kernel name, device, argument dtypes) -> True (the compiled kernel is trusted) or False
 _VERDICTS: dict[tuple, bool] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def can_compile(device_type: str) -> bool:
-    """True when ``torch.compile`` can build kernels for ``device_type`` here (CPU: a C++
-    compiler on the PATH; CUDA: Triton importable)."""
-    if device_type == "cpu":
-        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-    if device_type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return False
 
 
 class CompiledKernelWarning(RuntimeWarning):
@@ -93,20 +72,15 @@ def _signature(name: str, args: tuple) -> tuple:
 
 
 def _probe(args: tuple) -> list:
-    """Copies of the arguments, element-wise tensors cut to their first elements (in proportion
-    to the first tensor's length: int32 pair views hold two elements a word)."""
-    first = next(a for a in args if isinstance(a, torch.Tensor))
-    n0 = first.numel()
-    keep = min(n0, PROBE_ELEMENTS)
-    out = []
-    for a in args:
-        if not isinstance(a, torch.Tensor):
-            out.append(a)
-        elif a.dim() == 0 or a.numel() * 2 < n0 or n0 <= PROBE_ELEMENTS:
-            out.append(a.detach().clone())
-        else:
-            out.append(a.detach().reshape(-1)[: keep * a.numel() // n0].clone())
-    return out
+    """Copies of the arguments, the element-wise tensors (as long as the first tensor) cut to
+    their first :data:`PROBE_ELEMENTS` elements."""
+    n0 = next(a for a in args if isinstance(a, torch.Tensor)).numel()
+
+    def probe(a: torch.Tensor) -> torch.Tensor:
+        if a.dim() and a.numel() == n0 > PROBE_ELEMENTS:
+            return a.detach().reshape(-1)[:PROBE_ELEMENTS].clone()
+        return a.detach().clone()
+    return [probe(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _ulp(t: torch.Tensor) -> torch.Tensor:
@@ -115,8 +89,8 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
     return t.abs().float() * eps + tiny
 
 
-def _disagreement(before: list, eager: list, compiled: list, eager_out, compiled_out,
-                  rel_tol: float) -> str | None:
+def _disagreement(before: list, eager: list, compiled: list, eager_out, compiled_out
+                  ) -> str | None:
     """Why the compiled results are not the eager ones (None when they agree)."""
     pairs = [(b, e, c) for b, e, c in zip(before, eager, compiled) if isinstance(e, torch.Tensor)]
     if eager_out is None:
@@ -138,7 +112,7 @@ def _disagreement(before: list, eager: list, compiled: list, eager_out, compiled
         moved = (e32 - b.float()).abs().nan_to_num(0.0) if b is not None else e32.abs() * 0
         scale = moved.max() if moved.numel() else torch.tensor(0.0)
         err = (c32 - e32).abs()
-        bad = ~same & ~(err <= 0.01 * scale + 2 * _ulp(e) + rel_tol * e32.abs())
+        bad = ~same & ~(err <= 0.01 * scale + 2 * _ulp(e))
         if bool(bad.any()):
             return (f"result {i} ({e.dtype}): off by up to {err[bad].max().item():.3g} where "
                     f"the eager step moved it by up to {scale.item():.3g}")
@@ -155,21 +129,12 @@ class GuardedKernel:
         fn: the eager function (it writes its results into its tensor arguments and/or returns
             tensors).
         options: inductor options.
-        recompile_limit: dynamo's recompile limit while it runs (None: torch's).
         compiler: what compiles ``fn`` (tests inject a wrong "compiled" kernel here).
-        outcome: ``(args, result) -> tensors`` to compare after a call (None: every tensor
-            argument and result); e.g. the fp32 value a weight and its buffer hold, not their
-            bits, where the arithmetic before them may round an ulp apart.
-        rel_tol: a further tolerance, relative to the values compared (a Kahan pair holds
-            about 16 significant bits).
     """
 
     def __init__(self, name: str, fn: Callable, options: dict | None = None, *,
-                 recompile_limit: int | None = None, compiler: Callable | None = None,
-                 outcome: Callable | None = None, rel_tol: float = 0.0):
+                 compiler: Callable | None = None):
         self.name, self.fn, self.options = name, fn, dict(options or {})
-        self.outcome, self.rel_tol = outcome, rel_tol
-        self.recompile_limit = recompile_limit
         self._compiler = compiler
         self._compiled: Callable | None = None
 
@@ -183,9 +148,7 @@ class GuardedKernel:
         return self._compiled
 
     def _run_compiled(self, *args):
-        limit = (contextlib.nullcontext() if self.recompile_limit is None else
-                 torch._dynamo.config.patch(recompile_limit=self.recompile_limit))
-        with quiet_compile(), limit:
+        with quiet_compile():
             return self.compiled()(*args)
 
     def trusted(self, *args) -> bool:
@@ -209,13 +172,7 @@ class GuardedKernel:
         with torch.no_grad():
             eager_out = self.fn(*eager_args)
             compiled_out = self._run_compiled(*comp_args)
-            if self.outcome is None:
-                why = _disagreement(before, eager_args, comp_args, eager_out, compiled_out, 0.0)
-            else:
-                start = self.outcome(before, None)
-                why = _disagreement(start, self.outcome(eager_args, eager_out),
-                                    self.outcome(comp_args, compiled_out), None, None,
-                                    self.rel_tol)
+            why = _disagreement(before, eager_args, comp_args, eager_out, compiled_out)
         if why is None:
             return True
         warnings.warn(

@@ -1,21 +1,15 @@
 """torch's optimizer hooks on a wrapped optimizer: they run as torch runs them, once.
 
-A user (or a training library) may have registered hooks on the optimizer before handing it to
-``mp.prepare``: step pre/post hooks (a global gradient-norm clip, logging), ``state_dict`` and
-``load_state_dict`` pre/post hooks. Torch runs each one once per ``step()`` (or per
-``state_dict()``/``load_state_dict()`` call), with the optimizer whose ``param_groups`` cover
-every parameter. The master optimizer steps its inner optimizer once per bucket, so the inner
-optimizer's hooks, and torch's global hooks (``register_optimizer_step_pre_hook``), would run
-once per bucket, each time over that bucket's parameters alone.
-
-So the wrapper and its inner optimizer share one set of hook dicts (a hook registered on either,
-before or after wrapping, lands in the same place and its handle removes it), the wrapper's own
-``step()``, ``state_dict()`` and ``load_state_dict()`` run them once, with the wrapper as the
-optimizer argument (its ``param_groups`` are the inner optimizer's: every parameter, the masters'
-``.grad`` the model's gradients in fp32), and the inner optimizer is stepped through its class's
-own ``step`` without torch's hook wrapper (:func:`raw_step`). Called directly, the inner
-optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()`` are refused, first, with a
-message naming the wrapper.
+Hooks registered on the optimizer before or after ``mp.prepare`` (step pre/post hooks such as a
+global gradient-norm clip or logging, ``state_dict``/``load_state_dict`` pre/post hooks) and
+torch's global ones (``register_optimizer_step_pre_hook``) run once per ``step()``, with an
+optimizer whose ``param_groups`` cover every parameter. The master optimizer steps its inner
+optimizer once per bucket, so the two share one set of hook dicts (a hook registered on either
+lands in the same place and its handle removes it); the wrapper's ``step()``, ``state_dict()``
+and ``load_state_dict()`` run them once, as the optimizer argument, and the inner optimizer is
+stepped through its class's own ``step`` without torch's hook wrapper (:func:`raw_step`).
+Called directly, the inner optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()``
+are refused, with a message naming the wrapper.
 
 Under a loss scale, torch's ``GradScaler`` unscales a plain optimizer's gradients before its
 ``step()``, so step pre-hooks (a gradient clip) see true gradients. mixprec's scalers hand a

@@ -2,33 +2,23 @@
 
 torch's ``Optimizer.load_state_dict`` checks the number of groups and of parameters per group,
 then maps saved state to parameters by position; a state tensor of another shape (a checkpoint
-of another model, or of a model whose layers were reordered) is only caught when the update
-reads it, and torch's fused CPU kernels do not check shapes at all: an AdamW moment of shape
-(48, 16) for a (32, 16) parameter would be stepped without an error. A master optimizer always
-runs those kernels (or its compiled ones, which fail with a long tracing error), so it checks on
-load, in one place, for every master kind and state dtype: :func:`check_before_load` is a
-``load_state_dict`` pre-hook on every mixprec master optimizer.
+of another model, or of reordered layers) is caught only when the update reads it, and torch's
+fused CPU kernels do not check shapes at all (an AdamW moment of shape (48, 16) for a (32, 16)
+parameter would be stepped). So every master optimizer runs :func:`check_before_load` as a
+``load_state_dict`` pre-hook. Per parameter with saved state:
 
-What is checked, per parameter with saved state:
-
-* every floating state tensor of torch's elementwise optimizers (SGD's ``momentum_buffer``,
-  Adam's ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``, RMSprop's, Adagrad's, ...), except
-  scalars (``step``, ASGD's ``eta``, NAdam's ``mu_product``), and the Kahan ``compensation``
-  or split ``remainder`` must have the parameter's shape;
-* any other optimizer's state tensors must have the shape of the state it holds now under the
-  same key, where it holds one (a state laid out otherwise, e.g. Adafactor's factored moments,
-  is its own business);
-* the Kahan compensation must be in the weight's dtype (it is added to it, bit for bit), the
-  split remainder an int16;
-* a buffer of another master method is refused (a Kahan compensation loaded into a split
-  optimizer, or the reverse, would be read as the wrong half of a different number).
+* every floating, non-scalar state tensor of torch's elementwise optimizers
+  (:data:`ELEMENTWISE_OPTIMIZERS`), and the method's buffer, must have the parameter's shape;
+  any other optimizer's state tensors the shape of the state it holds now under the same key,
+  where it holds one (Adafactor's factored moments are its own business);
+* the buffer must be in the dtype the method keeps it in (a Kahan compensation the weight's, a
+  split remainder int16), and a buffer of another master method is refused (it would be read as
+  the wrong half of a different number).
 
 A mismatch is a ``ValueError`` naming the parameter (its qualified name when ``prepare`` made
-the optimizer, else its group and index), the state key and both shapes. Moments saved in
-another dtype than the optimizer's ``state_dtype`` are converted after loading (see
-:mod:`mixprec.optim.states`).
-
-A Kahan pair loaded is split the saved way by the method's own load hooks
+the optimizer, else its group and index), the state key and both shapes or dtypes. Moments saved
+in another dtype than the optimizer's ``state_dtype`` are converted after loading
+(:mod:`mixprec.optim.states`); a Kahan pair is split the saved way by the method's own load hooks
 (:meth:`mixprec.masters.Kahan.register_load_hooks`).
 """
 
@@ -41,7 +31,7 @@ import torch
 from .buckets import PER_PARAMETER_OPTIMIZERS
 from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load", "check_state"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load"]
 
 #: torch optimizers whose every floating state tensor but ``step`` is shaped as its parameter.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -49,15 +39,11 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 
 
 def check_before_load(optimizer, state_dict) -> None:
-    """``load_state_dict`` pre-hook: :func:`check_state` (a malformed dict is left to torch's
-    own checks, which follow)."""
-    if isinstance(state_dict, Mapping):
-        check_state(optimizer, state_dict)
-
-
-def check_state(optimizer, state_dict: Mapping) -> None:
-    """Raise ValueError where ``state_dict``'s per-parameter state does not fit ``optimizer``'s
-    parameters (see the module docstring)."""
+    """``load_state_dict`` pre-hook: raise ValueError where ``state_dict``'s per-parameter state
+    does not fit ``optimizer``'s parameters (see the module docstring; a malformed dict is left
+    to torch's own checks, which follow)."""
+    if not isinstance(state_dict, Mapping):
+        return
     groups, state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
         return
@@ -104,19 +90,13 @@ def _check_entry(optimizer, entry: Mapping, param: torch.Tensor, elementwise: bo
                 f"{optimizer.describe(param, where)} has shape {tuple(value.shape)}, but the "
                 f"parameter needs shape {expected}. Load a state_dict saved from an optimizer "
                 "over the same model, with the same param groups in the same order")
-        if key in BUFFER_KEYS and key != COMPENSATION_KEY:
+        if key in BUFFER_KEYS:  # the method's own (another method's was refused above)
             weight = optimizer._model_side(param)
             want = optimizer.master.buffer_dtype(weight.dtype)
             if value.dtype != want:
+                what = "Kahan compensation" if key == COMPENSATION_KEY else f"{key!r} buffer"
                 raise ValueError(
-                    f"optimizer state_dict holds a {value.dtype} {key!r} buffer for "
+                    f"optimizer state_dict holds a {value.dtype} {what} for "
                     f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; "
                     f"master={str(optimizer.master)!r} keeps it in {want}: load a state_dict "
                     "saved with the same dtype and master method")
-        if key == COMPENSATION_KEY:
-            weight = optimizer._model_side(param)
-            if value.dtype != weight.dtype:
-                raise ValueError(
-                    f"optimizer state_dict holds a {value.dtype} Kahan compensation for "
-                    f"{optimizer.describe(param, where)}, whose weight is {weight.dtype}; load "
-                    "a state_dict saved with the same dtype (and master='kahan')")

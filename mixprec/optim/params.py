@@ -90,9 +90,6 @@ class MasterParameter(nn.Parameter):
     is the low-precision parameter it masters.
     """
 
-    def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True):
-        return super().__new__(cls, data, requires_grad)
-
     def _link(self, param: torch.Tensor, carry: GradCarry) -> MasterParameter:
         self._mp_param = param
         self._mp_carry = carry
@@ -107,11 +104,10 @@ class MasterParameter(nn.Parameter):
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         """The model parameter's gradient in fp32 (see the module docstring)."""
-        cached = _GRAD.__get__(self)
-        source = self._mp_param.grad
-        if cached is not None and _is_current(self._mp_source, source):
+        cached = valid_grad(self)
+        if cached is not None:
             return cached
-        if source is None:
+        if self._mp_param.grad is None:
             drop_grad(self)
             return None
         return derive_grad(self, self._mp_carry.inv)

@@ -94,14 +94,10 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
             value = state[k]
             if drawn is not None and value.dtype == torch.float32:
                 key = shard_key(drawn[i], value)  # on the CPU: the table is sliced there
-                state[k] = _map_local(value, lambda t: stochastic_round(t, key))
+                # of a DTensor: its local shard, re-wrapped with its placements
+                state[k] = like_shard(stochastic_round(local(value), key), value)
             else:
                 state[k] = value.to(dtype)
-
-
-def _map_local(value: torch.Tensor, fn) -> torch.Tensor:
-    """``fn`` of a tensor, or of a DTensor's local shard (re-wrapped with its placements)."""
-    return like_shard(fn(local(value)), value)
 
 
 @contextlib.contextmanager
