@@ -1,7 +1,8 @@
 """Memory traffic of one optimizer step: bytes read + written per parameter, and launches.
 
     python bench/step_bytes.py [--layers 16] [--width 256] [--backward] [--ops]
-        [--inner default|fused|foreach] [--state-dtype fp32|bf16] [--compiled] [--json FILE]
+        [--inner default|fused|foreach] [--state-dtype fp32|bf16] [--compiled]
+        [--paths cpu|cuda] [--json FILE]
 
 A ``TorchDispatchMode`` (``bench/_bytes.py``) counts every aten op inside one optimizer step
 (the third, so the state exists): an op reads each tensor argument and writes each output and
@@ -41,7 +42,11 @@ of a buffer whose storage is emptied after each step and refilled at the next; o
 fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
 each row runs in its forward and its backward beyond a plain bf16 model's (same layers, same
 batch; work a method moves into backward hooks shows here), counted the same way, and the step
-plus both. ``--ops`` prints each measured row's traffic by op.
+plus both. ``--ops`` prints each measured row's traffic by op. ``--paths cuda`` counts with the
+kernel choices mixprec makes on CUDA imposed on the CPU (``mixprec.kernel_table``): there the
+bf16 inf/NaN check of a step is a read-only inf-norm (2 B/param), where on the CPU torch's
+check-and-unscale kernel (read and write, 4 B/param) is chosen because it runs about 10x faster
+there.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from _report import write_json  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
 import mixprec as mp  # noqa: E402
+from mixprec import kernel_table  # noqa: E402
 
 BF16 = torch.bfloat16
 #: The ideal fused O2 AdamW step, bytes per parameter: read bf16 grad, fp32 master, m, v;
@@ -285,19 +291,29 @@ def main(argv=None) -> list[dict]:
                         help="the moments' dtype in mixprec's rows")
     parser.add_argument("--compiled", action="store_true",
                         help="add O2 with the compiled master step (compiles: seconds)")
+    parser.add_argument("--paths", default="cpu", choices=("cpu", "cuda"),
+                        help="the device whose kernel choices mixprec's rows make (cuda: "
+                             "imposed on the CPU)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
     args = parser.parse_args(argv)
     for key in ("layers", "width", "batch"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be a positive integer; got {getattr(args, key)}")
     torch.set_num_threads(1)
-    with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
-        rows = run(args.layers, args.width, args.batch, args.inner, args.state_dtype,
-                   args.compiled)
+    table_now = kernel_table.TABLE
+    if args.paths == "cuda":
+        kernel_table.TABLE = table_now.imposing("cuda")
+    try:
+        with torch._dynamo.config.patch(disable=True):  # eager (also when imported, not run)
+            rows = run(args.layers, args.width, args.batch, args.inner, args.state_dtype,
+                       args.compiled)
+    finally:
+        kernel_table.TABLE = table_now
     n = args.layers * (args.width + 1) * args.width
     print(f"One AdamW step, {args.layers} x Linear({args.width}, {args.width}) ({n:,} parameters),"
           f" batch {args.batch}, eager, torch {torch.__version__}, mixprec {mp.__version__}, "
-          f"mixprec's rows over AdamW({INNER[args.inner]}), {args.state_dtype} moments; "
+          f"mixprec's rows over AdamW({INNER[args.inner]}), {args.state_dtype} moments, "
+          f"{args.paths.upper()}'s kernel choices; "
           f"bytes read + written per parameter, launches = aten ops that are not views.")
     print(f"autocast adds {AUTOCAST_CAST} B/param each forward outside the step (its weight cast):"
           f" step + cast = {rows[0]['step'] + AUTOCAST_CAST:.1f}.\n")
@@ -310,6 +326,7 @@ def main(argv=None) -> list[dict]:
                 print(f"\n{r['name']}: {ops}")
     write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch,
                            "inner": args.inner, "state_dtype": args.state_dtype,
+                           "paths": args.paths,
                            "torch": torch.__version__, "mixprec": mp.__version__, "rows": rows})
     return rows
 

@@ -176,3 +176,16 @@ def test_compiled_master_step_row_counts_its_kernel_by_hand(tmp_path):
     assert row["step_ops"]["compiled master kernel"] == pytest.approx(28, abs=0.3)
     assert row["step_launches"]["compiled master kernel"] == 4  # one per parameter
     assert row["step"] < rows["O2 bf16, fp32 masters"]["step"]
+
+
+def test_cuda_paths_check_bf16_gradients_read_only(tmp_path):
+    """``--paths cuda`` counts with CUDA's kernel choices imposed: a bf16 step's inf/NaN check
+    is a read-only inf-norm (2 B/param) where the CPU's choice reads and writes (4), so fp32
+    masters' step moves 2 B/param less; torch's rows are unchanged."""
+    _, cpu = _run_script(tmp_path, "--paths", "cpu")
+    _, cuda = _run_script(tmp_path, "--paths", "cuda")
+    masters = "O2 bf16, fp32 masters"
+    assert cuda[masters]["step"] == pytest.approx(cpu[masters]["step"] - 2, abs=0.1)  # + norms
+    for name in ("torch fused AdamW, fp32 params, `torch.autocast` bf16",
+                 "ideal fused O2 step (computed)"):
+        assert cuda[name]["step"] == cpu[name]["step"]
