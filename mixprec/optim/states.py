@@ -34,7 +34,15 @@ import torch
 from .. import masters
 from ..dtypes import to_dtype
 from ..masters.kahan import COMPENSATION_KEY
-from ..masters.rounding import RoundingGenerator, shard_key, stochastic_round
+from ..masters.rounding import (
+    BF16_NAN,
+    KEY_STRIDE,
+    TABLE_SIZE,
+    RoundingGenerator,
+    round_into_lists,
+    shard_key,
+    stochastic_round,
+)
 from ..masters.split import REMAINDER_KEY
 from ..shards import dtensor_class, is_dtensor, like_shard, local
 
@@ -44,6 +52,7 @@ __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "
            "restore_generator"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+_unflatten = torch._C._nn.unflatten_dense_tensors
 #: The state keys of the per-parameter buffers of compact master methods (not moments: never
 #: cast): a Kahan compensation, a split remainder.
 BUFFER_KEYS = tuple(m.buffer_key for m in masters.methods().values() if m.buffer_key)
@@ -104,20 +113,70 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
 def fp32_moments(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tensor],
                  dtype: torch.dtype, rounding: RoundingGenerator) -> Iterator[None]:
     """Inside the block the moments of ``tensors`` (keys of ``optimizer.state``) are fp32; after
-    it they are stored in ``dtype`` again, new moments included. Nothing happens for fp32."""
+    it they are stored in ``dtype`` again, new moments included. Nothing happens for fp32.
+
+    Contiguous bf16 moments of contiguous tensors are widened per state key and device into one
+    flat fp32 buffer (one ``_foreach_copy_``) whose views stand in for them, and rounded back
+    in one pass (:func:`~mixprec.masters.rounding.round_into_lists`); the others (FSDP2
+    shards, other layouts, moments the step made or replaced) one tensor at a time."""
     tensors = list(tensors)
     if dtype == torch.float32:
         yield
         return
+    runs = _widen_runs(optimizer.state, tensors, dtype)
     for t in tensors:
         if t in optimizer.state:
             cast_moments(optimizer.state[t], t, torch.float32)
     try:
         yield
     finally:
+        _narrow_runs(optimizer.state, runs, rounding)
         for t in tensors:
             if t in optimizer.state:
                 cast_moments(optimizer.state[t], t, dtype, rounding)
+
+
+def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype) -> list:
+    """Per state key and device, the bf16 moments of ``tensors`` that one flat fp32 buffer can
+    stand in for, widened into it: ``(flat, [(entry, key, original, view)])``."""
+    found: dict[tuple, list] = {}
+    for t in tensors:
+        entry = state.get(t)
+        if not entry:
+            continue
+        for key, value in entry.items():
+            if (type(value) is torch.Tensor and value.dtype == dtype == torch.bfloat16
+                    and is_moment(key, value, t) and value.is_contiguous()
+                    and t.is_contiguous()):
+                found.setdefault((key, value.device), []).append((entry, key, value))
+    runs = []
+    with torch.no_grad():
+        for (_, device), items in found.items():
+            originals = [v for _, _, v in items]
+            flat = torch.empty(sum(v.numel() for v in originals), device=device)
+            views = list(_unflatten(flat, originals))
+            torch._foreach_copy_(views, originals)
+            for (entry, key, _), view in zip(items, views):
+                entry[key] = view
+            runs.append((flat, [(e, k, v, w) for (e, k, v), w in zip(items, views)]))
+    return runs
+
+
+def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator) -> None:
+    """The flat buffers of :func:`_widen_runs` rounded back stochastically into their bf16
+    moments; an entry the step replaced keeps its new tensor (stored one at a time after)."""
+    with torch.no_grad():
+        for flat, items in runs:
+            kept = [entry[key] is view for entry, key, _, view in items]
+            if all(kept):
+                keys = torch.stack(rounding.keys(len(items), salt=1)).tolist()  # CPU: no sync
+                offsets = itertools.accumulate((o.numel() for _, _, o, _ in items), initial=0)
+                shifted = torch.tensor([(k - o * KEY_STRIDE) % TABLE_SIZE
+                                        for k, o in zip(keys, offsets)], dtype=torch.int32)
+                round_into_lists(flat, [o for _, _, o, _ in items], shifted, BF16_NAN)
+                for entry, key, original, _ in items:
+                    entry[key] = original
+            # else the views left in place are stored one at a time, with the new tensors
 
 
 # -- state_dict: moments keep the dtype they were saved in ---------------------------------------
