@@ -47,7 +47,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import like_shard, local
-from . import compact_state, family, states
+from . import compact_lists, compact_state, family, states
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .wrapper import (
@@ -115,6 +115,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
+        self.scratch = family.Scratch()  # a bounded piece's buffers, kept
+        self.lists: compact_lists.Plan | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
@@ -134,6 +136,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _rebuild(self) -> None:
         super()._rebuild()
         self._low = [p for p in self._model_params if is_low_precision(p)]
+        self.lists = None  # made again after the next step
 
     def _check_params(self, params: Iterable[torch.Tensor]) -> None:
         for p in params:
@@ -176,9 +179,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return self._pending.get(param) if comp is None else comp
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state."""
+        """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
+        and the step's kept scratch (:class:`~mixprec.optim.family.Scratch`: a piece's fp32
+        values, gradients and widened moments, bounded by the piece size, not the model's)."""
         return {"gradients": [g for g, _ in self._grads32.values()],
-                "compensation": list(self._pending.values())}
+                "compensation": list(self._pending.values()),
+                "scratch": self.scratch.tensors()}
 
     def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
         """16-bit parameter -> the best fp32 estimate of its value (new tensors): the exact
@@ -269,8 +275,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._settle_pending()
         try:
             items, fp32 = self._items()
-            family.step(self, items, fp32, None if grad_scale is None
-                        else grad_scale.to(torch.float32), inv)
+            keys = family.draw_keys(self, items)
+            scale = None if grad_scale is None else grad_scale.to(torch.float32)
+            if compact_lists.step(self, items, keys, scale):
+                family.step_own(self, fp32, keys, scale, inv)
+            else:
+                family.step(self, items, fp32, scale, inv, keys)
+                compact_lists.prepare(self, items)
         finally:
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
