@@ -18,12 +18,15 @@ What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 time (a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers):
 the method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's
 store. With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the
-device (SGD/Adam/AdamW), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
+device (SGD/Adam/AdamW; after the first step called on lists made once per layout,
+:mod:`.compact_lists`), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
 ``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
 accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
-torch's; the step's transient buffers are about 8 bytes per piece element (16 with bf16 Adam
-moments), whatever the model's size, except for an optimizer that reads several parameters at
-once (a global statistic), which is stepped over everything in one piece. A step with a
+torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam
+moments), whatever the model's size, kept from step to step
+(:class:`~mixprec.optim.family.Scratch`), except for an optimizer that reads several
+parameters at once (a global statistic), which is stepped over everything in one piece (fresh
+buffers each step). A step with a
 ``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
@@ -46,7 +49,7 @@ from .. import masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from ..shards import like_shard, local
+from ..shards import is_dtensor, like_shard, local
 from . import compact_lists, compact_state, family, states
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
@@ -290,14 +293,21 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _items(self) -> tuple[list[family.Slice], list[list[torch.Tensor]]]:
         """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
         items, fp32 = [], []
-        for g, group in enumerate(self.param_groups):
+        state, key, held = self.state, self._buffer_key, self._grads32
+        for g, group in enumerate(self.param_groups):  # per tensor per step: kept lean
             fp32.append([])
             for p in group["params"]:
                 if not is_low_precision(p):
                     fp32[-1].append(p)
-                elif p.grad is not None:
-                    items.append(family.Slice(g, p, self._grad_of(p), self.compensation(p),
-                                              len(items), numel=local(p).numel()))
+                    continue
+                grad = p.grad
+                if grad is None:
+                    continue
+                buf = None if key is None else (state.get(p) or {}).get(key)
+                items.append(family.Slice(
+                    g, p, self._grad_of(p) if held else grad,
+                    self._pending.get(p) if buf is None else buf, len(items),
+                    numel=local(p).numel() if is_dtensor(p) else p.numel()))
         return items, fp32
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

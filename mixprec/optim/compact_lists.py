@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shards import local
+from ..shards import is_dtensor, local
 from . import family, kernels
 from .family import _KEYS, Slice, _moment, _narrow, _positions, _shifts, _unflatten, _view
 from .states import OWN_KEYS
@@ -57,6 +57,8 @@ class _Piece:
         self.grads = opt.scratch.take(device, "grads", total)
         self.grad_views = list(_unflatten(self.grads, self.weights))
         self.rows = torch.tensor([s.row for s in slices], dtype=torch.long)
+        # gradients read as they are: whole tensors, no FSDP2 shard
+        self.plain = not any(s.index or is_dtensor(s.param) for s in slices)
         self.shift = _shifts(slices, _positions(slices), 'cpu')
         moments: list[dict] = []
         wide: dict[str, list] = {}
@@ -94,7 +96,8 @@ class _Piece:
     def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
         method, kind, groups = opt.master, type(opt.inner), opt.inner.param_groups
         method.load_lists(self.values, self.weights, self.bufs)
-        torch._foreach_copy_(self.grad_views,
+        torch._foreach_copy_(self.grad_views, [items[s.row].grad for s in self.slices]
+                             if self.plain else
                              [_view(local(items[s.row].grad), s) for s in self.slices])
         for w in self.wide:
             torch._foreach_copy_(w.views, w.regions)

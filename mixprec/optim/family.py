@@ -28,8 +28,11 @@ always runs, so schedulers see one). So ``master="split"`` steps its masters bit
 masters do, and a cut tensor as a whole one: element ``i`` of a tensor with key ``k`` draws the
 bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice's place in its
 piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
-launches besides torch's (per list, fused or foreach); no host sync; about 8 transient bytes
-per piece element (values, gradients), 8 more for bf16 Adam moments.
+launches besides torch's (per list, fused or foreach); no host sync; about 8 bytes per piece
+element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer keeps
+(:class:`Scratch`). For torch's SGD/Adam/AdamW, steps after the first skip the inner ``step()``
+and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`): the same
+values, keys and order, so the same bits.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..masters.rounding import KEY_STRIDE, round_into_lists, shard_key
+from ..masters.rounding import KEY_STRIDE, TABLE_SIZE, round_into_lists, shard_key
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor, like_shard, local
 from . import states
@@ -52,7 +55,7 @@ from .steps import amp_arguments
 
 __all__ = ["PIECE", "Slice", "Scratch", "draw_keys", "step", "step_own", "cut", "piece_limit"]
 
-#: Elements of one piece (4 MiB of fp32 values): the step's transient buffers are bounded by it.
+#: Elements of one piece (4 MiB of fp32 values): the step's fp32 buffers are bounded by it.
 PIECE = 1 << 20
 #: torch's optimizers whose update of an element reads that element and per-parameter scalars.
 _CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
@@ -328,7 +331,12 @@ def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
     if not items:
         return None
-    return torch.stack(opt.rounding.keys(_KEYS * len(items), opt.salt)).view(-1, _KEYS)
+    # RoundingGenerator.keys' numbers, as one tensor (its list holds a tensor object per key:
+    # 1,200 of them for 400 tensors cost more than the update of their elements)
+    drawn = torch.randint(0, TABLE_SIZE, (_KEYS * len(items),),
+                          generator=opt.rounding.generator, dtype=torch.int32)
+    salt = opt.salt % TABLE_SIZE
+    return (drawn ^ salt if salt else drawn).view(-1, _KEYS)
 
 
 @torch.no_grad()
