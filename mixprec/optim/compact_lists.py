@@ -48,7 +48,7 @@ class _Piece:
 
     def __init__(self, opt, slices: list[Slice], names: list[tuple], steps: dict) -> None:
         state, device = opt.inner.state, local(slices[0].param).device
-        self.slices = slices
+        self.slices = [s._replace(grad=None) for s in slices]  # not this step's gradients
         self.weights = [_view(local(s.param), s) for s in slices]
         self.bufs = None if slices[0].buf is None else [_view(local(s.buf), s) for s in slices]
         total = sum(s.numel for s in slices)
