@@ -176,10 +176,11 @@ class Scratch:
     moments), one per device and use, kept by the optimizer from piece to piece and from step
     to step, and grown to the largest piece: at most :data:`PIECE` (or ``bucket_mb``) elements
     each, so 8 bytes per piece element (16 with widened Adam moments) held between steps.
-    Transient in size, but kept: fresh buffers per piece free and take the same few MiB over
-    and over, which fragments a CPU allocator's heap (glibc's: higher peak memory than the
-    buffers). A whole-model piece (an optimizer reading several parameters at once) takes
-    fresh buffers instead."""
+    Transient in size, but kept (counted in the optimizer's ``held_tensors()["scratch"]``):
+    fresh buffers would free and take the same few MiB every piece of every step, and the
+    cached lists (:mod:`.compact_lists`) hold views of them. A whole-model piece (an optimizer
+    reading several parameters at once) or a tensor alone above the piece size takes fresh
+    buffers instead."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
