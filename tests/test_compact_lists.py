@@ -151,3 +151,34 @@ def test_options_the_lists_skip_step_through_the_inner_step(inner, monkeypatch):
         _grads(model, i)
         opt.step()
         assert opt.lists is None
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+@pytest.mark.parametrize("master", ["kahan", "split"])
+def test_a_loss_scale_and_fp32_parameters_beside(master, inner, monkeypatch):
+    """Gradients carrying a factor of 1024 (``step(grad_scale=)``: torch's kernel divides while
+    reading) and an fp32 parameter in the group (stepped by the inner optimizer's own step):
+    bitwise equal to the generic step, the lists used from the second step."""
+    def run(generic):
+        with monkeypatch.context() as m:
+            if generic:
+                m.setattr(compact_lists, "prepare", lambda opt, items: None)
+            model = _model()
+            extra = nn.Parameter(torch.linspace(-1, 1, 6))
+            opt = CompactMasterOptimizer(INNERS[inner]([*model.parameters(), extra]), master)
+            scale = torch.tensor(1024.0)
+            used = []
+            for i in range(4):
+                _grads(model, i)
+                for p in model.parameters():
+                    p.grad *= 1024
+                extra.grad = torch.full((6,), 0.25 * (i + 1)) * 1024
+                was = opt.lists
+                opt.step(grad_scale=scale)
+                used.append(was is not None and opt.lists is was)
+        return model, opt, used, extra
+
+    fast, slow = run(False), run(True)
+    assert fast[2] == [False, True, True, True] and not any(slow[2])
+    _same(fast[:2], slow[:2])
+    assert torch.equal(fast[3], slow[3])
