@@ -34,12 +34,13 @@ so no compiled kernel hides an op). Rows:
   inductor generates: its C++ signature takes the bf16 gradient, master and moments as inputs
   and the master, moments and bf16 weight as outputs.)
 
-"transient peak" is the most memory the step's ops allocated that was alive at once (its
-scratch buffers; buffers kept between steps are not transient: the plain-torch O2 row keeps its
-fp32 gradient buffers, 4 B/param). Memory a storage takes by resizing itself in place is no
-aten op and is not counted: the fp32-master rows' gradient scratch (views kept between steps
-of a buffer whose storage is emptied after each step and refilled at the next; one bucket of
-fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
+"transient peak" is the most memory the step's ops allocated that was alive at once (its scratch
+buffers; buffers kept between steps are not transient: a compact optimizer keeps one piece's
+fp32 values, gradients and widened moments, shown as "kept scratch"; the plain-torch O2 row
+keeps its fp32 gradient buffers, 4 B/param). Memory a storage takes by resizing itself in place
+is no aten op and is not counted: the fp32-master rows' gradient scratch (views kept between
+steps of a buffer whose storage is emptied after each step and refilled at the next; one bucket
+of fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
 each row runs in its forward and its backward beyond a plain bf16 model's (same layers, same
 batch; work a method moves into backward hooks shows here), counted the same way, and the step
 plus both. ``--ops`` prints each measured row's traffic by op. ``--paths cuda`` counts with the
@@ -97,9 +98,10 @@ class Row:
     """One way to train the model: ``forward()`` -> loss, ``backward(loss)``, ``step()``,
     ``zero_grad()``; ``params`` the trained parameters (counted per parameter)."""
 
-    def __init__(self, forward, backward, step, zero_grad, params):
+    def __init__(self, forward, backward, step, zero_grad, params, kept=lambda: 0):
         self.forward, self.backward, self.step, self.zero_grad = forward, backward, step, zero_grad
         self.params = list(params)
+        self.kept = kept  # bytes of scratch the optimizer keeps between steps
 
 
 def _plain(model: nn.Module, opt, x: torch.Tensor, autocast: bool = False) -> Row:
@@ -136,8 +138,12 @@ def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "
     model, opt = amp.setup(model, opt)
     if fused is not None:
         opt.fused = fused
+    def kept() -> int:  # a compact optimizer's kept piece scratch
+        held = opt.held_tensors().get("scratch", []) if hasattr(opt, "held_tensors") else []
+        return sum(t.numel() * t.element_size() for t in held)
+
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
-               lambda: opt.zero_grad(set_to_none=True), model.parameters())
+               lambda: opt.zero_grad(set_to_none=True), model.parameters(), kept)
 
 
 def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
@@ -241,26 +247,26 @@ def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "defaul
         row = make()
         if numel(row) != n:
             raise RuntimeError(f"{name}: {numel(row)} parameters, expected {n}")
-        counted.append((name, measure(row)))
+        counted.append((name, measure(row), row.kept()))
     if compiled:  # last: it replaces the compiled kernels for the process while it runs
-        counted.append((COMPILED_ROW, measure_compiled(layers, width, x)))
+        counted.append((COMPILED_ROW, measure_compiled(layers, width, x), 0))
     rows = [{"name": name, "measured": True, "step": got["step"].total / n,
              "launches": got["step"].launches, "transient": got["step"].peak_live / n,
-             "transient_bytes": got["step"].peak_live,
+             "transient_bytes": got["step"].peak_live, "kept_bytes": kept,
              "forward": (got["forward"].total - ref["forward"].total) / n,
              "backward": (got["backward"].total - ref["backward"].total) / n,
              "step_ops": {k: v / n for k, v in got["step"].by_op.most_common()},
              "step_launches": dict(got["step"].launches_by_op.most_common())}
-            for name, got in counted]
+            for name, got, kept in counted]
     rows.append({"name": "ideal fused O2 step (computed)", "measured": False,
                  "step": float(IDEAL_O2), "launches": None, "transient": 0.0,
-                 "transient_bytes": 0, "forward": 0.0, "backward": 0.0})
+                 "transient_bytes": 0, "kept_bytes": 0, "forward": 0.0, "backward": 0.0})
     return rows
 
 
 def table(rows: list[dict], backward: bool) -> str:
-    head = "| row | step B/param | launches | transient peak MiB (B/param) |"
-    rule = "|---|---:|---:|---:|"
+    head = "| row | step B/param | launches | transient peak MiB (B/param) | kept scratch MiB |"
+    rule = "|---|---:|---:|---:|---:|"
     if backward:
         head += " forward + | backward + | step + forward + backward |"
         rule += "---:|---:|---:|"
@@ -268,7 +274,8 @@ def table(rows: list[dict], backward: bool) -> str:
     for r in rows:
         launches = "-" if r["launches"] is None else str(r["launches"])
         line = (f"| {r['name']} | {r['step']:.1f} | {launches} | "
-                f"{r['transient_bytes'] / 2**20:.1f} ({r['transient']:.1f}) |")
+                f"{r['transient_bytes'] / 2**20:.1f} ({r['transient']:.1f}) | "
+                f"{r['kept_bytes'] / 2**20:.1f} |")
         if backward:
             total = r["step"] + r["forward"] + r["backward"]
             line += f" {r['forward']:+.1f} | {r['backward']:+.1f} | {total:.1f} |"

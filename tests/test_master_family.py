@@ -29,7 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec as mp
 from mixprec.masters.split_bits import split_of
-from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer, family, guard
+from mixprec.optim import (
+    CompactMasterOptimizer,
+    MasterWeightOptimizer,
+    compact_lists,
+    family,
+    guard,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
 
@@ -422,6 +428,9 @@ def cut_run(master, dtype, state_dtype, make, piece, monkeypatch):
     real = family._step_piece
     monkeypatch.setattr(family, "_step_piece", lambda opt, piece, *a: (piece and stepped.append(
         sum(s.numel for s in piece))) or real(opt, piece, *a))
+    listed = compact_lists._Piece.step  # the steps after the first: on the cached lists
+    monkeypatch.setattr(compact_lists._Piece, "step", lambda self, *a: stepped.append(
+        sum(s.numel for s in self.slices)) or listed(self, *a))
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SIZES]
     params[-2:] = [nn.Parameter(p.detach().t()) for p in params[-2:]]  # not contiguous
@@ -492,10 +501,11 @@ class TransientPeak(TorchDispatchMode):
 def test_the_transient_memory_of_a_step_is_bounded_by_the_piece(master, state_dtype,
                                                                  monkeypatch):
     """One big tensor (16 or 64 pieces of 1024 elements) beside a small one, AdamW, the third
-    step: the storages the step makes and frees peak at under 40 bytes per piece element (fp32
-    values, gradients, widened moments, rounding bits), whatever the tensor's size."""
+    step: the storages the step makes and frees peak at under 40 bytes per piece element
+    (rounding bits, temporaries), whatever the tensor's size, and the scratch the optimizer keeps
+    (fp32 values, gradients, widened moments) is one piece's, whatever the tensor's size."""
     monkeypatch.setattr(family, "PIECE", 1024)
-    peaks = []
+    peaks, kept = [], []
     for rows in (16, 64):
         params = [nn.Parameter(torch.randn(rows, 1024).bfloat16()),
                   nn.Parameter(torch.randn(10).bfloat16())]
@@ -509,8 +519,11 @@ def test_the_transient_memory_of_a_step_is_bounded_by_the_piece(master, state_dt
         with TransientPeak() as counted:
             opt.step()
         peaks.append(counted.peak)
+        kept.append(sum(t.numel() for t in opt.held_tensors()["scratch"]))
     assert max(peaks) < 40 * 1024
     assert peaks[1] <= peaks[0] + 1024  # no part that grows with the tensor
+    # the kept scratch: values, gradients (and two widened bf16 moments), a piece each
+    assert kept[0] == kept[1] == (2 if state_dtype == "fp32" else 4) * 1024
 
 
 def test_copies_of_the_inputs_are_checked_not_the_inputs(fresh_verdicts):

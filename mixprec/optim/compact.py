@@ -18,12 +18,15 @@ What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 time (a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers):
 the method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's
 store. With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the
-device (SGD/Adam/AdamW), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
+device (SGD/Adam/AdamW; after the first step called on lists made once per layout,
+:mod:`.compact_lists`), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
 ``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
 accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
-torch's; the step's transient buffers are about 8 bytes per piece element (16 with bf16 Adam
-moments), whatever the model's size, except for an optimizer that reads several parameters at
-once (a global statistic), which is stepped over everything in one piece. A step with a
+torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam
+moments), whatever the model's size, kept from step to step
+(:class:`~mixprec.optim.family.Scratch`), except for an optimizer that reads several
+parameters at once (a global statistic), which is stepped over everything in one piece (fresh
+buffers each step). A step with a
 ``closure`` (LBFGS) is refused: use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
@@ -46,8 +49,8 @@ from .. import masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from ..shards import like_shard, local
-from . import compact_state, family, states
+from ..shards import is_dtensor, like_shard, local
+from . import compact_lists, compact_state, family, states
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .wrapper import (
@@ -115,6 +118,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
+        self.scratch = family.Scratch()  # a bounded piece's buffers, kept
+        self.lists: compact_lists.Plan | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
@@ -134,6 +139,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _rebuild(self) -> None:
         super()._rebuild()
         self._low = [p for p in self._model_params if is_low_precision(p)]
+        self.lists = None  # made again after the next step
 
     def _check_params(self, params: Iterable[torch.Tensor]) -> None:
         for p in params:
@@ -176,9 +182,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return self._pending.get(param) if comp is None else comp
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state."""
+        """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
+        and the step's kept scratch (:class:`~mixprec.optim.family.Scratch`: a piece's fp32
+        values, gradients and widened moments, bounded by the piece size, not the model's)."""
         return {"gradients": [g for g, _ in self._grads32.values()],
-                "compensation": list(self._pending.values())}
+                "compensation": list(self._pending.values()),
+                "scratch": self.scratch.tensors()}
 
     def fp32_values(self) -> dict[torch.Tensor, torch.Tensor]:
         """16-bit parameter -> the best fp32 estimate of its value (new tensors): the exact
@@ -269,8 +278,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._settle_pending()
         try:
             items, fp32 = self._items()
-            family.step(self, items, fp32, None if grad_scale is None
-                        else grad_scale.to(torch.float32), inv)
+            keys = family.draw_keys(self, items)
+            scale = None if grad_scale is None else grad_scale.to(torch.float32)
+            if compact_lists.step(self, items, keys, scale):
+                family.step_own(self, fp32, keys, scale, inv)
+            else:
+                family.step(self, items, fp32, scale, inv, keys)
+                compact_lists.prepare(self, items)
         finally:
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
@@ -279,14 +293,21 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _items(self) -> tuple[list[family.Slice], list[list[torch.Tensor]]]:
         """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
         items, fp32 = [], []
-        for g, group in enumerate(self.param_groups):
+        state, key, held = self.state, self._buffer_key, self._grads32
+        for g, group in enumerate(self.param_groups):  # per tensor per step: kept lean
             fp32.append([])
             for p in group["params"]:
                 if not is_low_precision(p):
                     fp32[-1].append(p)
-                elif p.grad is not None:
-                    items.append(family.Slice(g, p, self._grad_of(p), self.compensation(p),
-                                              len(items), numel=local(p).numel()))
+                    continue
+                grad = p.grad
+                if grad is None:
+                    continue
+                buf = None if key is None else (state.get(p) or {}).get(key)
+                items.append(family.Slice(
+                    g, p, self._grad_of(p) if held else grad,
+                    self._pending.get(p) if buf is None else buf, len(items),
+                    numel=local(p).numel() if is_dtensor(p) else p.numel()))
         return items, fp32
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

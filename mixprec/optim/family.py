@@ -28,8 +28,11 @@ always runs, so schedulers see one). So ``master="split"`` steps its masters bit
 masters do, and a cut tensor as a whole one: element ``i`` of a tensor with key ``k`` draws the
 bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice's place in its
 piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
-launches besides torch's (per list, fused or foreach); no host sync; about 8 transient bytes
-per piece element (values, gradients), 8 more for bf16 Adam moments.
+launches besides torch's (per list, fused or foreach); no host sync; about 8 bytes per piece
+element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer keeps
+(:class:`Scratch`). For torch's SGD/Adam/AdamW, steps after the first skip the inner ``step()``
+and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`): the same
+values, keys and order, so the same bits.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..masters.rounding import KEY_STRIDE, round_into_lists, shard_key
+from ..masters.rounding import KEY_STRIDE, TABLE_SIZE, round_into_lists, shard_key
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor, like_shard, local
 from . import states
@@ -50,9 +53,9 @@ from .kernels import torch_fused, torch_fused_problem
 from .states import OWN_KEYS
 from .steps import amp_arguments
 
-__all__ = ["PIECE", "Slice", "step"]
+__all__ = ["PIECE", "Slice", "Scratch", "draw_keys", "step", "step_own", "cut", "piece_limit"]
 
-#: Elements of one piece (4 MiB of fp32 values): the step's transient buffers are bounded by it.
+#: Elements of one piece (4 MiB of fp32 values): the step's fp32 buffers are bounded by it.
 PIECE = 1 << 20
 #: torch's optimizers whose update of an element reads that element and per-parameter scalars.
 _CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
@@ -168,6 +171,50 @@ def _narrow(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor) 
         torch._foreach_copy_(outs, _unflatten(values, outs))
 
 
+class Scratch:
+    """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
+    moments), one per device and use, kept by the optimizer from piece to piece and from step
+    to step, and grown to the largest piece: at most :data:`PIECE` (or ``bucket_mb``) elements
+    each, so 8 bytes per piece element (16 with widened Adam moments) held between steps.
+    Transient in size, but kept (counted in the optimizer's ``held_tensors()["scratch"]``):
+    fresh buffers would free and take the same few MiB every piece of every step, and the
+    cached lists (:mod:`.compact_lists`) hold views of them. A whole-model piece (an optimizer
+    reading several parameters at once) or a tensor alone above the piece size takes fresh
+    buffers instead."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.version = 0  # moves when a buffer is replaced (views of the old one are stale)
+
+    def take(self, device: torch.device, use: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the ``use`` buffer on ``device`` (uninitialised)."""
+        buf = self.buffers.get((device, use))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[device, use] = torch.empty(numel, device=device)
+            self.version += 1
+        return buf[:numel]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.buffers.values())
+
+
+def piece_limit(opt) -> int:
+    """The most elements of a bounded piece of ``opt``'s step."""
+    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
+    return max(_ALIGN, limit - limit % _ALIGN)
+
+
+def _flat(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
+    """A piece's flat fp32 buffer: the kept scratch, or (``kept`` False: a whole-model piece, a
+    tensor alone above the limit) a fresh one."""
+    return opt.scratch.take(device, use, numel) if kept else torch.empty(numel, device=device)
+
+
 class _Run:
     """The slices of a piece on one device and of one weight dtype, loaded: their fp32 values
     (``temps``) and what the optimizer steps (``params``: the values, or, for an optimizer that
@@ -182,11 +229,12 @@ class _Run:
                      else [_view(local(s.buf), s) for s in slices])
         self.device = self.weights[0].device
         total = sum(s.numel for s in slices)
-        self.values = torch.empty(total, device=self.device)
+        self.kept = not whole and total <= piece_limit(opt)
+        self.values = _flat(opt, self.device, "values", total, self.kept)
         opt.master.load_lists(self.values, self.weights, self.bufs)
         self.temps = list(_unflatten(self.values, self.weights))
         self.params = [self._placed(t, s) for t, s in zip(self.temps, slices)]
-        self.grads = torch.empty(total, device=self.device)
+        self.grads = _flat(opt, self.device, "grads", total, self.kept)
         views = _unflatten(self.grads, self.weights)
         dense = [(v, _view(local(s.grad), s)) for v, s in zip(views, slices)
                  if not s.grad.is_sparse]
@@ -224,7 +272,8 @@ class _Run:
         self.wide = {}
         for key, found in wide.items():
             regions = [r for _, r in found]
-            flat = torch.empty(sum(r.numel() for r in regions), device=self.device)
+            flat = _flat(self.opt, self.device, f"wide {key}", sum(r.numel() for r in regions),
+                         self.kept)
             views = list(_unflatten(flat, regions))
             torch._foreach_copy_(views, regions)
             for (i, _), view in zip(found, views):
@@ -257,13 +306,19 @@ class _Run:
                 if _moment(key, value, self.params[i]):  # made by this step: state dtype
                     self._adopt(s, held, key, local(value), self.keys[i, column(i, key)].view(1))
                 else:
-                    held[key] = value
+                    held[key] = self._owned(value)
+
+    def _owned(self, value):
+        """``value``, or a copy where it shares memory with the kept scratch."""
+        if torch.is_tensor(value) and self.kept and self.opt.scratch.holds(value):
+            return value.clone()
+        return value
 
     def _adopt(self, s: Slice, held: dict, key: str, value: torch.Tensor,
                key_bits: torch.Tensor) -> None:
         param, dtype = local(s.param), self.opt.state_dtype
         if not s.index and dtype == torch.float32 and value.stride() == param.stride():
-            held[key] = like_shard(value, s.param)
+            held[key] = like_shard(self._owned(value), s.param)
             return
         full = held.get(key)
         if full is None or not states.is_moment(key, full, s.param):
@@ -272,9 +327,23 @@ class _Run:
         _narrow(value.reshape(-1), [region], key_bits + _shifts([s], [0], 'cpu'))
 
 
+def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
+    """The step's rounding keys: :data:`_KEYS` per 16-bit parameter with a gradient (row
+    ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
+    if not items:
+        return None
+    # RoundingGenerator.keys' numbers, as one tensor (its list holds a tensor object per key:
+    # 1,200 of them for 400 tensors cost more than the update of their elements)
+    drawn = torch.randint(0, TABLE_SIZE, (_KEYS * len(items),),
+                          generator=opt.rounding.generator, dtype=torch.int32)
+    salt = opt.salt % TABLE_SIZE
+    return (drawn ^ salt if salt else drawn).view(-1, _KEYS)
+
+
 @torch.no_grad()
 def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
-         grad_scale: torch.Tensor | None, inv: torch.Tensor | None) -> None:
+         grad_scale: torch.Tensor | None, inv: torch.Tensor | None,
+         keys: torch.Tensor | None) -> None:
     """Step ``opt`` (a :class:`~mixprec.optim.compact.CompactMasterOptimizer`) as the module
     docstring says.
 
@@ -283,17 +352,14 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
         fp32_params: per param group, its fp32 parameters (stepped as they are).
         grad_scale: the factor the gradients carry (a 0-d tensor), or None.
         inv: its reciprocal, or None.
+        keys: :func:`draw_keys`'s.
     """
     inner = opt.inner
-    keys = (torch.stack(opt.rounding.keys(_KEYS * len(items), opt.salt)).view(-1, _KEYS)
-            if items else None)
     whole = not is_per_parameter(inner)
     if whole:  # a global statistic: everything in one step
         _step_piece(opt, items, fp32_params, keys, grad_scale, inv, {}, whole)
         return
-    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
-    limit = max(_ALIGN, limit - limit % _ALIGN)
-    pieces = list(_pieces(items, limit, type(inner) in _CUT, inner.state))
+    pieces = list(cut(opt, items))
     saved = {}  # the state before the step of the tensors cut into slices
     for piece in pieces:
         for s in piece:
@@ -301,7 +367,19 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
                 saved[id(s.param)] = dict(inner.state.get(s.param, {}))
     for piece in pieces:
         _step_piece(opt, piece, None, keys, grad_scale, inv, saved, whole)
-    _step_piece(opt, [], fp32_params, keys, grad_scale, inv, saved, whole)
+    step_own(opt, fp32_params, keys, grad_scale, inv)
+
+
+def cut(opt, items: list[Slice]):
+    """The pieces of a per-parameter optimizer's step (step 1 of the module docstring)."""
+    return _pieces(items, piece_limit(opt), type(opt.inner) in _CUT, opt.inner.state)
+
+
+@torch.no_grad()
+def step_own(opt, fp32_params: list[list[torch.Tensor]], keys, grad_scale, inv) -> None:
+    """The groups' fp32 parameters, through the inner optimizer's own step (which always runs,
+    so schedulers and hooks see a step)."""
+    _step_piece(opt, [], fp32_params, keys, grad_scale, inv, {}, False)
 
 
 def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole) -> None:

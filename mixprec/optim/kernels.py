@@ -38,7 +38,8 @@ from ..shards import is_dtensor
 from .guard import GuardedKernel, quiet_compile
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
-           "torch_fused_problem", "torch_fused", "torch_functional", "TORCH_FUSED_TYPES",
+           "torch_fused_problem", "torch_fused", "torch_functional", "functional_keys",
+           "fused_call", "TORCH_FUSED_TYPES",
            "compiled_step", "PerDevice", "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
@@ -139,23 +140,39 @@ def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list
     Raises:
         KeyError: some of that state is not made yet (a first step makes it).
     """
-    state = optimizer.state
-    if type(optimizer) is torch.optim.SGD:
+    held = [optimizer.state[p] for p in params]
+    moments = {k: [s[k] for s in held] for k in functional_keys(type(optimizer), group)}
+    if any(b is None for b in moments.get("momentum_buffer", ())):
+        raise KeyError("momentum_buffer")
+    steps = [s["step"] for s in held] if type(optimizer) is not torch.optim.SGD else []
+    return fused_call(type(optimizer), group, params, grads, moments, steps)
+
+
+def functional_keys(kind: type, group: dict) -> tuple[str, ...]:
+    """The state keys of the moments torch's functional ``kind`` (SGD, Adam, AdamW) reads for
+    ``group`` (besides Adam's ``step``)."""
+    if kind is torch.optim.SGD:
+        return ("momentum_buffer",) if group["momentum"] else ()
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
+def fused_call(kind: type, group: dict, params: list, grads: list, moments: Mapping,
+               steps: list) -> Callable:
+    """torch's functional SGD or Adam/AdamW (``kind``) with ``fused=True`` and ``group``'s
+    options over the lists given (``moments``: :func:`functional_keys` -> a list per key;
+    ``steps``: Adam's step tensors), as a call ``(grad_scale, found_inf)``."""
+    if kind is torch.optim.SGD:
         momentum = group["momentum"]
-        bufs = [state[p]["momentum_buffer"] for p in params] if momentum else [None] * len(params)
-        if momentum and any(b is None for b in bufs):
-            raise KeyError("momentum_buffer")
+        bufs = moments["momentum_buffer"] if momentum else [None] * len(params)
         return functools.partial(
             torch_sgd.sgd, params, grads, bufs, fused=True, weight_decay=group["weight_decay"],
             momentum=momentum, lr=group["lr"], dampening=group["dampening"],
             nesterov=group["nesterov"], maximize=group["maximize"])
-    held = [state[p] for p in params]
     amsgrad = group["amsgrad"]
     beta1, beta2 = group["betas"]
     return functools.partial(
-        torch_adam.adam, params, grads, [s["exp_avg"] for s in held],
-        [s["exp_avg_sq"] for s in held], [s["max_exp_avg_sq"] for s in held] if amsgrad else [],
-        [s["step"] for s in held], fused=True,
+        torch_adam.adam, params, grads, moments["exp_avg"], moments["exp_avg_sq"],
+        moments["max_exp_avg_sq"] if amsgrad else [], steps, fused=True,
         decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1,
         beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
         maximize=group["maximize"])
