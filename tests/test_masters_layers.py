@@ -165,3 +165,31 @@ def test_the_optimizer_steps_through_the_methods_own_load_and_store(name, fused)
     assert Nearest.calls == ["load_lists", "store_lists"] * 3  # one piece a step
     for p, r in zip(net.parameters(), ref):
         assert torch.equal(p.float(), r.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kahan_with_a_spare_buffer_loads_and_stores_the_same_bits(dtype):
+    """Kahan's load and store widen their 16-bit operands into the caller's spare fp32 buffer
+    (where a mixed-dtype op on the CPU would allocate a copy of each): the same values, weights
+    and compensations bit for bit, and the spare only written, never read."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 2, 2)]
+    weights = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    comps = [(torch.randn(s, generator=g) * 1e-3).to(dtype) for s in shapes]
+    n = sum(w.numel() for w in weights)
+    keys = torch.tensor([5, 1 << 19, 12345], dtype=torch.int32)
+    out = {}
+    for spare in (None, torch.full((n + 3,), float("nan"))):
+        kw = {} if spare is None else {"spare": spare}
+        w, c = [t.clone() for t in weights], [t.clone() for t in comps]
+        values = torch.empty(n)
+        Kahan.load_lists(values, w, c, **kw)
+        loaded = values.clone()
+        values.add_(torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-2)
+        Kahan.store_lists(values, w, c, keys, **kw)
+        out[spare is None] = (loaded, w, c)
+    (a_loaded, a_w, a_c), (b_loaded, b_w, b_c) = out[True], out[False]
+    assert torch.equal(a_loaded, b_loaded)
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_w, b_w))
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_c, b_c))
+    assert Kahan.uses_spare and not Split.uses_spare and not Stochastic.uses_spare

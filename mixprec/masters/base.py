@@ -36,6 +36,9 @@ class MasterMethod(Component):
         compact: True when there is no fp32 copy: the optimizer steps the 16-bit weights in
             place (:class:`mixprec.optim.CompactMasterOptimizer`).
         buffer_key: the optimizer ``state`` key of its per-parameter buffer, or None.
+        uses_spare: True when :meth:`load_lists` and :meth:`store_lists` take the keyword
+            ``spare`` (a flat fp32 scratch they may overwrite; methods written without it are
+            called without it).
         draws_bits: True when :meth:`store_lists` rounds with random bits (it gets a key per
             tensor); False when it is exact.
     """
@@ -45,6 +48,7 @@ class MasterMethod(Component):
     compact: ClassVar[bool] = True
     buffer_key: ClassVar[str | None] = None
     draws_bits: ClassVar[bool] = True
+    uses_spare: ClassVar[bool] = False
 
     # -- validation ------------------------------------------------------------------------
     def check_dtype(self, dtype: torch.dtype, what: str = "parameters") -> None:
@@ -98,18 +102,23 @@ class MasterMethod(Component):
 
     @staticmethod
     def load_lists(out: torch.Tensor, weights: list[torch.Tensor],
-                   bufs: list[torch.Tensor] | None) -> None:
+                   bufs: list[torch.Tensor] | None, spare: torch.Tensor | None = None) -> None:
         """Write the fp32 values of the ``weights`` (and buffers; any strides: their elements in
-        order), one after the other, into the flat fp32 ``out`` (:meth:`load`'s values)."""
+        order), one after the other, into the flat fp32 ``out`` (:meth:`load`'s values).
+        ``spare``: a flat fp32 scratch of at least ``out``'s size the method may overwrite, or
+        None (a mixed-dtype op on the CPU would make a temporary fp32 copy of its 16-bit input;
+        the spare holds it instead)."""
         raise NotImplementedError("a compact master method defines load_lists()")
 
     @staticmethod
     def store_lists(values: torch.Tensor, weights: list[torch.Tensor],
-                    bufs: list[torch.Tensor] | None, keys: torch.Tensor | None) -> None:
+                    bufs: list[torch.Tensor] | None, keys: torch.Tensor | None,
+                    spare: torch.Tensor | None = None) -> None:
         """Write the flat fp32 ``values`` into the ``weights`` and buffers (any strides; ``values``
         may be overwritten). ``keys``: the int32 rounding key of each tensor, shifted so that
-        flat element ``i`` of tensor ``t`` draws the bits of ``i * 0x9E3779B1 + keys[t]``
-        (None when :attr:`draws_bits` is False)."""
+        flat element ``i`` of the run reads the noise table at ``i + keys[t]``
+        (:mod:`mixprec.masters.rounding`; None when :attr:`draws_bits` is False). ``spare``: as
+        :meth:`load_lists`."""
         raise NotImplementedError("a compact master method defines store_lists()")
 
     def assign(self, weight: torch.Tensor, buf: torch.Tensor | None,

@@ -39,6 +39,17 @@ _unflatten = torch._C._nn.unflatten_dense_tensors
 COMPENSATION_KEY = "compensation"
 
 
+def _widened(tensors: list[torch.Tensor], spare: torch.Tensor | None) -> list[torch.Tensor]:
+    """``tensors`` as the fp32 operands of an op with fp32 ones: widened into ``spare`` (one
+    ``_foreach_copy_``) when given, else themselves (on the CPU the op then makes a temporary
+    fp32 copy of each, allocated and freed tensor by tensor; the same values)."""
+    if spare is None:
+        return tensors
+    wide = list(_unflatten(spare[:sum(t.numel() for t in tensors)], tensors))
+    torch._foreach_copy_(wide, tensors)
+    return wide
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kahan(MasterMethod):
     """Kahan-compensated 16-bit weights (bf16 or fp16; a buffer of the weight's dtype).
@@ -51,6 +62,7 @@ class Kahan(MasterMethod):
     name: ClassVar[str] = "kahan"
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16)
     buffer_key: ClassVar[str | None] = COMPENSATION_KEY
+    uses_spare: ClassVar[bool] = True
 
     def master_bytes(self, param_bytes: int) -> int:
         return param_bytes
@@ -76,16 +88,16 @@ class Kahan(MasterMethod):
         return weight.float() + comp.float()
 
     @staticmethod
-    def load_lists(out, weights, comps):
+    def load_lists(out, weights, comps, spare=None):
         values = _unflatten(out, weights)
         torch._foreach_copy_(values, weights)
-        torch._foreach_add_(values, comps)  # in fp32, as load's weight.float() + comp.float()
+        torch._foreach_add_(values, _widened(comps, spare))  # as load's w.float() + c.float()
 
     @staticmethod
-    def store_lists(values, weights, comps, keys):
+    def store_lists(values, weights, comps, keys, spare=None):
         runs = _unflatten(values, weights)
         torch._foreach_copy_(weights, runs)  # rounded to nearest
-        torch._foreach_sub_(runs, weights)  # what that lost (exact)
+        torch._foreach_sub_(runs, _widened(weights, spare))  # what that lost (exact)
         if comps[0].dtype == torch.bfloat16:  # a NaN's compensation: the weight is NaN too
             round_into_lists(values, comps, keys)
         else:

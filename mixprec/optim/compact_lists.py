@@ -95,7 +95,8 @@ class _Piece:
 
     def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
         method, kind, groups = opt.master, type(opt.inner), opt.inner.param_groups
-        method.load_lists(self.values, self.weights, self.bufs)
+        spare = {"spare": self.grads} if method.uses_spare else {}  # until the gradients are
+        method.load_lists(self.values, self.weights, self.bufs, **spare)  # copied in, and after
         torch._foreach_copy_(self.grad_views, [items[s.row].grad for s in self.slices]
                              if self.plain else
                              [_view(local(items[s.row].grad), s) for s in self.slices])
@@ -105,7 +106,8 @@ class _Piece:
             kernels.fused_call(kind, groups[g], params, grads, moments, steps)(
                 grad_scale=grad_scale, found_inf=None)
         method.store_lists(self.values, self.weights, self.bufs,
-                           keys[self.rows, 0] + self.shift if method.draws_bits else None)
+                           keys[self.rows, 0] + self.shift if method.draws_bits else None,
+                           **spare)  # the step read the gradients
         for w in self.wide:
             _narrow(w.flat, w.regions, keys[w.rows, w.cols] + w.shift)
 

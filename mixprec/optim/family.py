@@ -231,10 +231,12 @@ class _Run:
         total = sum(s.numel for s in slices)
         self.kept = not whole and total <= piece_limit(opt)
         self.values = _flat(opt, self.device, "values", total, self.kept)
-        opt.master.load_lists(self.values, self.weights, self.bufs)
+        self.grads = _flat(opt, self.device, "grads", total, self.kept)
+        # the gradients' buffer is spare until they are copied in, and again after the step
+        self.spare = {"spare": self.grads} if opt.master.uses_spare else {}
+        opt.master.load_lists(self.values, self.weights, self.bufs, **self.spare)
         self.temps = list(_unflatten(self.values, self.weights))
         self.params = [self._placed(t, s) for t, s in zip(self.temps, slices)]
-        self.grads = _flat(opt, self.device, "grads", total, self.kept)
         views = _unflatten(self.grads, self.weights)
         dense = [(v, _view(local(s.grad), s)) for v, s in zip(views, slices)
                  if not s.grad.is_sparse]
@@ -286,7 +288,7 @@ class _Run:
         opt = self.opt
         keys = (self.keys[:, 0] + _shifts(self.slices, _positions(self.slices), 'cpu')
                 if opt.master.draws_bits else None)
-        opt.master.store_lists(self.values, self.weights, self.bufs, keys)
+        opt.master.store_lists(self.values, self.weights, self.bufs, keys, **self.spare)
         state = opt.inner.state
         entries = [state.pop(temp) for temp in self.params]
 
