@@ -92,6 +92,12 @@ LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
     # CUDA mixprec casts the input up).
     "batch_norm_low_input": {"cpu": (F16, BF16), "cuda": (F16, BF16), "other": ()},
     "layer_group_norm_low_input": {"cpu": (F16, BF16), "cuda": (), "other": ()},
+    # An in-place elementwise op on fp32 tensors with a 16-bit operand (torch._foreach_add_/
+    # _foreach_sub_(fp32 list, bf16/fp16 list)) read as it goes, with no copy: CUDA's kernels
+    # cast each element as they load it; the CPU's TensorIterator first makes an fp32 copy of
+    # the 16-bit operand (allocated and freed per tensor; torch's profiler shows it as
+    # aten::to). Where it copies, a master method widens the operand into scratch it is given.
+    "mixed_operand_in_place": {"cpu": (), "cuda": (F16, BF16), "other": ()},
 }
 
 #: kernel -> the callable the table hands out (a test swaps in a fake through
@@ -190,6 +196,11 @@ class KernelTable:
         """The master step a compiling Trainer turns on: ``"compile"`` on the CPU, else
         ``"fused"`` (torch's fused kernels, ``MasterWeightOptimizer(fused="auto")``)."""
         return "compile" if self.row(device_type) == "cpu" else "fused"
+
+    def reads_mixed_operands(self, device_type: str, dtype: torch.dtype) -> bool:
+        """Whether an in-place fp32 op reads a ``dtype`` operand on ``device_type`` without an
+        fp32 copy of it (else a master method widens it into scratch first)."""
+        return self.accepts("mixed_operand_in_place", device_type, dtype)
 
     def norm_reads_low_precision(self, kind: str, device_type: str) -> bool:
         """Whether the norm kernel of ``kind`` (``"batch_norm"``, ``"layer_norm"``,

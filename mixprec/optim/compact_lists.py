@@ -95,8 +95,8 @@ class _Piece:
 
     def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
         method, kind, groups = opt.master, type(opt.inner), opt.inner.param_groups
-        spare = {"spare": self.grads} if method.uses_spare else {}  # until the gradients are
-        method.load_lists(self.values, self.weights, self.bufs, **spare)  # copied in, and after
+        spare = family.spare_for(method, self.grads, self.weights[0].dtype)  # until the
+        method.load_lists(self.values, self.weights, self.bufs, **spare)  # gradients are in
         torch._foreach_copy_(self.grad_views, [items[s.row].grad for s in self.slices]
                              if self.plain else
                              [_view(local(items[s.row].grad), s) for s in self.slices])

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import kernel_table
 from ..masters.rounding import KEY_STRIDE, TABLE_SIZE, round_into_lists, shard_key
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor, like_shard, local
@@ -152,6 +153,16 @@ def _shifts(slices: list[Slice], positions: list[int], device) -> torch.Tensor:
     return torch.tensor(shifts, dtype=torch.int32, device=device)
 
 
+def spare_for(method, spare: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The keyword that hands ``spare`` (a flat fp32 buffer of the piece's size, free while the
+    method loads or stores) to a method that takes one (``uses_spare``), where an in-place fp32
+    op would copy its ``dtype`` operands first (:mod:`mixprec.kernel_table`: the CPU)."""
+    if method.uses_spare and not kernel_table.TABLE.reads_mixed_operands(spare.device.type,
+                                                                          dtype):
+        return {"spare": spare}
+    return {}
+
+
 def _moment(key, value, param: torch.Tensor) -> bool:
     """:func:`.states.is_moment`, the cheap refusals first."""
     return (isinstance(value, torch.Tensor) and value.dim() > 0
@@ -233,7 +244,7 @@ class _Run:
         self.values = _flat(opt, self.device, "values", total, self.kept)
         self.grads = _flat(opt, self.device, "grads", total, self.kept)
         # the gradients' buffer is spare until they are copied in, and again after the step
-        self.spare = {"spare": self.grads} if opt.master.uses_spare else {}
+        self.spare = spare_for(opt.master, self.grads, self.weights[0].dtype)
         opt.master.load_lists(self.values, self.weights, self.bufs, **self.spare)
         self.temps = list(_unflatten(self.values, self.weights))
         self.params = [self._placed(t, s) for t, s in zip(self.temps, slices)]
