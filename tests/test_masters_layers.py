@@ -200,7 +200,7 @@ def test_the_spare_goes_where_mixed_operands_are_copied(monkeypatch):
     16-bit operand first, and not under CUDA's limits (its kernels read the operand as they go),
     nor to a method that takes none."""
     from mixprec import kernel_table
-    from mixprec.optim.family import spare_for
+    from mixprec.optim.pieces import spare_for
 
     buf = torch.empty(4)
     assert spare_for(Kahan(), buf, torch.bfloat16)["spare"] is buf

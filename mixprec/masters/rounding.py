@@ -281,15 +281,18 @@ class RoundingGenerator:
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.generator = torch.Generator().manual_seed(seed)
 
-    def keys(self, count: int, salt: int = 0) -> list[torch.Tensor]:
-        """``count`` fresh 0-d int32 keys on the CPU, uniform in [0, :data:`TABLE_SIZE`)
-        (advances the generator; no host sync). ``salt`` is xor-ed into them (modulo the
-        table size: still uniform)."""
-        drawn = torch.randint(0, TABLE_SIZE, (max(count, 1),), generator=self.generator,
+    def draw(self, count: int, salt: int = 0) -> torch.Tensor:
+        """``count`` fresh int32 keys on the CPU as one tensor, uniform in [0,
+        :data:`TABLE_SIZE`) (advances the generator; no host sync). ``salt`` is xor-ed into
+        them (modulo the table size: still uniform)."""
+        drawn = torch.randint(0, TABLE_SIZE, (count,), generator=self.generator,
                               dtype=torch.int32)
-        if salt % TABLE_SIZE:
-            drawn = drawn ^ (salt % TABLE_SIZE)
-        return list(drawn.unbind(0))[:count]
+        return drawn ^ (salt % TABLE_SIZE) if salt % TABLE_SIZE else drawn
+
+    def keys(self, count: int, salt: int = 0) -> list[torch.Tensor]:
+        """:meth:`draw`'s keys as 0-d tensors (at least one drawn: ``keys(0)`` advances the
+        generator too)."""
+        return list(self.draw(max(count, 1), salt).unbind(0))[:count]
 
     def state_dict(self) -> torch.Tensor:
         """The generator's state (a uint8 CPU tensor)."""

@@ -24,7 +24,7 @@ device (SGD/Adam/AdamW; after the first step called on lists made once per layou
 accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
 torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam
 moments), whatever the model's size, kept from step to step
-(:class:`~mixprec.optim.family.Scratch`), except for an optimizer that reads several
+(:class:`~mixprec.optim.pieces.Scratch`), except for an optimizer that reads several
 parameters at once (a global statistic), which is stepped over everything in one piece (fresh
 buffers each step). A step with a
 ``closure`` (LBFGS) is refused: use fp32 masters.
@@ -50,7 +50,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import is_dtensor, like_shard, local
-from . import compact_lists, compact_state, family, states
+from . import compact_lists, compact_state, family, pieces, states
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .wrapper import (
@@ -118,7 +118,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
-        self.scratch = family.Scratch()  # a bounded piece's buffers, kept
+        self.scratch = pieces.Scratch()  # a bounded piece's buffers, kept
         self.lists: compact_lists.Plan | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
@@ -183,7 +183,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
-        and the step's kept scratch (:class:`~mixprec.optim.family.Scratch`: a piece's fp32
+        and the step's kept scratch (:class:`~mixprec.optim.pieces.Scratch`: a piece's fp32
         values, gradients and widened moments, bounded by the piece size, not the model's)."""
         return {"gradients": [g for g, _ in self._grads32.values()],
                 "compensation": list(self._pending.values()),
@@ -290,7 +290,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return None
 
-    def _items(self) -> tuple[list[family.Slice], list[list[torch.Tensor]]]:
+    def _items(self) -> tuple[list[pieces.Slice], list[list[torch.Tensor]]]:
         """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
         items, fp32 = [], []
         state, key, held = self.state, self._buffer_key, self._grads32
@@ -304,7 +304,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 if grad is None:
                     continue
                 buf = None if key is None else (state.get(p) or {}).get(key)
-                items.append(family.Slice(
+                items.append(pieces.Slice(
                     g, p, self._grad_of(p) if held else grad,
                     self._pending.get(p) if buf is None else buf, len(items),
                     numel=local(p).numel() if is_dtensor(p) else p.numel()))

@@ -9,7 +9,7 @@ a device and dtype with the kernel; every moment and Adam's ``step`` made by an 
 what that ``step()`` runs is torch's functional ``sgd``/``adam`` with ``fused=True`` on lists
 (:func:`mixprec.optim.kernels.fused_call`). :class:`Plan` makes those lists once per layout:
 per piece, the views of the weights, buffers and moments it reads, views of the kept scratch
-(:class:`.family.Scratch`) for the values, gradients and widened moments, the rounding keys'
+(:class:`.pieces.Scratch`) for the values, gradients and widened moments, the rounding keys'
 rows and shifts. Each step then loads, calls torch's kernel per param group, and stores, with
 the same rounding keys, in the same order, on the same values as :func:`.family.step`: bit for
 bit the same result.
@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 
 from ..shards import is_dtensor, local
-from . import family, kernels
-from .family import _KEYS, Slice, _moment, _narrow, _positions, _shifts, _unflatten, _view
+from . import kernels
+from .family import _KEYS, _moment, _narrow, _unflatten
+from .pieces import Slice, positions, shifts, slice_view, spare_for
+from .pieces import cut as cut_pieces
 from .states import OWN_KEYS
 
 __all__ = ["Plan", "step", "prepare"]
@@ -49,8 +51,8 @@ class _Piece:
     def __init__(self, opt, slices: list[Slice], names: list[tuple], steps: dict) -> None:
         state, device = opt.inner.state, local(slices[0].param).device
         self.slices = [s._replace(grad=None) for s in slices]  # not this step's gradients
-        self.weights = [_view(local(s.param), s) for s in slices]
-        self.bufs = None if slices[0].buf is None else [_view(local(s.buf), s) for s in slices]
+        self.weights = [slice_view(local(s.param), s) for s in slices]
+        self.bufs = None if slices[0].buf is None else [slice_view(local(s.buf), s) for s in slices]
         total = sum(s.numel for s in slices)
         self.values = opt.scratch.take(device, "values", total)
         temps = list(_unflatten(self.values, self.weights))
@@ -59,13 +61,13 @@ class _Piece:
         self.rows = torch.tensor([s.row for s in slices], dtype=torch.long)
         # gradients read as they are: whole tensors, no FSDP2 shard
         self.plain = not any(s.index or is_dtensor(s.param) for s in slices)
-        self.shift = _shifts(slices, _positions(slices), 'cpu')
+        self.shift = shifts(slices, positions(slices), 'cpu')
         moments: list[dict] = []
         wide: dict[str, list] = {}
         for i, s in enumerate(slices):
             entry, held = state.get(s.param, {}), {}
             for key in names[s.group]:
-                region = _view(local(entry[key]), s)
+                region = slice_view(local(entry[key]), s)
                 if region.dtype == torch.float32 and region.is_contiguous():
                     held[key] = region
                 else:
@@ -81,7 +83,7 @@ class _Piece:
             flat = opt.scratch.take(device, f"wide {key}", sum(r.numel() for r in regions))
             self.wide.append(_Wide(flat, regions, torch.tensor([s.row for s in some]),
                                    torch.full((len(some),), column),
-                                   _shifts(some, _positions(some), 'cpu')))
+                                   shifts(some, positions(some), 'cpu')))
             for (i, _), view in zip(found, self.wide[-1].views):
                 moments[i][key] = view
         self.calls = []  # per param group with slices here: its lists for torch's kernel
@@ -95,11 +97,11 @@ class _Piece:
 
     def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
         method, kind, groups = opt.master, type(opt.inner), opt.inner.param_groups
-        spare = family.spare_for(method, self.grads, self.weights[0].dtype)  # until the
+        spare = spare_for(method, self.grads, self.weights[0].dtype)  # until the
         method.load_lists(self.values, self.weights, self.bufs, **spare)  # gradients are in
         torch._foreach_copy_(self.grad_views, [items[s.row].grad for s in self.slices]
                              if self.plain else
-                             [_view(local(items[s.row].grad), s) for s in self.slices])
+                             [slice_view(local(items[s.row].grad), s) for s in self.slices])
         for w in self.wide:
             torch._foreach_copy_(w.views, w.regions)
         for g, params, grads, moments, steps in self.calls:
@@ -127,7 +129,7 @@ class Plan:
         steps, self.cut_steps = {}, {}
         for version in range(2):  # a second time when the scratch grew while it was made
             self.version = opt.scratch.version
-            pieces = [list(p) for p in family.cut(opt, items)]
+            pieces = [list(p) for p in cut_pieces(opt, items)]
             slices_of: dict[int, list[Slice]] = {}
             for piece in pieces:
                 if kernels.torch_fused_problem(inner, [self.probe(opt, piece)]) is not None:

@@ -2,12 +2,9 @@
 
 :class:`~mixprec.optim.compact.CompactMasterOptimizer` steps every optimizer this way:
 
-1. **cut** the 16-bit parameters with gradients into pieces of at most :data:`PIECE` elements
-   (``bucket_mb`` MiB of fp32 values when set) per device and weight dtype, in order. For
-   torch's per-parameter optimizers (Adafactor and SparseAdam aside: their state is not
-   element-wise) a larger tensor is cut into slices: flat ranges of multiples of 64 elements
-   (torch's fused CPU kernel then groups the elements for its vector loop as for the whole
-   tensor), or, for a strided tensor, row ranges. Any other optimizer (a global statistic) gets
+1. **cut** the 16-bit parameters with gradients into pieces (:mod:`.pieces`: at most
+   :data:`.pieces.PIECE` elements of one device and weight dtype, larger tensors cut into
+   slices for torch's per-parameter optimizers). Any other optimizer (a global statistic) gets
    one piece holding everything, its fp32 parameters too;
 2. **load** a piece into flat fp32 values (the method's
    :meth:`~mixprec.masters.MasterMethod.load_lists`) and gradients (one ``_foreach_copy_``);
@@ -30,137 +27,40 @@ bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice
 piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
 launches besides torch's (per list, fused or foreach); no host sync; about 8 bytes per piece
 element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer keeps
-(:class:`Scratch`). For torch's SGD/Adam/AdamW, steps after the first skip the inner ``step()``
-and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`): the same
-values, keys and order, so the same bits.
+(:class:`.pieces.Scratch`). For torch's SGD/Adam/AdamW, steps after the first skip the inner
+``step()`` and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`):
+the same values, keys and order, so the same bits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
-from typing import NamedTuple
 
 import torch
 
-from .. import kernel_table
-from ..masters.rounding import KEY_STRIDE, TABLE_SIZE, round_into_lists, shard_key
+from ..masters.rounding import BF16_NAN, round_into_lists
 from ..scaling.unscale import unscale_
-from ..shards import is_dtensor, like_shard, local
+from ..shards import like_shard, local
 from . import states
-from .buckets import PER_PARAMETER_OPTIMIZERS, is_per_parameter
+from .buckets import is_per_parameter
 from .kernels import torch_fused, torch_fused_problem
+from .pieces import (
+    Slice,
+    cut,
+    flat_buffer,
+    piece_limit,
+    positions,
+    shifts,
+    slice_view,
+    spare_for,
+)
 from .states import OWN_KEYS
 from .steps import amp_arguments
 
-__all__ = ["PIECE", "Slice", "Scratch", "draw_keys", "step", "step_own", "cut", "piece_limit"]
+__all__ = ["draw_keys", "step", "step_own"]
 
-#: Elements of one piece (4 MiB of fp32 values): the step's fp32 buffers are bounded by it.
-PIECE = 1 << 20
-#: torch's optimizers whose update of an element reads that element and per-parameter scalars.
-_CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
 _KEYS = 3  # rounding keys per tensor and step: the weight's, two moments' (a third shares)
-# slices of a flat tensor start at multiples of this: torch's fused CPU kernels group elements
-# for their vector loops by cache lines from a tensor's start, so a slice's are the whole one's
-_ALIGN = 64
 _unflatten = torch._C._nn.unflatten_dense_tensors
-_NAN = 0x7FC0  # a NaN moment's bf16 pattern
-
-
-class Slice(NamedTuple):
-    """A 16-bit parameter, or a slice of one, in a piece."""
-
-    group: int               # its param group
-    param: torch.Tensor      # the optimizer's parameter (an FSDP2 shard's DTensor)
-    grad: torch.Tensor
-    buf: torch.Tensor | None  # its split remainder or Kahan compensation
-    row: int                 # its row of the step's rounding keys
-    index: tuple = ()        # of the local tensors: consecutive elements; (): the whole tensor
-    start: int = 0           # the flat offset of its first element in the local tensor
-    numel: int = 0
-    flat: bool = False       # ``index`` is of the flat (contiguous) tensors
-
-
-def _view(tensor: torch.Tensor, s: Slice) -> torch.Tensor:
-    if not s.index:
-        return tensor
-    return (tensor.view(-1) if s.flat else tensor)[s.index]
-
-
-def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
-    """``(index, start, numel)`` of runs of at most ``limit`` consecutive elements covering a
-    tensor of ``shape`` (more than ``limit`` elements), in order: ranges of rows, or of a last
-    dimension."""
-    inner = math.prod(shape[1:])
-    if inner > limit:
-        for i in range(shape[0]):
-            yield from _runs(shape[1:], limit, (*prefix, i), start + i * inner)
-        return
-    rows = max(1, limit // inner)
-    for a in range(0, shape[0], rows):
-        b = min(a + rows, shape[0])
-        yield (*prefix, slice(a, b)), start + a * inner, (b - a) * inner
-
-
-def _parts(item: Slice, limit: int, state: dict):
-    """``(index, start, numel, flat)`` of the slices of ``item``: runs of the flat tensors where
-    the weight, gradient, buffer and moments are contiguous, else of rows."""
-    param = local(item.param)
-    tensors = [param, item.grad, item.buf, *(v for k, v in state.get(item.param, {}).items()
-                                             if states.is_moment(k, v, item.param))]
-    if all(local(t).is_contiguous() for t in tensors if t is not None):
-        return ((*run, True) for run in _runs((param.numel(),), limit))
-    return ((*run, False) for run in _runs(param.shape, limit))
-
-
-def _pieces(items: list[Slice], limit: int, cut: bool, state: dict):
-    """``items`` (whole tensors) in pieces of at most ``limit`` elements per device and dtype,
-    tensors larger than that cut into slices when ``cut`` (else alone)."""
-    kinds: dict[tuple, list[Slice]] = {}
-    for item in items:
-        kinds.setdefault((local(item.param).device, item.param.dtype), []).append(item)
-    for kind in kinds.values():
-        piece, size = [], 0
-        for item in kind:
-            n = item.numel
-            parts = ([((), 0, n, False)] if n <= limit or not cut or item.grad.is_sparse
-                     else _parts(item, limit, state))
-            for index, start, numel, flat in parts:
-                if piece and size + numel > limit:
-                    yield piece
-                    piece, size = [], 0
-                piece.append(item._replace(index=index, start=start, numel=numel, flat=flat))
-                size += numel
-        if piece:
-            yield piece
-
-
-def _wrap(value: int) -> int:
-    value %= 2 ** 32
-    return value - 2 ** 32 if value >= 2 ** 31 else value
-
-
-def _shifts(slices: list[Slice], positions: list[int], device) -> torch.Tensor:
-    """Per slice, what its tensor's key is shifted by so that the element at flat ``position +
-    j`` of a buffer draws the bits of element ``start + j`` of its (full) tensor."""
-    shifts = []
-    zero = torch.zeros((), dtype=torch.int32)
-    for s, position in zip(slices, positions):
-        offset = position - s.start
-        shift = int(shard_key(zero, s.param)) if is_dtensor(s.param) else 0
-        shifts.append(_wrap(shift - offset * KEY_STRIDE))
-    return torch.tensor(shifts, dtype=torch.int32, device=device)
-
-
-def spare_for(method, spare: torch.Tensor, dtype: torch.dtype) -> dict:
-    """The keyword that hands ``spare`` (a flat fp32 buffer of the piece's size, free while the
-    method loads or stores) to a method that takes one (``uses_spare``), where an in-place fp32
-    op would copy its ``dtype`` operands first (:mod:`mixprec.kernel_table`: the CPU)."""
-    if method.uses_spare and not kernel_table.TABLE.reads_mixed_operands(spare.device.type,
-                                                                          dtype):
-        return {"spare": spare}
-    return {}
 
 
 def _moment(key, value, param: torch.Tensor) -> bool:
@@ -169,61 +69,13 @@ def _moment(key, value, param: torch.Tensor) -> bool:
             and states.is_moment(key, value, param))
 
 
-def _positions(slices: list[Slice]) -> list[int]:
-    return list(itertools.accumulate((s.numel for s in slices), initial=0))[:-1]
-
-
 def _narrow(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor) -> None:
     """The flat fp32 ``values`` (overwritten) into ``outs``: bf16 ones rounded stochastically
     (``keys``: per out, shifted), others copied."""
     if outs[0].dtype == torch.bfloat16:
-        round_into_lists(values, outs, keys, _NAN)
+        round_into_lists(values, outs, keys, BF16_NAN)
     else:
         torch._foreach_copy_(outs, _unflatten(values, outs))
-
-
-class Scratch:
-    """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
-    moments), one per device and use, kept by the optimizer from piece to piece and from step
-    to step, and grown to the largest piece: at most :data:`PIECE` (or ``bucket_mb``) elements
-    each, so 8 bytes per piece element (16 with widened Adam moments) held between steps.
-    Transient in size, but kept (counted in the optimizer's ``held_tensors()["scratch"]``):
-    fresh buffers would free and take the same few MiB every piece of every step, and the
-    cached lists (:mod:`.compact_lists`) hold views of them. A whole-model piece (an optimizer
-    reading several parameters at once) or a tensor alone above the piece size takes fresh
-    buffers instead."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.version = 0  # moves when a buffer is replaced (views of the old one are stale)
-
-    def take(self, device: torch.device, use: str, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the ``use`` buffer on ``device`` (uninitialised)."""
-        buf = self.buffers.get((device, use))
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[device, use] = torch.empty(numel, device=device)
-            self.version += 1
-        return buf[:numel]
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.buffers.values())
-
-
-def piece_limit(opt) -> int:
-    """The most elements of a bounded piece of ``opt``'s step."""
-    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
-    return max(_ALIGN, limit - limit % _ALIGN)
-
-
-def _flat(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
-    """A piece's flat fp32 buffer: the kept scratch, or (``kept`` False: a whole-model piece, a
-    tensor alone above the limit) a fresh one."""
-    return opt.scratch.take(device, use, numel) if kept else torch.empty(numel, device=device)
 
 
 class _Run:
@@ -235,21 +87,21 @@ class _Run:
     def __init__(self, opt, slices: list[Slice], keys: torch.Tensor, saved: dict,
                  whole: bool) -> None:
         self.opt, self.slices, self.keys, self.whole = opt, slices, keys, whole
-        self.weights = [_view(local(s.param), s) for s in slices]
+        self.weights = [slice_view(local(s.param), s) for s in slices]
         self.bufs = (None if slices[0].buf is None
-                     else [_view(local(s.buf), s) for s in slices])
+                     else [slice_view(local(s.buf), s) for s in slices])
         self.device = self.weights[0].device
         total = sum(s.numel for s in slices)
         self.kept = not whole and total <= piece_limit(opt)
-        self.values = _flat(opt, self.device, "values", total, self.kept)
-        self.grads = _flat(opt, self.device, "grads", total, self.kept)
+        self.values = flat_buffer(opt, self.device, "values", total, self.kept)
+        self.grads = flat_buffer(opt, self.device, "grads", total, self.kept)
         # the gradients' buffer is spare until they are copied in, and again after the step
         self.spare = spare_for(opt.master, self.grads, self.weights[0].dtype)
         opt.master.load_lists(self.values, self.weights, self.bufs, **self.spare)
         self.temps = list(_unflatten(self.values, self.weights))
         self.params = [self._placed(t, s) for t, s in zip(self.temps, slices)]
         views = _unflatten(self.grads, self.weights)
-        dense = [(v, _view(local(s.grad), s)) for v, s in zip(views, slices)
+        dense = [(v, slice_view(local(s.grad), s)) for v, s in zip(views, slices)
                  if not s.grad.is_sparse]
         torch._foreach_copy_([v for v, _ in dense], [g for _, g in dense])
         self.sparse = []
@@ -273,7 +125,7 @@ class _Run:
                 if key in OWN_KEYS:
                     continue
                 if _moment(key, value, s.param):
-                    region = _view(local(value), s)
+                    region = slice_view(local(value), s)
                     if region.dtype == torch.float32 and region.is_contiguous():
                         entry[key] = given[key] = self._placed(region, s)
                     else:
@@ -285,8 +137,8 @@ class _Run:
         self.wide = {}
         for key, found in wide.items():
             regions = [r for _, r in found]
-            flat = _flat(self.opt, self.device, f"wide {key}", sum(r.numel() for r in regions),
-                         self.kept)
+            flat = flat_buffer(self.opt, self.device, f"wide {key}",
+                               sum(r.numel() for r in regions), self.kept)
             views = list(_unflatten(flat, regions))
             torch._foreach_copy_(views, regions)
             for (i, _), view in zip(found, views):
@@ -297,7 +149,7 @@ class _Run:
     def store(self) -> None:
         """The values into the weights and buffers, the moments back, the state swapped out."""
         opt = self.opt
-        keys = (self.keys[:, 0] + _shifts(self.slices, _positions(self.slices), 'cpu')
+        keys = (self.keys[:, 0] + shifts(self.slices, positions(self.slices), 'cpu')
                 if opt.master.draws_bits else None)
         opt.master.store_lists(self.values, self.weights, self.bufs, keys, **self.spare)
         state = opt.inner.state
@@ -309,7 +161,7 @@ class _Run:
 
         for key, (flat, idx, regions) in self.wide.items():
             slices = [self.slices[i] for i in idx]
-            shift = _shifts(slices, _positions(slices), 'cpu')
+            shift = shifts(slices, positions(slices), 'cpu')
             _narrow(flat, regions, self.keys[idx, [column(i, key) for i in idx]] + shift)
         for i, (s, entry) in enumerate(zip(self.slices, entries)):
             held = state[s.param] if entry else {}  # no empty entry left behind
@@ -336,8 +188,8 @@ class _Run:
         full = held.get(key)
         if full is None or not states.is_moment(key, full, s.param):
             full = held[key] = like_shard(torch.zeros_like(param, dtype=dtype), s.param)
-        region = _view(local(full), s)
-        _narrow(value.reshape(-1), [region], key_bits + _shifts([s], [0], 'cpu'))
+        region = slice_view(local(full), s)
+        _narrow(value.reshape(-1), [region], key_bits + shifts([s], [0], 'cpu'))
 
 
 def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
@@ -345,12 +197,7 @@ def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
     if not items:
         return None
-    # RoundingGenerator.keys' numbers, as one tensor (its list holds a tensor object per key:
-    # 1,200 of them for 400 tensors cost more than the update of their elements)
-    drawn = torch.randint(0, TABLE_SIZE, (_KEYS * len(items),),
-                          generator=opt.rounding.generator, dtype=torch.int32)
-    salt = opt.salt % TABLE_SIZE
-    return (drawn ^ salt if salt else drawn).view(-1, _KEYS)
+    return opt.rounding.draw(_KEYS * len(items), opt.salt).view(-1, _KEYS)
 
 
 @torch.no_grad()
@@ -381,11 +228,6 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
     for piece in pieces:
         _step_piece(opt, piece, None, keys, grad_scale, inv, saved, whole)
     step_own(opt, fp32_params, keys, grad_scale, inv)
-
-
-def cut(opt, items: list[Slice]):
-    """The pieces of a per-parameter optimizer's step (step 1 of the module docstring)."""
-    return _pieces(items, piece_limit(opt), type(opt.inner) in _CUT, opt.inner.state)
 
 
 @torch.no_grad()

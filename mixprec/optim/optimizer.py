@@ -1,54 +1,32 @@
 """``MasterWeightOptimizer``: fp32 master copies of low-precision parameters.
 
-Why masters: an update below half a bf16 ulp rounds away on every step; an fp32 copy (the
-master), stepped and written back rounded, lets such updates accumulate.
+Why masters: an update below half a bf16 ulp rounds away; an fp32 copy lets it accumulate.
 
-**torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects:
-LR schedulers, code that edits ``"lr"``, and hooks registered on the wrapper work as for any torch
-optimizer. Reading ``.grad`` of a tensor in ``param_groups`` gives its gradient as torch code
-expects (a master's is its model parameter's gradient in fp32, made when read), so
-``clip_grad_norm_`` over the optimizer's parameters, gradient-norm logging and Lightning's
-clipping see the real gradients; an in-place change to them is what the step uses. The inner
-optimizer's ``step()`` runs once per ``step()`` unless it is one of torch's per-parameter
-optimizers (SGD, Adam, AdamW, ...; see :data:`mixprec.optim.buckets.PER_PARAMETER_OPTIMIZERS`),
-whose results do not depend on which parameters are stepped together: those are stepped a bucket
-at a time. The inner optimizer itself must no longer be stepped directly (its ``param_groups``
-now hold masters): its ``step()`` raises a ``RuntimeError`` that says to use the wrapper.
+**torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects
+(LR schedulers, edits of ``"lr"`` and hooks work as for any torch optimizer). A master's
+``.grad`` is its model parameter's gradient in fp32, made when read, so ``clip_grad_norm_`` over
+the optimizer's parameters sees the real gradients, and an in-place change is what the step
+uses. torch's per-parameter optimizers (:data:`mixprec.optim.buckets.PER_PARAMETER_OPTIMIZERS`)
+are stepped a bucket at a time, others once per step. The inner optimizer refuses to be stepped
+directly (its ``param_groups`` hold masters).
 
-**Gradients and memory.** No fp32 gradient lives between steps unless someone reads one:
-``step()`` copies the model's gradients to fp32 one bucket at a time (``bucket_mb``; all at once
-for an optimizer not per-parameter) into a scratch buffer freed when the step ends. Bytes per
-16-bit parameter: 2 (weight) + 4 (master) + 2 (gradient) + the state (SGD momentum 4, Adam 8).
+**Gradients and memory.** ``step()`` widens the model's gradients to fp32 a bucket at a time
+(``bucket_mb``) into scratch given back when the step ends. Bytes per 16-bit parameter: 2
+(weight) + 4 (master) + 2 (gradient) + the state (SGD momentum 4, Adam 8).
 
-**The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`, what mixprec's scalers call):
-
-* ``grads_for_step()``: the ``(parameter, gradient)`` pairs the next ``step()`` reads, in their
-  own dtypes: what a scaler checks for inf/NaN and measures for clipping.
-* ``unscale_grads_(inv_scale)``: makes the fp32 gradient of every master from the model's
-  gradient times ``inv_scale``, unscales the fp32 parameters' gradients in place, and returns a
-  0-d inf/NaN flag (1: overflow), in one pass over each gradient. The model's low-precision
-  gradients are unscaled in place too, so every reader (``grad_report``,
-  ``clip_grad_norm_(model.parameters())``) sees true values. After a change to a model gradient,
-  its master's gradient is made again from it.
-* ``step(grad_scale=s)``: the gradients still carry the factor ``s`` (a 0-d tensor): they are
-  divided by it as they are read (fp32 parameters' gradients in place; by torch's fused kernel).
-* ``step(found_inf=f)``, where ``skips_on_device()``: torch's fused kernels skip on the device
-  when the 0/1 flag ``f`` is 1 (no host read); masters, parameters and state stay untouched.
-* ``drop_master_grads()`` drops the fp32 gradients (a scaler skipping the step calls it).
-  ``torch.amp.GradScaler`` drives it through the same two values, which it sets as attributes
-  before ``step()`` (``_step_supports_amp_scaling``; see ``amp_scaling``).
+**The loss-scaler protocol** (:mod:`mixprec.scaling.protocol` says what each call does):
+``grads_for_step()``, ``unscale_grads_(inv_scale)`` (it makes the masters' fp32 gradients and
+unscales the model's in place, so every reader sees true values), ``step(grad_scale=,
+found_inf=)`` (torch's fused kernel divides and skips on the device) and ``drop_master_grads()``.
+``torch.amp.GradScaler`` drives the same two values (``_step_supports_amp_scaling``).
 
 **Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
-CPU and CUDA, else the configured step; ``False`` always the configured step; ``"compile"``
-torch's single-tensor step compiled into one pass per low-precision parameter
-(:mod:`mixprec.optim.kernels`). The 16-bit weights are written back with torch's own cast (round
-to nearest, ties to even), one pass. With ``"auto"`` the lists a bucket's step reads (masters,
-model parameters, fp32 scratch views) are made once per change of the param groups: while no
-master holds an fp32 gradient, a step is three calls per bucket and group (widen, torch's
-functional fused step, cast), with no Python work per tensor beyond reading the gradients.
-``state_dtype="bf16"`` stores the moments in bf16, rounded stochastically
-(:mod:`mixprec.optim.states`). No method syncs with the host, except that ``fused="compile"``
-reads Adam's ``step`` when it lives on a GPU. The pieces are listed in :mod:`mixprec.optim`.
+CPU and CUDA, on lists made once per change of the param groups (widen, torch's functional
+fused step, cast: three calls per bucket and group), else the configured step; ``False`` always
+the configured step; ``"compile"`` torch's single-tensor step compiled into one pass per
+low-precision parameter (:mod:`mixprec.optim.kernels`). The 16-bit weights are written back with
+torch's own cast (ties to even). ``state_dtype="bf16"``: :mod:`mixprec.optim.states`. No host
+sync, except that ``fused="compile"`` reads Adam's ``step`` when it lives on a GPU.
 """
 
 from __future__ import annotations
@@ -95,13 +73,10 @@ def is_master_optimizer(optimizer: Any) -> bool:
 class MasterWeightOptimizer(WrappedOptimizer):
     """An optimizer that steps fp32 master copies of low-precision parameters.
 
-    Wraps a torch optimizer built over a model's parameters. Every parameter narrower than fp32
-    (bf16, fp16) is replaced, in the inner optimizer's ``param_groups``, by an fp32 master
-    (a :class:`mixprec.optim.params.MasterParameter`, laid out as its parameter: a
-    channels_last weight has a channels_last master); fp32 (and fp64) parameters stay as they
-    are (they are their own masters). ``step()`` steps the inner optimizer on the masters and
-    writes them back, rounded to nearest (:meth:`write_back`). The state (moments) is fp32, or
-    bf16 with ``state_dtype="bf16"``. The module docstring says the rest.
+    Every parameter narrower than fp32 is replaced, in the inner optimizer's ``param_groups``,
+    by an fp32 master (a :class:`mixprec.optim.params.MasterParameter` laid out as its
+    parameter); fp32 and fp64 parameters are their own masters. The module docstring says the
+    rest.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (bf16/fp16/fp32
@@ -392,10 +367,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return self._carry.held
 
     def _check_fp16_changes(self) -> None:
-        if not self._carry.held:
-            return
-        if stale := [m for m in self._master_of.values()
-                     if is_stale(m) and m.model_param.dtype == torch.float16]:
+        if self._carry.held and (stale := [m for m in self._master_of.values() if is_stale(m)
+                                           and m.model_param.dtype == torch.float16]):
             raise stale_fp16_error(len(stale), stale[0].shape)
 
     def drop_master_grads(self) -> None:

@@ -169,7 +169,7 @@ def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator) -> Non
         for flat, items in runs:
             kept = [entry[key] is view for entry, key, _, view in items]
             if all(kept):
-                keys = torch.stack(rounding.keys(len(items), salt=1)).tolist()  # CPU: no sync
+                keys = rounding.draw(len(items), salt=1).tolist()  # on the CPU: no sync
                 offsets = itertools.accumulate((o.numel() for _, _, o, _ in items), initial=0)
                 shifted = torch.tensor([(k - o * KEY_STRIDE) % TABLE_SIZE
                                         for k, o in zip(keys, offsets)], dtype=torch.int32)

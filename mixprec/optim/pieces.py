@@ -1,0 +1,182 @@
+"""The plan of a compact step: its pieces and slices, where each slice's rounding bits start,
+and the scratch a piece is loaded into (:mod:`.family` steps them).
+
+A piece holds at most :data:`PIECE` elements (``bucket_mb`` MiB of fp32 values when set) of one
+device and weight dtype. For torch's per-parameter optimizers (Adafactor and SparseAdam aside:
+their state is not element-wise) a larger tensor is cut into slices: flat ranges of multiples of
+64 elements (torch's fused CPU kernel then groups the elements for its vector loop as for the
+whole tensor), or, for a strided tensor, row ranges.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import torch
+
+from .. import kernel_table
+from ..masters.rounding import KEY_STRIDE, shard_key
+from ..shards import is_dtensor, local
+from . import states
+from .buckets import PER_PARAMETER_OPTIMIZERS
+
+__all__ = ["PIECE", "Slice", "Scratch", "cut", "piece_limit", "shifts", "positions",
+           "slice_view", "spare_for", "flat_buffer"]
+
+#: Elements of one piece (4 MiB of fp32 values): the step's fp32 buffers are bounded by it.
+PIECE = 1 << 20
+#: torch's optimizers whose update of an element reads that element and per-parameter scalars.
+_CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
+# slices of a flat tensor start at multiples of this: torch's fused CPU kernels group elements
+# for their vector loops by cache lines from a tensor's start, so a slice's are the whole one's
+_ALIGN = 64
+
+
+class Slice(NamedTuple):
+    """A 16-bit parameter, or a slice of one, in a piece."""
+
+    group: int               # its param group
+    param: torch.Tensor      # the optimizer's parameter (an FSDP2 shard's DTensor)
+    grad: torch.Tensor
+    buf: torch.Tensor | None  # its split remainder or Kahan compensation
+    row: int                 # its row of the step's rounding keys
+    index: tuple = ()        # of the local tensors: consecutive elements; (): the whole tensor
+    start: int = 0           # the flat offset of its first element in the local tensor
+    numel: int = 0
+    flat: bool = False       # ``index`` is of the flat (contiguous) tensors
+
+
+def slice_view(tensor: torch.Tensor, s: Slice) -> torch.Tensor:
+    if not s.index:
+        return tensor
+    return (tensor.view(-1) if s.flat else tensor)[s.index]
+
+
+def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
+    """``(index, start, numel)`` of runs of at most ``limit`` consecutive elements covering a
+    tensor of ``shape`` (more than ``limit`` elements), in order: ranges of rows, or of a last
+    dimension."""
+    inner = math.prod(shape[1:])
+    if inner > limit:
+        for i in range(shape[0]):
+            yield from _runs(shape[1:], limit, (*prefix, i), start + i * inner)
+        return
+    rows = max(1, limit // inner)
+    for a in range(0, shape[0], rows):
+        b = min(a + rows, shape[0])
+        yield (*prefix, slice(a, b)), start + a * inner, (b - a) * inner
+
+
+def _parts(item: Slice, limit: int, state: dict):
+    """``(index, start, numel, flat)`` of the slices of ``item``: runs of the flat tensors where
+    the weight, gradient, buffer and moments are contiguous, else of rows."""
+    param = local(item.param)
+    tensors = [param, item.grad, item.buf, *(v for k, v in state.get(item.param, {}).items()
+                                             if states.is_moment(k, v, item.param))]
+    if all(local(t).is_contiguous() for t in tensors if t is not None):
+        return ((*run, True) for run in _runs((param.numel(),), limit))
+    return ((*run, False) for run in _runs(param.shape, limit))
+
+
+def _pieces(items: list[Slice], limit: int, cut: bool, state: dict):
+    """``items`` (whole tensors) in pieces of at most ``limit`` elements per device and dtype,
+    tensors larger than that cut into slices when ``cut`` (else alone)."""
+    kinds: dict[tuple, list[Slice]] = {}
+    for item in items:
+        kinds.setdefault((local(item.param).device, item.param.dtype), []).append(item)
+    for kind in kinds.values():
+        piece, size = [], 0
+        for item in kind:
+            n = item.numel
+            parts = ([((), 0, n, False)] if n <= limit or not cut or item.grad.is_sparse
+                     else _parts(item, limit, state))
+            for index, start, numel, flat in parts:
+                if piece and size + numel > limit:
+                    yield piece
+                    piece, size = [], 0
+                piece.append(item._replace(index=index, start=start, numel=numel, flat=flat))
+                size += numel
+        if piece:
+            yield piece
+
+
+def _wrap(value: int) -> int:
+    value %= 2 ** 32
+    return value - 2 ** 32 if value >= 2 ** 31 else value
+
+
+def shifts(slices: list[Slice], positions: list[int], device) -> torch.Tensor:
+    """Per slice, what its tensor's key is shifted by so that the element at flat ``position +
+    j`` of a buffer draws the bits of element ``start + j`` of its (full) tensor."""
+    shifts = []
+    zero = torch.zeros((), dtype=torch.int32)
+    for s, position in zip(slices, positions):
+        offset = position - s.start
+        shift = int(shard_key(zero, s.param)) if is_dtensor(s.param) else 0
+        shifts.append(_wrap(shift - offset * KEY_STRIDE))
+    return torch.tensor(shifts, dtype=torch.int32, device=device)
+
+
+def spare_for(method, spare: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The keyword that hands ``spare`` (a flat fp32 buffer of the piece's size, free while the
+    method loads or stores) to a method that takes one (``uses_spare``), where an in-place fp32
+    op would copy its ``dtype`` operands first (:mod:`mixprec.kernel_table`: the CPU)."""
+    if method.uses_spare and not kernel_table.TABLE.reads_mixed_operands(spare.device.type,
+                                                                          dtype):
+        return {"spare": spare}
+    return {}
+
+
+def positions(slices: list[Slice]) -> list[int]:
+    return list(itertools.accumulate((s.numel for s in slices), initial=0))[:-1]
+
+
+class Scratch:
+    """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
+    moments), one per device and use, kept by the optimizer from piece to piece and from step
+    to step, and grown to the largest piece: at most :data:`PIECE` (or ``bucket_mb``) elements
+    each, so 8 bytes per piece element (16 with widened Adam moments) held between steps.
+    Transient in size, but kept (counted in the optimizer's ``held_tensors()["scratch"]``):
+    fresh buffers would free and take the same few MiB every piece of every step, and the
+    cached lists (:mod:`.compact_lists`) hold views of them. A whole-model piece (an optimizer
+    reading several parameters at once) or a tensor alone above the piece size takes fresh
+    buffers instead."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.version = 0  # moves when a buffer is replaced (views of the old one are stale)
+
+    def take(self, device: torch.device, use: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the ``use`` buffer on ``device`` (uninitialised)."""
+        buf = self.buffers.get((device, use))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[device, use] = torch.empty(numel, device=device)
+            self.version += 1
+        return buf[:numel]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.buffers.values())
+
+
+def piece_limit(opt) -> int:
+    """The most elements of a bounded piece of ``opt``'s step."""
+    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
+    return max(_ALIGN, limit - limit % _ALIGN)
+
+
+def flat_buffer(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
+    """A piece's flat fp32 buffer: the kept scratch, or (``kept`` False: a whole-model piece, a
+    tensor alone above the limit) a fresh one."""
+    return opt.scratch.take(device, use, numel) if kept else torch.empty(numel, device=device)
+
+
+def cut(opt, items: list[Slice]):
+    """The pieces of a per-parameter optimizer's step (step 1 of the module docstring)."""
+    return _pieces(items, piece_limit(opt), type(opt.inner) in _CUT, opt.inner.state)
