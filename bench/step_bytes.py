@@ -34,13 +34,13 @@ so no compiled kernel hides an op). Rows:
   inductor generates: its C++ signature takes the bf16 gradient, master and moments as inputs
   and the master, moments and bf16 weight as outputs.)
 
-"transient peak" is the most memory the step's ops allocated that was alive at once (its scratch
-buffers; buffers kept between steps are not transient: a compact optimizer keeps one piece's
-fp32 values, gradients and widened moments, shown as "kept scratch"; the plain-torch O2 row
-keeps its fp32 gradient buffers, 4 B/param). Memory a storage takes by resizing itself in place
-is no aten op and is not counted: the fp32-master rows' gradient scratch (views kept between
-steps of a buffer whose storage is emptied after each step and refilled at the next; one bucket
-of fp32 gradients, 4 MiB at least, while the step runs) shows 0 here. ``--backward`` adds what
+"transient peak" is the most memory the step's ops allocated that was alive at once. Buffers
+an optimizer keeps as tensors and whose storage it fills when a step starts and empties when it
+ends are no aten op's allocation and show in their own column, "step scratch" (held while the
+step runs, nothing between steps): a compact optimizer's piece (fp32 values, gradients, widened
+moments: at most 2^20 elements each), an fp32-master optimizer's bucket of fp32 gradients (4 MiB
+at least). The plain-torch O2 row keeps its fp32 gradient buffers, 4 B/param, between steps.
+``--backward`` adds what
 each row runs in its forward and its backward beyond a plain bf16 model's (same layers, same
 batch; work a method moves into backward hooks shows here), counted the same way, and the step
 plus both. ``--ops`` prints each measured row's traffic by op. ``--paths cuda`` counts with the
@@ -101,7 +101,7 @@ class Row:
     def __init__(self, forward, backward, step, zero_grad, params, kept=lambda: 0):
         self.forward, self.backward, self.step, self.zero_grad = forward, backward, step, zero_grad
         self.params = list(params)
-        self.kept = kept  # bytes of scratch the optimizer keeps between steps
+        self.kept = kept  # bytes of scratch the optimizer's step fills and empties
 
 
 def _plain(model: nn.Module, opt, x: torch.Tensor, autocast: bool = False) -> Row:
@@ -138,9 +138,9 @@ def mixprec_row(layers: int, width: int, x: torch.Tensor, master, inner: str = "
     model, opt = amp.setup(model, opt)
     if fused is not None:
         opt.fused = fused
-    def kept() -> int:  # a compact optimizer's kept piece scratch
-        held = opt.held_tensors().get("scratch", []) if hasattr(opt, "held_tensors") else []
-        return sum(t.numel() * t.element_size() for t in held)
+    def kept() -> int:  # the scratch an optimizer's step fills and empties
+        scratch = getattr(opt, "scratch", None)
+        return sum(t.numel() * t.element_size() for t in scratch.tensors()) if scratch else 0
 
     return Row(lambda: _loss(model(x)), amp.backward, lambda: amp.step(opt),
                lambda: opt.zero_grad(set_to_none=True), model.parameters(), kept)
@@ -265,7 +265,7 @@ def run(layers: int = 16, width: int = 256, batch: int = 8, inner: str = "defaul
 
 
 def table(rows: list[dict], backward: bool) -> str:
-    head = "| row | step B/param | launches | transient peak MiB (B/param) | kept scratch MiB |"
+    head = "| row | step B/param | launches | transient peak MiB (B/param) | step scratch MiB |"
     rule = "|---|---:|---:|---:|---:|"
     if backward:
         head += " forward + | backward + | step + forward + backward |"

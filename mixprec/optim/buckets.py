@@ -148,6 +148,10 @@ class Scratch:
             buffer = self._kept[device] = torch.empty(need, dtype=torch.float32, device=device)
         return buffer
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The kept buffers (their memory is held during a step only)."""
+        return list(self._kept.values())
+
     def release(self) -> None:
         """The step ended: drop the fresh views' buffers, give the kept ones' memory back."""
         self._buffers = {}

@@ -118,7 +118,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
-        self.scratch = pieces.Scratch()  # a bounded piece's buffers, kept
+        self.scratch = pieces.Scratch()  # a bounded piece's buffers, held during a step
         self.lists: compact_lists.Plan | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
@@ -183,8 +183,9 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
-        and the step's kept scratch (:class:`~mixprec.optim.pieces.Scratch`: a piece's fp32
-        values, gradients and widened moments, bounded by the piece size, not the model's)."""
+        and the step's scratch (:class:`~mixprec.optim.pieces.Scratch`: a piece's fp32
+        values, gradients and widened moments, bounded by the piece size, not the model's; their
+        memory is held during a step only)."""
         return {"gradients": [g for g, _ in self._grads32.values()],
                 "compensation": list(self._pending.values()),
                 "scratch": self.scratch.tensors()}
@@ -276,6 +277,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             raise stale_fp16_error(len(stale), stale[0].shape)
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._settle_pending()
+        self.scratch.restore()
         try:
             items, fp32 = self._items()
             keys = family.draw_keys(self, items)
@@ -286,6 +288,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 family.step(self, items, fp32, scale, inv, keys)
                 compact_lists.prepare(self, items)
         finally:
+            self.scratch.release()
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return None

@@ -135,14 +135,15 @@ def positions(slices: list[Slice]) -> list[int]:
 
 class Scratch:
     """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
-    moments), one per device and use, kept by the optimizer from piece to piece and from step
-    to step, and grown to the largest piece: at most :data:`PIECE` (or ``bucket_mb``) elements
-    each, so 8 bytes per piece element (16 with widened Adam moments) held between steps.
-    Transient in size, but kept (counted in the optimizer's ``held_tensors()["scratch"]``):
-    fresh buffers would free and take the same few MiB every piece of every step, and the
-    cached lists (:mod:`.compact_lists`) hold views of them. A whole-model piece (an optimizer
-    reading several parameters at once) or a tensor alone above the piece size takes fresh
-    buffers instead."""
+    moments), one per device and use, reused from piece to piece and grown to the largest
+    piece: at most :data:`PIECE` (or ``bucket_mb``) elements each, so 8 bytes per piece element
+    (16 with widened Adam moments) during a step (the optimizer's
+    ``held_tensors()["scratch"]``). Their memory is given back when the step ends
+    (:meth:`release`: the storages shrink to nothing) and taken again when the next one starts
+    (:meth:`restore`), so between steps (in the forward and backward) nothing is held; the
+    tensors stay, and with them the views the cached lists (:mod:`.compact_lists`) made of
+    them. A whole-model piece (an optimizer reading several parameters at once) or a tensor
+    alone above the piece size takes fresh buffers instead."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -155,6 +156,18 @@ class Scratch:
             buf = self.buffers[device, use] = torch.empty(numel, device=device)
             self.version += 1
         return buf[:numel]
+
+    def restore(self) -> None:
+        """A step starts: the buffers' memory taken again (uninitialised)."""
+        for buf in self.buffers.values():
+            storage = buf.untyped_storage()
+            if storage.nbytes() < buf.numel() * buf.element_size():
+                storage.resize_(buf.numel() * buf.element_size())
+
+    def release(self) -> None:
+        """The step ended: the buffers' memory given back (the tensors and their views stay)."""
+        for buf in self.buffers.values():
+            buf.untyped_storage().resize_(0)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
