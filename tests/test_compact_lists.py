@@ -182,3 +182,41 @@ def test_a_loss_scale_and_fp32_parameters_beside(master, inner, monkeypatch):
     assert fast[2] == [False, True, True, True] and not any(slow[2])
     _same(fast[:2], slow[:2])
     assert torch.equal(fast[3], slow[3])
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_a_nan_moment_on_the_lists_comes_with_a_nan_weight(master, inner, monkeypatch):
+    """bf16 moments on the lists are rounded without the NaN pass: a NaN gradient element in a
+    step taken on the lists leaves the weight NaN there (NaN-safe store), bitwise as the generic
+    step everywhere else, and the moments differ from the generic step's (which keeps them NaN)
+    only where the generic ones are NaN."""
+    def run(generic):
+        model = _model()
+        opt = CompactMasterOptimizer(INNERS[inner](model.parameters()), master,
+                                     state_dtype="bf16", bucket_mb=256 / 2 ** 18)
+        with monkeypatch.context() as m:
+            if generic:
+                m.setattr(compact_lists, "prepare", lambda opt, items: None)
+            for i in range(3):
+                _grads(model, i)
+                if i == 2:
+                    first = next(model.parameters())
+                    first.grad[0, :5] = float("nan")
+                opt.step()
+        return model, opt
+
+    (fm, fo), (gm, go) = run(False), run(True)
+    assert fo.lists is not None  # the NaN step ran on the lists
+    for pf, pg in zip(fm.parameters(), gm.parameters()):
+        nan = pg.isnan()
+        assert torch.equal(pf.isnan(), nan)
+        assert torch.equal(pf[~nan].view(torch.int16), pg[~nan].view(torch.int16))
+        for key, value in go.state[pg].items():
+            if not (torch.is_tensor(value) and value.shape == pg.shape):
+                continue
+            bad = value.isnan()
+            assert bad.sum() == (5 if pf is next(fm.parameters()) else 0), key
+            assert nan[bad].all()  # where a moment is NaN, so is the weight
+            assert torch.equal(fo.state[pf][key][~bad].view(torch.int16),
+                               value[~bad].view(torch.int16)), key

@@ -65,6 +65,7 @@ _MASK = TABLE_SIZE - 1
 _ROUNDS = ((10, 0x2C1B3), (9, 0x9E485), (11, 0x5D5A7))
 _LITTLE = sys.byteorder == "little"
 _TABLES: dict[torch.device, torch.Tensor] = {}
+_CHUNK = 1 << 16  # the table is made a chunk at a time (it is often made in a first step)
 
 
 def noise_at(index: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,10 @@ def noise_table(device: torch.device | str = "cpu") -> torch.Tensor:
     if table is None:
         cpu = _TABLES.get(torch.device("cpu"))
         if cpu is None:
-            cpu = _TABLES[torch.device("cpu")] = noise_at(torch.arange(TABLE_SIZE))
+            cpu = torch.empty(TABLE_SIZE, dtype=torch.int32)
+            for start in range(0, TABLE_SIZE, _CHUNK):  # int64 temporaries of a chunk only
+                cpu[start:start + _CHUNK] = noise_at(torch.arange(start, start + _CHUNK))
+            _TABLES[torch.device("cpu")] = cpu
         table = _TABLES[device] = cpu.to(device)
     return table
 

@@ -282,6 +282,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
             items, fp32 = self._items()
             keys = family.draw_keys(self, items)
             scale = None if grad_scale is None else grad_scale.to(torch.float32)
+            if self.lists is None and items and compact_lists.make_state(self, items):
+                compact_lists.prepare(self, items)  # Adam's first step on the lists too
             if compact_lists.step(self, items, keys, scale):
                 family.step_own(self, fp32, keys, scale, inv)
             else:

@@ -12,7 +12,13 @@ per piece, the views of the weights, buffers and moments it reads, views of the 
 (:class:`.pieces.Scratch`) for the values, gradients and widened moments, the rounding keys'
 rows and shifts. Each step then loads, calls torch's kernel per param group, and stores, with
 the same rounding keys, in the same order, on the same values as :func:`.family.step`: bit for
-bit the same result.
+bit the same result, a NaN moment aside. bf16 moments are rounded back without the pass that
+keeps a NaN one NaN (a third of a bf16-moment step on the CPU): in torch's SGD, Adam and AdamW a
+moment that is NaN after a step makes that step's update of the weight NaN (``param -= lr *
+m / (sqrt(v) + eps)``; ``param -= lr * buf``), and a weight is always stored NaN-safe, so the
+model shows the NaN whatever its moment is rounded to (a carry out of a NaN's low half can make
+it an infinity or a zero). The step through :func:`.family.step`, which serves any optimizer,
+keeps the pass.
 
 A plan holds while the layout does: the same parameters with gradients in the same groups, the
 same state tensors, buffers and group options. Anything else (a first step, a parameter without
@@ -31,7 +37,7 @@ from .pieces import Slice, positions, shifts, slice_view, spare_for
 from .pieces import cut as cut_pieces
 from .states import OWN_KEYS
 
-__all__ = ["Plan", "step", "prepare"]
+__all__ = ["Plan", "step", "prepare", "make_state"]
 
 
 class _Wide:
@@ -110,8 +116,8 @@ class _Piece:
         method.store_lists(self.values, self.weights, self.bufs,
                            keys[self.rows, 0] + self.shift if method.draws_bits else None,
                            **spare)  # the step read the gradients
-        for w in self.wide:
-            _narrow(w.flat, w.regions, keys[w.rows, w.cols] + w.shift)
+        for w in self.wide:  # no NaN pass: a moment's NaN makes the weight's (module docstring)
+            _narrow(w.flat, w.regions, keys[w.rows, w.cols] + w.shift, None)
 
 
 class _NoPlan(Exception):
@@ -127,6 +133,7 @@ class Plan:
         self.names = _names(opt)
         self.records = []  # per item: what must be the same for the lists to hold
         steps, self.cut_steps = {}, {}
+        _size_scratch(opt, [list(p) for p in cut_pieces(opt, items)], self.names)
         for version in range(2):  # a second time when the scratch grew while it was made
             self.version = opt.scratch.version
             pieces = [list(p) for p in cut_pieces(opt, items)]
@@ -203,6 +210,22 @@ class Plan:
             torch._foreach_copy_([p for p, _ in cut], [cs[-1] for _, cs in cut])
 
 
+def _size_scratch(opt, pieces: list[list[Slice]], names: list[tuple]) -> None:
+    """Grow the scratch to the largest piece of each device before any piece's views are made
+    (grown piece by piece, every smaller buffer would stay alive until the views are made
+    again: a first step's peak); widened moments' too where the state dtype is not fp32."""
+    largest: dict[torch.device, int] = {}
+    for piece in pieces:
+        device = local(piece[0].param).device
+        largest[device] = max(largest.get(device, 0), sum(s.numel for s in piece))
+    uses = ["values", "grads"]
+    if opt.state_dtype != torch.float32:
+        uses += [f"wide {key}" for key in sorted({k for keys in names for k in keys})]
+    for device, numel in largest.items():
+        for use in uses:
+            opt.scratch.take(device, use, numel)
+
+
 def _names(opt) -> list[tuple] | None:
     """Per param group, the moment keys torch's functional step reads; None where the lists
     can't step ``opt``'s inner optimizer (another type; an option torch's fused kernel or the
@@ -224,6 +247,34 @@ def step(opt, items: list[Slice], keys: torch.Tensor | None, grad_scale) -> bool
         return False
     plan.step(opt, items, keys, grad_scale)
     return True
+
+
+_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+@torch.no_grad()
+def make_state(opt, items: list[Slice]) -> bool:
+    """Adam's and AdamW's state for the parameters in ``items`` that have none yet, as torch's
+    fused step makes it (``step`` a float32 zero on the parameter's device, then zero
+    ``exp_avg`` and ``exp_avg_sq`` laid out as the parameter), in the state dtype: the first
+    step then runs on the lists too, and its moments are made once, in their final dtype, not as
+    fp32 temporaries rounded into new tensors. Other optimizers make their state in their own
+    first step (SGD's momentum buffer starts as the first gradient). True when it made some."""
+    inner = opt.inner
+    if type(inner) not in _ADAMS or opt.fused is False or _names(opt) is None:
+        return False
+    state, made = inner.state, False
+    for s in items:
+        entry = state.get(s.param)
+        if entry is not None and any(k not in OWN_KEYS for k in entry):
+            continue
+        entry = state[s.param]
+        entry["step"] = torch.zeros((), dtype=torch.float32, device=local(s.param).device)
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = torch.zeros_like(s.param, dtype=opt.state_dtype,
+                                          memory_format=torch.preserve_format)
+        made = True
+    return made
 
 
 def prepare(opt, items: list[Slice]) -> None:

@@ -69,11 +69,13 @@ def _moment(key, value, param: torch.Tensor) -> bool:
             and states.is_moment(key, value, param))
 
 
-def _narrow(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor) -> None:
+def _narrow(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor,
+            nan: int | None = BF16_NAN) -> None:
     """The flat fp32 ``values`` (overwritten) into ``outs``: bf16 ones rounded stochastically
-    (``keys``: per out, shifted), others copied."""
+    (``keys``: per out, shifted; ``nan``: as :func:`~mixprec.masters.rounding.round_into_lists`
+    takes it), others copied."""
     if outs[0].dtype == torch.bfloat16:
-        round_into_lists(values, outs, keys, BF16_NAN)
+        round_into_lists(values, outs, keys, nan)
     else:
         torch._foreach_copy_(outs, _unflatten(values, outs))
 
