@@ -523,7 +523,7 @@ def test_the_transient_memory_of_a_step_is_bounded_by_the_piece(master, state_dt
         kept.append(sum(t.numel() for t in opt.held_tensors()["scratch"]))
     assert max(peaks) < 40 * 1024
     assert peaks[1] <= peaks[0] + 1024  # no part that grows with the tensor
-    # the kept scratch: values, gradients (and two widened bf16 moments), a piece each
+    # the step scratch: values, gradients (and two widened bf16 moments), a piece each
     assert kept[0] == kept[1] == (2 if state_dtype == "fp32" else 4) * 1024
 
 

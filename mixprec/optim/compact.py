@@ -14,20 +14,19 @@ per-parameter buffer and reads and writes the fp32 value the optimizer steps: it
 
 What the optimizer's ``state`` and ``state_dict()`` hold: :mod:`.compact_state`.
 
-**The step** (:mod:`.family`): every optimizer, a bounded piece of the 16-bit parameters at a
-time (a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers):
-the method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's
-store. With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the
-device (SGD/Adam/AdamW; after the first step called on lists made once per layout,
-:mod:`.compact_lists`), so ``"split"``'s masters step bit for bit as ``"fp32"``'s; with
-``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
+**The step** (:mod:`.family`): every optimizer, a bounded piece of the 16-bit parameters at a time
+(a tensor larger than a piece is cut into slices, for torch's per-parameter optimizers): the
+method's load into fp32 values, the inner optimizer's own ``step()`` over them, the method's store.
+With ``fused="auto"`` (default) torch's fused kernel runs where torch has one for the device
+(SGD/Adam/AdamW, called on lists made once per layout, :mod:`.compact_lists`; SGD from its second
+step, when its momentum buffers exist), so ``"split"``'s masters step bit for bit as ``"fp32"``'s;
+with ``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
 accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
-torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam
-moments), whatever the model's size, kept from step to step
-(:class:`~mixprec.optim.pieces.Scratch`), except for an optimizer that reads several
-parameters at once (a global statistic), which is stepped over everything in one piece (fresh
-buffers each step). A step with a
-``closure`` (LBFGS) is refused: use fp32 masters.
+torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam moments),
+whatever the model's size, held while a step runs (:class:`~mixprec.optim.pieces.Scratch`), except
+for an optimizer that reads several parameters at once (a global statistic), which is stepped over
+everything in one piece (fresh buffers each step). A step with a ``closure`` (LBFGS) is refused:
+use fp32 masters.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass

@@ -8,7 +8,7 @@ torch's fused kernel takes: no ``amsgrad``, ``maximize``, ``capturable`` or ``di
 a device and dtype with the kernel; every moment and Adam's ``step`` made by an earlier step),
 what that ``step()`` runs is torch's functional ``sgd``/``adam`` with ``fused=True`` on lists
 (:func:`mixprec.optim.kernels.fused_call`). :class:`Plan` makes those lists once per layout:
-per piece, the views of the weights, buffers and moments it reads, views of the kept scratch
+per piece, the views of the weights, buffers and moments it reads, views of the step scratch
 (:class:`.pieces.Scratch`) for the values, gradients and widened moments, the rounding keys'
 rows and shifts. Each step then loads, calls torch's kernel per param group, and stores, with
 the same rounding keys, in the same order, on the same values as :func:`.family.step`: bit for
@@ -41,7 +41,7 @@ __all__ = ["Plan", "step", "prepare", "make_state"]
 
 
 class _Wide:
-    """The moments of one key that are not fp32 and contiguous: widened into kept scratch."""
+    """The moments of one key that are not fp32 and contiguous: widened into the step scratch."""
 
     __slots__ = ("flat", "views", "regions", "rows", "cols", "shift")
 

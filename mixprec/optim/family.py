@@ -26,10 +26,11 @@ masters do, and a cut tensor as a whole one: element ``i`` of a tensor with key 
 bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice's place in its
 piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
 launches besides torch's (per list, fused or foreach); no host sync; about 8 bytes per piece
-element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer keeps
-(:class:`.pieces.Scratch`). For torch's SGD/Adam/AdamW, steps after the first skip the inner
+element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer holds
+while a step runs (:class:`.pieces.Scratch`). For torch's SGD/Adam/AdamW, steps once the state
+exists (Adam's and AdamW's from the first: :func:`.compact_lists.make_state`) skip the inner
 ``step()`` and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`):
-the same values, keys and order, so the same bits.
+the same values, keys and order, so the same bits (a NaN moment aside: that module says why).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class _Run:
                     held[key] = self._owned(value)
 
     def _owned(self, value):
-        """``value``, or a copy where it shares memory with the kept scratch."""
+        """``value``, or a copy where it shares memory with the step scratch."""
         if torch.is_tensor(value) and self.kept and self.opt.scratch.holds(value):
             return value.clone()
         return value

@@ -185,7 +185,7 @@ def piece_limit(opt) -> int:
 
 
 def flat_buffer(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
-    """A piece's flat fp32 buffer: the kept scratch, or (``kept`` False: a whole-model piece, a
+    """A piece's flat fp32 buffer: the step scratch, or (``kept`` False: a whole-model piece, a
     tensor alone above the limit) a fresh one."""
     return opt.scratch.take(device, use, numel) if kept else torch.empty(numel, device=device)
 
