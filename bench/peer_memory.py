@@ -7,7 +7,9 @@ instead: optimi's Kahan-summation AdamW and torchao's stochastic-rounding AdamW 
 The 42M-parameter Llama-like stack of ``bench/_llama.py``, 4 micro-batches of 64 tokens
 accumulated per step, AdamW (same hyperparameters for every row), one thread
 (``torch.set_num_threads(1)``). Each row runs in a fresh process: its libraries are imported,
-then the resident set size is read (``/proc/self/statm``), the model is built and trained
+then the resident set size is read (``/proc/self/statm``; ``torch._dynamo``, which torch's
+``Optimizer.__init__`` imports and torchao imports with its optimizers, about 70 MiB of Python
+objects, is imported before it in every row), the model is built and trained
 ``--steps`` steps; the **peak rise** is the process's peak RSS (``resource.getrusage``'s
 ``ru_maxrss``, the kernel's high-water mark) less that first reading. Printed per row: the rise
 and its ratio to ``torch.autocast``'s, the median step time after the first step and its ratio
@@ -44,6 +46,7 @@ def _rss() -> int:
 def child(row: str, steps: int) -> dict:
     """Runs ``row`` in this process; returns its figures."""
     import torch
+    import torch._dynamo  # noqa: F401  (every torch.optim.Optimizer imports it when made)
 
     sys.path.insert(0, HERE)
     import _llama
