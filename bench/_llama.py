@@ -157,6 +157,8 @@ def _torchao_sr(model, data):
 ROWS: dict[str, tuple[str, Callable]] = {
     "autocast": ("`torch.autocast` bf16, torch's fused AdamW on fp32 params", _autocast),
     "O2": ("O2 bf16, fp32 masters", _mixprec_row),
+    "O2-bf16": ('O2 bf16, fp32 masters, `state_dtype="bf16"`',
+                lambda m, d: _mixprec_row(m, d, None, "bf16")),
     "split": ('O2 `master="split"`', lambda m, d: _mixprec_row(m, d, "split")),
     "kahan": ('O2 `master="kahan"`, fp32 moments', lambda m, d: _mixprec_row(m, d, "kahan")),
     "kahan-bf16": ('O2 `master="kahan"`, `state_dtype="bf16"`',

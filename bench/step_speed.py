@@ -1,11 +1,13 @@
 """CPU step time of O2 and its master methods against ``torch.autocast``: a weight-bound
 training step, and the update alone over many small tensors.
 
-    python bench/step_speed.py [--part step|update|both] [--rounds 4] [--threads 1] [--json FILE]
+    python bench/step_speed.py [--part step|update|both] [--rounds 4] [--threads 1]
+        [--rows autocast,O2,split,kahan] [--json FILE]
 
 * ``step``: the 42M-parameter Llama-like stack of ``bench/_llama.py``, 4 micro-batches of 64
   tokens accumulated, AdamW; rows ``torch.autocast`` bf16 (torch's fused AdamW on fp32 params),
-  O2 fp32 masters, ``master="split"`` and ``master="kahan"``, all built in this process and
+  O2 fp32 masters, ``master="split"`` and ``master="kahan"`` (``--rows``: any rows of
+  ``bench/_llama.py``, e.g. ``O2-bf16``, ``kahan-bf16``), all built in this process and
   warmed up, then timed one step each per round, in an order that rotates every round. Printed:
   median seconds per step (and min-max), ratios to autocast's and to O2's, and the median time
   of the update alone (``amp.step`` / ``opt.step``).
@@ -52,25 +54,25 @@ def _stats(times: list[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def step_part(rounds: int) -> dict:
+def step_part(rounds: int, rows: tuple[str, ...] = STEP_ROWS) -> dict:
     """The weight-bound step: every row's medians (seconds)."""
-    trainees = {row: _llama.make(row) for row in STEP_ROWS}
+    trainees = {row: _llama.make(row) for row in rows}
     first = {}
     for row, trainee in trainees.items():  # warm up: state, first-step work
         start = time.perf_counter()
         trainee.step()
         first[row] = time.perf_counter() - start
-    steps: dict[str, list[float]] = {r: [] for r in STEP_ROWS}
-    updates: dict[str, list[float]] = {r: [] for r in STEP_ROWS}
+    steps: dict[str, list[float]] = {r: [] for r in rows}
+    updates: dict[str, list[float]] = {r: [] for r in rows}
     for i in range(rounds):
-        order = STEP_ROWS[i % len(STEP_ROWS):] + STEP_ROWS[:i % len(STEP_ROWS)]
+        order = rows[i % len(rows):] + rows[:i % len(rows)]
         for row in order:
             start = time.perf_counter()
             trainees[row].step()
             steps[row].append(time.perf_counter() - start)
             updates[row].append(trainees[row].timed_update())
     return {row: {"step": _stats(steps[row]), "update": _stats(updates[row]), "first": first[row]}
-            for row in STEP_ROWS}
+            for row in rows}
 
 
 def _small_model() -> nn.Module:
@@ -155,8 +157,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--update-rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=10, help="updates timed per round")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default=",".join(STEP_ROWS),
+                        help="rows of the step part, from bench/_llama.py's (autocast and O2 "
+                             "always run: the ratios are to them)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    rows = tuple(dict.fromkeys(("autocast", "O2", *args.rows.split(","))))
+    unknown = [r for r in rows if r not in _llama.ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(_llama.ROWS)}")
     for key in ("rounds", "update_rounds", "reps", "threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1; got "
@@ -165,7 +174,7 @@ def main(argv=None) -> dict:
     out: dict = {"threads": args.threads, "torch": torch.__version__, "mixprec": mp.__version__}
     head = f"{args.threads} thread(s), torch {torch.__version__}, mixprec {mp.__version__}"
     if args.part in ("step", "both"):
-        out["step"] = step_part(args.rounds)
+        out["step"] = step_part(args.rounds, rows)
         print(f"Weight-bound step: 42.5M-parameter Llama-like stack, {_llama.MICRO} micro-batches"
               f" x {_llama.TOKENS} tokens, AdamW, {head}; {args.rounds} interleaved rounds, "
               f"{load_average()}\n")

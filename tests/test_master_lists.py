@@ -167,3 +167,40 @@ def test_bf16_moments_are_widened_and_rounded_a_list_at_a_time():
         moments = [v for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")]
         assert len(moments) == 4 * layers and all(m.dtype == torch.bfloat16 for m in moments)
     assert ops[8] <= ops[2], ops
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypatch):
+    """``state_dtype="bf16"``: steps after the first run on the cached lists (the bucket's
+    moments widened into fp32, torch's fused kernel, rounded back with the inner step's keys),
+    bitwise as the inner optimizer's own step does them (missing gradients and a scheduler
+    between steps), and they do run there."""
+    from mixprec.optim import steps
+
+    def run(lists):
+        model, _, ref, _ = pair(name)
+        opt = MasterWeightOptimizer(OPTIMIZERS[name]([{"params": list(model.parameters())[:2]},
+                                                      {"params": list(model.parameters())[2:],
+                                                       "lr": 0.5e-2}]), state_dtype="bf16")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ran = []
+        with monkeypatch.context() as m:
+            if not lists:
+                m.setattr(steps, "_cached_lists_apply", lambda opt: False)
+            real = steps.fused_bucket
+            m.setattr(steps, "fused_bucket", lambda *a: ran.append(real(*a)) or ran[-1])
+            for step in range(5):
+                give_grads(model, ref, step, skip=(1,) if step == 3 else ())
+                opt.step()
+                sched.step()
+        return model, opt, ran
+
+    (fm, fo, fran), (gm, go, gran) = run(True), run(False)
+    assert fran == [True] * 4 and not gran  # the first step makes the state
+    for p, q in zip(fm.parameters(), gm.parameters()):
+        assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
+        for key, value in fo.state[fo.master_param(p)].items():
+            other = go.state[go.master_param(q)][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+        assert fo.state[fo.master_param(p)]["exp_avg" if name == "adamw"
+                                            else "momentum_buffer"].dtype == torch.bfloat16

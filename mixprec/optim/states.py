@@ -136,6 +136,13 @@ def fp32_moments(optimizer: torch.optim.Optimizer, tensors: Iterable[torch.Tenso
                 cast_moments(optimizer.state[t], t, dtype, rounding)
 
 
+def unwiden(runs: list) -> None:
+    """Put back the moments :func:`_widen_runs` swapped out, unchanged (nothing stepped)."""
+    for _, items in runs:
+        for entry, key, original, _ in items:
+            entry[key] = original
+
+
 def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype) -> list:
     """Per state key and device, the bf16 moments of ``tensors`` that one flat fp32 buffer can
     stand in for, widened into it: ``(flat, [(entry, key, original, view)])``."""
@@ -162,9 +169,11 @@ def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype)
     return runs
 
 
-def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator) -> None:
+def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator,
+                 nan: int | None = BF16_NAN) -> None:
     """The flat buffers of :func:`_widen_runs` rounded back stochastically into their bf16
-    moments; an entry the step replaced keeps its new tensor (stored one at a time after)."""
+    moments (``nan``: as :func:`~mixprec.masters.rounding.round_into_lists` takes it); an
+    entry the step replaced keeps its new tensor (stored one at a time after)."""
     with torch.no_grad():
         for flat, items in runs:
             kept = [entry[key] is view for entry, key, _, view in items]
@@ -173,7 +182,7 @@ def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator) -> Non
                 offsets = itertools.accumulate((o.numel() for _, _, o, _ in items), initial=0)
                 shifted = torch.tensor([(k - o * KEY_STRIDE) % TABLE_SIZE
                                         for k, o in zip(keys, offsets)], dtype=torch.int32)
-                round_into_lists(flat, [o for _, _, o, _ in items], shifted, BF16_NAN)
+                round_into_lists(flat, [o for _, _, o, _ in items], shifted, nan)
                 for entry, key, original, _ in items:
                     entry[key] = original
             # else the views left in place are stored one at a time, with the new tensors

@@ -187,9 +187,9 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
 
 def _cached_lists_apply(opt) -> bool:
     """The step may read the model's gradients straight from the cached lists: torch's fused
-    kernels asked for, fp32 moments, no master holding an fp32 gradient of its own, no keyword
-    for the inner ``step``, no group option the fused kernels refuse."""
-    return (opt.fused == "auto" and opt.state_dtype == torch.float32 and not opt.held_grads()
+    kernels asked for, no master holding an fp32 gradient of its own, no keyword for the inner
+    ``step``, no group option the fused kernels refuse."""
+    return (opt.fused == "auto" and not opt.held_grads()
             and not opt.step_kwargs
             and not any(g.get("differentiable") or g.get("capturable") for g in opt.param_groups))
 
@@ -211,6 +211,9 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
     views = opt.scratch.kept(piece.key, piece.masters)
     if views is None:
         return False
+    wide = _widened_moments(opt, piece)
+    if wide is None:
+        return False
     calls = []
     try:
         for (index, start, end, ts), own_grads in zip(piece.groups, own):
@@ -222,7 +225,10 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
                 tensors, step_grads = _having(have, tensors), _having(have, step_grads)
             if tensors:
                 calls.append(kernels.torch_functional(opt.inner, group, tensors, step_grads))
+        if wide and not _all_fp32(calls):  # a moment not in the widened runs
+            raise KeyError("moment")
     except KeyError:  # state not made yet
+        states.unwiden(wide)
         return False
     masters, model = piece.masters, piece.model
     if not whole:
@@ -237,8 +243,27 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
             call(grad_scale=grad_scale, found_inf=found_inf)
         if model:
             torch._foreach_copy_(model, masters)
+        if wide:  # no NaN pass: a NaN moment makes its master NaN (see .compact_lists)
+            states._narrow_runs(opt.inner.state, wide, opt.rounding, None)
     hooks.mark_stepped(opt.inner)
     return True
+
+
+def _widened_moments(opt, piece: Piece) -> list | None:
+    """With bf16 moments, the bucket's moments widened into fp32 buffers standing in for them
+    in the state (:func:`.states._widen_runs`, over the bucket's tensors as the inner step's
+    ``fp32_moments`` widens them: the same rounding keys after the step); [] with fp32
+    moments; None where a master holds other state (its Adam ``step``... not made yet)."""
+    if opt.state_dtype == torch.float32:
+        return []
+    tensors = [t for ts in opt.buckets()[piece.key] for t in ts]  # in the inner step's order
+    return states._widen_runs(opt.inner.state, tensors, opt.state_dtype)
+
+
+def _all_fp32(calls: list) -> bool:
+    """Every moment list the functional calls read holds fp32 tensors (widened views)."""
+    return all(v is None or v.dtype == torch.float32 for call in calls
+               for value in call.args[2:] for v in value)
 
 
 def _having(grads: list, tensors: list) -> list:
