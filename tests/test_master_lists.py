@@ -204,3 +204,39 @@ def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypa
             assert value.dtype == other.dtype and torch.equal(value, other), key
         assert fo.state[fo.master_param(p)]["exp_avg" if name == "adamw"
                                             else "momentum_buffer"].dtype == torch.bfloat16
+
+
+class _Made(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes of the tensors made by ``zeros_like`` inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.zeros_like.default:
+            self.dtypes.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_first_step_makes_bf16_moments_once_in_bf16(amsgrad):
+    """``state_dtype="bf16"`` with Adam/AdamW on torch's fused kernel: the first step makes each
+    moment once, in bf16, laid out as its master (torch's step would make it in fp32 for every
+    tensor, to be rounded into a new bf16 tensor), with torch's fused-step ``step`` (a float32
+    zero on the device before the step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=amsgrad),
+                                state_dtype="bf16")
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    with _Made() as made:
+        opt.step()
+    assert made.dtypes == [torch.bfloat16] * (3 if amsgrad else 2) * 4
+    for p in model.parameters():
+        state = opt.state[opt.master_param(p)]
+        assert state["step"].dtype == torch.float32 and float(state["step"]) == 1.0
+        assert list(state)[:3] == ["step", "exp_avg", "exp_avg_sq"]
+        assert all(state[k].dtype == torch.bfloat16 for k in state if k.endswith("avg_sq"))

@@ -35,7 +35,7 @@ from . import kernels
 from .family import _KEYS, _moment, _narrow, _unflatten
 from .pieces import Slice, positions, shifts, slice_view, spare_for
 from .pieces import cut as cut_pieces
-from .states import OWN_KEYS
+from .states import ADAMS, OWN_KEYS, make_adam_state
 
 __all__ = ["Plan", "step", "prepare", "make_state"]
 
@@ -249,31 +249,19 @@ def step(opt, items: list[Slice], keys: torch.Tensor | None, grad_scale) -> bool
     return True
 
 
-_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
-
-
 @torch.no_grad()
 def make_state(opt, items: list[Slice]) -> bool:
-    """Adam's and AdamW's state for the parameters in ``items`` that have none yet, as torch's
-    fused step makes it (``step`` a float32 zero on the parameter's device, then zero
-    ``exp_avg`` and ``exp_avg_sq`` laid out as the parameter), in the state dtype: the first
-    step then runs on the lists too, and its moments are made once, in their final dtype, not as
-    fp32 temporaries rounded into new tensors. Other optimizers make their state in their own
-    first step (SGD's momentum buffer starts as the first gradient). True when it made some."""
+    """Adam's and AdamW's state for the parameters in ``items`` that have none yet
+    (:func:`.states.make_adam_state`, in the state dtype): the first step then runs on the lists
+    too. Other optimizers make their state in their own first step (SGD's momentum buffer starts
+    as the first gradient). True when it made some."""
     inner = opt.inner
-    if type(inner) not in _ADAMS or opt.fused is False or _names(opt) is None:
+    if type(inner) not in ADAMS or opt.fused is False or _names(opt) is None:
         return False
-    state, made = inner.state, False
-    for s in items:
-        entry = state.get(s.param)
-        if entry is not None and any(k not in OWN_KEYS for k in entry):
-            continue
-        entry = state[s.param]
-        entry["step"] = torch.zeros((), dtype=torch.float32, device=local(s.param).device)
-        for key in ("exp_avg", "exp_avg_sq"):
-            entry[key] = torch.zeros_like(s.param, dtype=opt.state_dtype,
-                                          memory_format=torch.preserve_format)
-        made = True
+    made = False
+    for g, group in enumerate(inner.param_groups):
+        tensors = [s.param for s in items if s.group == g]
+        made = make_adam_state(inner, group, tensors, opt.state_dtype) or made
     return made
 
 

@@ -48,8 +48,8 @@ from ..shards import dtensor_class, is_dtensor, like_shard, local
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
            "OWN_KEYS", "check_state_dtype",
-           "is_moment", "cast_moments", "fp32_moments", "register", "record_generator",
-           "restore_generator"]
+           "is_moment", "cast_moments", "fp32_moments", "make_adam_state", "ADAMS", "register",
+           "record_generator", "restore_generator"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _unflatten = torch._C._nn.unflatten_dense_tensors
@@ -107,6 +107,31 @@ def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
                 state[k] = like_shard(stochastic_round(local(value), key), value)
             else:
                 state[k] = value.to(dtype)
+
+
+ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+@torch.no_grad()
+def make_adam_state(inner: torch.optim.Optimizer, group: Mapping,
+                    tensors: Iterable[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Adam's or AdamW's state for the ``tensors`` of ``group`` that have none yet, as torch's
+    fused step makes it (``step`` a float32 zero on the tensor's device, then zero ``exp_avg``,
+    ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``, laid out as the tensor), in
+    ``dtype``: a first step then makes no moment as an fp32 temporary of the whole tensor to be
+    rounded into a new one. For a step that runs torch's fused kernel. True when it made some."""
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    made = False
+    for t in tensors:
+        entry = inner.state.get(t)
+        if entry is not None and any(k not in OWN_KEYS for k in entry):
+            continue
+        entry = inner.state[t]
+        entry["step"] = torch.zeros((), dtype=torch.float32, device=local(t).device)
+        for key in keys:
+            entry[key] = torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format)
+        made = True
+    return made
 
 
 @contextlib.contextmanager

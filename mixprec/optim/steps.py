@@ -172,6 +172,9 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
     inv = None if folds or grad_scale is None else grad_scale.reciprocal()
     scale = grad_scale if folds else None
     buckets = opt.buckets()
+    if opt.state_dtype != torch.float32 and not all(p is not None and p.ready
+                                                    for p in opt.pieces):
+        _make_state(opt)
     pieces = opt.pieces if _cached_lists_apply(opt) else [None] * len(buckets)
     try:
         for bucket, piece in zip(buckets, pieces):
@@ -183,6 +186,20 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
     finally:
         opt.scratch.release()  # transient: the fp32 gradients do not outlive the step
         opt.drop_master_grads()
+
+
+def _make_state(opt) -> None:
+    """bf16 moments for Adam and AdamW made in their dtype before the first step that runs
+    torch's fused kernel (:func:`.states.make_adam_state`): torch's step would make them in
+    fp32 for every tensor at once, to be rounded into new tensors after it, a first step's peak
+    of 4 bytes per parameter more than bf16 moments save."""
+    inner = opt.inner
+    if opt.fused != "auto" or type(inner) not in states.ADAMS:
+        return
+    for group in inner.param_groups:
+        tensors = [t for t in group["params"] if _step_grad(t) is not None]
+        if tensors and kernels.torch_fused_problem(inner, tensors, _step_grad) is None:
+            states.make_adam_state(inner, group, tensors, opt.state_dtype)
 
 
 def _cached_lists_apply(opt) -> bool:
