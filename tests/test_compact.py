@@ -349,8 +349,8 @@ def test_fp16_kahan_with_loss_scaling_and_the_refusals():
     torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
     with pytest.raises(RuntimeError, match=r"fp16 gradients of \d+ model parameter"):
         scaler.step(opt)
-    with pytest.raises(RuntimeError, match="closure"):
-        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="closure or a grad_scale"):
+        opt.step(lambda: 0.0, grad_scale=torch.tensor(2.0))
     with pytest.raises(RuntimeError, match="wrapped in a CompactMasterOptimizer"):
         opt.inner.step()
 

@@ -56,7 +56,6 @@ from .. import vocabulary
 from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
 from ..monitor import CallbackWriter
-from ..optim.optimizer import MasterWeightOptimizer
 from ..optim.wrapper import is_wrapped
 from ..policy import Policy
 from ..prepare import policy_of
@@ -290,11 +289,6 @@ class MixprecPrecision(Precision):
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Closure, true gradients, Lightning's hooks and clipping, then the engine's step
         (``kwargs`` go on to ``optimizer.step``, as with Lightning's own plugins)."""
-        if kwargs and is_wrapped(optimizer) and not isinstance(optimizer, MasterWeightOptimizer):
-            raise TypeError(f"optimizer.step() got {sorted(kwargs)}: the optimizer is mixprec's "
-                            f"{type(optimizer).__name__}, whose own kernels update the weights "
-                            f"(the keywords cannot reach your optimizer's step): use "
-                            f"master='fp32', which passes them on")
         inner = optimizer.inner if is_wrapped(optimizer) else optimizer
         if isinstance(inner, torch.optim.LBFGS):
             raise TypeError("LBFGS re-evaluates its closure inside step(), after the overflow "

@@ -25,8 +25,8 @@ accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD
 torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam moments),
 whatever the model's size, held while a step runs (:class:`~mixprec.optim.pieces.Scratch`), except
 for an optimizer that reads several parameters at once (a global statistic), which is stepped over
-everything in one piece (fresh buffers each step). A step with a ``closure`` (LBFGS) is refused:
-use fp32 masters.
+everything in one piece (fresh buffers each step). A ``closure`` runs before the step (making
+its gradients); an optimizer that calls it again (LBFGS) sees the model at the values it steps.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
@@ -50,6 +50,7 @@ from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import is_dtensor, like_shard, local
 from . import compact_lists, compact_state, family, pieces, states
+from .buckets import is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .wrapper import (
@@ -249,50 +250,66 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None, *,
-             grad_scale: torch.Tensor | None = None) -> None:
+             grad_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:
         """Update the parameters from their gradients (see the module docstring).
 
         Args:
-            closure: not supported (raises).
+            closure: re-evaluates the model and returns the loss (as for any torch optimizer).
+                It runs first, making the gradients the step reads; an optimizer that calls it
+                again inside its step (LBFGS) sees the model at its current values each time
+                (the fp32 values, written into the 16-bit weights with torch's cast) and steps
+                from the gradients that evaluation made.
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
+            kwargs: passed on to the inner optimizer's ``step`` (which then runs each step).
+
+        Returns:
+            The closure's loss, or None.
 
         Raises:
-            RuntimeError: a ``closure``; fp16 gradients changed after
-                :meth:`unscale_grads_`.
+            RuntimeError: a ``closure`` together with ``grad_scale`` (or driven by
+                ``torch.amp.GradScaler``); fp16 gradients changed after
+                :meth:`unscale_grads_`; a re-evaluation that leaves a stepped parameter
+                without a gradient.
         """
         grad_scale, found_inf = self.amp_scaling(grad_scale, None)
         if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
             self.drop_master_grads()
             return None
-        if closure is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} can't step with a closure (it would re-evaluate the "
-                "model between updates it has not written yet); use master='fp32' for "
-                f"{type(self.inner).__name__}")
+        if closure is not None and grad_scale is not None:
+            raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "
+                               "recomputes the gradients")
         if grad_scale is not None:
             check_grad_scale(grad_scale)
         stale = [p for p, (_, key) in self._grads32.items() if not _is_current(key, p.grad)]
         if stale:
             raise stale_fp16_error(len(stale), stale[0].shape)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._settle_pending()
         self.scratch.restore()
+        self.step_kwargs = kwargs
         try:
             items, fp32 = self._items()
             keys = family.draw_keys(self, items)
             scale = None if grad_scale is None else grad_scale.to(torch.float32)
+            again = (None if closure is None or is_per_parameter(self.inner)
+                     else family.again(closure, loss))  # LBFGS calls it again
             if self.lists is None and items and compact_lists.make_state(self, items):
                 compact_lists.prepare(self, items)  # Adam's first step on the lists too
-            if compact_lists.step(self, items, keys, scale):
+            if again is None and compact_lists.step(self, items, keys, scale):
                 family.step_own(self, fp32, keys, scale, inv)
             else:
-                family.step(self, items, fp32, scale, inv, keys)
+                family.step(self, items, fp32, scale, inv, keys, again)
                 compact_lists.prepare(self, items)
         finally:
+            self.step_kwargs = {}
             self.scratch.release()
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
-        return None
+        return loss
 
     def _items(self) -> tuple[list[pieces.Slice], list[list[torch.Tensor]]]:
         """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""

@@ -114,6 +114,24 @@ class _Run:
                 self.sparse.append(temp.grad)
         self._swap_in(saved)
 
+    def show(self) -> None:
+        """The fp32 values into the weights with torch's cast, for a re-evaluation (the
+        buffers are left as they are: the store writes them after the step)."""
+        torch._foreach_copy_(self.weights, self.temps)
+
+    def reload_grads(self) -> None:
+        """The gradients a re-evaluation made into the values' gradient buffers (a parameter
+        it left without one reads zeros, as torch's LBFGS reads it)."""
+        views = list(_unflatten(self.grads, self.weights))
+        for view, temp, s in zip(views, self.params, self.slices):
+            grad = s.param.grad
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(slice_view(local(grad.to_dense() if grad.is_sparse else grad), s))
+            if temp.grad is None or temp.grad.is_sparse:  # loaded sparse: now the dense view
+                temp.grad = self._placed(view, s)
+
     def _placed(self, tensor: torch.Tensor, s: Slice) -> torch.Tensor:
         return like_shard(tensor, s.param) if self.whole else tensor
 
@@ -195,6 +213,23 @@ class _Run:
         _narrow(value.reshape(-1), [region], key_bits + shifts([s], [0], 'cpu'))
 
 
+def again(closure, loss):
+    """``closure`` as an optimizer that re-evaluates it inside its step calls it: the first call
+    gives ``loss`` (the evaluation before the step made the gradients loaded), later ones
+    evaluate anew (:func:`_step_piece` shows the model the values first and loads the new
+    gradients after)."""
+    calls = 0
+
+    def evaluate():
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return loss
+        with torch.enable_grad():
+            return closure()
+    return evaluate
+
+
 def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     """The step's rounding keys: :data:`_KEYS` per 16-bit parameter with a gradient (row
     ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
@@ -206,7 +241,7 @@ def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
 @torch.no_grad()
 def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
          grad_scale: torch.Tensor | None, inv: torch.Tensor | None,
-         keys: torch.Tensor | None) -> None:
+         keys: torch.Tensor | None, closure=None) -> None:
     """Step ``opt`` (a :class:`~mixprec.optim.compact.CompactMasterOptimizer`) as the module
     docstring says.
 
@@ -216,11 +251,13 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
         grad_scale: the factor the gradients carry (a 0-d tensor), or None.
         inv: its reciprocal, or None.
         keys: :func:`draw_keys`'s.
+        closure: :func:`again`'s, for an optimizer that re-evaluates inside its step (one piece
+            holding everything), or None.
     """
     inner = opt.inner
     whole = not is_per_parameter(inner)
     if whole:  # a global statistic: everything in one step
-        _step_piece(opt, items, fp32_params, keys, grad_scale, inv, {}, whole)
+        _step_piece(opt, items, fp32_params, keys, grad_scale, inv, {}, whole, closure)
         return
     pieces = list(cut(opt, items))
     saved = {}  # the state before the step of the tensors cut into slices
@@ -240,7 +277,30 @@ def step_own(opt, fp32_params: list[list[torch.Tensor]], keys, grad_scale, inv) 
     _step_piece(opt, [], fp32_params, keys, grad_scale, inv, {}, False)
 
 
-def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole) -> None:
+def _reevaluating(runs: list[_Run], closure):
+    """``closure`` (:func:`again`'s) as the inner optimizer calls it: before each evaluation
+    after the first, the model's 16-bit weights show the fp32 values being stepped (torch's
+    cast); after it, the new gradients are loaded into the values' gradient buffers."""
+    calls = 0
+
+    def evaluate():
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            with torch.no_grad():
+                for run in runs:
+                    run.show()
+        loss = closure()
+        if calls > 1:
+            with torch.no_grad():
+                for run in runs:
+                    run.reload_grads()
+        return loss
+    return evaluate
+
+
+def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
+                closure=None) -> None:
     inner = opt.inner
     kinds: dict[tuple, list[Slice]] = {}
     for s in piece:
@@ -263,7 +323,7 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole) ->
         with opt.only(lists), states.fp32_moments(inner, own, opt.state_dtype, opt.rounding), \
                 (torch_fused(inner) if fused else contextlib.nullcontext()), \
                 amp_arguments(inner, grad_scale if fused else None, None):
-            opt.inner_step()
+            opt.inner_step(None if closure is None else _reevaluating(runs, closure))
         for run in runs:
             run.store()
     finally:

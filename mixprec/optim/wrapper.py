@@ -214,15 +214,16 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def only(self, bucket: list[list[torch.Tensor]]) -> Iterator[None]:
-        """Inside the block, each param group holds only its tensors of ``bucket``."""
-        saved = [group["params"] for group in self.param_groups]
+        """Inside the block, each param group holds only its tensors of ``bucket`` (in its own
+        list, changed in place: some optimizers, LBFGS, keep the list they were made with)."""
+        saved = [list(group["params"]) for group in self.param_groups]
         try:
             for group, tensors in zip(self.param_groups, bucket):
-                group["params"] = tensors
+                group["params"][:] = tensors
             yield
         finally:
             for group, params in zip(self.param_groups, saved):
-                group["params"] = params
+                group["params"][:] = params
 
     def params_widened(self, params: list[torch.Tensor]) -> None:
         """Model parameters now stored in fp32 or wider, holding their exact values (a cast of
