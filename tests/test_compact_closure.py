@@ -15,22 +15,31 @@ from torch import nn
 from mixprec.optim import CompactMasterOptimizer, MasterWeightOptimizer
 
 
+def _wrapped(inner, master):
+    return (MasterWeightOptimizer(inner) if master == "fp32"
+            else CompactMasterOptimizer(inner, master))
+
+
+def _closure(opt, loss_of, calls, after=lambda calls: None):
+    """A closure: zero the gradients, backward ``loss_of()``, count the call in ``calls``, then
+    ``after(calls)``."""
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        after(calls)
+        return loss
+    return closure
+
+
 def _lbfgs_run(master, steps=4):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
     x, y = torch.randn(32, 6).bfloat16(), torch.randn(32, 1)
-    inner = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
-    opt = (MasterWeightOptimizer(inner) if master == "fp32"
-           else CompactMasterOptimizer(inner, master))
+    opt = _wrapped(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), master)
     calls = []
-
-    def closure():
-        calls.append(1)
-        opt.zero_grad()
-        loss = ((model(x).float() - y) ** 2).mean()
-        loss.backward()
-        return loss
-
+    closure = _closure(opt, lambda: ((model(x).float() - y) ** 2).mean(), calls)
     losses = [float(opt.step(closure).detach()) for _ in range(steps)]
     return model, losses, len(calls)
 
@@ -64,14 +73,7 @@ def test_a_closure_of_a_per_parameter_optimizer_runs_once_before_the_step(master
     a, opt_a = make()
     b, opt_b = make()
     calls = []
-
-    def closure():
-        calls.append(1)
-        opt_a.zero_grad()
-        loss = a(x).float().pow(2).mean()
-        loss.backward()
-        return loss
-
+    closure = _closure(opt_a, lambda: a(x).float().pow(2).mean(), calls)
     for _ in range(3):
         loss = opt_a.step(closure)
         opt_b.zero_grad()
@@ -110,22 +112,14 @@ def test_a_re_evaluation_without_a_gradient_reads_zeros_as_torchs_lbfgs():
     def run(master):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).to(torch.bfloat16)
-        inner = torch.optim.LBFGS(model.parameters(), max_iter=3)
-        opt = (MasterWeightOptimizer(inner) if master == "fp32"
-               else CompactMasterOptimizer(inner, master))
+        opt = _wrapped(torch.optim.LBFGS(model.parameters(), max_iter=3), master)
         x = torch.randn(4, 3).bfloat16()
-        calls = []
 
-        def closure():
-            calls.append(1)
-            opt.zero_grad()
-            loss = model(x).float().pow(2).sum()
-            loss.backward()
+        def drop(calls):
             if len(calls) > 1:
                 model[0].bias.grad = None
-            return loss
 
-        opt.step(closure)
+        opt.step(_closure(opt, lambda: model(x).float().pow(2).sum(), [], drop))
         return model
 
     for p, q in zip(run("split").parameters(), run("fp32").parameters()):
