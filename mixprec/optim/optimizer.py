@@ -40,7 +40,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, states, steps
-from .buckets import Scratch
+from .buckets import Scratch, is_per_parameter
 from .params import (
     GradCarry,
     MasterParameter,
@@ -313,14 +313,15 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """Step the masters from the gradients and write them back (see the class docstring).
 
         Args:
-            closure: re-evaluates the model and returns the loss (as for any torch optimizer);
-                the model sees the current masters before each re-evaluation.
+            closure: re-evaluates the model and returns the loss (as for any torch optimizer):
+                it runs first, making the gradients the step reads; an optimizer that calls it
+                again (LBFGS) shows the model the current masters before each re-evaluation.
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
             found_inf: a 0-d float32 flag, 1 to skip (on the device), or None.
             kwargs: passed on to the inner optimizer's ``step`` (each time it runs).
 
         Returns:
-            What the inner optimizer's ``step`` returns (the closure's loss, or None).
+            The closure's loss (its first evaluation), or None.
 
         Raises:
             RuntimeError: a ``closure`` together with ``grad_scale`` or ``found_inf`` (or
@@ -339,11 +340,15 @@ class MasterWeightOptimizer(WrappedOptimizer):
             self.step_kwargs = {}
 
     def _step(self, closure, grad_scale, found_inf) -> Any:
+        loss = again = None
         if closure is not None:
             if grad_scale is not None or found_inf is not None:
                 raise RuntimeError("step() takes a closure or a grad_scale/found_inf, not both: a "
                                    "closure recomputes the gradients")
-            return steps.closure_step(self, closure)
+            with torch.enable_grad():  # first: the gradients the step reads
+                loss = closure()
+            if not is_per_parameter(self.inner):  # it calls the closure again (LBFGS)
+                again = steps.again(self, closure, loss)
         if grad_scale is not None:
             check_grad_scale(grad_scale)
         if found_inf is not None and not self.skips_on_device():
@@ -351,15 +356,15 @@ class MasterWeightOptimizer(WrappedOptimizer):
                                "is True (torch's fused kernel for every tensor, fp32 moments, "
                                "no step hooks, optimizer state made); read the flag and skip")
         self._check_fp16_changes()
-        if self._fused == "compile":
+        if self._fused == "compile" and again is None:
             steps.compiled_step(self, grad_scale)
         else:
-            steps.bucketed_step(self, grad_scale, found_inf)
+            steps.bucketed_step(self, grad_scale, found_inf, again)
         if grad_scale is not None:  # reads after the step see the true gradients (torch.amp)
             self._carry.carry(grad_scale)
         if self.state_dtype != torch.float32:  # bf16 moments are rounded stochastically
             states.record_generator(self.inner, self.rounding)
-        return None
+        return loss
 
     def held_grads(self) -> bool:
         """True when some master may hold an fp32 gradient (made by ``unscale_grads_``, or by

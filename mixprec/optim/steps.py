@@ -1,6 +1,11 @@
-"""The master optimizer's three step paths: bucketed (default), compiled, and with a closure.
+"""The master optimizer's two step paths: bucketed (default: each bucket from its cached lists
+through torch's fused kernel, else through the inner optimizer's own ``step``) and compiled.
 
-Each one reads, for every master, its fp32 gradient if one is held and current (made by
+A closure runs before either (making the gradients the step reads); an inner optimizer that
+calls it again inside its step (LBFGS: one bucket) gets :func:`again`'s, which shows the model
+the current masters before each re-evaluation.
+
+Each path reads, for every master, its fp32 gradient if one is held and current (made by
 ``unscale_grads_`` or by someone reading ``master.grad``; see :mod:`mixprec.optim.params`), else
 its model parameter's gradient; divides what it reads by ``grad_scale`` when the gradients still
 carry a loss scale; steps the inner optimizer on the masters; and writes the masters back into the
@@ -29,7 +34,7 @@ from ..shards import is_dtensor
 from . import hooks, kernels, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
-__all__ = ["bucketed_step", "compiled_step", "closure_step", "skips_on_device", "folds_scale",
+__all__ = ["bucketed_step", "compiled_step", "again", "skips_on_device", "folds_scale",
            "settle_grads", "amp_arguments"]
 
 
@@ -162,7 +167,7 @@ def plan(opt) -> list[Piece | None]:
 
 
 def bucketed_step(opt, grad_scale: torch.Tensor | None,
-                  found_inf: torch.Tensor | None = None) -> None:
+                  found_inf: torch.Tensor | None = None, closure=None) -> None:
     """Step the masters bucket by bucket (one bucket unless the inner optimizer is
     per-parameter; see :mod:`mixprec.optim.buckets`): each through torch's fused kernel on its
     cached lists (:func:`fused_bucket`) where it can, else through the inner optimizer's own
@@ -175,12 +180,14 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
     if opt.state_dtype != torch.float32 and not all(p is not None and p.ready
                                                     for p in opt.pieces):
         _make_state(opt)
-    pieces = opt.pieces if _cached_lists_apply(opt) else [None] * len(buckets)
+    lists = closure is None and _cached_lists_apply(opt)
+    pieces = opt.pieces if lists else [None] * len(buckets)
     try:
         for bucket, piece in zip(buckets, pieces):
             if piece is None or not piece.ready or not fused_bucket(opt, piece, scale,
                                                                     found_inf, inv):
-                fused = _step_bucket(opt, bucket, scale, found_inf, inv, len(buckets) == 1)
+                fused = _step_bucket(opt, bucket, scale, found_inf, inv, len(buckets) == 1,
+                                     closure)
                 if piece is not None:
                     piece.ready = fused
     finally:
@@ -289,10 +296,11 @@ def _having(grads: list, tensors: list) -> list:
 
 
 def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, inv,
-                 alone: bool) -> bool:
+                 alone: bool, closure=None) -> bool:
     """Step one bucket through the inner optimizer's ``step``: the kernel divides by
     ``grad_scale`` (folded) or the gradients are multiplied by ``inv`` first (at most one of
-    them is given). Returns whether torch's fused kernel ran."""
+    them is given); ``closure`` (:func:`again`'s) goes to an inner step that re-evaluates (the
+    whole model is one bucket then). Returns whether torch's fused kernel ran."""
     dense, sparse, held, own, stepped = [], [], [], [], []
     for tensors in bucket:
         for t in tensors:
@@ -329,8 +337,10 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
                 (kernels.torch_fused(opt.inner) if fused else contextlib.nullcontext()), \
                 amp_arguments(opt.inner, grad_scale, found_inf), \
                 states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
-            opt.inner_step()
-        if stepped:
+            opt.inner_step(closure)
+        if closure is not None:  # every master may have moved, with a gradient or not
+            opt.write_back()
+        elif stepped:
             torch._foreach_copy_([t.model_param for t in stepped], stepped)
     for t in stepped:
         drop_grad(t)
@@ -373,23 +383,21 @@ def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:
         drop_grad(master)
 
 
-def closure_step(opt, closure: Callable[[], Any]) -> Any:
-    """Step with a closure that re-evaluates the model (e.g. LBFGS): every evaluation sees the
-    current masters and gives them fresh fp32 gradients."""
+def again(opt, closure: Callable[[], Any], loss: Any) -> Callable[[], Any]:
+    """``closure`` as an inner optimizer that re-evaluates it inside its step (LBFGS) calls it:
+    the first call gives ``loss`` (the evaluation before the step made the gradients it reads);
+    each later one shows the model the current masters (torch's cast), evaluates, and gives the
+    masters the fresh fp32 gradients."""
     calls = 0
 
     def evaluate() -> Any:
         nonlocal calls
-        if calls:  # the inner optimizer moved the masters: show them to the model first
-            opt.write_back()
         calls += 1
-        loss = closure()
+        if calls == 1:
+            return loss
+        opt.write_back()
+        with torch.enable_grad():
+            out = closure()
         opt.unscale_grads_(None)
-        return loss
-
-    tensors = [t for g in opt.param_groups for t in g["params"]]
-    with states.fp32_moments(opt.inner, tensors, opt.state_dtype, opt.rounding):
-        loss = opt.inner_step(evaluate)
-    opt.write_back()
-    opt.drop_master_grads()
-    return loss
+        return out
+    return evaluate
