@@ -240,3 +240,48 @@ def test_a_first_step_makes_bf16_moments_once_in_bf16(amsgrad):
         assert state["step"].dtype == torch.float32 and float(state["step"]) == 1.0
         assert list(state)[:3] == ["step", "exp_avg", "exp_avg_sq"]
         assert all(state[k].dtype == torch.bfloat16 for k in state if k.endswith("avg_sq"))
+
+
+@pytest.mark.parametrize("name,state_dtype", [("adamw", "fp32"), ("adamw", "bf16"),
+                                              ("sgd_momentum", "fp32")])
+def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, state_dtype,
+                                                                      monkeypatch):
+    """A master of 2048 elements with 256-element pieces: on the lists it steps a slice at a
+    time through scratch of one slice (and its widened moments), bitwise as the inner step
+    steps it whole (a scheduler, a step with a loss scale folded into the kernel)."""
+    from mixprec.optim import pieces, steps
+
+    monkeypatch.setattr(pieces, "PIECE", 256)
+
+    def run(lists):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 2)).to(torch.bfloat16)
+        opt = MasterWeightOptimizer(OPTIMIZERS[name](model.parameters()),
+                                    state_dtype=state_dtype, bucket_mb=256 * 4 / 2 ** 20)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        sliced = []
+        with monkeypatch.context() as m:
+            if not lists:
+                m.setattr(steps, "_cached_lists_apply", lambda opt: False)
+            real = steps._sliced_bucket
+            m.setattr(steps, "_sliced_bucket", lambda *a: sliced.append(real(*a)) or sliced[-1])
+            for step in range(4):
+                g = torch.Generator().manual_seed(step)
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+                scale = torch.tensor(8.0) if step == 2 else None
+                if scale is not None:
+                    for p in model.parameters():
+                        p.grad.mul_(8)
+                opt.step(grad_scale=scale)
+                sched.step()
+        return model, opt, sliced
+
+    (fm, fo, fs), (gm, go, gs) = run(True), run(False)
+    assert True in fs and not gs  # the big weight's bucket stepped in slices on the lists
+    big = sum(t.numel() for t in fo.scratch.tensors())
+    assert big == 256 * (3 if state_dtype == "bf16" else 1)  # a slice (and its moments), not 2048
+    for p, q in zip(fm.parameters(), gm.parameters()):
+        assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
+        for key, value in fo.state[fo.master_param(p)].items():
+            assert torch.equal(value, go.state[go.master_param(q)][key]), key

@@ -139,6 +139,15 @@ class Scratch:
             out = self._views[key] = _views(like, self._kept_buffer)
         return out
 
+    def flat(self, device: torch.device, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the kept buffer (uninitialised; views :meth:`kept`
+        made of it may be made again)."""
+        for buffer in self._kept.values():
+            storage = buffer.untyped_storage()
+            if storage.nbytes() < buffer.numel() * 4:
+                storage.resize_(buffer.numel() * 4)
+        return self._kept_buffer(device, numel)[:numel]
+
     def _kept_buffer(self, device, need) -> torch.Tensor:
         buffer = self._kept.get(device)
         if buffer is None or buffer.numel() < need:

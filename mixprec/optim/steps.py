@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from .. import kernel_table
+from ..masters.rounding import TABLE_SIZE, round_into_lists
 from ..scaling.unscale import unscale_
 from ..shards import is_dtensor
-from . import hooks, kernels, states
+from . import hooks, kernels, pieces, states
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
 __all__ = ["bucketed_step", "compiled_step", "again", "skips_on_device", "folds_scale",
@@ -224,6 +225,9 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
     type (its fused kernel) per param group, and cast the masters into the model's parameters
     (one ``_foreach_copy_``). False, having changed nothing, where a gradient is sparse or some
     state is missing (the inner optimizer's own step makes it)."""
+    sliced = _sliced_bucket(opt, piece, grad_scale, found_inf, inv)
+    if sliced is not None:
+        return sliced
     grads = [p.grad for p in piece.model]
     own = [[t.grad for t in ts] for *_, ts in piece.groups]
     whole = True
@@ -270,6 +274,69 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
         if wide:  # no NaN pass: a NaN moment makes its master NaN (see .compact_lists)
             states._narrow_runs(opt.inner.state, wide, opt.rounding, None)
     hooks.mark_stepped(opt.inner)
+    return True
+
+
+def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None:
+    """A bucket of one master larger than a piece (:data:`.pieces.PIECE` elements, contiguous),
+    stepped from its lists a slice at a time, so its transient fp32 buffers are a slice's, not
+    the tensor's: per slice the gradient widened into the kept scratch (and bf16 moments beside
+    it), torch's functional fused step on the slices (each with a copy of Adam's ``step``,
+    written back once), the slice cast into the model. The same bits as the whole tensor
+    stepped at once: the kernel is element-wise, and a bf16 moment's slice rounds with the key
+    of its place in the tensor (the keys drawn as the inner step draws them). None where this
+    does not apply (:func:`fused_bucket` steps the bucket whole); False where state is missing."""
+    limit = pieces.PIECE
+    if len(piece.masters) != 1 or piece.groups[0][3]:
+        return None
+    master, param = piece.masters[0], piece.model[0]
+    grad = param.grad
+    if (master.numel() <= limit or not master.is_contiguous() or not param.is_contiguous()
+            or (grad is not None and (grad.is_sparse or not grad.is_contiguous()))):
+        return None
+    inner, group = opt.inner, opt.param_groups[piece.groups[0][0]]
+    names = kernels.functional_keys(type(inner), group)
+    adam = type(inner) is not torch.optim.SGD
+    state = inner.state.get(master, {})
+    dtype = opt.state_dtype
+    moments = [state.get(k) for k in names]
+    if (any(m is None or m.shape != master.shape or not m.is_contiguous() or m.dtype != dtype
+            for m in moments) or (adam and not torch.is_tensor(state.get("step")))):
+        return False
+    wide = dtype != torch.float32
+    keys = {}
+    if wide:  # one key per moment, in the state's order, as the inner step draws them
+        for k in [k for k, v in state.items() if states.is_moment(k, v, master)]:
+            keys[k] = int(opt.rounding.draw(1, salt=1)[0])
+    if grad is None:
+        return True
+    flat = opt.scratch.flat(master.device, limit * (1 + len(names) * wide))
+    step = state.get("step")
+    steps = []
+    with torch.no_grad():
+        for start in range(0, master.numel(), limit):
+            stop = min(master.numel(), start + limit)
+            size = stop - start
+            g = flat[:size]
+            g.copy_(grad.view(-1)[start:stop])
+            if inv is not None:
+                unscale_([g], inv)
+            parts = [m.view(-1)[start:stop] for m in moments]
+            held = parts
+            if wide:
+                held = [flat[(1 + i) * limit:(1 + i) * limit + size] for i in range(len(parts))]
+                torch._foreach_copy_(held, parts)
+            steps = [step.clone()] if adam else []
+            kernels.fused_call(type(inner), group, [master.view(-1)[start:stop]], [g],
+                               {k: [h] for k, h in zip(names, held)}, steps)(
+                grad_scale=grad_scale, found_inf=found_inf)
+            param.view(-1)[start:stop].copy_(master.view(-1)[start:stop])
+            for k, h, part in zip(names, held, parts) if wide else ():
+                shifted = torch.tensor([(keys[k] + start) % TABLE_SIZE], dtype=torch.int32)
+                round_into_lists(h, [part], shifted, None)  # no NaN pass, as fused_bucket
+        if steps:
+            step.copy_(steps[0])
+    hooks.mark_stepped(inner)
     return True
 
 
