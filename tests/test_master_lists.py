@@ -3,6 +3,7 @@ the model's gradients, bitwise as torch's own fused step on fp32 copies fed the 
 through everything that changes between steps (learning rates, missing gradients, replaced
 state, loaded state dicts, gradients read through ``param_groups``)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -169,14 +170,27 @@ def test_bf16_moments_are_widened_and_rounded_a_list_at_a_time():
     assert ops[8] <= ops[2], ops
 
 
+@contextlib.contextmanager
+def lists_or_inner(monkeypatch, lists, recorded, results):
+    """Inside the block the step takes the cached lists where they apply (``lists``) or never
+    (the inner optimizer's step), and what ``mixprec.optim.steps.<recorded>`` returns is
+    appended to ``results``."""
+    from mixprec.optim import steps
+
+    with monkeypatch.context() as m:
+        if not lists:
+            m.setattr(steps, "_cached_lists_apply", lambda opt: False)
+        real = getattr(steps, recorded)
+        m.setattr(steps, recorded, lambda *a: results.append(real(*a)) or results[-1])
+        yield
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypatch):
     """``state_dtype="bf16"``: steps after the first run on the cached lists (the bucket's
     moments widened into fp32, torch's fused kernel, rounded back with the inner step's keys),
     bitwise as the inner optimizer's own step does them (missing gradients and a scheduler
     between steps), and they do run there."""
-    from mixprec.optim import steps
-
     def run(lists):
         model, _, ref, _ = pair(name)
         opt = MasterWeightOptimizer(OPTIMIZERS[name]([{"params": list(model.parameters())[:2]},
@@ -184,11 +198,7 @@ def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypa
                                                        "lr": 0.5e-2}]), state_dtype="bf16")
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         ran = []
-        with monkeypatch.context() as m:
-            if not lists:
-                m.setattr(steps, "_cached_lists_apply", lambda opt: False)
-            real = steps.fused_bucket
-            m.setattr(steps, "fused_bucket", lambda *a: ran.append(real(*a)) or ran[-1])
+        with lists_or_inner(monkeypatch, lists, "fused_bucket", ran):
             for step in range(5):
                 give_grads(model, ref, step, skip=(1,) if step == 3 else ())
                 opt.step()
@@ -249,7 +259,7 @@ def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, stat
     """A master of 2048 elements with 256-element pieces: on the lists it steps a slice at a
     time through scratch of one slice (and its widened moments), bitwise as the inner step
     steps it whole (a scheduler, a step with a loss scale folded into the kernel)."""
-    from mixprec.optim import pieces, steps
+    from mixprec.optim import pieces
 
     monkeypatch.setattr(pieces, "PIECE", 256)
 
@@ -260,11 +270,7 @@ def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, stat
                                     state_dtype=state_dtype, bucket_mb=256 * 4 / 2 ** 20)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         sliced = []
-        with monkeypatch.context() as m:
-            if not lists:
-                m.setattr(steps, "_cached_lists_apply", lambda opt: False)
-            real = steps._sliced_bucket
-            m.setattr(steps, "_sliced_bucket", lambda *a: sliced.append(real(*a)) or sliced[-1])
+        with lists_or_inner(monkeypatch, lists, "_sliced_bucket", sliced):
             for step in range(4):
                 g = torch.Generator().manual_seed(step)
                 for p in model.parameters():
