@@ -178,11 +178,13 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
     inv = None if folds or grad_scale is None else grad_scale.reciprocal()
     scale = grad_scale if folds else None
     buckets = opt.buckets()
-    if opt.state_dtype != torch.float32 and not all(p is not None and p.ready
-                                                    for p in opt.pieces):
-        _make_state(opt)
     lists = closure is None and _cached_lists_apply(opt)
     pieces = opt.pieces if lists else [None] * len(buckets)
+    if not all(p is not None and p.ready for p in opt.pieces):  # a first step, after a load
+        _make_state(opt)
+        for bucket, piece in zip(buckets, pieces):
+            if piece is not None and not piece.ready:
+                piece.ready = _state_ready(opt, bucket)
     try:
         for bucket, piece in zip(buckets, pieces):
             if piece is None or not piece.ready or not fused_bucket(opt, piece, scale,
@@ -197,10 +199,11 @@ def bucketed_step(opt, grad_scale: torch.Tensor | None,
 
 
 def _make_state(opt) -> None:
-    """bf16 moments for Adam and AdamW made in their dtype before the first step that runs
-    torch's fused kernel (:func:`.states.make_adam_state`): torch's step would make them in
-    fp32 for every tensor at once, to be rounded into new tensors after it, a first step's peak
-    of 4 bytes per parameter more than bf16 moments save."""
+    """Adam's and AdamW's state made in the state dtype before the first step that runs torch's
+    fused kernel (:func:`.states.make_adam_state`), so that step runs on the cached lists too:
+    torch's step would make bf16 moments in fp32 for every tensor at once, to be rounded into
+    new tensors after it, a first step's peak of 4 bytes per parameter more than bf16 moments
+    save."""
     inner = opt.inner
     if opt.fused != "auto" or type(inner) not in states.ADAMS:
         return
@@ -208,6 +211,26 @@ def _make_state(opt) -> None:
         tensors = [t for t in group["params"] if _step_grad(t) is not None]
         if tensors and kernels.torch_fused_problem(inner, tensors, _step_grad) is None:
             states.make_adam_state(inner, group, tensors, opt.state_dtype)
+
+
+def _state_ready(opt, bucket: list[list[torch.Tensor]]) -> bool:
+    """Every tensor of ``bucket`` with a gradient holds the state torch's fused Adam/AdamW
+    reads, its ``step`` a float32 tensor on its device (made by :func:`_make_state`, or loaded
+    there): the bucket can step on its lists without the inner step making or moving any."""
+    inner = opt.inner
+    if type(inner) not in states.ADAMS:  # SGD's momentum buffers start as a first gradient
+        return False
+    for group, tensors in zip(inner.param_groups, bucket):
+        names = kernels.functional_keys(type(inner), group)
+        for t in tensors:
+            if _step_grad(t) is None:
+                continue
+            entry = inner.state.get(t)
+            step = entry.get("step") if entry else None
+            if (not torch.is_tensor(step) or step.dtype != torch.float32
+                    or step.device != t.device or any(k not in entry for k in names)):
+                return False
+    return True
 
 
 def _cached_lists_apply(opt) -> bool:
