@@ -173,15 +173,15 @@ def test_bf16_moments_are_widened_and_rounded_a_list_at_a_time():
 @contextlib.contextmanager
 def lists_or_inner(monkeypatch, lists, recorded, results):
     """Inside the block the step takes the cached lists where they apply (``lists``) or never
-    (the inner optimizer's step), and what ``mixprec.optim.steps.<recorded>`` returns is
+    (the inner optimizer's step), and what ``mixprec.optim.master_lists.<recorded>`` returns is
     appended to ``results``."""
-    from mixprec.optim import steps
+    from mixprec.optim import master_lists
 
     with monkeypatch.context() as m:
         if not lists:
-            m.setattr(steps, "_cached_lists_apply", lambda opt: False)
-        real = getattr(steps, recorded)
-        m.setattr(steps, recorded, lambda *a: results.append(real(*a)) or results[-1])
+            m.setattr(master_lists, "cached_lists_apply", lambda opt: False)
+        real = getattr(master_lists, recorded)
+        m.setattr(master_lists, recorded, lambda *a: results.append(real(*a)) or results[-1])
         yield
 
 

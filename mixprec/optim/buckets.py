@@ -18,7 +18,8 @@ import math
 
 import torch
 
-__all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch"]
+__all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch",
+           "fill_storages", "empty_storages"]
 
 #: torch optimizers whose update of each parameter reads only that parameter's gradient and state
 #: (exact types: a subclass may add a global statistic, so it is stepped in one call).
@@ -97,6 +98,21 @@ def _views(like: list[torch.Tensor], buffer_of) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def fill_storages(buffers) -> None:
+    """Give each of ``buffers`` (whole tensors, their storage emptied by :func:`empty_storages`)
+    its memory again (uninitialised); their views see it."""
+    for buffer in buffers:
+        storage = buffer.untyped_storage()
+        if storage.nbytes() < buffer.numel() * buffer.element_size():
+            storage.resize_(buffer.numel() * buffer.element_size())
+
+
+def empty_storages(buffers) -> None:
+    """Give back the memory of each of ``buffers``; the tensors and their views stay."""
+    for buffer in buffers:
+        buffer.untyped_storage().resize_(0)
+
+
 class Scratch:
     """The fp32 gradients of a step, one buffer per device reused from bucket to bucket (fresh
     memory for every bucket costs page faults on a CPU), in two kinds:
@@ -128,10 +144,7 @@ class Scratch:
     def kept(self, key, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """:meth:`views` made once for ``key``; None where a layout is not dense (those buckets
         take :meth:`views`)."""
-        for buffer in self._kept.values():
-            storage = buffer.untyped_storage()
-            if storage.nbytes() < buffer.numel() * 4:
-                storage.resize_(buffer.numel() * 4)
+        fill_storages(self._kept.values())
         out = self._views.get(key)
         if out is None:
             if not all(_dense_layout(t) for t in like):
@@ -142,10 +155,7 @@ class Scratch:
     def flat(self, device: torch.device, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the kept buffer (uninitialised; views :meth:`kept`
         made of it may be made again)."""
-        for buffer in self._kept.values():
-            storage = buffer.untyped_storage()
-            if storage.nbytes() < buffer.numel() * 4:
-                storage.resize_(buffer.numel() * 4)
+        fill_storages(self._kept.values())
         return self._kept_buffer(device, numel)[:numel]
 
     def _kept_buffer(self, device, need) -> torch.Tensor:
@@ -164,5 +174,4 @@ class Scratch:
     def release(self) -> None:
         """The step ended: drop the fresh views' buffers, give the kept ones' memory back."""
         self._buffers = {}
-        for buffer in self._kept.values():
-            buffer.untyped_storage().resize_(0)
+        empty_storages(self._kept.values())

@@ -268,8 +268,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         Raises:
             RuntimeError: a ``closure`` together with ``grad_scale`` (or driven by
                 ``torch.amp.GradScaler``); fp16 gradients changed after
-                :meth:`unscale_grads_`; a re-evaluation that leaves a stepped parameter
-                without a gradient.
+                :meth:`unscale_grads_`.
         """
         grad_scale, found_inf = self.amp_scaling(grad_scale, None)
         if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
@@ -296,7 +295,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             keys = family.draw_keys(self, items)
             scale = None if grad_scale is None else grad_scale.to(torch.float32)
             again = (None if closure is None or is_per_parameter(self.inner)
-                     else family.again(closure, loss))  # LBFGS calls it again
+                     else (closure, loss))  # LBFGS calls it again
             if self.lists is None and items and compact_lists.make_state(self, items):
                 compact_lists.prepare(self, items)  # Adam's first step on the lists too
             if again is None and compact_lists.step(self, items, keys, scale):

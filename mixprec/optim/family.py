@@ -57,6 +57,7 @@ from .pieces import (
 )
 from .states import OWN_KEYS
 from .steps import amp_arguments
+from .wrapper import reevaluating
 
 __all__ = ["draw_keys", "step", "step_own"]
 
@@ -213,23 +214,6 @@ class _Run:
         _narrow(value.reshape(-1), [region], key_bits + shifts([s], [0], 'cpu'))
 
 
-def again(closure, loss):
-    """``closure`` as an optimizer that re-evaluates it inside its step calls it: the first call
-    gives ``loss`` (the evaluation before the step made the gradients loaded), later ones
-    evaluate anew (:func:`_step_piece` shows the model the values first and loads the new
-    gradients after)."""
-    calls = 0
-
-    def evaluate():
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return loss
-        with torch.enable_grad():
-            return closure()
-    return evaluate
-
-
 def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     """The step's rounding keys: :data:`_KEYS` per 16-bit parameter with a gradient (row
     ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
@@ -251,8 +235,9 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
         grad_scale: the factor the gradients carry (a 0-d tensor), or None.
         inv: its reciprocal, or None.
         keys: :func:`draw_keys`'s.
-        closure: :func:`again`'s, for an optimizer that re-evaluates inside its step (one piece
-            holding everything), or None.
+        closure: ``(closure, loss)`` for an optimizer that calls its closure again inside its
+            step (one piece holding everything; ``loss`` the evaluation before the step), or
+            None.
     """
     inner = opt.inner
     whole = not is_per_parameter(inner)
@@ -275,28 +260,6 @@ def step_own(opt, fp32_params: list[list[torch.Tensor]], keys, grad_scale, inv) 
     """The groups' fp32 parameters, through the inner optimizer's own step (which always runs,
     so schedulers and hooks see a step)."""
     _step_piece(opt, [], fp32_params, keys, grad_scale, inv, {}, False)
-
-
-def _reevaluating(runs: list[_Run], closure):
-    """``closure`` (:func:`again`'s) as the inner optimizer calls it: before each evaluation
-    after the first, the model's 16-bit weights show the fp32 values being stepped (torch's
-    cast); after it, the new gradients are loaded into the values' gradient buffers."""
-    calls = 0
-
-    def evaluate():
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            with torch.no_grad():
-                for run in runs:
-                    run.show()
-        loss = closure()
-        if calls > 1:
-            with torch.no_grad():
-                for run in runs:
-                    run.reload_grads()
-        return loss
-    return evaluate
 
 
 def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
@@ -323,7 +286,9 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
         with opt.only(lists), states.fp32_moments(inner, own, opt.state_dtype, opt.rounding), \
                 (torch_fused(inner) if fused else contextlib.nullcontext()), \
                 amp_arguments(inner, grad_scale if fused else None, None):
-            opt.inner_step(None if closure is None else _reevaluating(runs, closure))
+            opt.inner_step(None if closure is None else reevaluating(
+                *closure, lambda: [run.show() for run in runs],
+                lambda: [run.reload_grads() for run in runs]))
         for run in runs:
             run.store()
     finally:

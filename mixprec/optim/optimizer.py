@@ -1,6 +1,5 @@
-"""``MasterWeightOptimizer``: fp32 master copies of low-precision parameters.
-
-Why masters: an update below half a bf16 ulp rounds away; an fp32 copy lets it accumulate.
+"""``MasterWeightOptimizer``: fp32 master copies of low-precision parameters (an update below
+half a bf16 ulp rounds away; an fp32 copy lets it accumulate).
 
 **torch's contract holds.** ``param_groups`` and ``state`` are the inner optimizer's own objects
 (LR schedulers, edits of ``"lr"`` and hooks work as for any torch optimizer). A master's
@@ -10,9 +9,9 @@ uses. torch's per-parameter optimizers (:data:`mixprec.optim.buckets.PER_PARAMET
 are stepped a bucket at a time, others once per step. The inner optimizer refuses to be stepped
 directly (its ``param_groups`` hold masters).
 
-**Gradients and memory.** ``step()`` widens the model's gradients to fp32 a bucket at a time
-(``bucket_mb``) into scratch given back when the step ends. Bytes per 16-bit parameter: 2
-(weight) + 4 (master) + 2 (gradient) + the state (SGD momentum 4, Adam 8).
+**Memory.** ``step()`` widens the model's gradients to fp32 a bucket (``bucket_mb``) or a slice
+at a time, into scratch held while it runs. Bytes per 16-bit parameter: 2 (weight) + 4
+(master) + 2 (gradient) + the state (SGD momentum 4, Adam 8; half with bf16 moments).
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol` says what each call does):
 ``grads_for_step()``, ``unscale_grads_(inv_scale)`` (it makes the masters' fp32 gradients and
@@ -20,13 +19,11 @@ unscales the model's in place, so every reader sees true values), ``step(grad_sc
 found_inf=)`` (torch's fused kernel divides and skips on the device) and ``drop_master_grads()``.
 ``torch.amp.GradScaler`` drives the same two values (``_step_supports_amp_scaling``).
 
-**Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
-CPU and CUDA, on lists made once per change of the param groups (widen, torch's functional
-fused step, cast: three calls per bucket and group), else the configured step; ``False`` always
-the configured step; ``"compile"`` torch's single-tensor step compiled into one pass per
-low-precision parameter (:mod:`mixprec.optim.kernels`). The 16-bit weights are written back with
-torch's own cast (ties to even). ``state_dtype="bf16"``: :mod:`mixprec.optim.states`. No host
-sync, except that ``fused="compile"`` reads Adam's ``step`` when it lives on a GPU.
+**Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels, on
+cached lists (:mod:`.master_lists`) else through the configured step; ``False`` the configured
+step; ``"compile"`` torch's single-tensor step compiled into one pass per low-precision
+parameter (:mod:`.kernels`). Weights are written back with torch's cast (ties to even); bf16
+moments: :mod:`.states`. No host sync, except that ``"compile"`` reads a GPU's Adam ``step``.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import torch
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from . import checkpoint, kernels, states, steps
+from . import checkpoint, kernels, master_lists, states, steps
 from .buckets import Scratch, is_per_parameter
 from .params import (
     GradCarry,
@@ -57,6 +54,7 @@ from .wrapper import (
     check_grad_scale,
     check_inner,
     not_ours,
+    reevaluating,
     stale_fp16_error,
 )
 
@@ -86,11 +84,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
         bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
             optimizers; None picks max(4 MiB, 1/16 of all fp32 gradients).
         initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
-            exact fp32 weight before the model was cast); it becomes the master's storage, not
-            a copy. Parameters not in it start from their upcast.
+            exact fp32 weight before the model was cast), its storage (not a copy); others
+            start from their upcast.
         state_dtype: "fp32" (default) or "bf16": the dtype moment buffers are stored in.
-        seed: seed of the generator that rounds bf16 moments (see
-            :mod:`mixprec.masters.rounding`).
+        seed: seed of the generator that rounds bf16 moments (:mod:`mixprec.masters.rounding`).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -140,7 +137,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return (f"MasterWeightOptimizer({len(self._master_of)} fp32 masters, fused={self.fused!r},"
                 f" {self.inner!r})")
 
-    # -- master bookkeeping --------------------------------------------------------------------
     def _with_masters(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for p in params:
@@ -188,7 +184,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._pairs = list(pairs.values())
         super()._rebuild()
         self.scratch = Scratch()  # views made for the old groups go with it
-        self.pieces = steps.plan(self)  # the buckets' lists for torch's fused kernel
+        self.pieces = master_lists.plan(self)  # the buckets' lists for torch's fused kernel
 
     def _loaded(self) -> None:
         for piece in self.pieces:  # the next step runs through the inner optimizer's step
@@ -250,7 +246,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
             for params, masters in self._pairs:
                 torch._foreach_copy_(params, masters)
 
-    # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(model parameter, gradient)`` pairs the next ``step()`` reads (see the class
         docstring); parameters without a gradient are left out."""
@@ -302,7 +297,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """``unscale_grads_`` with the step's arithmetic (:func:`.steps.settle_grads`)."""
         return steps.settle_grads(self, grad_scale)
 
-    # -- the step ------------------------------------------------------------------------------
     def skips_on_device(self) -> bool:
         """Whether ``step(found_inf=f)`` can skip on the device (:func:`.steps.skips_on_device`)."""
         return steps.skips_on_device(self)
@@ -348,7 +342,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             with torch.enable_grad():  # first: the gradients the step reads
                 loss = closure()
             if not is_per_parameter(self.inner):  # it calls the closure again (LBFGS)
-                again = steps.again(self, closure, loss)
+                again = reevaluating(closure, loss, self.write_back,
+                                     lambda: self.unscale_grads_(None))
         if grad_scale is not None:
             check_grad_scale(grad_scale)
         if found_inf is not None and not self.skips_on_device():
@@ -367,8 +362,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return loss
 
     def held_grads(self) -> bool:
-        """True when some master may hold an fp32 gradient (made by ``unscale_grads_``, or by
-        reading its ``.grad``); False: every gradient the step reads is the model's."""
+        """True when some master may hold an fp32 gradient (``unscale_grads_``, a ``.grad``
+        read); False: every gradient the step reads is the model's."""
         return self._carry.held
 
     def _check_fp16_changes(self) -> None:

@@ -20,7 +20,7 @@ from .. import kernel_table
 from ..masters.rounding import KEY_STRIDE, shard_key
 from ..shards import is_dtensor, local
 from . import states
-from .buckets import PER_PARAMETER_OPTIMIZERS
+from .buckets import PER_PARAMETER_OPTIMIZERS, empty_storages, fill_storages
 
 __all__ = ["PIECE", "Slice", "Scratch", "cut", "piece_limit", "shifts", "positions",
            "slice_view", "spare_for", "flat_buffer"]
@@ -159,15 +159,11 @@ class Scratch:
 
     def restore(self) -> None:
         """A step starts: the buffers' memory taken again (uninitialised)."""
-        for buf in self.buffers.values():
-            storage = buf.untyped_storage()
-            if storage.nbytes() < buf.numel() * buf.element_size():
-                storage.resize_(buf.numel() * buf.element_size())
+        fill_storages(self.buffers.values())
 
     def release(self) -> None:
         """The step ended: the buffers' memory given back (the tensors and their views stay)."""
-        for buf in self.buffers.values():
-            buf.untyped_storage().resize_(0)
+        empty_storages(self.buffers.values())
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` shares memory with a buffer (state must not keep it)."""

@@ -13,7 +13,7 @@ the factor the gradients carry and the overflow flag: mixprec's through the prot
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,8 +23,8 @@ from . import hooks, loadcheck
 from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
 
-__all__ = ["WrappedOptimizer", "is_wrapped", "check_bucket_mb", "check_grad_scale", "not_ours",
-           "check_inner", "stale_fp16_error"]
+__all__ = ["WrappedOptimizer", "reevaluating", "is_wrapped", "check_bucket_mb",
+           "check_grad_scale", "not_ours", "check_inner", "stale_fp16_error"]
 
 _FUSED = ("auto", "compile", False)
 
@@ -86,6 +86,29 @@ def stale_fp16_error(count: int, shape) -> RuntimeError:
         "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's parameters (their "
         "fp32 gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
         "g['params']], max_norm); in bf16 clipping the model's parameters works")
+
+
+def reevaluating(closure: Callable[[], Any], loss: Any, before: Callable[[], Any],
+                 after: Callable[[], Any]) -> Callable[[], Any]:
+    """``closure`` as an inner optimizer that calls it again inside its step (LBFGS) calls it:
+    the first call gives ``loss`` (the evaluation before the step made the gradients the step
+    reads); each later one runs ``before()`` (the model shown the values being stepped),
+    evaluates, and runs ``after()`` (the new gradients taken in)."""
+    calls = 0
+
+    def evaluate() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return loss
+        with torch.no_grad():
+            before()
+        with torch.enable_grad():
+            out = closure()
+        with torch.no_grad():
+            after()
+        return out
+    return evaluate
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
