@@ -192,19 +192,22 @@ def test_kahan_with_a_spare_buffer_loads_and_stores_the_same_bits(dtype):
     assert torch.equal(a_loaded, b_loaded)
     assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_w, b_w))
     assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a_c, b_c))
-    assert Kahan.uses_spare and not Split.uses_spare and not Stochastic.uses_spare
+    assert Kahan.uses_spare and Split.uses_spare and not Stochastic.uses_spare
 
 
 def test_the_spare_goes_where_mixed_operands_are_copied(monkeypatch):
-    """The optimizer hands Kahan its spare buffer on the CPU, where an in-place fp32 op copies a
-    16-bit operand first, and not under CUDA's limits (its kernels read the operand as they go),
-    nor to a method that takes none."""
+    """The optimizer hands Kahan and split its spare buffer on the CPU, where an in-place fp32 op
+    copies a 16-bit operand first (and split's in-place ops on every other int16 run element by
+    element), and not under CUDA's limits (its kernels read the operand as they go), nor to a
+    method that takes none."""
     from mixprec import kernel_table
     from mixprec.optim.pieces import spare_for
 
     buf = torch.empty(4)
     assert spare_for(Kahan(), buf, torch.bfloat16)["spare"] is buf
-    assert spare_for(Split(), buf, torch.bfloat16) == {}
+    assert spare_for(Split(), buf, torch.bfloat16)["spare"] is buf
+    assert spare_for(Stochastic(), buf, torch.bfloat16) == {}
     monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("cuda"))
     assert spare_for(Kahan(), buf, torch.bfloat16) == {}
     assert spare_for(Kahan(), buf, torch.float16) == {}
+    assert spare_for(Split(), buf, torch.bfloat16) == {}

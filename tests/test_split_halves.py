@@ -9,6 +9,7 @@ fp32 patterns with the edges (ties, infinities, NaNs with payloads) is stored (a
 compared as a NaN: torch's cast writes a NaN's bits as its vectorized or element-wise loop does).
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -37,19 +38,25 @@ def fp32_patterns(n=1 << 18, seed=1):
     return torch.cat([bits, (bits & ~0xFFFF) | 0x8000, edges]).view(torch.float32)
 
 
-def test_every_pattern_loads_bitwise_as_the_element_wise_join():
+# None: through the words' 16-bit halves (CUDA); a spare: whole-word passes (the CPU)
+SPARE = pytest.mark.parametrize("spare", [False, True], ids=["halves", "words"])
+
+
+@SPARE
+def test_every_pattern_loads_bitwise_as_the_element_wise_join(spare):
     weight, rem = every_pattern()
     half = weight.numel() // 2
     # a contiguous run, and a strided view (a slice of a transposed tensor)
     weights = [weight[:half], weight[half:].view(-1, 4).t()]
     rems = [rem[:half], rem[half:].view(-1, 4).t()]
     out = torch.empty(weight.numel())
-    load_halves(out, weights, rems)
+    load_halves(out, weights, rems, torch.empty(weight.numel() + 3) if spare else None)
     expect = torch.cat([split_load(w, r).reshape(-1) for w, r in zip(weights, rems)])
     assert torch.equal(out.view(torch.int32), expect.view(torch.int32))
 
 
-def test_stores_bitwise_as_the_element_wise_split_into_strided_slices():
+@SPARE
+def test_stores_bitwise_as_the_element_wise_split_into_strided_slices(spare):
     new = fp32_patterns()
     weight, rem = split_of(new)
     got_w = torch.empty(new.numel() // 2, 2, dtype=torch.bfloat16)
@@ -58,7 +65,9 @@ def test_stores_bitwise_as_the_element_wise_split_into_strided_slices():
     targets_w, targets_r = [got_w.view(-1)[:1000], got_w[500:, 1]], [got_r.view(-1)[:1000],
                                                                      got_r[500:, 1]]
     n = 1000 + targets_w[1].numel()
-    store_halves(new[:n].clone(), targets_w, targets_r)
+    kept = torch.full((n,), 7.0)
+    store_halves(new[:n].clone(), targets_w, targets_r, kept if spare else None)
+    assert torch.equal(kept, torch.full((n,), 7.0))  # the store leaves a spare as it is
     got = torch.cat([t.reshape(-1) for t in targets_w]), torch.cat([t.reshape(-1)
                                                                     for t in targets_r])
     nan = weight[:n].isnan()  # torch's cast writes a NaN's bits as its loop does

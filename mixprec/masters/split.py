@@ -41,6 +41,7 @@ class Split(MasterMethod):
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
     buffer_key: ClassVar[str | None] = REMAINDER_KEY
     draws_bits: ClassVar[bool] = False  # the pair holds the master exactly
+    uses_spare: ClassVar[bool] = True  # whole-word passes where strided int16 ones are slow
 
     def holds(self) -> str:
         return "holds the high half of the master in"
@@ -63,12 +64,12 @@ class Split(MasterMethod):
         return split_load(weight, rem)
 
     @staticmethod
-    def load_lists(out, weights, rems):  # the halves of the fp32 words
-        load_halves(out, weights, rems)
+    def load_lists(out, weights, rems, spare=None):  # the halves of the fp32 words
+        load_halves(out, weights, rems, spare)
 
     @staticmethod
-    def store_lists(values, weights, rems, keys):
-        store_halves(values, weights, rems)
+    def store_lists(values, weights, rems, keys, spare=None):
+        store_halves(values, weights, rems, spare)
 
     def assign(self, weight, rem, value):
         value = value.to(device=weight.device, dtype=torch.float32)

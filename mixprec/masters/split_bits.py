@@ -25,7 +25,14 @@ load sign-extends the remainders into the words and adds the weights' bits to th
 the remainders,
 turns a tie's ``0x8000`` into ``0x8001`` (a clamp of the low halves at -32767) and casts the
 words into the weights. Three passes each, nothing allocated: the same bits as the element-wise
-functions.
+functions. Where a ``spare`` buffer is given (the CPU, where an in-place op on every other
+int16 runs element by element, at about three times a contiguous pass's time: measured in
+docs/benchmarks.md), every pass runs over whole words instead: the load widens the weights'
+bits into the spare and adds them, times 65536, to the sign-extended remainders; the store sets
+the lowest bit of every word (which turns a tie's ``0x8000`` into ``0x8001`` and rounds nothing
+else differently) after clamping the values to the largest finite fp32 magnitude (the bit would
+turn an infinity into a NaN; the largest finite value rounds to the infinity torch's cast gives).
+The same bits again.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 __all__ = ["split_store", "split_load", "split_of", "load_halves", "store_halves"]
 
 _TIE = -0x7FFF  # a low half of 0x8000 (-32768) made 0x8001: ties round away from zero
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _untied(bits: torch.Tensor) -> torch.Tensor:
@@ -75,24 +83,39 @@ _unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def load_halves(out: torch.Tensor, weights: list[torch.Tensor],
-                remainders: list[torch.Tensor]) -> None:
+                remainders: list[torch.Tensor], spare: torch.Tensor | None = None) -> None:
     """:func:`split_load` of each (weight, remainder) pair (any strides), one after the other, into
     the flat fp32 ``out``: the remainders sign-extended into its words (one ``_foreach_copy_``),
     then the weights' bits added to the words' high halves (one ``_foreach_add_``; int16
-    arithmetic wraps, which is the borrow of a negative remainder). A little-endian machine's
-    word layout."""
-    torch._foreach_copy_(_unflatten(out.view(torch.int32), remainders), remainders)
-    high = out.view(torch.int16)[1::2]
-    torch._foreach_add_(_unflatten(high, weights), [w.view(torch.int16) for w in weights])
+    arithmetic wraps, which is the borrow of a negative remainder). With a flat fp32 ``spare`` of
+    ``out``'s size: the weights' bits sign-extended into it and added times 65536 to the words
+    (int32 arithmetic: the same borrow), three passes over whole words. A little-endian
+    machine's word layout."""
+    words = out.view(torch.int32)
+    torch._foreach_copy_(_unflatten(words, remainders), remainders)
+    bits = [w.view(torch.int16) for w in weights]
+    if spare is None:
+        torch._foreach_add_(_unflatten(out.view(torch.int16)[1::2], weights), bits)
+        return
+    wide = spare[:out.numel()].view(torch.int32)
+    torch._foreach_copy_(_unflatten(wide, weights), bits)
+    words.add_(wide, alpha=65536)
 
 
 def store_halves(values: torch.Tensor, weights: list[torch.Tensor],
-                 remainders: list[torch.Tensor]) -> None:
+                 remainders: list[torch.Tensor], spare: torch.Tensor | None = None) -> None:
     """:func:`split_store` of the flat fp32 ``values`` into each (weight, remainder) pair,
     overwriting ``values``: the remainders are its words narrowed to int16 (one
-    ``_foreach_copy_``: the low halves); a tie's low half is then made ``0x8001`` (one clamp)
-    and the words cast into the weights (one ``_foreach_copy_``, torch's cast). A little-endian
-    machine's word layout."""
-    torch._foreach_copy_(remainders, _unflatten(values.view(torch.int32), remainders))
-    values.view(torch.int16)[0::2].clamp_(min=_TIE)
+    ``_foreach_copy_``: the low halves); a tie's low half is then made ``0x8001`` (one clamp of
+    the low halves; given a ``spare``, whose contents it leaves, over whole words instead: the
+    values clamped to the largest finite fp32 magnitude, then every word's lowest bit set) and the
+    words cast into the weights (one ``_foreach_copy_``, torch's cast). A little-endian machine's
+    word layout."""
+    words = values.view(torch.int32)
+    torch._foreach_copy_(remainders, _unflatten(words, remainders))
+    if spare is None:
+        values.view(torch.int16)[0::2].clamp_(min=_TIE)
+    else:
+        values.clamp_(min=-_FP32_MAX, max=_FP32_MAX)  # NaN stays NaN
+        words.bitwise_or_(1)
     torch._foreach_copy_(weights, _unflatten(values, weights))
