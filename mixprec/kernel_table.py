@@ -31,6 +31,10 @@ The paths:
   ``"compile"`` (one compiled pass per parameter) on the CPU; ``"fused"`` (torch's fused
   multi-tensor kernels) elsewhere, where one compiled launch per parameter costs more than it
   saves (docs/benchmarks.md, "nine-linear and transformer on a GPU").
+* **the piece a master step works on** (:meth:`KernelTable.step_piece`): the most elements
+  whose fp32 values, gradients or widened moments a master step holds at once (fp32 masters'
+  gradient buckets, the compact methods' pieces; a larger tensor is stepped a slice at a time):
+  a fixed bound per device type, whatever the model's size (:data:`STEP_PIECE`).
 * **norm layers fed low-precision activations** (:meth:`KernelTable.norm_reads_low_precision`):
   which norm kernels read bf16/fp16 input with fp32 parameters (see
   :func:`mixprec.casting.takes_low_precision_input`).
@@ -52,7 +56,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["FLOATS", "LIMITS", "KERNELS", "DEVICE_TYPES", "KernelTable", "TABLE"]
+__all__ = ["FLOATS", "LIMITS", "KERNELS", "DEVICE_TYPES", "STEP_PIECE", "KernelTable", "TABLE"]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 #: The floating dtypes gradients may have.
@@ -99,6 +103,15 @@ LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
     # aten::to). Where it copies, a master method widens the operand into scratch it is given.
     "mixed_operand_in_place": {"cpu": (), "cuda": (F16, BF16), "other": ()},
 }
+
+#: Elements of one piece of a master step, by device type. The CPU's 2^20 (4 MiB of fp32 values)
+#: keeps a piece's values in cache from its load through torch's kernel to its store: on the
+#: 42M-parameter model of docs/benchmarks.md pieces of 2^19 made split's and stochastic
+#: rounding's steps 1-4% slower, and pieces of 2^21 stepped in the same time. CUDA's 2^25
+#: (128 MiB) bounds the scratch while keeping the pieces few: each costs a fixed number of
+#: launches and Python calls, which a GPU step feels and a CPU step hardly does (a
+#: 1.1B-parameter model: about 35 pieces; chosen by that count, not measured).
+STEP_PIECE: dict[str, int] = {"cpu": 1 << 20, "cuda": 1 << 25, "other": 1 << 20}
 
 #: kernel -> the callable the table hands out (a test swaps in a fake through
 #: :meth:`KernelTable.imposing`).
@@ -201,6 +214,11 @@ class KernelTable:
         """Whether an in-place fp32 op reads a ``dtype`` operand on ``device_type`` without an
         fp32 copy of it (else a master method widens it into scratch first)."""
         return self.accepts("mixed_operand_in_place", device_type, dtype)
+
+    def step_piece(self, device_type: str) -> int:
+        """The most elements one piece of a master step holds on ``device_type``
+        (:data:`STEP_PIECE`)."""
+        return STEP_PIECE[self.row(device_type)]
 
     def norm_reads_low_precision(self, kind: str, device_type: str) -> bool:
         """Whether the norm kernel of ``kind`` (``"batch_norm"``, ``"layer_norm"``,

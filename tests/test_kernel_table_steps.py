@@ -156,3 +156,38 @@ def test_an_fp32_layernorm_reads_bf16_input_on_the_cpu_and_casts_it_up_on_cuda(m
     x, _ = data(0)
     torch.testing.assert_close(model(x).float(), fp32(x), rtol=0.05, atol=0.05)
     assert seen == [torch.float32 if row == "cuda" else BF16]
+
+
+# -- the piece a master step works on: a fixed size per device type ------------------------------
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_master_steps_piece_is_the_tables_for_the_device_whatever_the_models_size(
+        device_type, monkeypatch):
+    """fp32 masters' gradient buckets and the compact methods' pieces hold at most the table's
+    piece for the device type (CUDA's row imposed on the CPU tensors: its entry, not the CPU's),
+    for a model 16 times larger too (its tensors larger than a piece: a bucket of their own,
+    stepped a slice at a time; cut into slices); ``bucket_mb`` overrides it."""
+    if device_type == "cuda":
+        monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("cuda"))
+    assert kernel_table.STEP_PIECE == {"cpu": 1 << 20, "cuda": 1 << 25, "other": 1 << 20}
+    for row in kernel_table.STEP_PIECE:  # the device's row at 4096 elements, the others huge
+        monkeypatch.setitem(kernel_table.STEP_PIECE, row, 4096 if row == device_type else 1 << 30)
+    for width in (32, 128):
+        torch.manual_seed(0)
+        layers = [nn.Linear(width, width) for _ in range(8)]
+        model = nn.Sequential(*layers).bfloat16()
+        fp32 = mp.MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        sizes = [[t.numel() for ts in b for t in ts] for b in fp32.buckets()]
+        assert all(sum(s) <= 4096 or len(s) == 1 for s in sizes), sizes
+        assert len(sizes) > 1
+        model(torch.randn(4, width, dtype=BF16)).float().sum().backward()
+        fp32.step()
+        assert max(b.numel() for b in fp32.scratch.tensors()) <= 4096  # one slice at a time
+        compact = mp.optim.CompactMasterOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), "split")
+        compact.step()
+        held = max(b.numel() for b in compact.scratch.tensors())
+        assert held <= 4096 and (held == 4096 or width * width < 4096)
+    fp32.bucket_mb = compact.bucket_mb = 1  # 2^18 fp32 elements: every tensor in one bucket
+    assert len(fp32.buckets()) == 1
+    compact.step()
+    assert max(b.numel() for b in compact.scratch.tensors()) == 8 * (width * width + width)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec as mp
+from mixprec import kernel_table
 from mixprec.masters.split_bits import split_of
 from mixprec.optim import (
     CompactMasterOptimizer,
@@ -35,7 +36,6 @@ from mixprec.optim import (
     compact_lists,
     family,
     guard,
-    pieces,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")
@@ -133,7 +133,7 @@ def test_split_steps_its_masters_bit_for_bit_as_fp32_masters_on_the_default_path
     """30 steps with the same gradients: masters bitwise equal after every step, weights equal
     except at exact ties; also with pieces of 64 elements (every tensor of the MLP cut)."""
     if piece is not None:
-        monkeypatch.setattr(pieces, "PIECE", piece)
+        monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", piece)
     (net32, opt32), (net, opt) = (prepared(m, OPTIMIZERS[name]) for m in ("fp32", "split"))
     for i in range(30):
         step_in_lockstep([net32, net], [opt32, opt], i)
@@ -424,7 +424,7 @@ def cut_run(master, dtype, state_dtype, make, piece, monkeypatch):
     pieces of ``piece`` elements; a NaN planted in a weight before the last. Returns the 16-bit
     weights, buffers, moments and step counts (as int16 / fp32 bits), and the elements of each piece
     stepped."""
-    monkeypatch.setattr(pieces, "PIECE", piece)
+    monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", piece)
     stepped = []
     real = family._step_piece
     monkeypatch.setattr(family, "_step_piece", lambda opt, piece, *a: (piece and stepped.append(
@@ -505,7 +505,7 @@ def test_the_transient_memory_of_a_step_is_bounded_by_the_piece(master, state_dt
     step: the storages the step makes and frees peak at under 40 bytes per piece element
     (rounding bits, temporaries), whatever the tensor's size, and the scratch the optimizer keeps
     (fp32 values, gradients, widened moments) is one piece's, whatever the tensor's size."""
-    monkeypatch.setattr(pieces, "PIECE", 1024)
+    monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", 1024)
     peaks, kept = [], []
     for rows in (16, 64):
         params = [nn.Parameter(torch.randn(rows, 1024).bfloat16()),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec import kernel_table
 from mixprec.optim import MasterWeightOptimizer
 
 OPTIMIZERS = {
@@ -261,9 +262,7 @@ def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, stat
     """A master of 2048 elements with 256-element pieces: on the lists it steps a slice at a
     time through scratch of one slice (and its widened moments), bitwise as the inner step
     steps it whole (a scheduler, a step with a loss scale folded into the kernel)."""
-    from mixprec.optim import pieces
-
-    monkeypatch.setattr(pieces, "PIECE", 256)
+    monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", 256)
 
     def run(lists):
         torch.manual_seed(0)

@@ -14,9 +14,9 @@ kernels walk a parameter and its gradient as flat memory, so the two layouts mus
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .. import kernel_table
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch",
            "fill_storages", "empty_storages"]
@@ -28,9 +28,6 @@ PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
         "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
         "ASGD", "Rprop", "SparseAdam", "Adafactor"))
     if t is not None)
-
-_MIN_BUCKET_BYTES = 4 * 2 ** 20
-_BUCKETS_PER_MODEL = 16
 
 
 def is_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
@@ -44,14 +41,18 @@ def make_buckets(param_groups: list[dict], bucket_mb: float | None,
     """Split the groups' tensors into buckets; a bucket lists, per group, its tensors.
 
     One bucket holding everything unless ``per_parameter``. Otherwise buckets of at most
-    ``bucket_mb`` MiB of fp32 gradients (None: max(4 MiB, 1/16 of all)); a tensor of that size
-    or more gets a bucket of its own, smaller ones are packed in order.
+    ``bucket_mb`` MiB of fp32 gradients (None: one piece of the kernel table's
+    :meth:`~mixprec.kernel_table.KernelTable.step_piece` for the first tensor's device, 4 MiB on
+    the CPU: a fixed bound, whatever the model's size); a tensor of that size or more gets a
+    bucket of its own, smaller ones are packed in order.
     """
     if not per_parameter:
         return [[list(group["params"]) for group in param_groups]]
-    total = sum(p.numel() * 4 for g in param_groups for p in g["params"])
-    limit = (bucket_mb * 2 ** 20 if bucket_mb is not None
-             else max(_MIN_BUCKET_BYTES, math.ceil(total / _BUCKETS_PER_MODEL)))
+    if bucket_mb is not None:
+        limit = bucket_mb * 2 ** 20
+    else:
+        first = next((p for g in param_groups for p in g["params"]), torch.empty(0))
+        limit = 4 * kernel_table.TABLE.step_piece(first.device.type)
     buckets: list[list[list[torch.Tensor]]] = []
     current, size = [[] for _ in param_groups], 0.0
     for gi, group in enumerate(param_groups):

@@ -74,7 +74,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
             ``Stochastic()``) or its shorthand ``"split"``, ``"kahan"``, ``"stochastic"``.
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
-        bucket_mb: MiB of fp32 values per piece of the step (None: 4 MiB, 2^20 elements).
+        bucket_mb: MiB of fp32 values per piece of the step (None: the kernel table's piece
+            for the device: 2^20 elements, 4 MiB, on the CPU; 2^25 on CUDA).
         initial_values: 16-bit parameter -> its exact fp32 value before the cast: a Kahan
             compensation starts as what the cast lost; a split pair holds it exactly.
         seed: seed of the rounding generator.

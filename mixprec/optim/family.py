@@ -3,7 +3,7 @@
 :class:`~mixprec.optim.compact.CompactMasterOptimizer` steps every optimizer this way:
 
 1. **cut** the 16-bit parameters with gradients into pieces (:mod:`.pieces`: at most
-   :data:`.pieces.PIECE` elements of one device and weight dtype, larger tensors cut into
+   :func:`.pieces.piece_limit` elements of one device and weight dtype, larger tensors cut into
    slices for torch's per-parameter optimizers). Any other optimizer (a global statistic) gets
    one piece holding everything, its fp32 parameters too;
 2. **load** a piece into flat fp32 values (the method's
@@ -96,7 +96,7 @@ class _Run:
                      else [slice_view(local(s.buf), s) for s in slices])
         self.device = self.weights[0].device
         total = sum(s.numel for s in slices)
-        self.kept = not whole and total <= piece_limit(opt)
+        self.kept = not whole and total <= piece_limit(opt, self.device)
         self.values = flat_buffer(opt, self.device, "values", total, self.kept)
         self.grads = flat_buffer(opt, self.device, "grads", total, self.kept)
         # the gradients' buffer is spare until they are copied in, and again after the step

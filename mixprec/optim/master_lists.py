@@ -16,9 +16,10 @@ import itertools
 
 import torch
 
+from .. import kernel_table
 from ..masters.rounding import TABLE_SIZE, round_into_lists
 from ..scaling.unscale import unscale_
-from . import hooks, kernels, pieces, states
+from . import hooks, kernels, states
 from .params import is_master, valid_grad
 
 __all__ = ["Piece", "plan", "make_state", "state_ready", "cached_lists_apply", "fused_bucket",
@@ -172,7 +173,8 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
 
 
 def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None:
-    """A bucket of one master larger than a piece (:data:`.pieces.PIECE` elements, contiguous),
+    """A bucket of one master larger than a piece (the kernel table's
+    :meth:`~mixprec.kernel_table.KernelTable.step_piece` elements for its device, contiguous),
     stepped from its lists a slice at a time, so its transient fp32 buffers are a slice's, not
     the tensor's: per slice the gradient widened into the kept scratch (and bf16 moments beside
     it), torch's functional fused step on the slices (each with a copy of Adam's ``step``,
@@ -180,10 +182,10 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
     stepped at once: the kernel is element-wise, and a bf16 moment's slice rounds with the key
     of its place in the tensor (the keys drawn as the inner step draws them). None where this
     does not apply (:func:`fused_bucket` steps the bucket whole); False where state is missing."""
-    limit = pieces.PIECE
     if len(piece.masters) != 1 or piece.groups[0][3]:
         return None
     master, param = piece.masters[0], piece.model[0]
+    limit = kernel_table.TABLE.step_piece(master.device.type)
     grad = param.grad
     if (master.numel() <= limit or not master.is_contiguous() or not param.is_contiguous()
             or (grad is not None and (grad.is_sparse or not grad.is_contiguous()))):

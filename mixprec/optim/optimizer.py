@@ -82,7 +82,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             already holds is moved to the masters and cast to fp32.
         fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
         bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
-            optimizers; None picks max(4 MiB, 1/16 of all fp32 gradients).
+            optimizers; None: one piece of the kernel table's for the device (4 MiB on the
+            CPU, 128 MiB on CUDA), whatever the model's size.
         initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
             exact fp32 weight before the model was cast), its storage (not a copy); others
             start from their upcast.

@@ -1,11 +1,13 @@
 """The plan of a compact step: its pieces and slices, where each slice's rounding bits start,
 and the scratch a piece is loaded into (:mod:`.family` steps them).
 
-A piece holds at most :data:`PIECE` elements (``bucket_mb`` MiB of fp32 values when set) of one
-device and weight dtype. For torch's per-parameter optimizers (Adafactor and SparseAdam aside:
-their state is not element-wise) a larger tensor is cut into slices: flat ranges of multiples of
-64 elements (torch's fused CPU kernel then groups the elements for its vector loop as for the
-whole tensor), or, for a strided tensor, row ranges.
+A piece holds at most :func:`piece_limit` elements (the kernel table's
+:meth:`~mixprec.kernel_table.KernelTable.step_piece` for its device: 2^20 on the CPU;
+``bucket_mb`` MiB of fp32 values when set) of one device and weight dtype. For torch's
+per-parameter optimizers (Adafactor and SparseAdam aside: their state is not element-wise) a
+larger tensor is cut into slices: flat ranges of multiples of 64 elements (torch's fused CPU
+kernel then groups the elements for its vector loop as for the whole tensor), or, for a strided
+tensor, row ranges.
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from ..shards import is_dtensor, local
 from . import states
 from .buckets import PER_PARAMETER_OPTIMIZERS, empty_storages, fill_storages
 
-__all__ = ["PIECE", "Slice", "Scratch", "cut", "piece_limit", "shifts", "positions",
+__all__ = ["Slice", "Scratch", "cut", "piece_limit", "shifts", "positions",
            "slice_view", "spare_for", "flat_buffer"]
 
-#: Elements of one piece (4 MiB of fp32 values): the step's fp32 buffers are bounded by it.
-PIECE = 1 << 20
 #: torch's optimizers whose update of an element reads that element and per-parameter scalars.
 _CUT = tuple(t for t in PER_PARAMETER_OPTIMIZERS if t.__name__ not in ("Adafactor", "SparseAdam"))
 # slices of a flat tensor start at multiples of this: torch's fused CPU kernels group elements
@@ -80,13 +80,14 @@ def _parts(item: Slice, limit: int, state: dict):
     return ((*run, False) for run in _runs(param.shape, limit))
 
 
-def _pieces(items: list[Slice], limit: int, cut: bool, state: dict):
-    """``items`` (whole tensors) in pieces of at most ``limit`` elements per device and dtype,
-    tensors larger than that cut into slices when ``cut`` (else alone)."""
+def _pieces(opt, items: list[Slice], cut: bool, state: dict):
+    """``items`` (whole tensors) in pieces of at most :func:`piece_limit` elements per device and
+    dtype, tensors larger than that cut into slices when ``cut`` (else alone)."""
     kinds: dict[tuple, list[Slice]] = {}
     for item in items:
         kinds.setdefault((local(item.param).device, item.param.dtype), []).append(item)
-    for kind in kinds.values():
+    for (device, _), kind in kinds.items():
+        limit = piece_limit(opt, device)
         piece, size = [], 0
         for item in kind:
             n = item.numel
@@ -136,7 +137,7 @@ def positions(slices: list[Slice]) -> list[int]:
 class Scratch:
     """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
     moments), one per device and use, reused from piece to piece and grown to the largest
-    piece: at most :data:`PIECE` (or ``bucket_mb``) elements each, so 8 bytes per piece element
+    piece: at most :func:`piece_limit` elements each, so 8 bytes per piece element
     (16 with widened Adam moments) during a step (the optimizer's
     ``held_tensors()["scratch"]``). Their memory is given back when the step ends
     (:meth:`release`: the storages shrink to nothing) and taken again when the next one starts
@@ -174,9 +175,11 @@ class Scratch:
         return list(self.buffers.values())
 
 
-def piece_limit(opt) -> int:
-    """The most elements of a bounded piece of ``opt``'s step."""
-    limit = PIECE if opt.bucket_mb is None else int(opt.bucket_mb * 2 ** 18)
+def piece_limit(opt, device: torch.device) -> int:
+    """The most elements of a bounded piece of ``opt``'s step on ``device``: ``bucket_mb`` MiB
+    of fp32 values when set, else the kernel table's piece for the device type."""
+    limit = (kernel_table.TABLE.step_piece(device.type) if opt.bucket_mb is None
+             else int(opt.bucket_mb * 2 ** 18))
     return max(_ALIGN, limit - limit % _ALIGN)
 
 
@@ -188,4 +191,4 @@ def flat_buffer(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
 
 def cut(opt, items: list[Slice]):
     """The pieces of a per-parameter optimizer's step (step 1 of the module docstring)."""
-    return _pieces(items, piece_limit(opt), type(opt.inner) in _CUT, opt.inner.state)
+    return _pieces(opt, items, type(opt.inner) in _CUT, opt.inner.state)
