@@ -1,4 +1,4 @@
-"""Stepping the masters in buckets, and the transient fp32 gradient scratch the buckets share.
+"""Stepping the masters in buckets, and the fp32 scratch every master step writes into.
 
 A master optimizer makes fp32 gradients only during ``step()``. For an optimizer whose update of
 one parameter reads only that parameter's gradient and state (torch's own SGD, Adam, AdamW, ...),
@@ -115,64 +115,72 @@ def empty_storages(buffers) -> None:
 
 
 class Scratch:
-    """The fp32 gradients of a step, one buffer per device reused from bucket to bucket (fresh
-    memory for every bucket costs page faults on a CPU), in two kinds:
+    """The flat fp32 buffers a master step writes (gradients widened for torch's kernel, a
+    compact piece's values, widened moments), one per device and use, reused from bucket to
+    bucket and piece to piece (fresh memory for each costs page faults on a CPU) and sized by the
+    largest: a piece's, not the model's. Their memory is held while a step runs only: the
+    storages are emptied when it ends (:meth:`release`) and filled again by the next step's
+    first :meth:`take` or :meth:`restore`, so nothing of it is held in the forward and backward;
+    the tensors stay, and with them the views made of them once (:meth:`kept`; the compact
+    optimizer's cached lists). ``version`` moves when a buffer grows (views of the old one are
+    stale). Besides them, :meth:`views` makes fresh buffers each step, dropped when it ends:
+    what an inner optimizer's own ``step`` reads as ``.grad`` (it may keep them)."""
 
-    * :meth:`views`: fresh views each step, of a buffer dropped when the step ends
-      (:meth:`release`); what the inner optimizer's own ``step`` reads as ``.grad``, which may
-      keep them.
-    * :meth:`kept`: views made once per bucket (``key``) and handed to torch's fused kernel
-      only, of a buffer whose memory is given back when the step ends (its storage shrinks to
-      nothing) and taken again by the next step's first :meth:`kept` (the optimizer makes a new
-      ``Scratch`` when its param groups change).
-    """
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.version = 0
+        self._fresh: dict[torch.device, torch.Tensor] = {}
+        self._views: dict = {}  # key -> (version, views)
 
-    def __init__(self):
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._kept: dict[torch.device, torch.Tensor] = {}
-        self._views: dict = {}
+    def take(self, device: torch.device, use: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the ``use`` buffer on ``device`` (uninitialised)."""
+        buf = self.buffers.get((device, use))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[device, use] = torch.empty(numel, device=device)
+            self.version += 1
+        else:
+            fill_storages([buf])
+        return buf[:numel]
+
+    def kept(self, key, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """fp32 gradients shaped and strided as each of ``like``, views of the ``"grads"``
+        buffer made once for ``key`` (again after the buffer grew); None where a layout is not
+        dense (those buckets take :meth:`views`)."""
+        version, out = self._views.get(key, (None, None))
+        if out is not None and version == self.version:
+            fill_storages(self.buffers.values())
+            return out
+        if not all(_dense_layout(t) for t in like):
+            return None
+        out = _views(like, lambda device, n: self.take(device, "grads", n))
+        self._views[key] = (self.version, out)
+        return out
 
     def views(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Uninitialised fp32 tensors shaped and strided as each of ``like``."""
+        """Uninitialised fp32 tensors shaped and strided as each of ``like``, of a buffer
+        dropped when the step ends."""
         def buffer_of(device, need):
-            buffer = self._buffers.get(device)
+            buffer = self._fresh.get(device)
             if buffer is None or buffer.numel() < need:
-                buffer = self._buffers[device] = torch.empty(need, dtype=torch.float32,
-                                                             device=device)
+                buffer = self._fresh[device] = torch.empty(need, device=device)
             return buffer
         return _views(like, buffer_of)
 
-    def kept(self, key, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """:meth:`views` made once for ``key``; None where a layout is not dense (those buckets
-        take :meth:`views`)."""
-        fill_storages(self._kept.values())
-        out = self._views.get(key)
-        if out is None:
-            if not all(_dense_layout(t) for t in like):
-                return None
-            out = self._views[key] = _views(like, self._kept_buffer)
-        return out
-
-    def flat(self, device: torch.device, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the kept buffer (uninitialised; views :meth:`kept`
-        made of it may be made again)."""
-        fill_storages(self._kept.values())
-        return self._kept_buffer(device, numel)[:numel]
-
-    def _kept_buffer(self, device, need) -> torch.Tensor:
-        buffer = self._kept.get(device)
-        if buffer is None or buffer.numel() < need:
-            if buffer is not None:  # views of the smaller one are made again
-                buffer.untyped_storage().resize_(0)
-                self._views = {}
-            buffer = self._kept[device] = torch.empty(need, dtype=torch.float32, device=device)
-        return buffer
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The kept buffers (their memory is held during a step only)."""
-        return list(self._kept.values())
+    def restore(self) -> None:
+        """A step starts: the buffers' memory taken again (uninitialised)."""
+        fill_storages(self.buffers.values())
 
     def release(self) -> None:
-        """The step ended: drop the fresh views' buffers, give the kept ones' memory back."""
-        self._buffers = {}
-        empty_storages(self._kept.values())
+        """The step ended: the buffers' memory given back (the tensors and their views stay),
+        the fresh ones dropped."""
+        self._fresh = {}
+        empty_storages(self.buffers.values())
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers (their memory is held during a step only)."""
+        return list(self.buffers.values())

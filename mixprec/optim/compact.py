@@ -23,7 +23,7 @@ step, when its momentum buffers exist), so ``"split"``'s masters step bit for bi
 with ``fused=False`` the inner optimizer as configured (foreach or single-tensor); ``"compile"`` is
 accepted and steps as ``"auto"`` (a compact step compiles nothing). Adam and SGD arithmetic is
 torch's; the step's fp32 buffers are about 8 bytes per piece element (16 with bf16 Adam moments),
-whatever the model's size, held while a step runs (:class:`~mixprec.optim.pieces.Scratch`), except
+whatever the model's size, held while a step runs (:class:`~mixprec.optim.buckets.Scratch`), except
 for an optimizer that reads several parameters at once (a global statistic), which is stepped over
 everything in one piece (fresh buffers each step). A ``closure`` runs before the step (making
 its gradients); an optimizer that calls it again (LBFGS) sees the model at the values it steps.
@@ -50,7 +50,7 @@ from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import is_dtensor, like_shard, local
 from . import compact_lists, compact_state, family, pieces, states
-from .buckets import is_per_parameter
+from .buckets import Scratch, is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .wrapper import (
@@ -119,7 +119,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
-        self.scratch = pieces.Scratch()  # a bounded piece's buffers, held during a step
+        self.scratch = Scratch()  # a bounded piece's buffers, held during a step
         self.lists: compact_lists.Plan | None = None
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
@@ -184,7 +184,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
-        and the step's scratch (:class:`~mixprec.optim.pieces.Scratch`: a piece's fp32
+        and the step's scratch (:class:`~mixprec.optim.buckets.Scratch`: a piece's fp32
         values, gradients and widened moments, bounded by the piece size, not the model's; their
         memory is held during a step only)."""
         return {"gradients": [g for g, _ in self._grads32.values()],

@@ -9,7 +9,7 @@ a device and dtype with the kernel; every moment and Adam's ``step`` made by an 
 what that ``step()`` runs is torch's functional ``sgd``/``adam`` with ``fused=True`` on lists
 (:func:`mixprec.optim.kernels.fused_call`). :class:`Plan` makes those lists once per layout:
 per piece, the views of the weights, buffers and moments it reads, views of the step scratch
-(:class:`.pieces.Scratch`) for the values, gradients and widened moments, the rounding keys'
+(:class:`.buckets.Scratch`) for the values, gradients and widened moments, the rounding keys'
 rows and shifts. Each step then loads, calls torch's kernel per param group, and stores, with
 the same rounding keys, in the same order, on the same values as :func:`.family.step`: bit for
 bit the same result, a NaN moment aside. bf16 moments are rounded back without the pass that

@@ -27,7 +27,7 @@ bits of ``(k, i)`` whatever piece it lies in (the keys are shifted by each slice
 piece and its tensor, and an FSDP2 shard's in the full tensor). Per piece: a fixed number of
 launches besides torch's (per list, fused or foreach); no host sync; about 8 bytes per piece
 element (values, gradients), 8 more for bf16 Adam moments, in buffers the optimizer holds
-while a step runs (:class:`.pieces.Scratch`). For torch's SGD/Adam/AdamW, steps once the state
+while a step runs (:class:`.buckets.Scratch`). For torch's SGD/Adam/AdamW, steps once the state
 exists (Adam's and AdamW's from the first: :func:`.compact_lists.make_state`) skip the inner
 ``step()`` and call torch's functional fused kernel on lists made once (:mod:`.compact_lists`):
 the same values, keys and order, so the same bits (a NaN moment aside: that module says why).

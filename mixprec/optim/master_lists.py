@@ -206,7 +206,7 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
             keys[k] = int(opt.rounding.draw(1, salt=1)[0])
     if grad is None:
         return True
-    flat = opt.scratch.flat(master.device, limit * (1 + len(names) * wide))
+    flat = opt.scratch.take(master.device, "grads", limit * (1 + len(names) * wide))
     step = state.get("step")
     steps = []
     with torch.no_grad():
@@ -244,7 +244,7 @@ def _widened_moments(opt, piece: Piece) -> list | None:
     if opt.state_dtype == torch.float32:
         return []
     tensors = [t for ts in opt.buckets()[piece.key] for t in ts]  # in the inner step's order
-    return states._widen_runs(opt.inner.state, tensors, opt.state_dtype)
+    return states._widen_runs(opt.inner.state, tensors, opt.state_dtype, opt.scratch.take)
 
 
 def _all_fp32(calls: list) -> bool:

@@ -22,9 +22,9 @@ from .. import kernel_table
 from ..masters.rounding import KEY_STRIDE, shard_key
 from ..shards import is_dtensor, local
 from . import states
-from .buckets import PER_PARAMETER_OPTIMIZERS, empty_storages, fill_storages
+from .buckets import PER_PARAMETER_OPTIMIZERS
 
-__all__ = ["Slice", "Scratch", "cut", "piece_limit", "shifts", "positions",
+__all__ = ["Slice", "cut", "piece_limit", "shifts", "positions",
            "slice_view", "spare_for", "flat_buffer"]
 
 #: torch's optimizers whose update of an element reads that element and per-parameter scalars.
@@ -132,47 +132,6 @@ def spare_for(method, spare: torch.Tensor, dtype: torch.dtype) -> dict:
 
 def positions(slices: list[Slice]) -> list[int]:
     return list(itertools.accumulate((s.numel for s in slices), initial=0))[:-1]
-
-
-class Scratch:
-    """The flat fp32 buffers a bounded piece's step writes (values, gradients, widened
-    moments), one per device and use, reused from piece to piece and grown to the largest
-    piece: at most :func:`piece_limit` elements each, so 8 bytes per piece element
-    (16 with widened Adam moments) during a step (the optimizer's
-    ``held_tensors()["scratch"]``). Their memory is given back when the step ends
-    (:meth:`release`: the storages shrink to nothing) and taken again when the next one starts
-    (:meth:`restore`), so between steps (in the forward and backward) nothing is held; the
-    tensors stay, and with them the views the cached lists (:mod:`.compact_lists`) made of
-    them. A whole-model piece (an optimizer reading several parameters at once) or a tensor
-    alone above the piece size takes fresh buffers instead."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.version = 0  # moves when a buffer is replaced (views of the old one are stale)
-
-    def take(self, device: torch.device, use: str, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the ``use`` buffer on ``device`` (uninitialised)."""
-        buf = self.buffers.get((device, use))
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[device, use] = torch.empty(numel, device=device)
-            self.version += 1
-        return buf[:numel]
-
-    def restore(self) -> None:
-        """A step starts: the buffers' memory taken again (uninitialised)."""
-        fill_storages(self.buffers.values())
-
-    def release(self) -> None:
-        """The step ended: the buffers' memory given back (the tensors and their views stay)."""
-        empty_storages(self.buffers.values())
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.buffers.values())
 
 
 def piece_limit(opt, device: torch.device) -> int:

@@ -168,9 +168,11 @@ def unwiden(runs: list) -> None:
             entry[key] = original
 
 
-def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype) -> list:
+def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype,
+                take=None) -> list:
     """Per state key and device, the bf16 moments of ``tensors`` that one flat fp32 buffer can
-    stand in for, widened into it: ``(flat, [(entry, key, original, view)])``."""
+    stand in for, widened into it: ``(flat, [(entry, key, original, view)])``. ``take(device,
+    use, numel)`` gives the buffers (a step's scratch); None: new tensors."""
     found: dict[tuple, list] = {}
     for t in tensors:
         entry = state.get(t)
@@ -183,9 +185,11 @@ def _widen_runs(state: Mapping, tensors: list[torch.Tensor], dtype: torch.dtype)
                 found.setdefault((key, value.device), []).append((entry, key, value))
     runs = []
     with torch.no_grad():
-        for (_, device), items in found.items():
+        for (key, device), items in found.items():
             originals = [v for _, _, v in items]
-            flat = torch.empty(sum(v.numel() for v in originals), device=device)
+            numel = sum(v.numel() for v in originals)
+            flat = (torch.empty(numel, device=device) if take is None
+                    else take(device, f"wide {key}", numel))
             views = list(_unflatten(flat, originals))
             torch._foreach_copy_(views, originals)
             for (entry, key, _), view in zip(items, views):
