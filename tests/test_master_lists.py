@@ -189,7 +189,7 @@ def lists_or_inner(monkeypatch, lists, recorded, results):
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypatch):
     """``state_dtype="bf16"``: steps run on the cached lists (the bucket's moments widened into
-    fp32, torch's fused kernel, rounded back with the inner step's keys; AdamW from its first),
+    fp32, torch's fused kernel, rounded back with the inner step's keys; from the first step),
     bitwise as the inner optimizer's own step does them (missing gradients and a scheduler
     between steps), and they do run there."""
     def run(lists):
@@ -208,8 +208,8 @@ def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypa
 
     (fm, fo, fran), (gm, go, gran) = run(True), run(False)
     # Adam's state is made before its first step, which runs on the lists; SGD's first step
-    # makes its momentum buffers through the inner step
-    assert fran == [True] * (5 if name == "adamw" else 4) and not gran
+    # makes its momentum buffers there as torch's fused step makes them
+    assert fran == [True] * 5 and not gran
     for p, q in zip(fm.parameters(), gm.parameters()):
         assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
         for key, value in fo.state[fo.master_param(p)].items():

@@ -136,14 +136,18 @@ def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list
     """What ``optimizer.step()`` runs for ``group`` with ``fused=True``, over ``params`` and
     ``grads``: torch's functional SGD or Adam/AdamW (:data:`TORCH_FUSED_TYPES`) with the
     group's options and the state the inner step made, as a call ``(grad_scale, found_inf)``.
+    SGD's first step with momentum (no buffer yet) makes the buffers into the call's list
+    (``call.args[2]``), as torch's makes them for its ``step`` to keep.
 
     Raises:
         KeyError: some of that state is not made yet (a first step makes it).
     """
     held = [optimizer.state[p] for p in params]
-    moments = {k: [s[k] for s in held] for k in functional_keys(type(optimizer), group)}
-    if any(b is None for b in moments.get("momentum_buffer", ())):
-        raise KeyError("momentum_buffer")
+    moments = {k: [s.get(k) for s in held] if k == "momentum_buffer" else [s[k] for s in held]
+               for k in functional_keys(type(optimizer), group)}
+    bufs = moments.get("momentum_buffer", ())
+    if any(b is None for b in bufs) and not all(b is None for b in bufs):
+        raise KeyError("momentum_buffer")  # torch's first step makes all of them or none
     steps = [s["step"] for s in held] if type(optimizer) is not torch.optim.SGD else []
     return fused_call(type(optimizer), group, params, grads, moments, steps)
 

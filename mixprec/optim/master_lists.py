@@ -87,11 +87,14 @@ def make_state(opt) -> None:
 
 def state_ready(opt, bucket: list[list[torch.Tensor]]) -> bool:
     """Every tensor of ``bucket`` with a gradient holds the state torch's fused Adam/AdamW
-    reads, its ``step`` a float32 tensor on its device (made by :func:`_make_state`, or loaded
-    there): the bucket can step on its lists without the inner step making or moving any."""
+    reads, its ``step`` a float32 tensor on its device (made by :func:`make_state`, or loaded
+    there), or, for SGD, every such tensor of a group has a momentum buffer or none has (torch's
+    fused first step makes them): the bucket can step on its lists as the inner step would."""
     inner = opt.inner
-    if type(inner) not in states.ADAMS:  # SGD's momentum buffers start as a first gradient
-        return False
+    if type(inner) is torch.optim.SGD:  # buffers for every stepped tensor of a group, or none
+        return all(len({"momentum_buffer" in inner.state.get(t, ()) for t in tensors
+                        if step_grad(t) is not None}) <= 1
+                   for group, tensors in zip(inner.param_groups, bucket) if group["momentum"])
     for group, tensors in zip(inner.param_groups, bucket):
         names = kernels.functional_keys(type(inner), group)
         for t in tensors:
@@ -168,8 +171,26 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
             torch._foreach_copy_(model, masters)
         if wide:  # no NaN pass: a NaN moment makes its master NaN (see .compact_lists)
             states._narrow_runs(opt.inner.state, wide, opt.rounding, None)
+        _keep_made(opt, piece, calls)
     hooks.mark_stepped(opt.inner)
     return True
+
+
+def _keep_made(opt, piece: Piece, calls: list) -> None:
+    """The momentum buffers SGD's first step made into its calls' lists, kept in the state as
+    torch's SGD keeps them, then stored in the state dtype as the inner step's
+    :func:`.states.fp32_moments` stores moments a step made (the same keys, in bucket order)."""
+    inner = opt.inner
+    if type(inner) is not torch.optim.SGD:
+        return
+    made = [(t, b) for call in calls if call.keywords["momentum"]
+            for t, b in zip(call.args[0], call.args[2]) if "momentum_buffer" not in inner.state[t]]
+    for t, buf in made:
+        inner.state[t]["momentum_buffer"] = buf
+    if made and opt.state_dtype != torch.float32:
+        for t in (t for ts in opt.buckets()[piece.key] for t in ts):
+            if t in inner.state:
+                states.cast_moments(inner.state[t], t, opt.state_dtype, opt.rounding)
 
 
 def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None:
