@@ -34,7 +34,8 @@ The paths:
 * **the piece a master step works on** (:meth:`KernelTable.step_piece`): the most elements
   whose fp32 values, gradients or widened moments a master step holds at once (fp32 masters'
   gradient buckets, the compact methods' pieces; a larger tensor is stepped a slice at a time):
-  a fixed bound per device type, whatever the model's size (:data:`STEP_PIECE`).
+  a fixed bound per device type, whatever the model's size (:data:`STEP_PIECE`: 2^20 on the
+  CPU; on CUDA 1/16 of the model, up to 2^25).
 * **norm layers fed low-precision activations** (:meth:`KernelTable.norm_reads_low_precision`):
   which norm kernels read bf16/fp16 input with fp32 parameters (see
   :func:`mixprec.casting.takes_low_precision_input`).
@@ -56,7 +57,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["FLOATS", "LIMITS", "KERNELS", "DEVICE_TYPES", "STEP_PIECE", "KernelTable", "TABLE"]
+__all__ = ["FLOATS", "LIMITS", "KERNELS", "DEVICE_TYPES", "STEP_PIECE", "PIECE_FLOOR",
+           "KernelTable", "TABLE"]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 #: The floating dtypes gradients may have.
@@ -104,14 +106,20 @@ LIMITS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
     "mixed_operand_in_place": {"cpu": (), "cuda": (F16, BF16), "other": ()},
 }
 
-#: Elements of one piece of a master step, by device type. The CPU's 2^20 (4 MiB of fp32 values)
-#: keeps a piece's values in cache from its load through torch's kernel to its store: on the
-#: 42M-parameter model of docs/benchmarks.md pieces of 2^19 made split's and stochastic
-#: rounding's steps 1-4% slower, and pieces of 2^21 stepped in the same time. CUDA's 2^25
-#: (128 MiB) bounds the scratch while keeping the pieces few: each costs a fixed number of
-#: launches and Python calls, which a GPU step feels and a CPU step hardly does (a
-#: 1.1B-parameter model: about 35 pieces; chosen by that count, not measured).
+#: The most elements of one piece of a master step, by device type. A piece is 1/16 of the
+#: elements the optimizer steps, at least :data:`PIECE_FLOOR` and at most this. The CPU's 2^20
+#: (4 MiB of fp32 values) keeps a piece's values in cache from its load through torch's kernel to
+#: its store: on the 42M-parameter model of docs/benchmarks.md pieces of 2^19 made split's and
+#: stochastic rounding's steps 1-4% slower, and pieces of 2^21 stepped in the same time. On CUDA
+#: a piece costs a fixed number of launches and Python calls, which a GPU step feels and a CPU
+#: step hardly does, so pieces grow with the model (16 of them, as fp32 masters' buckets were)
+#: up to 2^25 (128 MiB of fp32 values; a 1.1B-parameter model: about 35 pieces; chosen by that
+#: count, not measured).
 STEP_PIECE: dict[str, int] = {"cpu": 1 << 20, "cuda": 1 << 25, "other": 1 << 20}
+#: The fewest elements of a piece (4 MiB of fp32 values), the cap allowing.
+PIECE_FLOOR = 1 << 20
+#: A model's elements are stepped in about this many pieces, between the floor and the cap.
+PIECES_PER_MODEL = 16
 
 #: kernel -> the callable the table hands out (a test swaps in a fake through
 #: :meth:`KernelTable.imposing`).
@@ -215,10 +223,12 @@ class KernelTable:
         fp32 copy of it (else a master method widens it into scratch first)."""
         return self.accepts("mixed_operand_in_place", device_type, dtype)
 
-    def step_piece(self, device_type: str) -> int:
-        """The most elements one piece of a master step holds on ``device_type``
-        (:data:`STEP_PIECE`)."""
-        return STEP_PIECE[self.row(device_type)]
+    def step_piece(self, device_type: str, elements: int = 0) -> int:
+        """The most elements one piece of a master step holds on ``device_type``, for an
+        optimizer stepping ``elements`` in all: ``elements / 16``, at least
+        :data:`PIECE_FLOOR`, at most the device type's :data:`STEP_PIECE`."""
+        return min(STEP_PIECE[self.row(device_type)],
+                   max(PIECE_FLOOR, elements // PIECES_PER_MODEL))
 
     def norm_reads_low_precision(self, kind: str, device_type: str) -> bool:
         """Whether the norm kernel of ``kind`` (``"batch_norm"``, ``"layer_norm"``,

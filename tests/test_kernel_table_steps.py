@@ -163,12 +163,17 @@ def test_an_fp32_layernorm_reads_bf16_input_on_the_cpu_and_casts_it_up_on_cuda(m
 def test_a_master_steps_piece_is_the_tables_for_the_device_whatever_the_models_size(
         device_type, monkeypatch):
     """fp32 masters' gradient buckets and the compact methods' pieces hold at most the table's
-    piece for the device type (CUDA's row imposed on the CPU tensors: its entry, not the CPU's),
+    piece for the device type (CUDA's row imposed on the CPU tensors: its cap, not the CPU's),
     for a model 16 times larger too (its tensors larger than a piece: a bucket of their own,
     stepped a slice at a time; cut into slices); ``bucket_mb`` overrides it."""
     if device_type == "cuda":
         monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("cuda"))
-    assert kernel_table.STEP_PIECE == {"cpu": 1 << 20, "cuda": 1 << 25, "other": 1 << 20}
+    # 1/16 of the elements stepped, at least 2^20, at most the device type's cap: on the CPU
+    # 2^20 whatever the model; on CUDA up to 2^25 (a model of 2^26 elements: 2^22)
+    table = kernel_table.TABLE
+    for elements, cpu, cuda in ((1000, 1 << 20, 1 << 20), (1 << 26, 1 << 20, 1 << 22),
+                                (1 << 34, 1 << 20, 1 << 25)):
+        assert table.step_piece("cpu", elements) == (cuda if device_type == "cuda" else cpu)
     for row in kernel_table.STEP_PIECE:  # the device's row at 4096 elements, the others huge
         monkeypatch.setitem(kernel_table.STEP_PIECE, row, 4096 if row == device_type else 1 << 30)
     for width in (32, 128):

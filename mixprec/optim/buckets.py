@@ -37,14 +37,14 @@ def is_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def make_buckets(param_groups: list[dict], bucket_mb: float | None,
-                 per_parameter: bool) -> list[list[list[torch.Tensor]]]:
+                 per_parameter: bool, elements: int = 0) -> list[list[list[torch.Tensor]]]:
     """Split the groups' tensors into buckets; a bucket lists, per group, its tensors.
 
     One bucket holding everything unless ``per_parameter``. Otherwise buckets of at most
     ``bucket_mb`` MiB of fp32 gradients (None: one piece of the kernel table's
-    :meth:`~mixprec.kernel_table.KernelTable.step_piece` for the first tensor's device, 4 MiB on
-    the CPU: a fixed bound, whatever the model's size); a tensor of that size or more gets a
-    bucket of its own, smaller ones are packed in order.
+    :meth:`~mixprec.kernel_table.KernelTable.step_piece` for the first tensor's device and
+    ``elements`` stepped in all: 4 MiB on the CPU, whatever the model's size); a tensor of that
+    size or more gets a bucket of its own, smaller ones are packed in order.
     """
     if not per_parameter:
         return [[list(group["params"]) for group in param_groups]]
@@ -52,7 +52,7 @@ def make_buckets(param_groups: list[dict], bucket_mb: float | None,
         limit = bucket_mb * 2 ** 20
     else:
         first = next((p for g in param_groups for p in g["params"]), torch.empty(0))
-        limit = 4 * kernel_table.TABLE.step_piece(first.device.type)
+        limit = 4 * kernel_table.TABLE.step_piece(first.device.type, elements)
     buckets: list[list[list[torch.Tensor]]] = []
     current, size = [[] for _ in param_groups], 0.0
     for gi, group in enumerate(param_groups):

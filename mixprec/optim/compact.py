@@ -75,7 +75,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
         state_dtype: ``"fp32"`` or ``"bf16"``: the dtype moment buffers are stored in.
         fused: ``"auto"``, ``"compile"`` or ``False`` (see the module docstring).
         bucket_mb: MiB of fp32 values per piece of the step (None: the kernel table's piece
-            for the device: 2^20 elements, 4 MiB, on the CPU; 2^25 on CUDA).
+            for the device: 2^20 elements, 4 MiB, on the CPU; on CUDA 1/16 of the model's
+            elements, between 2^20 and 2^25).
         initial_values: 16-bit parameter -> its exact fp32 value before the cast: a Kahan
             compensation starts as what the cast lost; a split pair holds it exactly.
         seed: seed of the rounding generator.

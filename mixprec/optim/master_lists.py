@@ -206,7 +206,7 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
     if len(piece.masters) != 1 or piece.groups[0][3]:
         return None
     master, param = piece.masters[0], piece.model[0]
-    limit = kernel_table.TABLE.step_piece(master.device.type)
+    limit = kernel_table.TABLE.step_piece(master.device.type, opt.elements)
     grad = param.grad
     if (master.numel() <= limit or not master.is_contiguous() or not param.is_contiguous()
             or (grad is not None and (grad.is_sparse or not grad.is_contiguous()))):

@@ -83,7 +83,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         fused: ``"auto"``, ``"compile"`` or ``False`` (also settable later, as ``.fused``).
         bucket_mb: size of the transient fp32 gradient buckets in MiB for per-parameter
             optimizers; None: one piece of the kernel table's for the device (4 MiB on the
-            CPU, 128 MiB on CUDA), whatever the model's size.
+            CPU whatever the model's size; on CUDA 1/16 of the model's, 4 to 128 MiB).
         initial_masters: model parameter -> the fp32 tensor its master starts as (e.g. the
             exact fp32 weight before the model was cast), its storage (not a copy); others
             start from their upcast.

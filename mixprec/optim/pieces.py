@@ -2,8 +2,9 @@
 and the scratch a piece is loaded into (:mod:`.family` steps them).
 
 A piece holds at most :func:`piece_limit` elements (the kernel table's
-:meth:`~mixprec.kernel_table.KernelTable.step_piece` for its device: 2^20 on the CPU;
-``bucket_mb`` MiB of fp32 values when set) of one device and weight dtype. For torch's
+:meth:`~mixprec.kernel_table.KernelTable.step_piece` for its device: 2^20 on the CPU, on CUDA
+1/16 of the model up to 2^25; ``bucket_mb`` MiB of fp32 values when set) of one device and
+weight dtype. For torch's
 per-parameter optimizers (Adafactor and SparseAdam aside: their state is not element-wise) a
 larger tensor is cut into slices: flat ranges of multiples of 64 elements (torch's fused CPU
 kernel then groups the elements for its vector loop as for the whole tensor), or, for a strided
@@ -137,7 +138,7 @@ def positions(slices: list[Slice]) -> list[int]:
 def piece_limit(opt, device: torch.device) -> int:
     """The most elements of a bounded piece of ``opt``'s step on ``device``: ``bucket_mb`` MiB
     of fp32 values when set, else the kernel table's piece for the device type."""
-    limit = (kernel_table.TABLE.step_piece(device.type) if opt.bucket_mb is None
+    limit = (kernel_table.TABLE.step_piece(device.type, opt.elements) if opt.bucket_mb is None
              else int(opt.bucket_mb * 2 ** 18))
     return max(_ALIGN, limit - limit % _ALIGN)
 

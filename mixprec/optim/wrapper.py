@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..formats import get as float_format
+from ..shards import local
 from . import hooks, loadcheck
 from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
@@ -194,8 +195,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._held = {id(p) for p in held}
         self._model_params = list({id(m): m for m in (self._model_side(p)
                                                         for p in held)}.values())
+        self.elements = sum(local(p).numel() for p in held)  # what a piece is sized by
         self._buckets = make_buckets(self.param_groups, self._bucket_mb,
-                                     is_per_parameter(self.inner))
+                                     is_per_parameter(self.inner), self.elements)
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
