@@ -186,6 +186,43 @@ def lists_or_inner(monkeypatch, lists, recorded, results):
         yield
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_fp32_gradients_a_master_holds_step_on_the_lists_as_through_the_inner_step(
+        state_dtype, monkeypatch):
+    """Gradients unscaled into the masters (``unscale_grads_``: a scaler's unscale before a
+    clip) and gradients read and clipped through the param groups (one master's only: the
+    others read the model's) step on the cached lists, bitwise as through the inner step, the
+    big weight (2048 elements, 256-element pieces) a slice at a time."""
+    monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", 256)
+
+    def run(lists):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 2)).to(torch.bfloat16)
+        opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    state_dtype=state_dtype, bucket_mb=256 * 4 / 2 ** 20)
+        ran = []
+        with lists_or_inner(monkeypatch, lists, "fused_bucket", ran):
+            for step in range(4):
+                g = torch.Generator().manual_seed(step)
+                for p in model.parameters():
+                    p.grad = (torch.randn(p.shape, generator=g) * 64).to(p.dtype)
+                if step % 2:  # every master holds its unscaled fp32 gradient
+                    opt.unscale_grads_(torch.tensor(1 / 64))
+                    masters = [p for grp in opt.param_groups for p in grp["params"]]
+                    torch.nn.utils.clip_grad_norm_(masters, 1.0)
+                else:  # one master's gradient read and scaled; the others read the model's
+                    opt.master_param(model[1].weight).grad.mul_(0.5)
+                opt.step()
+        return model, opt, ran
+
+    (fm, fo, fran), (gm, go, gran) = run(True), run(False)
+    assert fran and all(fran) and not gran  # every bucket on the lists; never without them
+    for p, q in zip(fm.parameters(), gm.parameters()):
+        assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
+        for key, value in fo.state[fo.master_param(p)].items():
+            assert torch.equal(value, go.state[go.master_param(q)][key]), key
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_bf16_moments_step_on_the_lists_as_through_the_inner_step(name, monkeypatch):
     """``state_dtype="bf16"``: steps run on the cached lists (the bucket's moments widened into

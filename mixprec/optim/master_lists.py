@@ -109,24 +109,24 @@ def state_ready(opt, bucket: list[list[torch.Tensor]]) -> bool:
 
 
 def cached_lists_apply(opt) -> bool:
-    """The step may read the model's gradients straight from the cached lists: torch's fused
-    kernels asked for, no master holding an fp32 gradient of its own, no keyword for the inner
-    ``step``, no group option the fused kernels refuse."""
-    return (opt.fused == "auto" and not opt.held_grads()
-            and not opt.step_kwargs
+    """The step may run on the cached lists: torch's fused kernels asked for, no keyword for
+    the inner ``step``, no group option the fused kernels refuse."""
+    return (opt.fused == "auto" and not opt.step_kwargs
             and not any(g.get("differentiable") or g.get("capturable") for g in opt.param_groups))
 
 
 def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
     """Step one bucket from its cached lists: widen the model's gradients into the kept
-    scratch views (one ``_foreach_copy_``), run torch's functional step of the inner optimizer's
-    type (its fused kernel) per param group, and cast the masters into the model's parameters
-    (one ``_foreach_copy_``). False, having changed nothing, where a gradient is sparse or some
-    state is missing (the inner optimizer's own step makes it)."""
+    scratch views (one ``_foreach_copy_``; a master's own fp32 gradient, made by
+    ``unscale_grads_`` or a read of ``master.grad``, is read as it is), run torch's functional
+    step of the inner optimizer's type (its fused kernel) per param group, and cast the masters
+    into the model's parameters (one ``_foreach_copy_``). False, having changed nothing, where a
+    gradient is sparse or some state is missing (the inner optimizer's own step makes it)."""
     sliced = _sliced_bucket(opt, piece, grad_scale, found_inf, inv)
     if sliced is not None:
         return sliced
-    grads = [p.grad for p in piece.model]
+    grads = ([step_grad(m) for m in piece.masters] if opt.held_grads()
+             else [p.grad for p in piece.model])
     own = [[t.grad for t in ts] for *_, ts in piece.groups]
     whole = True
     for g in itertools.chain(grads, *own):
@@ -137,6 +137,9 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
     views = opt.scratch.kept(piece.key, piece.masters)
     if views is None:
         return False
+    if opt.held_grads():  # a master's own fp32 gradient is read where it is
+        views = [g if g is not None and g.dtype == torch.float32 else v
+                 for g, v in zip(grads, views)]
     wide = _widened_moments(opt, piece)
     if wide is None:
         return False
@@ -161,7 +164,11 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
         views, masters, model = (_having(grads, ts) for ts in (views, masters, model))
         grads = _having(grads, grads)
     with torch.no_grad():
-        if grads:
+        if opt.held_grads():  # only the model's gradients are widened
+            views_grads = [(v, g) for v, g in zip(views, grads) if v is not g]
+            if views_grads:
+                torch._foreach_copy_(*map(list, zip(*views_grads)))
+        elif grads:
             torch._foreach_copy_(views, grads)
         if inv is not None:
             unscale_(views + [g for gs in own for g in gs if g is not None], inv)
@@ -207,7 +214,7 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
         return None
     master, param = piece.masters[0], piece.model[0]
     limit = kernel_table.TABLE.step_piece(master.device.type, opt.elements)
-    grad = param.grad
+    grad = step_grad(master)
     if (master.numel() <= limit or not master.is_contiguous() or not param.is_contiguous()
             or (grad is not None and (grad.is_sparse or not grad.is_contiguous()))):
         return None

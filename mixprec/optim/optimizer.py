@@ -19,8 +19,8 @@ unscales the model's in place, so every reader sees true values), ``step(grad_sc
 found_inf=)`` (torch's fused kernel divides and skips on the device) and ``drop_master_grads()``.
 ``torch.amp.GradScaler`` drives the same two values (``_step_supports_amp_scaling``).
 
-**Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels, on
-cached lists (:mod:`.master_lists`) else through the configured step; ``False`` the configured
+**Update kernels** (``fused``): ``"auto"`` (default) torch's fused SGD/Adam/AdamW kernels on
+cached lists (:mod:`.master_lists`), else through the configured step; ``False`` the configured
 step; ``"compile"`` torch's single-tensor step compiled into one pass per low-precision
 parameter (:mod:`.kernels`). Weights are written back with torch's cast (ties to even); bf16
 moments: :mod:`.states`. No host sync, except that ``"compile"`` reads a GPU's Adam ``step``.
