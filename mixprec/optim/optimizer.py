@@ -5,9 +5,8 @@ half a bf16 ulp rounds away; an fp32 copy lets it accumulate).
 (LR schedulers, edits of ``"lr"`` and hooks work as for any torch optimizer). A master's
 ``.grad`` is its model parameter's gradient in fp32, made when read, so ``clip_grad_norm_`` over
 the optimizer's parameters sees the real gradients, and an in-place change is what the step
-uses. torch's per-parameter optimizers (:data:`mixprec.optim.buckets.PER_PARAMETER_OPTIMIZERS`)
-are stepped a bucket at a time, others once per step. The inner optimizer refuses to be stepped
-directly (its ``param_groups`` hold masters).
+uses. torch's per-parameter optimizers (:data:`.buckets.PER_PARAMETER_OPTIMIZERS`) are stepped
+a bucket at a time, others once per step. The inner optimizer refuses to be stepped directly.
 
 **Memory.** ``step()`` widens the model's gradients to fp32 a bucket (``bucket_mb``) or a slice
 at a time, into scratch held while it runs. Bytes per 16-bit parameter: 2 (weight) + 4
