@@ -293,7 +293,7 @@ def test_a_first_step_makes_bf16_moments_once_in_bf16(amsgrad):
 
 
 @pytest.mark.parametrize("name,state_dtype", [("adamw", "fp32"), ("adamw", "bf16"),
-                                              ("sgd_momentum", "fp32")])
+                                              ("sgd_momentum", "fp32"), ("sgd_momentum", "bf16")])
 def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, state_dtype,
                                                                       monkeypatch):
     """A master of 2048 elements with 256-element pieces: on the lists it steps a slice at a
@@ -313,20 +313,25 @@ def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, stat
                 g = torch.Generator().manual_seed(step)
                 for p in model.parameters():
                     p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-                scale = torch.tensor(8.0) if step == 2 else None
+                # loss scales folded into the kernel; 3 makes the first step's quotients (SGD's
+                # first momentum buffers) round
+                scale = {0: torch.tensor(3.0), 2: torch.tensor(8.0)}.get(step)
                 if scale is not None:
                     for p in model.parameters():
-                        p.grad.mul_(8)
+                        p.grad.mul_(scale)
                 opt.step(grad_scale=scale)
                 sched.step()
         return model, opt, sliced
 
     (fm, fo, fs), (gm, go, gs) = run(True), run(False)
-    assert True in fs and not gs  # the big weight's bucket stepped in slices on the lists
+    # the big weight's bucket stepped in slices on the lists, SGD's first step (which makes the
+    # momentum buffers) too
+    assert [r for r in fs if r is not None] == [True] * 4 and not gs
     held = sorted(t.numel() for t in fo.scratch.tensors())
     # a slice's gradient (and moments), not 2048; with bf16 moments, the small bucket's (98
     # elements) widened into the scratch too
-    assert held == ([98, 98, 256 * 3] if state_dtype == "bf16" else [256])
+    moments = 2 if name == "adamw" else 1
+    assert held == ([98] * moments + [256 * (1 + moments)] if state_dtype == "bf16" else [256])
     for p, q in zip(fm.parameters(), gm.parameters()):
         assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
         for key, value in fo.state[fo.master_param(p)].items():

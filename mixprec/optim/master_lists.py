@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from .. import kernel_table
-from ..masters.rounding import TABLE_SIZE, round_into_lists
+from ..masters.rounding import BF16_NAN, TABLE_SIZE, round_into_lists
 from ..scaling.unscale import unscale_
 from . import hooks, kernels, states
 from .params import is_master, valid_grad
@@ -224,6 +224,10 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
     state = inner.state.get(master, {})
     dtype = opt.state_dtype
     moments = [state.get(k) for k in names]
+    if not adam and names and moments[0] is None:  # SGD's first step: torch makes the buffer
+        if found_inf is not None:
+            return False
+        return _first_sgd_slices(opt, master, param, grad, limit, group, grad_scale, inv)
     if (any(m is None or m.shape != master.shape or not m.is_contiguous() or m.dtype != dtype
             for m in moments) or (adam and not torch.is_tensor(state.get("step")))):
         return False
@@ -261,6 +265,41 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
         if steps:
             step.copy_(steps[0])
     hooks.mark_stepped(inner)
+    return True
+
+
+def _first_sgd_slices(opt, master, param, grad, limit: int, group: dict, grad_scale,
+                      inv) -> bool:
+    """SGD's first step of a master larger than a piece, a slice at a time: per slice torch's
+    functional fused step makes the momentum buffer of the slice (its first step: the
+    gradient), which goes into the tensor's buffer, in the state dtype (bf16: rounded with one
+    key, drawn as the inner step's :func:`.states.fp32_moments` draws it, shifted by the
+    slice's place: the bits of the whole tensor rounded at once)."""
+    if grad is None:
+        return True
+    dtype = opt.state_dtype
+    full = torch.empty(master.shape, dtype=dtype, device=master.device)
+    key = None if dtype == torch.float32 else int(opt.rounding.draw(1, salt=1)[0])
+    flat = opt.scratch.take(master.device, "grads", limit)
+    with torch.no_grad():
+        for start in range(0, master.numel(), limit):
+            stop = min(master.numel(), start + limit)
+            g = flat[:stop - start]
+            g.copy_(grad.view(-1)[start:stop])
+            if inv is not None:
+                unscale_([g], inv)
+            made = [None]
+            kernels.fused_call(torch.optim.SGD, group, [master.view(-1)[start:stop]], [g],
+                               {"momentum_buffer": made}, [])(grad_scale=grad_scale,
+                                                              found_inf=None)
+            param.view(-1)[start:stop].copy_(master.view(-1)[start:stop])
+            if key is None:
+                full.view(-1)[start:stop].copy_(made[0])
+            else:
+                shifted = torch.tensor([(key + start) % TABLE_SIZE], dtype=torch.int32)
+                round_into_lists(made[0], [full.view(-1)[start:stop]], shifted, BF16_NAN)
+    opt.inner.state[master]["momentum_buffer"] = full
+    hooks.mark_stepped(opt.inner)
     return True
 
 
