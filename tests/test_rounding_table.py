@@ -172,6 +172,31 @@ def test_the_sliced_and_the_indexed_rounding_agree_on_every_kind_of_value():
                        stochastic_round(x.view(50, 100).t().contiguous(), k).view(torch.int16))
 
 
+def test_a_run_rounded_nan_safe_gets_each_tensors_bits_for_every_kind_of_value():
+    """``round_into_lists`` with bf16's quiet NaN (the NaNs made fp32's quiet NaN before the
+    noise, in one pass) gives the bits ``stochastic_round`` gives each tensor alone (NaNs masked
+    after its noise): NaNs of every sign and payload (some one carry from a sign flip or an
+    infinity), infinities, the largest finite values, zeros and subnormals, under every key."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (4096,), generator=gen, dtype=torch.int32)
+    edges = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7F80FFFF, -0x00400000,
+                          -1, -0x7F0001, 0x7F800000, -0x00800000, 0x7F7FFFFF, -0x00800001,
+                          0, -2 ** 31, 1, 0x8000, 0x7F7F8000], dtype=torch.int32)
+    tensors = [torch.cat([edges, bits[:1000]]).view(torch.float32),
+               bits[1000:].view(torch.float32).view(24, -1)]
+    # a key under which the +inf (element 7) reads a 0 from the table: made the largest finite
+    # value, it would stay finite
+    zero = int((noise_table() == 0).nonzero()[0])
+    for k in (0, 0xFFFF, L - 10, (zero - 7) % L):
+        keys = [key(k), key((k * 7 + 3) % L)]
+        shifted = torch.stack(keys) - torch.tensor([0, tensors[0].numel()], dtype=torch.int32)
+        outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in tensors]
+        round_into_lists(torch.cat([t.reshape(-1) for t in tensors]), outs, shifted, 0x7FC0)
+        for out, t, kk in zip(outs, tensors, keys):
+            assert torch.equal(out.view(torch.int16), stochastic_round(t, kk).view(torch.int16))
+        assert outs[0][:5].view(torch.int16).eq(0x7FC0).all()  # every NaN: the quiet one
+
+
 def test_a_shard_offset_key_gets_the_full_tensors_bits():
     """A shard starting ``off`` elements into its full tensor, keyed as shard_key keys a
     DTensor shard (offset_key): the full tensor's numbers from ``off`` on, whatever the key."""

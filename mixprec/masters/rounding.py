@@ -37,6 +37,7 @@ tensor the key ``k + off * KEY_STRIDE`` (:func:`shard_key`).
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 
 import torch
@@ -200,8 +201,13 @@ def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], keys: torch
     high halves are the rounded values (a little-endian machine's layout). ``nan``: the bf16
     bit pattern written where a value is NaN (None: the NaN's own high half, which a carry from
     its low half can turn into another value; for a buffer whose NaNs the weight holds
-    anyway)."""
-    bad = values.isnan() if nan is not None else None
+    anyway). bf16's quiet NaN is written by making every NaN fp32's quiet NaN before the noise
+    (one in-place pass, infinities kept): no number in the table carries out of its low half."""
+    bad = None
+    if nan == BF16_NAN:
+        values.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+    elif nan is not None:
+        bad = values.isnan()
     _add_noise_(values.view(torch.int32), keys, [o.numel() for o in outs])
     high = values.view(torch.int16)[1::2]
     if bad is not None:
