@@ -13,10 +13,10 @@ per piece, the views of the weights, buffers and moments it reads, views of the 
 rows and shifts. Each step then loads, calls torch's kernel per param group, and stores, with
 the same rounding keys, in the same order, on the same values as :func:`.family.step`: bit for
 bit the same result, a NaN moment aside. bf16 moments are rounded back without the pass that
-keeps a NaN one NaN (a third of a bf16-moment step on the CPU): in torch's SGD, Adam and AdamW a
-moment that is NaN after a step makes that step's update of the weight NaN (``param -= lr *
-m / (sqrt(v) + eps)``; ``param -= lr * buf``), and a weight is always stored NaN-safe, so the
-model shows the NaN whatever its moment is rounded to (a carry out of a NaN's low half can make
+keeps a NaN one NaN: in torch's SGD, Adam and AdamW a moment that is NaN after a step makes
+that step's update of the weight NaN (``param -= lr * m / (sqrt(v) + eps)``; ``param -= lr *
+buf``), and a weight is always stored NaN-safe, so the model shows the NaN whatever its moment
+is rounded to (a carry out of a NaN's low half can make
 it an infinity or a zero). The step through :func:`.family.step`, which serves any optimizer,
 keeps the pass.
 
