@@ -2,6 +2,7 @@
 overflow, exact save/load_state, what it refuses; and over two gloo ranks (DDP and FSDP2)
 against one process at the same global batch, ranks equal, resume bitwise, 2 ranks into 1."""
 
+import gc
 import os
 
 import pytest
@@ -199,26 +200,33 @@ def test_bad_arguments_are_refused():
                             1.0)
 
 
-def test_ddp_of_16_bit_parameters_reduces_in_fp32(tmp_path):
-    """The hook goes on a DDP model with 16-bit parameters, once; not on an fp32 one."""
+def _ddp_hooks_on_16_bit_parameters_only() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from mixprec.integrations.accelerate import reduce_in_fp32
 
+    low = DistributedDataParallel(mp.prepare(Net(), level="O2", dtype="bf16"))
+    reduce_in_fp32(low)
+    reduce_in_fp32(low)  # a second call leaves the one hook
+    fp32 = DistributedDataParallel(Net())
+    reduce_in_fp32(fp32)
+    reduce_in_fp32(Net())  # not DDP: nothing
+    assert low._mixprec_hook and not getattr(fp32, "_mixprec_hook", False)
+    x, y = dataset()[:8]
+    F.cross_entropy(low(x).float(), y).backward()  # the hook runs
+    assert low.module.blocks[0].fc.weight.grad.dtype == torch.bfloat16
+
+
+def test_ddp_of_16_bit_parameters_reduces_in_fp32(tmp_path):
+    """The hook goes on a DDP model with 16-bit parameters, once; not on an fp32 one. The DDP
+    models (their reducers hold the process group) are gone before the group is destroyed: a
+    reducer freed after it can leave gloo's destructor waiting on its threads."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
-        low = DistributedDataParallel(mp.prepare(Net(), level="O2", dtype="bf16"))
-        reduce_in_fp32(low)
-        reduce_in_fp32(low)  # a second call leaves the one hook
-        fp32 = DistributedDataParallel(Net())
-        reduce_in_fp32(fp32)
-        reduce_in_fp32(Net())  # not DDP: nothing
-        assert low._mixprec_hook and not getattr(fp32, "_mixprec_hook", False)
-        x, y = dataset()[:8]
-        F.cross_entropy(low(x).float(), y).backward()  # the hook runs
-        assert low.module.blocks[0].fc.weight.grad.dtype == torch.bfloat16
+        _ddp_hooks_on_16_bit_parameters_only()
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
