@@ -180,19 +180,6 @@ def _add_noise_(words: torch.Tensor, keys: torch.Tensor, sizes: list[int]) -> No
         torch._foreach_add_(runs, read)
 
 
-def _plus_noise(words: torch.Tensor, key: int) -> torch.Tensor:
-    """The flat int32 ``words`` plus the numbers of ``key`` (a new tensor; the table's slices
-    read once)."""
-    table = noise_table(words.device)
-    runs = _runs(key, words.numel())
-    if len(runs) == 1:
-        return words + table[runs[0][2]:runs[0][2] + runs[0][1]]
-    out = torch.empty_like(words)
-    for start, stop, entry in runs:
-        torch.add(words[start:stop], table[entry:entry + stop - start], out=out[start:stop])
-    return out
-
-
 def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], keys: torch.Tensor,
                      nan: int | None = None) -> None:
     """:func:`stochastic_round` of the flat fp32 ``values`` (overwritten) into the contiguous
@@ -222,10 +209,13 @@ def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     the words and keeps their high halves; any other key indexes the table: the same bits."""
     if (_LITTLE and key.dim() == 0 and _host_keys(key) and value.is_contiguous()
             and value.dtype == torch.float32):
-        words = _plus_noise(value.view(torch.int32).reshape(-1), int(key))
+        # every NaN made fp32's quiet NaN first (as round_into_lists does), in a new tensor
+        words = value.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+        words = words.view(torch.int32).reshape(-1)
+        _add_noise_(words, key.reshape(1), [words.numel()])
         rounded = torch.empty(value.shape, dtype=torch.int16, device=value.device)
         rounded.view(-1).copy_(words.view(torch.int16)[1::2])
-        return rounded.masked_fill_(value.isnan(), BF16_NAN).view(torch.bfloat16)
+        return rounded.view(torch.bfloat16)
     # the high halves of the words plus the numbers (finite patterns never overflow int32, inf
     # stays inf); a NaN becomes bf16's quiet NaN
     bits = value.view(torch.int32) + noise16(key, value)
