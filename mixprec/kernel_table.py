@@ -34,8 +34,8 @@ The paths:
 * **the piece a master step works on** (:meth:`KernelTable.step_piece`): the most elements
   whose fp32 values, gradients or widened moments a master step holds at once (fp32 masters'
   gradient buckets, the compact methods' pieces; a larger tensor is stepped a slice at a time):
-  a fixed bound per device type, whatever the model's size (:data:`STEP_PIECE`: 2^20 on the
-  CPU; on CUDA 1/16 of the model, up to 2^25).
+  1/16 of the model, within a floor and a cap per device type that hold whatever the model's
+  size (:data:`STEP_PIECE`: 2^20 on the CPU; on CUDA up to 2^25).
 * **norm layers fed low-precision activations** (:meth:`KernelTable.norm_reads_low_precision`):
   which norm kernels read bf16/fp16 input with fp32 parameters (see
   :func:`mixprec.casting.takes_low_precision_input`).
