@@ -8,13 +8,12 @@ do, in words, derived from the same numbers (:func:`advice`).
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 import os
 import pathlib
 
+from .plots import fp8_plot, heatmap, loss_plot, norm_plot
 from .writers import read_run
 
 __all__ = ["write_report", "render", "advice", "Run", "read_record", "summary_rows",
@@ -208,99 +207,6 @@ def _worst(hits: list[tuple[str, int, float]], most: int = 5) -> list[tuple[str,
     return sorted(hits, key=lambda h: -h[2])[:most]
 
 
-# -- plots -----------------------------------------------------------------------------------------
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    _pyplot().close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _loss_plot(run: Run) -> str | None:
-    loss, scale = run.get("loss"), run.get("loss_scale")
-    if not loss and not scale:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 3.6))
-    if loss:
-        ax.plot(*zip(*loss), color="tab:blue", label="loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss", color="tab:blue")
-    for i, s in enumerate(run.skip_steps()):
-        ax.axvline(s, color="tab:red", alpha=0.5, linewidth=1,
-                   label="skipped step(s) since the last record" if i == 0 else None)
-    if scale:
-        twin = ax.twinx()
-        twin.step(*zip(*scale), where="post", color="tab:orange", label="loss scale")
-        twin.set_yscale("log", base=2)
-        twin.set_ylabel("loss scale", color="tab:orange")
-    handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
-    ax.set_title("Loss and loss scale")
-    return _png(fig)
-
-
-def _norm_plot(run: Run) -> str | None:
-    norm = [(s, v) for s, v in run.get("grad_norm") if math.isfinite(v) and v > 0]
-    if not norm:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 2.6))
-    ax.plot(*zip(*norm), color="tab:green")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_title("True gradient norm (unscaled, before clipping)")
-    return _png(fig)
-
-
-def _heatmap(run: Run, stat: str, title: str, cmap: str, vmin=None, vmax=None,
-             label: str = "") -> str | None:
-    names, rows = run.matrix(stat)
-    if not names:
-        return None
-    import numpy as np
-    plt = _pyplot()
-    data = np.ma.masked_invalid(np.array(rows, dtype=float))
-    if vmax is None:  # a scale that shows small fractions, and all-zero rows as zero
-        vmax = max(float(data.max()) if data.count() else 0.0, 0.05)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.16 * len(names)))
-    steps = run.steps
-    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
-    # grey: not measured (a skipped step, or no gradient)
-    colors = plt.get_cmap(cmap).with_extremes(bad="#d0d0d0")
-    image = ax.imshow(data, aspect="auto", cmap=colors, vmin=vmin, vmax=vmax,
-                      interpolation="nearest",
-                      extent=(steps[0] - half, steps[-1] + half, len(names) - 0.5, -0.5))
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names, fontsize=max(4, min(8, 400 // max(len(names), 1))))
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax, label=label, fraction=0.03, pad=0.01)
-    return _png(fig)
-
-
-def _fp8_plot(run: Run) -> str | None:
-    names = [n for n in run.series if n.endswith("_scale") and "/fp8_" in n]
-    if not names:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 3))
-    for n in names[:12]:
-        ax.plot(*zip(*run.series[n]), label=n.removeprefix("mixprec/"), linewidth=1)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("step")
-    ax.legend(fontsize=6, ncol=2)
-    ax.set_title("FP8 scales (fmax / amax)")
-    return _png(fig)
-
-
 # -- the page --------------------------------------------------------------------------------------
 _STYLE = """body{font-family:system-ui,sans-serif;max-width:1080px;margin:2em auto;padding:0 1em;
 color:#222}h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em}figure{margin:0.5em 0}
@@ -315,24 +221,24 @@ def render(series: dict[str, list[tuple[int, float]]], title: str = "mixprec run
     sections = [
         ("What to do", None, "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in advice(run))
          + "</ul>"),
-        ("Loss and loss scale", _loss_plot(run),
+        ("Loss and loss scale", loss_plot(run),
          "Red lines: a step was skipped (inf/NaN gradients) since the previous record."
          if run.skip_steps() else "No step was skipped."),
-        ("Gradient norm", _norm_plot(run), ""),
-        ("Gradient underflow", _heatmap(run, "grad_underflow", "Gradient underflow (layer x step)",
+        ("Gradient norm", norm_plot(run), ""),
+        ("Gradient underflow", heatmap(run, "grad_underflow", "Gradient underflow (layer x step)",
                                         "magma_r", 0.0, None, "fraction"),
          f"Fraction of each layer's nonzero gradient values below {fmt}'s smallest normal number "
          "at the loss scale of the step: they keep fewer bits, or flush to zero."),
-        ("Update lost", _heatmap(run, "weight_update_lost", "Update lost (layer x step)",
+        ("Update lost", heatmap(run, "weight_update_lost", "Update lost (layer x step)",
                                  "Reds", 0.0, 1.0, "fraction"),
          "Fraction of each step's intended (fp32) update that the weights the run keeps did not "
          "take: 0 with fp32 master weights, 1 when 16-bit weights round every update away. "
          "Grey: not measured (a skipped step)."),
-        ("Activation headroom", _heatmap(run, "act_headroom", "Activation headroom "
+        ("Activation headroom", heatmap(run, "act_headroom", "Activation headroom "
                                          "(layer x step)", "RdYlGn", 0.0, 16.0, "binades"),
          f"log2({fmt} max / the layer's largest output): how many doublings its activations can "
          "still take before they overflow (red: few)."),
-        ("FP8 scales", _fp8_plot(run), ""),
+        ("FP8 scales", fp8_plot(run), ""),
     ]
     body = [f"<h1>{html.escape(title)}</h1>", _summary(run)]
     for heading, png, text in sections:
