@@ -4,7 +4,8 @@ TensorBoard, JSONL or a trainer's loggers, and ``mixprec report`` turns a record
 * :mod:`~mixprec.monitor.monitor`: the monitor, driven by :class:`mixprec.MixedPrecision`;
 * :mod:`~mixprec.monitor.statistics`: what it measures, on the device;
 * :mod:`~mixprec.monitor.writers`: the writers, and :func:`read_run`;
-* :mod:`~mixprec.monitor.report`: the HTML report, and :mod:`~mixprec.monitor.plots` its plots.
+* :mod:`~mixprec.monitor.report`: the HTML report, with :mod:`~mixprec.monitor.run` (the
+  record it reads) and :mod:`~mixprec.monitor.plots` (its plots).
 """
 
 from .monitor import PrecisionMonitor

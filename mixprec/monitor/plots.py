@@ -7,16 +7,14 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .report import Run
+from .run import Run
 
 __all__ = ["loss_plot", "norm_plot", "heatmap", "fp8_plot"]
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional: the demo extra
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     return plt
@@ -67,7 +65,7 @@ def norm_plot(run: Run) -> str | None:
 
 
 def heatmap(run: Run, stat: str, title: str, cmap: str, vmin=None, vmax=None,
-             label: str = "") -> str | None:
+            label: str = "") -> str | None:
     names, rows = run.matrix(stat)
     if not names:
         return None
