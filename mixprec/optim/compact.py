@@ -48,7 +48,7 @@ from .. import masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from ..shards import is_dtensor, like_shard, local
+from ..shards import like_shard, local
 from . import compact_lists, compact_state, family, pieces, states
 from .buckets import Scratch, is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
@@ -313,24 +313,34 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return loss
 
     def _items(self) -> tuple[list[pieces.Slice], list[list[torch.Tensor]]]:
-        """The 16-bit parameters with gradients (in order), and each group's fp32 ones."""
+        """The 16-bit parameters with gradients (in order), and each group's fp32 ones. Per
+        tensor per step: what depends only on the param groups is kept per layout."""
         items, fp32 = [], []
         state, key, held = self.state, self._buffer_key, self._grads32
-        for g, group in enumerate(self.param_groups):  # per tensor per step: kept lean
-            fp32.append([])
-            for p in group["params"]:
-                if not is_low_precision(p):
-                    fp32[-1].append(p)
-                    continue
+        pending, make = self._pending, pieces.Slice._make
+        for g, (low, own) in enumerate(self._item_layout()):
+            fp32.append(list(own))
+            for p, numel in low:
                 grad = p.grad
                 if grad is None:
                     continue
                 buf = None if key is None else (state.get(p) or {}).get(key)
-                items.append(pieces.Slice(
-                    g, p, self._grad_of(p) if held else grad,
-                    self._pending.get(p) if buf is None else buf, len(items),
-                    numel=local(p).numel() if is_dtensor(p) else p.numel()))
+                items.append(make((g, p, self._grad_of(p) if held else grad,
+                                   pending.get(p) if buf is None else buf, len(items), (), 0,
+                                   numel, False)))
         return items, fp32
+
+    def _item_layout(self) -> list[tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]]:
+        """Per param group, its 16-bit parameters with their (local) sizes and its fp32 ones,
+        worked out once per layout."""
+        cached = self.__dict__.get("_layout_items")
+        if cached is None or cached[0] != self.layout_version:
+            layout = []
+            for group in self.param_groups:
+                low = [(p, local(p).numel()) for p in group["params"] if is_low_precision(p)]
+                layout.append((low, [p for p in group["params"] if not is_low_precision(p)]))
+            cached = self._layout_items = (self.layout_version, layout)
+        return cached[1]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (its 16-bit parameters get their buffers under kahan/split).

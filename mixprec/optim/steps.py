@@ -38,27 +38,27 @@ __all__ = ["bucketed_step", "compiled_step", "skips_on_device", "folds_scale",
 
 
 def device_plan(opt) -> tuple[bool, bool]:
-    """``(folds, ready)`` for master optimizer ``opt``, in one pass over its tensors: ``folds``,
-    the step hands the loss scale to torch's fused kernel for every tensor (``fused="auto"``, a
-    fused kernel for every tensor's device and dtype, no sparse gradient, no FSDP2 shard: those
-    are unscaled apart, as before); ``ready``, every tensor the step reads a gradient for already
-    has its optimizer state (Adam's ``step``; SGD's ``momentum_buffer`` when it has momentum)."""
+    """``(folds, ready)`` for master optimizer ``opt``: ``folds``, the step hands the loss scale
+    to torch's fused kernel for every tensor (``fused="auto"``, a fused kernel for every
+    tensor's device and dtype, no sparse gradient, no FSDP2 shard: those are unscaled apart, as
+    before); ``ready``, every tensor the step reads a gradient for already has its optimizer
+    state (Adam's ``step``; SGD's ``momentum_buffer`` when it has momentum). What depends only
+    on the param groups and the kernel table is worked out once per layout
+    (:func:`_layout`); a step walks the gradients and the state (no function call per tensor:
+    a 400-tensor model's check took 0.85 ms when it did)."""
     inner = opt.inner
     if opt.fused != "auto" or kernels.torch_fused_problem(inner, ()) is not None:
         return False, False
-    table, fused_ok = kernel_table.TABLE, {}
+    fused, sources = _layout(opt)
+    if not fused:
+        return False, False
     state, ready = inner.state, True
     sgd = type(inner) is torch.optim.SGD
-    for group in inner.param_groups:
+    held = opt.held_grads()
+    for group, pairs in zip(inner.param_groups, sources):
         key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
-        for t in group["params"]:
-            kind = (t.device.type, t.dtype)
-            ok = fused_ok.get(kind)
-            if ok is None:
-                ok = fused_ok[kind] = table.fused_optimizer(*kind)
-            if not ok or is_dtensor(t):
-                return False, False
-            grad = step_grad(t)
+        for t, source in pairs:
+            grad = step_grad(t) if held else source.grad
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -66,6 +66,27 @@ def device_plan(opt) -> tuple[bool, bool]:
             if ready and key is not None and key not in state.get(t, ()):
                 ready = False
     return True, ready
+
+
+def _layout(opt) -> tuple[bool, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """``(fused, sources)`` for ``opt``'s param groups under the kernel table in use, kept until
+    either changes: ``fused``, torch's fused kernel takes every tensor's device and dtype and no
+    tensor is an FSDP2 shard; ``sources``, per group, each tensor with the tensor whose
+    ``.grad`` the step reads when no fp32 gradient is held (a master's model parameter)."""
+    table, cached = kernel_table.TABLE, opt.__dict__.get("_device_layout")
+    if cached is not None and cached[0] == opt.layout_version and cached[1] is table:
+        return cached[2], cached[3]
+    fused_ok: dict[tuple, bool] = {}
+    fused, sources = True, []
+    for group in opt.inner.param_groups:
+        sources.append([(t, t.model_param if is_master(t) else t) for t in group["params"]])
+        for t in group["params"]:
+            kind = (t.device.type, t.dtype)
+            if kind not in fused_ok:
+                fused_ok[kind] = table.fused_optimizer(*kind)
+            fused = fused and fused_ok[kind] and not is_dtensor(t)
+    opt._device_layout = (opt.layout_version, table, fused, sources)
+    return fused, sources
 
 
 def folds_scale(opt) -> bool:

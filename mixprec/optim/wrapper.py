@@ -191,6 +191,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     # -- buckets and bookkeeping ---------------------------------------------------------------
     def _rebuild(self) -> None:
         """Recompute what depends on the param groups (subclasses add to it)."""
+        self.layout_version = self.__dict__.get("layout_version", 0) + 1
         held = [p for g in self.param_groups for p in g["params"]]
         self._held = {id(p) for p in held}
         self._model_params = list({id(m): m for m in (self._model_side(p)
