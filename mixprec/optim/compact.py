@@ -213,6 +213,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(parameter, gradient)`` pairs the next ``step()`` reads."""
+        if not self._grads32:  # every gradient the step reads is the model's
+            return [(p, p.grad) for p in self._model_params if p.grad is not None]
         return [(p, self._grad_of(p)) for p in self._model_params if p.grad is not None]
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
