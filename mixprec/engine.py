@@ -52,7 +52,7 @@ from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.gradscaler import TORCH_KEYS
 from .scaling.state import skip_limit
-from .scaling.unscale import total_norm
+from .scaling.unscale import clip_value_, total_norm
 from .shards import replicated
 
 __all__ = ["MixedPrecision", "check_max_norm", "engine_for"]
@@ -277,7 +277,11 @@ class MixedPrecision:
         if stage == "ready":
             self.unscale_(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if params:
+        ids = {id(p) for p in params}
+        step = optimizer.grads_for_step() if owns_gradients(optimizer) else []
+        if any(id(p) in ids and g is not p.grad for p, g in step):  # a compact one's fp32 copies
+            clip_value_([g for _, g in step], clip_value)
+        elif params:
             torch.nn.utils.clip_grad_value_(params, clip_value)
         self._show_clipped(optimizer)
 

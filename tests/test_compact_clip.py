@@ -43,3 +43,29 @@ def test_kahan_fp16_clipped_after_unscale_steps_as_fp32_masters_do(unscale_first
         torch.testing.assert_close(kahan[key], fp32[key], rtol=0, atol=1e-6)
     # the model's fp16 gradients read as the clipped ones (measured 2.6e-5 off: fp16 rounding)
     assert shown == pytest.approx([CLIP] * 3, rel=1e-4)
+
+
+def test_a_clip_of_the_fp16_gradients_after_unscale_is_refused_with_clips_that_work():
+    """The refusal names only what works for a compact optimizer (its ``param_groups`` hold the
+    fp16 parameters, so clipping them is what it refuses), and each clip it names steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", master="kahan")
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 8), torch.arange(8) % 3
+    amp.backward(F.cross_entropy(model(x).float(), y))
+    amp.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], CLIP)
+    before = {k: v.clone() for k, v in mp.fp32_state_dict(model, opt).items()}
+    with pytest.raises(RuntimeError, match=r"amp\.clip_grad_value_\(optimizer, clip_value\)") \
+            as refused:
+        amp.step(opt)
+    assert "param_groups" not in str(refused.value)
+    assert all(torch.equal(v, before[k]) for k, v in mp.fp32_state_dict(model, opt).items())
+    amp.scaler.update()  # the refused step changed nothing; the next iteration
+    for clip in (lambda: amp.clip_grad_norm_(opt, CLIP), lambda: amp.clip_grad_value_(opt, 1e-3)):
+        opt.zero_grad()
+        amp.backward(F.cross_entropy(model(x).float(), y))
+        amp.unscale_(opt)
+        clip()  # what the refusal names
+        assert amp.step(opt) is True

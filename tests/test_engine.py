@@ -125,8 +125,8 @@ def test_bad_input_is_refused_clearly():
         amp.setup("model")
 
 
-def _backward_once(level, dtype, loss_scale):
-    amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale=loss_scale)
+def _backward_once(level, dtype, loss_scale, master=None):
+    amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale=loss_scale, master=master)
     model = net()
     model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     x, y = data()[0]
@@ -140,18 +140,28 @@ def _backward_once(level, dtype, loss_scale):
 CLIP_CASES = [("O1", "fp16", 1024.0), ("O2", "fp16", 1024.0), ("O2", "bf16", None)]
 
 
-@pytest.mark.parametrize("level, dtype, loss_scale", CLIP_CASES)
-def test_clip_grad_value_clamps_the_true_gradients_the_step_uses(level, dtype, loss_scale):
-    amp, model, opt, true, before = _backward_once(level, dtype, loss_scale)
+@pytest.mark.parametrize("level, dtype, loss_scale, master, atol", [
+    *(case + (None, 1e-6) for case in CLIP_CASES),
+    ("O2", "fp16", 1024.0, "kahan", 1e-6),  # clamps the fp32 copies of the fp16 gradients
+    ("O2", "bf16", None, "split", 1e-6),
+    ("O2", "bf16", None, "kahan", 3e-5),  # a bf16 compensation: about 16 significant bits
+])
+def test_clip_grad_value_clamps_the_true_gradients_the_step_uses(level, dtype, loss_scale,
+                                                                 master, atol):
+    amp, model, opt, true, before = _backward_once(level, dtype, loss_scale, master)
     assert not amp.is_unscaled(opt)
     amp.clip_grad_value_(opt, 0.05)
     assert amp.is_unscaled(opt)
     assert amp.step(opt) is True and not amp.is_unscaled(opt)
     after = mp.fp32_state_dict(model)
     assert any((g.abs() > 0.05).any() for g in true.values())
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
     for name, grad in true.items():  # SGD(lr=1): the update is minus the clamped true gradient
-        torch.testing.assert_close(after[name], before[name] - grad.clamp(-0.05, 0.05),
-                                   rtol=0, atol=1e-6)
+        # a compact method's bf16 gradients are clamped in bf16 (no fp32 copy): to bf16's 0.05
+        limit = (torch.tensor(0.05).bfloat16().item()
+                 if master and dtypes[name] == torch.bfloat16 else 0.05)
+        torch.testing.assert_close(after[name], before[name] - grad.clamp(-limit, limit),
+                                   rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("level, dtype, loss_scale", CLIP_CASES)

@@ -285,7 +285,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             check_grad_scale(grad_scale)
         stale = [p for p, (_, key) in self._grads32.items() if not _is_current(key, p.grad)]
         if stale:
-            raise stale_fp16_error(len(stale), stale[0].shape)
+            raise stale_fp16_error(len(stale), stale[0].shape, groups_hold_fp32=False)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -73,20 +73,26 @@ def not_ours(tensor: torch.Tensor, owner: str) -> str:
             f"of this {owner}")
 
 
-def stale_fp16_error(count: int, shape) -> RuntimeError:
+def stale_fp16_error(count: int, shape, groups_hold_fp32: bool = True) -> RuntimeError:
     """fp16 model gradients changed after their fp32 gradients were made. After
     ``unscale_grads_`` the model's fp16 gradients hold the unscaled values, where fp16 loses what
     lies below its smallest normal (2^-14); the step would take a change from them and lose
-    those values (bf16 has fp32's range: its changes are taken)."""
+    those values (bf16 has fp32's range: its changes are taken). ``groups_hold_fp32``: the
+    optimizer's ``param_groups`` hold the fp32 masters, whose gradients can be clipped (fp32
+    masters); else they hold the fp16 parameters (a compact optimizer)."""
+    where = ("clip the optimizer's parameters (their fp32 gradients): clip_grad_norm_([p for g "
+             "in optimizer.param_groups for p in g['params']], max_norm)" if groups_hold_fp32
+             else "with mp.MixedPrecision: amp.clip_grad_norm_(optimizer, max_norm) or "
+             "amp.clip_grad_value_(optimizer, clip_value) (they clip the fp32 copies the step "
+             "reads)")
     return RuntimeError(
         f"the fp16 gradients of {count} model parameter(s) (e.g. shape {tuple(shape)}) changed "
         "after their fp32 master gradients were made (scaler.unscale_(optimizer)), e.g. by "
         "clip_grad_norm_(model.parameters(), ...). Unscaled in fp16, gradients below "
         f"{float_format('fp16').min_normal:.2g} (its smallest normal) lose precision or vanish, "
         "so the step can't take that change exactly. Clip with "
-        "scaler.clip_grad_norm_(optimizer, max_norm), or clip the optimizer's parameters (their "
-        "fp32 gradients): clip_grad_norm_([p for g in optimizer.param_groups for p in "
-        "g['params']], max_norm); in bf16 clipping the model's parameters works")
+        f"scaler.clip_grad_norm_(optimizer, max_norm), or {where}; in bf16 clipping the model's "
+        "parameters works")
 
 
 def reevaluating(closure: Callable[[], Any], loss: Any, before: Callable[[], Any],

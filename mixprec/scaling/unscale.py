@@ -18,7 +18,7 @@ from .. import kernel_table
 from ..shards import replicated
 
 __all__ = ["check_and_unscale_", "unscale_", "found_nonfinite", "total_norm",
-           "unscale_and_check_", "nonfinite_param_names"]
+           "unscale_and_check_", "nonfinite_param_names", "clip_norm_", "clip_value_"]
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +159,15 @@ def clip_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.
     for (device, _), group in _by_device_dtype(grads).items():
         torch._foreach_mul_(group, coef.to(device))
     return total
+
+
+def clip_value_(grads: list[torch.Tensor], clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_``'s clamp on gradient tensors rather than on
+    parameters (a compact optimizer's fp32 copies of fp16 gradients): each value into
+    ``[-clip_value, clip_value]``, in place. No host sync."""
+    for _, group in _by_device_dtype(grads).items():
+        torch._foreach_clamp_min_(group, -clip_value)
+        torch._foreach_clamp_max_(group, clip_value)
 
 
 def unscale_and_check_(param_groups, inv_scale: torch.Tensor, out_device) -> torch.Tensor:
