@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec as mp
 from mixprec.masters.rounding import RoundingGenerator
 from mixprec.optim import CompactMasterOptimizer, compact_lists, family
 
@@ -73,12 +74,21 @@ def test_the_step_keys_are_the_rounding_generators(salt):
     """family.draw_keys draws what RoundingGenerator.keys draws, in its order (a resumed run
     continues bitwise whichever draws)."""
     a, b = RoundingGenerator(7), RoundingGenerator(7)
-    opt = types.SimpleNamespace(rounding=a, salt=salt)
+    opt = types.SimpleNamespace(rounding=a, salt=salt, master=mp.masters.Kahan(),
+                                state_dtype=torch.float32)
     items = [None] * 5
     for _ in range(2):
         got = family.draw_keys(opt, items)
         assert torch.equal(got, torch.stack(b.keys(3 * len(items), salt)).view(-1, 3))
     assert torch.equal(a.state_dict(), b.state_dict())
+    # split with fp32 moments rounds nothing stochastically: nothing drawn (a skipped step on
+    # the device then leaves the generator as a skipped step on the host does); bf16 moments do
+    opt.master = mp.masters.Split()
+    assert not family.draw_keys(opt, items).any()
+    assert torch.equal(a.state_dict(), b.state_dict())
+    opt.state_dtype = torch.bfloat16
+    assert torch.equal(family.draw_keys(opt, items),
+                       torch.stack(b.keys(3 * len(items), salt)).view(-1, 3))
 
 
 @pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])

@@ -427,8 +427,8 @@ def cut_run(master, dtype, state_dtype, make, piece, monkeypatch):
     monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", piece)
     stepped = []
     real = family._step_piece
-    monkeypatch.setattr(family, "_step_piece", lambda opt, piece, *a: (piece and stepped.append(
-        sum(s.numel for s in piece))) or real(opt, piece, *a))
+    monkeypatch.setattr(family, "_step_piece", lambda opt, piece, *a, **k: (
+        piece and stepped.append(sum(s.numel for s in piece))) or real(opt, piece, *a, **k))
     listed = compact_lists._Piece.step  # the steps after the first: on the cached lists
     monkeypatch.setattr(compact_lists._Piece, "step", lambda self, *a: stepped.append(
         sum(s.numel for s in self.slices)) or listed(self, *a))

@@ -4,6 +4,8 @@ masters and optimizer state (step counts included) untouched on the device, and 
 once, after the step and the scale update are queued. Where the device path does not apply (a
 first step, step hooks, bf16 moments, no fused kernel) the flag is read before the step."""
 
+import warnings
+
 import pytest
 import torch
 from test_kernel_table import CudaAmpKernel
@@ -302,3 +304,84 @@ def test_the_scale_update_paths_agree(monkeypatch, config):
     torch_kernel = config.hysteresis == 1 and config.max_scale < torch.finfo().max
     assert fake.calls == (200 if torch_kernel else 0)
     assert {a.scale.dtype, a.growth_tracker.dtype} == {torch.float32, torch.int32}
+
+
+def compact_setup(master, state_dtype="fp32", optimizer="adamw"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    inner = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+             else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master, state_dtype=state_dtype)
+    model, opt = amp.setup(model, inner)
+    return amp, model, opt
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("piece", [None, 64])
+def test_split_skips_on_the_device_and_leaves_everything_untouched(optimizer, piece,
+                                                                   monkeypatch):
+    """split's store gives back what its load read and draws no bits: with fp32 moments its
+    step takes the flag as fp32 masters' does (torch's kernel skips; no read before the step),
+    and a skipped step leaves weights, remainders, moments, step counts (the bf16 weights' and
+    the fp32 norm's) and the rounding generator bitwise as they were; with pieces of 64
+    elements too (a weight of 128 cut into slices, each stepping a copy of its step count)."""
+    if piece:
+        monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", piece)
+    amp, model, opt = compact_setup("split", optimizer=optimizer)
+    for i in range(2):
+        backward(amp, model, i)
+        assert opt.skips_on_device() is (i == 1)  # the first step makes state and lists
+        assert amp.step(opt) is True
+        opt.zero_grad()
+    before, generator = snapshot(model, opt), opt.rounding.state_dict().clone()
+    backward(amp, model, 2, overflow=True)
+    assert opt.skips_on_device()
+    with OpOrder() as order, pytest.warns(RuntimeWarning, match="skipped a step"):
+        assert amp.step(opt) is False
+    assert "aten._fused_adamw_" in order.ops or "aten._fused_sgd_" in order.ops
+    assert_same(before, snapshot(model, opt))
+    assert torch.equal(generator, opt.rounding.state_dict())
+    opt.zero_grad()
+    backward(amp, model, 3)
+    assert amp.step(opt) is True
+
+
+@pytest.mark.parametrize("master, state_dtype", [("kahan", "fp32"), ("stochastic", "fp32"),
+                                                 ("split", "bf16")])
+def test_methods_that_round_stochastically_keep_the_host_path(master, state_dtype):
+    """A skipped step must draw no rounding bits and round nothing: Kahan and stochastic
+    rounding round the weights, bf16 moments are rounded too, so their flag is read first."""
+    amp, model, opt = compact_setup(master, state_dtype)
+    for i in range(3):
+        backward(amp, model, i)
+        if i < 2:
+            amp.step(opt)
+            opt.zero_grad()
+    assert not opt.skips_on_device()
+    with pytest.raises(RuntimeError, match="skips_on_device"):
+        opt.step(found_inf=torch.zeros(()))
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_split_skipping_on_the_device_steps_as_skipping_on_the_host(dropped):
+    """The same run with the flag read before each step (the host path) ends bitwise equal:
+    weights, remainders, moments and step counts. ``dropped``: a parameter left without a
+    gradient at the skipped step changes the layout the lists were made for, so that step reads
+    the flag (and leaves everything untouched)."""
+    runs = []
+    for on_device in (True, False):
+        amp, model, opt = compact_setup("split")
+        opt.skip_on_device = on_device
+        for i in range(5):
+            backward(amp, model, i, overflow=i == 3)
+            if dropped and i == 3:
+                model[2].bias.grad = None
+            before = snapshot(model, opt)
+            with warnings.catch_warnings():  # the first skip's warning
+                warnings.simplefilter("ignore", RuntimeWarning)
+                assert amp.step(opt) is (i != 3)
+            if i == 3:
+                assert_same(before, snapshot(model, opt))
+            opt.zero_grad()
+        runs.append(snapshot(model, opt))
+    assert_same(*runs)

@@ -32,8 +32,11 @@ its gradients); an optimizer that calls it again (LBFGS) sees the model at the v
 model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
 (fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
 values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
-the fp32 copies. A skipped step never calls ``step()``: weights, compensation, moments and the
-rounding generator stay bitwise untouched. No host syncs.
+the fp32 copies. A skipped step leaves weights, buffers, moments and the rounding generator
+bitwise untouched: it never calls ``step()``, except with ``"split"`` and fp32 moments, whose
+store gives back what its load read and which draws no rounding bits, where ``step(found_inf=f)``
+hands the flag to torch's fused kernel (``skips_on_device()``), as fp32 masters do. No host
+syncs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from ..shards import like_shard, local
-from . import compact_lists, compact_state, family, pieces, states
+from . import compact_lists, compact_state, family, pieces, states, steps
 from .buckets import Scratch, is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
@@ -252,9 +255,26 @@ class CompactMasterOptimizer(WrappedOptimizer):
         """Drop the fp32 gradient copies made by :meth:`unscale_grads_`."""
         self._grads32 = {}
 
+    def held_grads(self) -> bool:
+        """True while fp32 copies of fp16 gradients are held (made by :meth:`unscale_grads_`)."""
+        return bool(self._grads32)
+
+    def skips_on_device(self) -> bool:
+        """Whether ``step(found_inf=f)`` can skip on the device, as fp32 masters do
+        (:func:`.steps.skips_on_device`): a method whose store gives back what its load read
+        and that draws no rounding bits (``"split"``: a skipped step then leaves weights and
+        remainders bitwise as they were, and the rounding generator untouched), fp32 moments,
+        and the step on the cached lists (:mod:`.compact_lists`: torch's fused kernel, which
+        skips on the flag and takes back its step count), with their state made. (Where a step
+        finds the lists no longer hold, a parameter left without a gradient say, it reads the
+        flag instead.)"""
+        return (not self.master.draws_bits and self.lists is not None
+                and steps.skips_on_device(self))
+
     # -- the step ------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None, *,
-             grad_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:
+             grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+             **kwargs: Any) -> Any:
         """Update the parameters from their gradients (see the module docstring).
 
         Args:
@@ -264,25 +284,31 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 (the fp32 values, written into the 16-bit weights with torch's cast) and steps
                 from the gradients that evaluation made.
             grad_scale: the factor the gradients still carry (a 0-d tensor), or None.
+            found_inf: a 0-d float32 flag, 1 to skip (on the device), or None.
             kwargs: passed on to the inner optimizer's ``step`` (which then runs each step).
 
         Returns:
             The closure's loss, or None.
 
         Raises:
-            RuntimeError: a ``closure`` together with ``grad_scale`` (or driven by
-                ``torch.amp.GradScaler``); fp16 gradients changed after
-                :meth:`unscale_grads_`.
+            RuntimeError: a ``closure`` together with ``grad_scale`` or ``found_inf`` (or
+                driven by ``torch.amp.GradScaler``); ``found_inf`` while not
+                ``skips_on_device()``; fp16 gradients changed after :meth:`unscale_grads_`.
         """
-        grad_scale, found_inf = self.amp_scaling(grad_scale, None)
+        grad_scale, found_inf = self.amp_scaling(grad_scale, found_inf)
         if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
             self.drop_master_grads()
             return None
-        if closure is not None and grad_scale is not None:
-            raise RuntimeError("step() takes a closure or a grad_scale, not both: a closure "
-                               "recomputes the gradients")
+        if closure is not None and (grad_scale is not None or found_inf is not None):
+            raise RuntimeError("step() takes a closure or a grad_scale/found_inf, not both: a "
+                               "closure recomputes the gradients")
         if grad_scale is not None:
             check_grad_scale(grad_scale)
+        if found_inf is not None and not self.skips_on_device():
+            raise RuntimeError("step(found_inf=...) takes the flag only where skips_on_device() "
+                               "is True (a method that draws no rounding bits, fp32 moments, "
+                               "torch's fused kernel for every tensor, no step hooks, state "
+                               "made); read the flag and skip")
         stale = [p for p, (_, key) in self._grads32.items() if not _is_current(key, p.grad)]
         if stale:
             raise stale_fp16_error(len(stale), stale[0].shape, groups_hold_fp32=False)
@@ -302,8 +328,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
                      else (closure, loss))  # LBFGS calls it again
             if self.lists is None and items and compact_lists.make_state(self, items):
                 compact_lists.prepare(self, items)  # Adam's first step on the lists too
-            if again is None and compact_lists.step(self, items, keys, scale):
-                family.step_own(self, fp32, keys, scale, inv)
+            if again is None and compact_lists.step(self, items, keys, scale, found_inf):
+                family.step_own(self, fp32, keys, scale, inv, found_inf)
+            elif found_inf is not None and bool(found_inf.item()):  # the lists don't hold: the
+                pass  # flag read, the step skipped
             else:
                 family.step(self, items, fp32, scale, inv, keys, again)
                 compact_lists.prepare(self, items)

@@ -101,7 +101,7 @@ class _Piece:
                                    [steps[s.row, s.start] for s in (slices[i] for i in idx)]
                                    if steps else []))
 
-    def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
+    def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale, found_inf) -> None:
         method, kind, groups = opt.master, type(opt.inner), opt.inner.param_groups
         spare = spare_for(method, self.grads, self.weights[0].dtype)  # until the
         method.load_lists(self.values, self.weights, self.bufs, **spare)  # gradients are in
@@ -112,7 +112,7 @@ class _Piece:
             torch._foreach_copy_(w.views, w.regions)
         for g, params, grads, moments, steps in self.calls:
             kernels.fused_call(kind, groups[g], params, grads, moments, steps)(
-                grad_scale=grad_scale, found_inf=None)
+                grad_scale=grad_scale, found_inf=found_inf)
         method.store_lists(self.values, self.weights, self.bufs,
                            keys[self.rows, 0] + self.shift if method.draws_bits else None,
                            **spare)  # the step read the gradients
@@ -199,13 +199,13 @@ class Plan:
                     return False
         return True
 
-    def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale) -> None:
+    def step(self, opt, items: list[Slice], keys: torch.Tensor, grad_scale, found_inf) -> None:
         cut = list(self.cut_steps.values())
         if cut:  # each slice's step from the tensor's
             torch._foreach_copy_([c for _, cs in cut for c in cs],
                                  [p for p, cs in cut for _ in cs])
         for piece in self.pieces:
-            piece.step(opt, items, keys, grad_scale)
+            piece.step(opt, items, keys, grad_scale, found_inf)
         if cut:
             torch._foreach_copy_([p for p, _ in cut], [cs[-1] for _, cs in cut])
 
@@ -239,13 +239,15 @@ def _names(opt) -> list[tuple] | None:
 
 
 @torch.no_grad()
-def step(opt, items: list[Slice], keys: torch.Tensor | None, grad_scale) -> bool:
+def step(opt, items: list[Slice], keys: torch.Tensor | None, grad_scale,
+         found_inf: torch.Tensor | None = None) -> bool:
     """Step ``opt``'s 16-bit parameters on its cached lists where they hold (True); False,
-    having changed nothing, where they don't."""
+    having changed nothing, where they don't. ``found_inf``: the overflow flag torch's kernel
+    skips on (for a method whose store gives back what its load read: ``skips_on_device``)."""
     plan = opt.lists
     if plan is None or not items or not plan.holds(opt, items):
         return False
-    plan.step(opt, items, keys, grad_scale)
+    plan.step(opt, items, keys, grad_scale, found_inf)
     return True
 
 

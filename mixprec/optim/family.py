@@ -216,9 +216,13 @@ class _Run:
 
 def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     """The step's rounding keys: :data:`_KEYS` per 16-bit parameter with a gradient (row
-    ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps)."""
+    ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps); zeros,
+    drawing nothing, where nothing rounds stochastically (an exact method with fp32 moments:
+    its generator stays as it was, whether a step is applied or skipped on the device)."""
     if not items:
         return None
+    if not opt.master.draws_bits and opt.state_dtype == torch.float32:
+        return torch.zeros((len(items), _KEYS), dtype=torch.int32)
     return opt.rounding.draw(_KEYS * len(items), opt.salt).view(-1, _KEYS)
 
 
@@ -256,14 +260,16 @@ def step(opt, items: list[Slice], fp32_params: list[list[torch.Tensor]],
 
 
 @torch.no_grad()
-def step_own(opt, fp32_params: list[list[torch.Tensor]], keys, grad_scale, inv) -> None:
+def step_own(opt, fp32_params: list[list[torch.Tensor]], keys, grad_scale, inv,
+             found_inf: torch.Tensor | None = None) -> None:
     """The groups' fp32 parameters, through the inner optimizer's own step (which always runs,
-    so schedulers and hooks see a step)."""
-    _step_piece(opt, [], fp32_params, keys, grad_scale, inv, {}, False)
+    so schedulers and hooks see a step); ``found_inf`` goes to torch's fused kernel with
+    ``grad_scale`` (given only where every tensor takes it: ``skips_on_device``)."""
+    _step_piece(opt, [], fp32_params, keys, grad_scale, inv, {}, False, found_inf=found_inf)
 
 
 def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
-                closure=None) -> None:
+                closure=None, found_inf=None) -> None:
     inner = opt.inner
     kinds: dict[tuple, list[Slice]] = {}
     for s in piece:
@@ -285,7 +291,7 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
             unscale_(grads + [p.grad for p in own if p.grad is not None], inv)
         with opt.only(lists), states.fp32_moments(inner, own, opt.state_dtype, opt.rounding), \
                 (torch_fused(inner) if fused else contextlib.nullcontext()), \
-                amp_arguments(inner, grad_scale if fused else None, None):
+                amp_arguments(inner, grad_scale if fused else None, found_inf):
             opt.inner_step(None if closure is None else reevaluating(
                 *closure, lambda: [run.show() for run in runs],
                 lambda: [run.reload_grads() for run in runs]))
