@@ -506,6 +506,45 @@ def test_compact_master_cell_matches_the_fp32_reference(master, state_dtype, dty
             torch.testing.assert_close(got, ref.detach(), **tol)
 
 
+@pytest.mark.parametrize("master, dtype", [("fp32", "bf16"), ("split", "bf16"), ("kahan", "bf16"),
+                                           ("stochastic", "bf16"), ("fp32", "fp16"),
+                                           ("kahan", "fp16")])
+@pytest.mark.parametrize("dampening", [0.0, 0.1])
+def test_sgd_momentum_for_parameters_whose_first_gradient_comes_later(master, dtype, dampening):
+    """A 16-bit conv weight and the fp32 GroupNorm weight get their first gradient at the second
+    step (unfrozen then): torch's fused SGD makes momentum buffers only for a call where none
+    exists, so the step makes theirs (zeros: the kernel's update of one is the gradient, as
+    torch's first step; with dampening, the step without the fused kernel). Against torch's
+    plain SGD on fp32 copies fed the same true gradients."""
+    model = build()
+    late = [model.block[0].weight, model.block[1].weight]
+    for p in late:
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, dampening=dampening)
+    model, opt = mp.prepare(model, opt, level="O2", dtype=dtype, master=master)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)  # fp16: the scale folded into the step
+    values = mp.fp32_state_dict(model, opt)
+    names = [n for n, _ in model.named_parameters()]
+    weights = [values[n].clone().requires_grad_() for n in names]
+    ref_opt = torch.optim.SGD(weights, lr=LR, momentum=0.9, dampening=dampening, foreach=False)
+    tol = {"rtol": 1e-5, "atol": 1e-7} if master in ("fp32", "split") else compact_tolerance(
+        master, "fp32", DTYPES[dtype])
+    for i in range(STEPS + 1):
+        if i == 1:
+            for p in late:
+                p.requires_grad_(True)
+        opt.zero_grad()
+        scaler.scale(loss_of(model, i)).backward()
+        for w, (_, p) in zip(weights, model.named_parameters()):
+            w.grad = None if p.grad is None else p.grad.float() / scaler.get_scale()
+        assert scaler.step(opt) is True
+        scaler.update()
+        ref_opt.step()
+        values = mp.fp32_state_dict(model, opt)
+        for n, ref in zip(names, weights):
+            torch.testing.assert_close(values[n], ref.detach(), **tol)
+
+
 # -- islands: a 16-bit one in a plain fp32 model, an fp32 head in a 16-bit model ------------------
 class ByHand(nn.Module):
     """A module computing in ``dtype``, written out: its input and parameters cast to

@@ -44,7 +44,7 @@ from ..scaling.unscale import unscale_
 from ..shards import like_shard, local
 from . import states
 from .buckets import is_per_parameter
-from .kernels import torch_fused, torch_fused_problem
+from .kernels import complete_momentum, torch_fused, torch_fused_problem
 from .pieces import (
     Slice,
     cut,
@@ -285,7 +285,8 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
             for s, temp in zip(slices, runs[-1].params):
                 lists[s.group].append(temp)
         tensors = [t for ts in lists for t in ts]
-        fused = opt.fused is not False and torch_fused_problem(inner, tensors) is None
+        fused = (opt.fused is not False and torch_fused_problem(inner, tensors) is None
+                 and complete_momentum(inner, lists))
         if inv is not None and not fused:
             grads = [r.grads for r in runs] + [g for r in runs for g in r.sparse]
             unscale_(grads + [p.grad for p in own if p.grad is not None], inv)

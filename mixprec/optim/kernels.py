@@ -39,7 +39,7 @@ from .guard import GuardedKernel, quiet_compile
 
 __all__ = ["options_problem", "COMPILED_SUPPORTED", "check_compilable", "is_compilable",
            "torch_fused_problem", "torch_fused", "torch_functional", "functional_keys",
-           "fused_call", "TORCH_FUSED_TYPES",
+           "fused_call", "TORCH_FUSED_TYPES", "complete_momentum",
            "compiled_step", "PerDevice", "flat", "compile_options"]
 
 COMPILED_SUPPORTED = (
@@ -107,6 +107,38 @@ def torch_fused_problem(optimizer: torch.optim.Optimizer, tensors,
         if grad is not None and grad.is_sparse:
             return "a sparse gradient"
     return None
+
+
+def complete_momentum(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]],
+                      grad_of: Callable | None = None) -> bool:
+    """Make ``optimizer``'s momentum buffers whole for a fused SGD step of ``groups`` (per param
+    group, the tensors stepped; ``grad_of(t)``: the gradient the step reads, default ``t.grad``).
+
+    torch's fused SGD makes the buffers only in a call where no tensor has one (its first step)
+    and fails where some tensors of a group have one and others not: a parameter whose first
+    gradient comes after the optimizer's first step (unfrozen later, a branch unused at first).
+    With ``dampening`` 0 the missing buffers are made as zeros (the dtype of the group's other
+    buffers, the tensor's layout): the kernel's update of a zero buffer is ``0 * momentum +
+    grad``, exactly the gradient torch's first step makes it. Returns False where a group with
+    ``dampening`` needs that (its first step is not what the kernel makes of any buffer): step
+    it without the fused kernel. True otherwise (any other optimizer: nothing to do)."""
+    if type(optimizer) is not torch.optim.SGD:
+        return True
+    state = optimizer.state
+    for group, tensors in zip(optimizer.param_groups, groups):
+        if not group["momentum"]:
+            continue
+        stepped = [t for t in tensors if (t.grad if grad_of is None else grad_of(t)) is not None]
+        made = [state[t]["momentum_buffer"] for t in stepped
+                if state.get(t, {}).get("momentum_buffer") is not None]
+        if not made or len(made) == len(stepped):
+            continue
+        if group["dampening"]:
+            return False
+        for t in stepped:
+            if state.get(t, {}).get("momentum_buffer") is None:
+                state[t]["momentum_buffer"] = torch.zeros_like(t, dtype=made[0].dtype)
+    return True
 
 
 @contextlib.contextmanager

@@ -208,6 +208,10 @@ def _step_bucket(opt, bucket: list[list[torch.Tensor]], grad_scale, found_inf, i
         tensors = [t for ts in bucket for t in ts]
         fused = (opt.fused == "auto"
                  and kernels.torch_fused_problem(opt.inner, tensors) is None)
+        if fused and not kernels.complete_momentum(opt.inner, bucket, step_grad):
+            fused = False  # SGD with dampening, some buffers made: its own kernel this step
+            if grad_scale is not None and found_inf is None:
+                inv, grad_scale = grad_scale.reciprocal(), None
         if (grad_scale is not None or found_inf is not None) and not fused:
             raise RuntimeError("step(found_inf=...) needs torch's fused kernel for every tensor; "
                                "call it only when skips_on_device() is True")
