@@ -142,7 +142,7 @@ CLIP_CASES = [("O1", "fp16", 1024.0), ("O2", "fp16", 1024.0), ("O2", "bf16", Non
 
 @pytest.mark.parametrize("level, dtype, loss_scale, master, atol", [
     *(case + (None, 1e-6) for case in CLIP_CASES),
-    ("O2", "fp16", 1024.0, "kahan", 1e-6),  # clamps the fp32 copies of the fp16 gradients
+    ("O2", "fp16", 1024.0, "kahan", 1e-6),  # the fp32 copies of the 16-bit gradients clamped
     ("O2", "bf16", None, "split", 1e-6),
     ("O2", "bf16", None, "kahan", 3e-5),  # a bf16 compensation: about 16 significant bits
 ])
@@ -155,12 +155,8 @@ def test_clip_grad_value_clamps_the_true_gradients_the_step_uses(level, dtype, l
     assert amp.step(opt) is True and not amp.is_unscaled(opt)
     after = mp.fp32_state_dict(model)
     assert any((g.abs() > 0.05).any() for g in true.values())
-    dtypes = {n: p.dtype for n, p in model.named_parameters()}
     for name, grad in true.items():  # SGD(lr=1): the update is minus the clamped true gradient
-        # a compact method's bf16 gradients are clamped in bf16 (no fp32 copy): to bf16's 0.05
-        limit = (torch.tensor(0.05).bfloat16().item()
-                 if master and dtypes[name] == torch.bfloat16 else 0.05)
-        torch.testing.assert_close(after[name], before[name] - grad.clamp(-limit, limit),
+        torch.testing.assert_close(after[name], before[name] - grad.clamp(-0.05, 0.05),
                                    rtol=0, atol=atol)
 
 
@@ -192,6 +188,43 @@ def test_after_clip_grad_norm_torch_code_reads_what_the_step_uses(level, dtype, 
     amp2.step(opt2, max_grad_norm=1.0)
     ours, theirs = mp.fp32_state_dict(model), mp.fp32_state_dict(again)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+CLIP_PATHS = {
+    "step(max_grad_norm)": lambda amp, opt: amp.step(opt, max_grad_norm=1.0),
+    "clip_grad_norm_": lambda amp, opt: (amp.clip_grad_norm_(opt, 1.0), amp.step(opt)),
+    "unscale_ + clip_grad_norm_": lambda amp, opt: (amp.unscale_(opt),
+                                                    amp.clip_grad_norm_(opt, 1.0), amp.step(opt)),
+    "clip_grad_value_": lambda amp, opt: (amp.clip_grad_value_(opt, 0.05), amp.step(opt)),
+}
+
+
+@pytest.mark.parametrize("path", CLIP_PATHS)
+def test_every_clip_steps_split_bit_for_bit_as_fp32_masters(path):
+    """One clipping path for every method: each clip acts on fp32 gradients (fp32 masters', a
+    compact optimizer's fp32 copies of its 16-bit ones), so split's masters stay fp32 masters'
+    bit for bit (clipped in bf16, they were 5e-5 apart)."""
+    kept = []
+    for master in ("fp32", "split"):
+        amp, model, opt, _, _ = _backward_once("O2", "bf16", None, master)
+        CLIP_PATHS[path](amp, opt)
+        kept.append(mp.fp32_state_dict(model, opt))
+    assert all(torch.equal(kept[0][k], kept[1][k]) for k in kept[0])
+
+
+@pytest.mark.parametrize("master, dtype, loss_scale", [
+    ("split", "bf16", None), ("kahan", "bf16", None), ("stochastic", "bf16", None),
+    ("kahan", "fp16", 1024.0)])
+def test_a_compact_clip_before_the_step_is_the_clip_inside_it(master, dtype, loss_scale):
+    """``clip_grad_norm_`` then ``step`` makes the fp32 gradients with the step's arithmetic
+    (``settle_grads_``): bitwise ``step(max_grad_norm=)``, for every compact method (bf16
+    gradients clipped in place were 8e-4 off with SGD at lr 1)."""
+    kept = []
+    for path in ("clip_grad_norm_", "step(max_grad_norm)"):
+        amp, model, opt, _, _ = _backward_once("O2", dtype, loss_scale, master)
+        CLIP_PATHS[path](amp, opt)
+        kept.append(mp.fp32_state_dict(model, opt))
+    assert all(torch.equal(kept[0][k], kept[1][k]) for k in kept[0])
 
 
 def test_a_clip_folded_into_the_step_refuses_value_clipping_and_grad_norm():

@@ -29,10 +29,12 @@ everything in one piece (fresh buffers each step). A ``closure`` runs before the
 its gradients); an optimizer that calls it again (LBFGS) sees the model at the values it steps.
 
 **The loss-scaler protocol** (:mod:`mixprec.scaling.protocol`): ``grads_for_step()`` gives the
-model's gradients; ``unscale_grads_(inv)`` unscales them in place and checks them in one pass
-(fp16 ones also into transient fp32 copies, which the step reads: fp16 loses small unscaled
-values); ``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops
-the fp32 copies. A skipped step leaves weights, buffers, moments and the rounding generator
+model's gradients; ``unscale_grads_(inv)`` makes transient fp32 copies of the 16-bit ones
+(which the step reads, and a clip scales: fp16 loses small unscaled values, and a clip of bf16
+ones would round them), unscaled and checked in one pass, and ``settle_grads_(s)`` the same
+with the step's arithmetic (a clip folded into the step, applied before it);
+``step(grad_scale=s)`` divides by ``s`` while reading; ``drop_master_grads()`` drops the fp32
+copies. A skipped step leaves weights, buffers, moments and the rounding generator
 bitwise untouched: it never calls ``step()``, except with ``"split"`` and fp32 moments, whose
 store gives back what its load read and which draws no rounding bits, where ``step(found_inf=f)``
 hands the flag to torch's fused kernel (``skips_on_device()``), as fp32 masters do. No host
@@ -50,7 +52,7 @@ import torch
 from .. import masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
-from ..scaling.unscale import check_and_unscale_, unscale_
+from ..scaling.unscale import _by_device_dtype, check_and_unscale_
 from ..shards import like_shard, local
 from . import compact_lists, compact_state, family, pieces, states, steps
 from .buckets import Scratch, is_per_parameter
@@ -227,28 +229,49 @@ class CompactMasterOptimizer(WrappedOptimizer):
         return p.grad
 
     def unscale_grads_(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Unscale the gradients in place (fp16 ones into fp32 copies too); return the 0-d
-        inf/NaN flag (> 0: overflow). No host sync."""
+        """Make the fp32 gradients the step reads: the 16-bit ones into fp32 copies, times
+        ``inv_scale`` (None: 1), fp32 ones in place; the model's 16-bit gradients read as the
+        copies (rounded: fp16 loses small unscaled values, which the copies keep), as fp32
+        masters hold fp32 gradients, so a clip of them is exact. Returns the 0-d inf/NaN flag
+        (> 0: overflow). No host sync."""
+        return self._copy_grads(inv_scale, divide=False)
+
+    def settle_grads_(self, grad_scale: torch.Tensor) -> torch.Tensor:
+        """``unscale_grads_`` with the step's arithmetic (a clip folded into the step, applied
+        before it: ``LossScaler.settle_``): divided by ``grad_scale`` where the step hands it to
+        torch's fused kernel for every tensor, else times the inverse the step computes, so the
+        step from the copies is bitwise the step the fold would have made."""
+        folds = steps.device_plan(self, "auto" if self.fused is not False else False)[0]
+        if folds:
+            return self._copy_grads(grad_scale, divide=True)
+        return self._copy_grads(grad_scale.double().reciprocal().float(), divide=False)
+
+    def _copy_grads(self, factor: torch.Tensor | None, divide: bool) -> torch.Tensor:
         self._grads32 = {}
-        grads, fp16 = [], []
+        low, grads = [], []
         with torch.no_grad():
             for p in self._model_params:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     p.grad = p.grad.coalesce()
-                if p.grad.dtype == torch.float16 and inv_scale is not None:
-                    copy = p.grad.float()
-                    self._grads32[p] = (copy, _source_key(p.grad))
-                    fp16.append(p)
-                    grads.append(copy)
+                if is_low_precision(p.grad):
+                    low.append((p, p.grad.float()))
+                    grads.append(low[-1][1])
                 else:
                     grads.append(p.grad)
-            found = check_and_unscale_(grads, inv_scale)
-            if fp16:  # readers of the model's gradients see the true values too
-                unscale_([p.grad for p in fp16], inv_scale)
-        for p in fp16:
-            self._grads32[p] = (self._grads32[p][0], _source_key(p.grad))
+            found = check_and_unscale_(grads, None if divide else factor)
+            if divide:
+                for (device, _), same in _by_device_dtype(grads).items():
+                    torch._foreach_div_(same, factor.to(device))
+            if factor is not None:  # the model's gradients read as the true ones too
+                dense = [(p.grad, copy) for p, copy in low if not copy.is_sparse]
+                if dense:
+                    torch._foreach_copy_(*map(list, zip(*dense)))
+                for p, copy in low:
+                    if copy.is_sparse:
+                        p.grad = copy.to(p.grad.dtype)
+        self._grads32 = {p: (copy, _source_key(p.grad)) for p, copy in low}
         return found
 
     def drop_master_grads(self) -> None:
@@ -256,7 +279,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._grads32 = {}
 
     def held_grads(self) -> bool:
-        """True while fp32 copies of fp16 gradients are held (made by :meth:`unscale_grads_`)."""
+        """True while fp32 copies of 16-bit gradients are held (made by :meth:`unscale_grads_`)."""
         return bool(self._grads32)
 
     def skips_on_device(self) -> bool:
@@ -309,7 +332,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
                                "is True (a method that draws no rounding bits, fp32 moments, "
                                "torch's fused kernel for every tensor, no step hooks, state "
                                "made); read the flag and skip")
-        stale = [p for p, (_, key) in self._grads32.items() if not _is_current(key, p.grad)]
+        stale = [p for p, (_, key) in self._grads32.items()  # bf16 has fp32's range: a change
+                 if p.dtype == torch.float16 and not _is_current(key, p.grad)]  # is taken
         if stale:
             raise stale_fp16_error(len(stale), stale[0].shape, groups_hold_fp32=False)
         loss = None

@@ -37,7 +37,7 @@ __all__ = ["bucketed_step", "compiled_step", "skips_on_device", "folds_scale",
            "settle_grads", "amp_arguments"]
 
 
-def device_plan(opt) -> tuple[bool, bool]:
+def device_plan(opt, fused=None) -> tuple[bool, bool]:
     """``(folds, ready)`` for master optimizer ``opt``: ``folds``, the step hands the loss scale
     to torch's fused kernel for every tensor (``fused="auto"``, a fused kernel for every
     tensor's device and dtype, no sparse gradient, no FSDP2 shard: those are unscaled apart, as
@@ -45,9 +45,11 @@ def device_plan(opt) -> tuple[bool, bool]:
     state (Adam's ``step``; SGD's ``momentum_buffer`` when it has momentum). What depends only
     on the param groups and the kernel table is worked out once per layout
     (:func:`_layout`); a step walks the gradients and the state (no function call per tensor:
-    a 400-tensor model's check took 0.85 ms when it did)."""
+    a 400-tensor model's check took 0.85 ms when it did). ``fused``: in place of ``opt.fused``
+    (a compact optimizer steps ``"compile"`` as ``"auto"``)."""
     inner = opt.inner
-    if opt.fused != "auto" or kernels.torch_fused_problem(inner, ()) is not None:
+    if ((opt.fused if fused is None else fused) != "auto"
+            or kernels.torch_fused_problem(inner, ()) is not None):
         return False, False
     fused, sources = _layout(opt)
     if not fused:
