@@ -16,7 +16,8 @@ neighbour, and the compensation the optimizer's ``state_dict`` brings next belon
 one: the pair would be an ulp off. So loading the optimizer keeps the values the pairs held just
 before: a weight whose value minus the loaded compensation is exactly a 16-bit number becomes
 that number (:func:`keep_pair`; an FSDP Trainer loading a one-process file applies it to its
-shards with the file's values).
+shards with the file's values). Loading the model after the optimizer does the same with the
+compensation the optimizer brought (:meth:`Kahan.assign`), so either order restores the pairs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from ..shards import is_dtensor
+from ..shards import is_dtensor, local
 from .base import MasterMethod, register
 from .rounding import noise_lists, round_fp16_with, round_into_lists
 
@@ -105,12 +106,22 @@ class Kahan(MasterMethod):
             torch._foreach_copy_(comps, _unflatten(round_fp16_with(values, noise), comps))
 
     def assign(self, weight, comp, value):
-        """Rounded to nearest, the compensation taking what that lost (to nearest: no
-        rounding bits are drawn)."""
+        """Where ``value`` minus the compensation held is exactly a 16-bit number, the weight
+        becomes it and the compensation stays (:func:`keep_pair`: an optimizer ``state_dict``
+        loaded before the model's brings the saved pair's compensation, and the pair comes back
+        as saved, even at a tie); elsewhere rounded to nearest, the compensation taking what
+        that lost (to nearest: no rounding bits are drawn)."""
         value = value.to(device=weight.device, dtype=torch.float32)
-        weight.copy_(value)
-        if comp is not None:
-            comp.copy_(value - weight.float())
+        if comp is None:
+            weight.copy_(value)
+            return
+        weight, comp, value = (local(t) for t in (weight.detach(), comp, value))  # FSDP2 shards
+        target = value - comp.float()
+        exact = target.to(weight.dtype)
+        kept = exact.float() == target
+        rounded = value.to(weight.dtype)
+        weight.copy_(torch.where(kept, exact, rounded))
+        comp.copy_(torch.where(kept, comp, (value - rounded.float()).to(comp.dtype)))
 
 
 register(Kahan, {"kahan": {}})

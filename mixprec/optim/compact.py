@@ -265,8 +265,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 for (device, _), same in _by_device_dtype(grads).items():
                     torch._foreach_div_(same, factor.to(device))
             if factor is not None:  # the model's gradients read as the true ones too
-                dense = [(p.grad, copy) for p, copy in low if not copy.is_sparse]
-                if dense:
+                dense = [(local(p.grad), local(copy)) for p, copy in low if not copy.is_sparse]
+                if dense:  # (FSDP2 shards: their local tensors; DTensor has no foreach copy)
                     torch._foreach_copy_(*map(list, zip(*dense)))
                 for p, copy in low:
                     if copy.is_sparse:
