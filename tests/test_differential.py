@@ -545,6 +545,62 @@ def test_sgd_momentum_for_parameters_whose_first_gradient_comes_later(master, dt
             torch.testing.assert_close(values[n], ref.detach(), **tol)
 
 
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, sparse=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.embed(x).mean(dim=1))
+
+
+def sparse_optimizers(opt_name, embed, rest, reference=False):
+    one = {"foreach": False} if reference else {}
+    if opt_name == "sgd-momentum":
+        return [torch.optim.SGD([*embed, *rest], lr=0.1, momentum=0.9, **one)]
+    return [torch.optim.SparseAdam(embed, lr=1e-2), torch.optim.Adam(rest, lr=1e-2, **one)]
+
+
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan", "stochastic"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "sparse-adam"])
+def test_sparse_embedding_gradients_match_the_fp32_reference(master, state_dtype, opt_name):
+    """An ``nn.Embedding(sparse=True)``: SGD with momentum over everything (torch makes a sparse
+    momentum buffer for a sparse gradient: kept as torch makes it, fp32, whatever the state
+    dtype), or ``SparseAdam`` for the embedding beside Adam for the rest (a piece whose every
+    gradient is sparse). Every compact method crashed on both, fp32 masters with bf16 moments
+    on the first."""
+    torch.manual_seed(0)
+    model = SparseNet()
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master, state_dtype=state_dtype)
+    model, *opts = amp.setup(model, *sparse_optimizers(
+        opt_name, list(model.embed.parameters()), list(model.head.parameters())))
+    def kept():  # each weight from the optimizer that steps it (SparseAdam: the embedding)
+        return {**mp.fp32_state_dict(model, opts[-1]),
+                "embed.weight": mp.fp32_state_dict(model, opts[0])["embed.weight"]}
+
+    weights = {n: v.clone().requires_grad_() for n, v in kept().items()}
+    refs = sparse_optimizers(opt_name, [weights["embed.weight"]],
+                             [weights["head.weight"], weights["head.bias"]], reference=True)
+    tol = ({"rtol": 1e-5, "atol": 1e-7} if master in ("fp32", "split") else
+           compact_tolerance(master, "fp32", torch.bfloat16))
+    if state_dtype == "bf16":
+        tol = {**tol, "atol": tol["atol"] + 0.1 * 2.0 ** -6}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for opt in opts:
+            opt.zero_grad()
+        model(torch.randint(0, 16, (4, 3), generator=gen)).float().pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            weights[n].grad = p.grad.float()
+        for opt in (*opts, *refs):
+            opt.step()
+        values = kept()
+        for n, ref in weights.items():
+            torch.testing.assert_close(values[n], ref.detach(), **tol)
+
+
 # -- islands: a 16-bit one in a plain fp32 model, an fp32 head in a 16-bit model ------------------
 class ByHand(nn.Module):
     """A module computing in ``dtype``, written out: its input and parameters cast to

@@ -177,7 +177,10 @@ class Scratch:
         empty_storages(self.buffers.values())
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` shares memory with a buffer (state must not keep it)."""
+        """True when ``tensor`` shares memory with a buffer (state must not keep it); a sparse
+        tensor never does (no step makes one in the scratch)."""
+        if tensor.is_sparse:
+            return False
         ptr = tensor.untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
 

@@ -107,7 +107,8 @@ class _Run:
         views = _unflatten(self.grads, self.weights)
         dense = [(v, slice_view(local(s.grad), s)) for v, s in zip(views, slices)
                  if not s.grad.is_sparse]
-        torch._foreach_copy_([v for v, _ in dense], [g for _, g in dense])
+        if dense:
+            torch._foreach_copy_([v for v, _ in dense], [g for _, g in dense])
         self.sparse = []
         for temp, view, s in zip(self.params, views, slices):
             temp.grad = s.grad.float() if s.grad.is_sparse else self._placed(view, s)

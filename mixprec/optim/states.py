@@ -85,9 +85,12 @@ def _plain(value) -> bool:
 
 
 def is_moment(key, value, param: torch.Tensor) -> bool:
-    """True for a floating state tensor shaped as ``param`` (not ``step``, not compensation)."""
+    """True for a floating, dense state tensor shaped as ``param`` (not ``step``, not
+    compensation). A sparse one (torch's SGD momentum of a sparse gradient) is kept as torch
+    makes it."""
     return (key != "step" and key not in OWN_KEYS and _plain(value)
-            and value.is_floating_point() and value.shape == param.shape)
+            and value.is_floating_point() and not value.is_sparse
+            and value.shape == param.shape)
 
 
 def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
