@@ -416,3 +416,39 @@ def test_plan_knows_the_compact_options():
                                 master="stochastic", state_dtype="bf16")
     assert "* single       1  O2 stochastic/bf16" in text
     assert len({(r.master, r.state_dtype) for r in rows}) == 8
+
+
+def test_fp16_kahan_weights_below_its_normal_range_keep_their_compensation_in_state_dicts():
+    """fp16 can't hold half an ulp of a weight under 2^-13, so a Kahan compensation there is a
+    whole ulp: the model's state dict still holds weight + compensation (it took such a pair
+    for a weight written directly and kept the bare weight: 1009 of 4096 elements here), and a
+    resume from plain state dicts is bitwise."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        with torch.no_grad():
+            model[0].weight.mul_(1e-3)  # most weights under 2^-13
+        amp = mp.MixedPrecision(level="O2", dtype="fp16", master="kahan")
+        return (amp, *amp.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                       momentum=0.9)))
+
+    def train(amp, model, opt, seeds):
+        for seed in seeds:
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
+            amp.backward(model(x).float().pow(2).mean())
+            amp.step(opt)
+            opt.zero_grad()
+
+    amp, model, opt = build()
+    train(amp, model, opt, range(5))
+    weight = model[0].weight
+    assert int(((opt.compensation(weight).abs() > 0) & (weight.abs() < 2 ** -13)).sum()) > 500
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert torch.equal(saved["model"]["0.weight"], opt.fp32_values()[weight])
+    amp2, model2, opt2 = build()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    train(amp, model, opt, range(5, 8))
+    train(amp2, model2, opt2, range(5, 8))
+    for a, b in zip(opt.fp32_values().values(), opt2.fp32_values().values()):
+        assert torch.equal(a, b)
