@@ -33,9 +33,11 @@ def _closure(opt, loss_of, calls, after=lambda calls: None):
     return closure
 
 
-def _lbfgs_run(master, steps=4):
+def _lbfgs_run(master, steps=4, norm=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
+    if norm:  # an fp32 parameter after a 16-bit one in the group (a norm kept fp32 at O2)
+        model.insert(1, nn.LayerNorm(8))
     x, y = torch.randn(32, 6).bfloat16(), torch.randn(32, 1)
     opt = _wrapped(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), master)
     calls = []
@@ -44,9 +46,12 @@ def _lbfgs_run(master, steps=4):
     return model, losses, len(calls)
 
 
-def test_split_steps_lbfgs_bitwise_as_fp32_masters():
-    fp32_model, fp32_losses, fp32_calls = _lbfgs_run("fp32")
-    model, losses, calls = _lbfgs_run("split")
+@pytest.mark.parametrize("norm", [False, True])
+def test_split_steps_lbfgs_bitwise_as_fp32_masters(norm):
+    """LBFGS reads a group as one flat vector: the values stand in for the parameters in the
+    group's order (with the fp32 ones put first its dot products rounded otherwise: 2.4e-7)."""
+    fp32_model, fp32_losses, fp32_calls = _lbfgs_run("fp32", norm=norm)
+    model, losses, calls = _lbfgs_run("split", norm=norm)
     assert calls == fp32_calls > 4  # re-evaluated inside each step
     assert losses == fp32_losses and losses[-1] < 0.5 * losses[0]
     for p, q in zip(model.parameters(), fp32_model.parameters()):

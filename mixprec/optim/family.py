@@ -285,6 +285,11 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
             runs.append(_Run(opt, slices, rows, saved, whole))
             for s, temp in zip(slices, runs[-1].params):
                 lists[s.group].append(temp)
+        if whole:  # an optimizer reading a group as one (LBFGS's flat vector): its order kept
+            temp_of = {id(s.param): t for run in runs for s, t in zip(run.slices, run.params)}
+            held = [{id(t) for t in ts} for ts in lists]
+            lists = [[t for t in (temp_of.get(id(p), p) for p in group["params"]) if id(t) in ids]
+                     for group, ids in zip(inner.param_groups, held)]
         tensors = [t for ts in lists for t in ts]
         fused = (opt.fused is not False and torch_fused_problem(inner, tensors) is None
                  and complete_momentum(inner, lists))
