@@ -236,3 +236,34 @@ def test_a_clip_folded_into_the_step_refuses_value_clipping_and_grad_norm():
         amp.grad_norm(opt)
     with pytest.raises(ValueError, match="clip_value must be a positive finite number"):
         amp.clip_grad_value_(opt, float("inf"))
+
+
+@pytest.mark.parametrize("case", ["growth", "one-sided overflow"])
+def test_two_optimizers_stepped_one_call_each_unscale_by_the_scale_the_gradients_carry(case):
+    """``amp.step(o1); amp.step(o2)`` after one backward: the first call updates the scale, and
+    the second unscales by the scale its gradients carry, not the new one (with SGD its update
+    was halved after a growth and doubled after a backoff that only o1's overflow caused)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+        return (model, torch.optim.SGD(model[0].parameters(), lr=0.1),
+                torch.optim.SGD([*model[1].parameters(), *model[3].parameters()], lr=0.1))
+
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    if case == "one-sided overflow":  # at 2^17 layer 0's fp16 gradients overflow, layer 3's not
+        x[:, 0] = 3e3
+    scaler = (mp.DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=1) if case == "growth"
+              else mp.DynamicLossScaler(init_scale=2.0 ** 17))
+    reference, _, ref2 = make()
+    F.mse_loss(reference(x), y).backward()
+    ref2.step()
+    model, o1, o2 = make()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", loss_scale=scaler, emulate_fp16=False)
+    model, o1, o2 = amp.setup(model, o1, o2)
+    amp.backward(F.mse_loss(model(x).float(), y))
+    assert (amp.step(o1), amp.step(o2)) == ((True, True) if case == "growth" else (False, True))
+    kept = mp.fp32_state_dict(model, o2)
+    for name in ("3.weight", "3.bias", "1.weight"):
+        torch.testing.assert_close(kept[name], reference.state_dict()[name], rtol=1e-3,
+                                   atol=1e-4)

@@ -50,6 +50,7 @@ class LossScaler(GradScalerInterface):
 
     def __init__(self):
         self._state = ScaleState.initial(1.0)
+        self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
         self._counters = Counters()
         self._stages = StageBook()
         self._modules: list[weakref.ref] = []
@@ -92,7 +93,7 @@ class LossScaler(GradScalerInterface):
         coefficient once a clip is ``"folded"``; None when they read as the true ones."""
         record = self._stages.get(optimizer)
         if record is None or record.stage is Stage.READY:
-            return self._state.scale if self._scales else None
+            return self._grads_scale() if self._scales else None
         return record.grad_scale if record.stage is Stage.UNSCALED else None
 
     def settle_(self, optimizer) -> None:
@@ -137,6 +138,7 @@ class LossScaler(GradScalerInterface):
             return loss
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
+        self._carried = self._state.scale  # (a scale update makes a new tensor)
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, optimizer) -> None:
@@ -378,8 +380,15 @@ class LossScaler(GradScalerInterface):
                              f"takes only 1.0 here, got {new_scale!r}")
 
     # -- internals ---------------------------------------------------------------------------
+    def _grads_scale(self) -> torch.Tensor:
+        """The scale the gradients carry: the one the last scaled loss was multiplied by (two
+        ``amp.step`` calls after one backward: the first call's update must not change what
+        the second unscales by), else the current one."""
+        carried = self._carried
+        return self._state.scale if carried is None else carried.to(self._state.device)
+
     def _inv_scale(self) -> torch.Tensor:
-        return self._state.scale.double().reciprocal().float()
+        return self._grads_scale().double().reciprocal().float()
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
@@ -398,7 +407,7 @@ class LossScaler(GradScalerInterface):
             grads = [g for _, g in optimizer.grads_for_step()]
             record.found_inf = _local(passes.found_nonfinite(grads, self._state.device))
         if self._scales:
-            record.grad_scale = self._state.scale
+            record.grad_scale = self._grads_scale()
         return record
 
     def _fold_clip(self, optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -406,7 +415,7 @@ class LossScaler(GradScalerInterface):
         record = self._ready_record(optimizer, "clip_grad_norm_()")
         grads = [g for _, g in optimizer.grads_for_step()]
         total = _replicated(passes.total_norm(grads, norm_type, self._state.device))
-        carried = self._state.scale if self._scales else torch.ones_like(total)
+        carried = self._grads_scale() if self._scales else torch.ones_like(total)
         total = total / carried
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         record.grad_scale = carried / coef
