@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import mixprec as mp
 from mixprec.training import Callback, History, LossMonitor, ModelCheckpoint, ProgressBar, Trainer
@@ -223,20 +223,33 @@ def test_skipped_step_leaves_parameters_unchanged(digits):
 
 
 # ----------------------------------------------------------------- accumulation and clipping
-@pytest.mark.parametrize("n,batch,accum", [(64, 16, 4), (80, 16, 2), (48, 8, 3)])
-def test_accumulation_equals_the_large_batch_step(n, batch, accum):
+class _Stream(IterableDataset):
+    """A dataset without ``len()`` (streamed)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __iter__(self):
+        return iter(self.ds)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n,batch,accum", [(64, 16, 4), (80, 16, 2), (48, 8, 3), (48, 8, 4)])
+def test_accumulation_equals_the_large_batch_step(n, batch, accum, stream):
+    """Windows of ``accum`` micro-batches step as one batch of their size, a shorter last window
+    too, also where the data has no ``len()`` (there its gradient was divided by ``accum``)."""
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
 
-    def run(b, k):
+    def run(b, k, stream=False):
         torch.manual_seed(0)
         model = mlp()
         t = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.5), level="O0",
                     grad_accum_steps=k, progress=False)
-        t.fit(DataLoader(ds, batch_size=b), epochs=1)
+        t.fit(DataLoader(_Stream(ds) if stream else ds, batch_size=b), epochs=1)
         return t
 
-    small, large = run(batch, accum), run(batch * accum, 1)
+    small, large = run(batch, accum, stream), run(batch * accum, 1)
     assert small.global_step == large.global_step == math.ceil(n / (batch * accum))
     for a, b in zip(params(small), params(large)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -252,6 +265,26 @@ def test_clipping_acts_on_unscaled_gradients(digits):
     trainer.train_step([digits[0][:64]])
     delta = torch.cat([(a - b).flatten() for a, b in zip(params(trainer), before)])
     assert delta.norm().item() == pytest.approx(0.01, rel=1e-3)
+
+
+def test_a_plateau_scheduler_is_refused_with_the_callback_that_steps_it(digits):
+    """ReduceLROnPlateau steps on a metric: taken, it failed after the first update (weights
+    changed, the step count not). The refusal's callback steps it."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"sched\.step\(logs\['val_loss'\]\)"):
+        Trainer(model, F.cross_entropy, opt, scheduler=sched, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+    class Plateau(Callback):
+        def on_epoch_end(self, trainer, epoch, logs):
+            sched.step(1.0)  # a flat metric: the LR halves from the second epoch on
+
+    trainer = Trainer(model, F.cross_entropy, opt, callbacks=[Plateau()], progress=False)
+    trainer.fit([digits[0][:64]], epochs=3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
 
 
 # ----------------------------------------------------------------- bad input

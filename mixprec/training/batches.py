@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss"]
+__all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss", "windows"]
 
 LABEL_KEYS = ("labels", "label")
 
@@ -117,3 +118,14 @@ def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor
         raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got {shape}: reduce "
                          f"it, e.g. with reduction='mean'")
     return loss
+
+
+def windows(batches, size: int):
+    """``(batch, the size of its window)`` for each batch, the batches taken ``size`` at a time:
+    a window's batches are read before its first is yielded, so the last window's size is known
+    at its start when the data has no ``len()`` (an ``IterableDataset``, a generator)."""
+    it = iter(batches)
+    while window := list(itertools.islice(it, size)):
+        for batch in window:
+            yield batch, len(window)
+

@@ -11,7 +11,7 @@ from ..engine_checks import check_max_norm
 __all__ = ["check_options", "check_device", "check_reiterable", "length"]
 
 
-def check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
+def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None) -> None:
     if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
             or grad_accum_steps < 1):
         raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
@@ -19,6 +19,12 @@ def check_options(grad_accum_steps, max_grad_norm, loss_fn) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
                         f"model output's .loss; got {loss_fn!r}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "scheduler=ReduceLROnPlateau steps on a metric, and the Trainer steps its scheduler "
+            "after every applied update with no argument. Pass scheduler=None and step it from "
+            "a callback: class Plateau(mp.training.Callback): def on_epoch_end(self, trainer, "
+            "epoch, logs): sched.step(logs['val_loss'])  (with eval_data; or logs['loss'])")
 
 
 def check_device(device) -> torch.device:

@@ -24,7 +24,7 @@ from ..optim import compile_master_step
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts
-from .batches import compute_loss, logits_of, split_batch, to_device
+from .batches import compute_loss, logits_of, split_batch, to_device, windows
 from .callbacks import Callback, ProgressBar
 from .checks import check_device, check_options, check_reiterable, length
 from .choose import make_strategy
@@ -112,7 +112,7 @@ class Trainer:
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
                  max_consecutive_skips: int | None = 8, loss_scaler: Any = vocabulary.UNSET):
-        check_options(grad_accum_steps, max_grad_norm, loss_fn)
+        check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
             loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
@@ -315,10 +315,11 @@ class Trainer:
         for m in self.metrics:
             m.reset()
         window, window_loss, divisor = 0, None, accum
-        for batch in it:
+        # without len(): each window read ahead, so a short last one divides by its own size
+        for batch, size in (windows(it, accum) if n is None else ((b, None) for b in it)):
             if window == 0:
                 start = self.state.batch_in_epoch
-                divisor = accum if n is None else min(accum, n - start)
+                divisor = size if n is None else min(accum, n - start)
             last = n is None or window + 1 == divisor  # without len(): reduce every micro-batch
             loss = self._micro_step(batch, divisor, last)
             window_loss = loss if window_loss is None else window_loss + loss
