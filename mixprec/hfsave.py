@@ -23,8 +23,12 @@ __all__ = ["Fp32SavePretrained", "fp32_save_pretrained"]
 
 
 def _is_pretrained_model(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    # the module that defines the class, not ``transformers`` itself: that is a lazy module,
+    # whose attribute would import modeling_utils (and torchao with it) for a model of another
+    # library (about 1 s, and torchao's load messages, in every prepare once Lightning imported
+    # transformers' top level)
+    modeling = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling, "PreTrainedModel", None) if modeling else None
     return base is not None and isinstance(model, base)
 
 

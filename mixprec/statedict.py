@@ -110,15 +110,15 @@ class Companions:
         with torch.no_grad():
             for param, shadow in self._shadows.items():
                 pv, sv = self._versions.get(param, (None, None))
-                if shadow._version != sv and param._version == pv:
+                if _version(shadow) != sv and _version(param) == pv:
                     param.copy_(shadow)
-                elif param._version != pv and shadow._version == sv:
+                elif _version(param) != pv and _version(shadow) == sv:
                     shadow.copy_(param)
         self._record()
 
     def _record(self) -> None:
         if self.is_copy:
-            self._versions = {p: (p._version, s._version) for p, s in self._shadows.items()}
+            self._versions = {p: (_version(p), _version(s)) for p, s in self._shadows.items()}
 
     def __getstate__(self) -> dict:
         return {"shadows": {p: c.detach() for p, c in self.settle().items()}}
@@ -128,6 +128,12 @@ class Companions:
         self._shadows = dict(state["shadows"])
         self._versions = {}
         self._record()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for a tensor made under ``torch.inference_mode`` (a copy
+    taken there), which has none: its writes are not followed."""
+    return None if t.is_inference() else t._version
 
 
 def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

@@ -380,13 +380,17 @@ def test_a_deep_copy_or_pickle_keeps_the_fp32_weights(level, dtype, tmp_path):
                      "no clip")
     state = model.state_dict()
     torch.save(model, tmp_path / "model.pt")
-    copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+    with torch.inference_mode():  # a best-model snapshot taken while evaluating (O2 raised)
+        snapshot = copy.deepcopy(model)
+    copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False),
+              snapshot]
     model.eval()
     expected = model(batch(0)[0])
     for clone in copies:
         torch.testing.assert_close(clone.state_dict(), state, rtol=0, atol=0)
         clone.eval()
-        torch.testing.assert_close(clone(batch(0)[0]), expected, rtol=0, atol=0)
+        with torch.no_grad():  # (an inference-mode copy takes no part in autograd)
+            torch.testing.assert_close(clone(batch(0)[0]), expected, rtol=0, atol=0)
     if level == "O2":  # the masters, not their rounding
         assert any(not torch.equal(v, v.to(DTYPES[dtype]).float()) for v in state.values())
 

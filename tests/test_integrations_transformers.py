@@ -223,3 +223,19 @@ def test_the_engine_scaler_speaks_grad_scaler():
     with pytest.raises(ValueError, match="updates its scale in step"):
         scaler.update(2.0)
     assert scaler.state_dict() == amp.state_dict()
+
+
+def test_preparing_a_model_of_another_library_imports_nothing_of_transformers():
+    """With transformers' lazy top level imported (Lightning imports it), preparing a plain
+    model at O2 loads neither transformers' model classes nor, through them, torchao (it did:
+    about 1 s and torchao's load messages in every prepare)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, transformers, mixprec as mp; "
+            "model = torch.nn.Linear(4, 4); "
+            "mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level='O2', "
+            "dtype='bf16'); "
+            "print('transformers.modeling_utils' in sys.modules, 'torchao' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

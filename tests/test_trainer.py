@@ -494,3 +494,29 @@ def test_compile_matches_eager(digits):
     compiled = make_trainer("O1", "bf16", compile=True)
     compiled.fit(loader(data, 64), epochs=1)
     assert compiled.history.loss == pytest.approx(eager.history.loss, rel=2e-2)
+
+
+def test_accuracy_reads_the_class_dimension_from_the_shapes():
+    """Scores (N, C, ...) as torch's F.cross_entropy takes them, or (N, T, C) token logits as
+    Hugging Face models return them, against (N, ...) targets; where both fit it refuses to
+    guess (it took argmax over dim 1 of token logits: a wrong number, or a size error)."""
+    torch.manual_seed(0)
+    target = torch.randint(0, 5, (4, 3))
+    torch_layout, tokens = torch.randn(4, 5, 3), torch.randn(4, 3, 5)
+    for scores, dim in ((torch_layout, 1), (tokens, -1)):
+        acc = mp.Accuracy()
+        acc.update(scores, target)
+        assert acc.compute() == (scores.argmax(dim) == target).sum().item() / target.numel()
+    flat = mp.Accuracy()
+    flat.update(torch.randn(6, 5), torch.arange(6) % 5)
+    assert flat.total == 6
+    square = torch.randn(4, 3, 3)
+    with pytest.raises(ValueError, match=r"class_dim=-1\) \(token logits\)"):
+        mp.Accuracy().update(square, target % 3)
+    chosen = mp.Accuracy(class_dim=-1)
+    chosen.update(square, target % 3)
+    assert chosen.compute() == (square.argmax(-1) == target % 3).sum().item() / target.numel()
+    with pytest.raises(ValueError, match="the scores' shape without its class dimension"):
+        mp.Accuracy().update(torch.randn(4, 6, 7), target)
+    with pytest.raises(ValueError, match="class_dim must be None, 1 or -1; got 2"):
+        mp.Accuracy(class_dim=2)

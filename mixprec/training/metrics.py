@@ -37,16 +37,27 @@ class Metric:
 
 
 class Accuracy(Metric):
-    """Top-1 accuracy of class scores ``(N, C, ...)`` against class indices ``(N, ...)``.
+    """Top-1 accuracy of class scores against class indices: scores ``(N, C, ...)`` (torch's
+    layout, as ``F.cross_entropy`` takes them) against targets ``(N, ...)``, or scores
+    ``(N, ..., C)`` (Hugging Face's token logits ``(N, T, C)``) against ``(N, ...)``: the class
+    dimension is the one the target's shape leaves out.
 
     Targets given as probabilities or one-hot rows (same shape as the output) are compared by
     their argmax. ``compute()`` returns a fraction in [0, 1] (NaN before any update).
+
+    Args:
+        class_dim: the scores' class dimension (1 or -1); None: read from the shapes (where
+            both fit, ``(N, C, C)`` scores against ``(N, C)`` targets, an update refuses to
+            guess).
     """
 
     name = "accuracy"
     sum_state = ("correct", "total")
 
-    def __init__(self):
+    def __init__(self, class_dim: int | None = None):
+        if class_dim not in (None, 1, -1):
+            raise ValueError(f"class_dim must be None, 1 or -1; got {class_dim!r}")
+        self.class_dim = class_dim
         self.reset()
 
     def reset(self) -> None:
@@ -55,17 +66,29 @@ class Accuracy(Metric):
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
         if target.shape == output.shape and target.is_floating_point():
-            target = target.argmax(dim=1)
-        if output.dim() != target.dim() + 1:
-            raise ValueError(f"Accuracy needs class scores of shape (N, C, ...) and targets "
-                             f"(N, ...); got output {tuple(output.shape)} and target "
-                             f"{tuple(target.shape)}")
-        pred = output.argmax(dim=1)
+            target = target.argmax(dim=1 if self.class_dim is None else self.class_dim)
+        fits = [d for d in (1, -1) if self.class_dim in (None, d) and output.dim() >= 2
+                and tuple(target.shape) == _without(output.shape, d)]
+        if not fits:
+            raise ValueError(f"Accuracy needs class scores (N, C, ...) or (N, ..., C) and targets "
+                             f"(N, ...), the scores' shape without its class dimension; got "
+                             f"output {tuple(output.shape)} and target {tuple(target.shape)}")
+        if len(fits) == 2 and output.dim() > 2:
+            raise ValueError(f"Accuracy can't tell the class dimension of scores "
+                             f"{tuple(output.shape)} against targets {tuple(target.shape)}: both "
+                             f"(N, C, T) and (N, T, C) fit. Pass metrics=[mp.Accuracy(class_dim=1)]"
+                             f" (torch's layout) or mp.Accuracy(class_dim=-1) (token logits)")
+        pred = output.argmax(dim=fits[0])
         self.correct = (pred == target).sum() + self.correct
         self.total += target.numel()
 
     def compute(self) -> float:
         return int(self.correct) / self.total if self.total else float("nan")
+
+
+def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    dim %= len(shape)
+    return tuple(shape[:dim]) + tuple(shape[dim + 1:])
 
 
 class MeanAbsoluteError(Metric):
