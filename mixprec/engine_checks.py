@@ -48,12 +48,17 @@ def check_policy(saved: dict | None, policy: Policy | None, where: str = "this c
     value (the ``level`` label aside: see :class:`Policy`)."""
     if saved is None or policy is None:
         same = saved is None and policy is None
-    else:
-        same = Policy.from_state_dict(saved) == policy
+    else:  # as saved first: a module type defined in a function can't be imported back
+        same = (_labelless(saved) == _labelless(policy.state_dict())
+                or Policy.from_state_dict(saved) == policy)
     if not same:
         shown = "none" if saved is None else str(Policy.from_state_dict(saved))
         raise ValueError(f"{where} was made under the policy {shown}, but this run uses "
                          f"{policy}: load it into a run with the same policy")
+
+
+def _labelless(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != "level"}
 
 
 def check_monitor(monitor):

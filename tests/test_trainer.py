@@ -520,3 +520,25 @@ def test_accuracy_reads_the_class_dimension_from_the_shapes():
         mp.Accuracy().update(torch.randn(4, 6, 7), target)
     with pytest.raises(ValueError, match="class_dim must be None, 1 or -1; got 2"):
         mp.Accuracy(class_dim=2)
+
+
+def test_a_policy_naming_a_class_defined_in_a_function_resumes(tmp_path):
+    """keep_fp32=[a class defined in a function]: the checkpoint's policy names a type that
+    can't be imported back; it is compared as saved (save worked, load refused its own file)."""
+    class Head(torch.nn.Linear):
+        pass
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), Head(16, 3))
+        return Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                       level="O2", dtype="bf16", keep_fp32=[Head], progress=False)
+
+    data = [(torch.randn(4, 8), torch.randint(0, 3, (4,)))] * 2
+    first = make()
+    first.fit(data)
+    first.save(tmp_path / "run.pt")
+    again = make()
+    again.load(tmp_path / "run.pt")
+    assert again.global_step == first.global_step
+    assert all(torch.equal(a, b) for a, b in zip(params(again), params(first)))
