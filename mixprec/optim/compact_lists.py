@@ -117,7 +117,8 @@ class _Piece:
                            keys[self.rows, 0] + self.shift if method.draws_bits else None,
                            **spare)  # the step read the gradients
         for w in self.wide:  # no NaN pass: a moment's NaN makes the weight's (module docstring)
-            _narrow(w.flat, w.regions, keys[w.rows, w.cols] + w.shift, None)
+            _narrow(w.flat, w.regions, None if keys is None else keys[w.rows, w.cols] + w.shift,
+                    None)  # (no keys: fp32 moments, copied back)
 
 
 class _NoPlan(Exception):

@@ -185,14 +185,16 @@ class _Run:
         for key, (flat, idx, regions) in self.wide.items():
             slices = [self.slices[i] for i in idx]
             shift = shifts(slices, positions(slices), 'cpu')
-            _narrow(flat, regions, self.keys[idx, [column(i, key) for i in idx]] + shift)
+            _narrow(flat, regions, None if self.keys is None  # (fp32 moments: copied back)
+                    else self.keys[idx, [column(i, key) for i in idx]] + shift)
         for i, (s, entry) in enumerate(zip(self.slices, entries)):
             held = state[s.param] if entry else {}  # no empty entry left behind
             for key, value in entry.items():
                 if self.given[i].get(key) is value:
                     continue
                 if _moment(key, value, self.params[i]):  # made by this step: state dtype
-                    self._adopt(s, held, key, local(value), self.keys[i, column(i, key)].view(1))
+                    bits = None if self.keys is None else self.keys[i, column(i, key)].view(1)
+                    self._adopt(s, held, key, local(value), bits)
                 else:
                     held[key] = self._owned(value)
 
@@ -203,7 +205,7 @@ class _Run:
         return value
 
     def _adopt(self, s: Slice, held: dict, key: str, value: torch.Tensor,
-               key_bits: torch.Tensor) -> None:
+               key_bits: torch.Tensor | None) -> None:
         param, dtype = local(s.param), self.opt.state_dtype
         if not s.index and dtype == torch.float32 and value.stride() == param.stride():
             held[key] = like_shard(self._owned(value), s.param)
@@ -212,18 +214,17 @@ class _Run:
         if full is None or not states.is_moment(key, full, s.param):
             full = held[key] = like_shard(torch.zeros_like(param, dtype=dtype), s.param)
         region = slice_view(local(full), s)
-        _narrow(value.reshape(-1), [region], key_bits + shifts([s], [0], 'cpu'))
+        _narrow(value.reshape(-1), [region],  # (no keys: fp32 moments, copied)
+                None if key_bits is None else key_bits + shifts([s], [0], 'cpu'))
 
 
 def draw_keys(opt, items: list[Slice]) -> torch.Tensor | None:
     """The step's rounding keys: :data:`_KEYS` per 16-bit parameter with a gradient (row
-    ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps); zeros,
+    ``item.row``), drawn from ``opt.rounding`` (one draw per step, whichever path steps); None,
     drawing nothing, where nothing rounds stochastically (an exact method with fp32 moments:
     its generator stays as it was, whether a step is applied or skipped on the device)."""
-    if not items:
+    if not items or (not opt.master.draws_bits and opt.state_dtype == torch.float32):
         return None
-    if not opt.master.draws_bits and opt.state_dtype == torch.float32:
-        return torch.zeros((len(items), _KEYS), dtype=torch.int32)
     return opt.rounding.draw(_KEYS * len(items), opt.salt).view(-1, _KEYS)
 
 
@@ -281,7 +282,8 @@ def _step_piece(opt, piece, fp32_params, keys, grad_scale, inv, saved, whole,
     own = [p for ps in lists for p in ps]
     try:
         for slices in kinds.values():
-            rows = keys[[s.row for s in slices]]  # on the CPU: the noise table is sliced at them
+            # on the CPU: the noise table is sliced at them
+            rows = None if keys is None else keys[[s.row for s in slices]]
             runs.append(_Run(opt, slices, rows, saved, whole))
             for s, temp in zip(slices, runs[-1].params):
                 lists[s.group].append(temp)
