@@ -347,7 +347,13 @@ def _cast_model(model: nn.Module, policy: Policy, device_type: str,
     buffers = module_dtypes(model, policy.param_dtype, dtype_of)
     originals: dict[torch.Tensor, torch.Tensor] = {}
     cast_tensors(params, "_parameters", originals, keep=lambda t: not trained(t))
-    cast_tensors(buffers, "_buffers")
+    # under autocast (O2) a non-persistent buffer, a constant the model derives (rotary
+    # frequencies: a Llama's inv_freq in bf16 is 1.5 rad off at position 8191), stays fp32;
+    # autocast gives the ops that read it their dtypes. Pure 16-bit (O3) casts it too.
+    derived = ({id(b) for mod in model.modules() for name, b in mod._buffers.items()
+                if b is not None and name in mod._non_persistent_buffers_set}
+               if policy.autocast else set())
+    cast_tensors(buffers, "_buffers", keep=lambda t: id(t) in derived)
     if not policy.is_mixed:
         return originals
     for name, mod in model.named_modules():

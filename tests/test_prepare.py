@@ -310,3 +310,38 @@ def test_fp16_levels_run_and_train(level):
     loss0.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Rotary(nn.Module):
+    """A rotary embedding's frequencies (a non-persistent buffer, as Hugging Face's Llama keeps
+    them) beside a persistent floating buffer and a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8),
+                             persistent=False)
+        self.register_buffer("scale", torch.full((8,), 0.3))
+
+    def forward(self, x, positions):
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        rot = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return self.proj(x * self.scale) * rot
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_non_persistent_buffer_stays_fp32_under_autocast(level):
+    """O2 keeps a derived constant (a non-persistent buffer: rotary frequencies) in fp32, where
+    bf16 put a Llama's rotary angle at position 8191 1.5 rad off; a persistent buffer is cast
+    as before, and O3 (pure 16-bit, no autocast) casts both."""
+    model = mp.prepare(Rotary(), level=level, dtype="bf16")
+    assert model.inv_freq.dtype == (torch.float32 if level == "O2" else torch.bfloat16)
+    assert model.scale.dtype == torch.bfloat16
+    assert "inv_freq" not in model.state_dict()
+    positions = torch.arange(8192)
+    angles = positions.float()[:, None] * model.inv_freq.float()[None, :]
+    exact = positions.float()[:, None] * Rotary().inv_freq[None, :]
+    worst = float((angles - exact).abs().max())
+    assert (worst == 0.0) if level == "O2" else (worst > 0.1)
+    out = model(torch.randn(8192, 8), positions)
+    assert torch.isfinite(out).all()
