@@ -34,11 +34,23 @@ _PROMOTE = "promote"  # marker: "the widest floating dtype among the inputs"
 
 def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
     """Cast every tensor of a castable dtype (fp32/fp16/bf16, see :mod:`mixprec.dtypes`) in a
-    pytree to ``dtype``; fp64, fp8 and integer tensors are left untouched."""
+    pytree to ``dtype``, and in the fields of a plain ``@dataclass`` within it (a model's output
+    class: not a pytree node, it would pass as it is); fp64, fp8 and integer tensors are left
+    untouched."""
     def cast(t):
-        if (isinstance(t, torch.Tensor) and t.dtype in CASTABLE_DTYPES and t.dtype != dtype
-                and (device_type is None or t.device.type == device_type)):
-            return t.to(dtype)
+        if isinstance(t, torch.Tensor):
+            if (t.dtype in CASTABLE_DTYPES and t.dtype != dtype
+                    and (device_type is None or t.device.type == device_type)):
+                return t.to(dtype)
+            return t
+        if dataclasses.is_dataclass(t) and not isinstance(t, type):
+            changes = {}
+            for f in dataclasses.fields(t):
+                value = getattr(t, f.name) if f.init else None
+                cast_value = cast_floating(value, dtype, device_type)
+                if cast_value is not value:
+                    changes[f.name] = cast_value
+            return dataclasses.replace(t, **changes) if changes else t
         return t
     return tree_map(cast, tree)
 

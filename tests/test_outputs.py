@@ -1,6 +1,7 @@
 """A prepared model's outputs: fp32 where read, and no copy of a field nobody reads when the model
 computed its own loss."""
 
+import dataclasses
 import pickle
 
 import pytest
@@ -58,3 +59,39 @@ def test_outputs_without_a_loss_are_cast_at_once():
     assert out.__dict__["logits"].dtype == torch.float32
     plain = cast_outputs((torch.ones(2, dtype=torch.bfloat16),), torch.float32)
     assert plain[0].dtype == torch.float32
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: tuple
+    note: str = "kept"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    logits: torch.Tensor
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_plain_dataclass_output_is_cast_to_the_output_dtype(level):
+    """A model returning a plain ``@dataclass`` (not a pytree node): its fields are cast as a
+    tuple's are (its logits came back bf16 under an fp32 output policy, and an fp16 loss made
+    from them overflowed)."""
+    class Net(torch.nn.Module):
+        def __init__(self, frozen):
+            super().__init__()
+            self.lin, self.frozen = torch.nn.Linear(4, 4), frozen
+
+        def forward(self, x):
+            y = self.lin(x)
+            return _Frozen(y) if self.frozen else _Out(y, (y, 3))
+
+    for frozen in (False, True):
+        model = mp.prepare(Net(frozen), level=level, dtype="bf16")
+        out = model(torch.randn(2, 4))
+        assert out.logits.dtype == torch.float32
+        if not frozen:
+            assert out.hidden[0].dtype == torch.float32 and out.hidden[1] == 3
+            assert out.note == "kept"
+    assert cast_floating(_Out(torch.ones(1), ()), torch.bfloat16).logits.dtype == torch.bfloat16
