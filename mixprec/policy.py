@@ -180,6 +180,8 @@ class Policy:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")
         self._check_masters()
+        if self.fp8 is not None and self.compute_dtype != _FP32:
+            self.fp8.check_compute_dtype(dtype_name(self.compute_dtype))
 
     def _check_masters(self) -> None:
         object.__setattr__(self, "master", masters.resolve(self.master))

@@ -9,6 +9,8 @@ weights' scale (5 * 2**-10 for |w| <= 1/8). Bytes per parameter are measured fro
 the libraries hold (quantized codes, block scales, maps).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -90,3 +92,21 @@ def test_low_bit_states_are_measured_in_bytes_per_parameter(inner):
     # maps per tensor: 0.5 B per parameter of a 4096-element tensor; nothing on a large one)
     limit = 1.6 if "4bit" in inner else 2.6
     assert got["optimizer_state"] < limit
+
+
+@pytest.mark.parametrize("fp8", ["mxfp8", "nvfp4"])
+def test_a_format_whose_kernels_take_no_fp16_is_refused_with_fp16_compute(fp8):
+    """torchao's MX and NVFP4 kernels take bf16 (and fp32) inputs only: with fp16 compute a
+    policy was accepted and the first forward died inside torchao. Refused at the policy, with
+    the formats that take fp16; bf16 and the float8 recipes with fp16 are accepted."""
+    def model():
+        return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+
+    with pytest.raises(ValueError, match=rf"fp8='{fp8}' runs its GEMMs with bf16 compute, not "
+                                         r"fp16.*'tensorwise', 'rowwise', 'rowwise_gw_hp'"):
+        mp.prepare(model(), level="O2", dtype="fp16", fp8=fp8)
+    policy = mp.Policy.from_level("O2", "fp16")
+    with pytest.raises(ValueError, match="runs its GEMMs with bf16 compute"):
+        dataclasses.replace(policy, fp8=fp8)  # the advisor's policy(dtype="fp16", fp8=) too
+    dataclasses.replace(mp.Policy.from_level("O2", "bf16"), fp8=fp8)
+    dataclasses.replace(policy, fp8="tensorwise")

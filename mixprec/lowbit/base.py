@@ -61,6 +61,19 @@ class LowBitFormat(Component):
     bits_per_value: ClassVar[float] = 8.0
     #: the advisor's limits on a layer's relative output and weight-gradient errors
     advisor_limits: ClassVar[tuple[float, float]] = (0.15, 0.25)
+    #: the 16-bit compute dtypes the format's GEMMs run around (names: "bf16", "fp16")
+    compute_dtypes: ClassVar[tuple[str, ...]] = ("bf16", "fp16")
+
+    def check_compute_dtype(self, dtype_name: str) -> None:
+        """Refuse a 16-bit compute dtype the format's kernels don't take (``ValueError``
+        naming what does); fp32 compute is the level's business, not checked here."""
+        if dtype_name in ("bf16", "fp16") and dtype_name not in self.compute_dtypes:
+            taking = [repr(n) for n, c in _compute_by_name().items() if dtype_name in c]
+            raise ValueError(
+                f"fp8={self.name!r} runs its GEMMs with {' or '.join(self.compute_dtypes)} "
+                f"compute, not {dtype_name} (its kernels don't take it); use "
+                f"dtype={self.compute_dtypes[0]!r}, or with {dtype_name} a format that takes "
+                f"it: {', '.join(taking)}")
 
     # -- eligibility -----------------------------------------------------------------------
     def why_ineligible(self, in_features: int, out_features: int) -> str | None:
@@ -128,6 +141,11 @@ class LowBitFormat(Component):
         """``{role: (amax, saturated fraction, flushed fraction)}`` of the GEMM operands the
         format casts (input, weight, grad_output), as 0-d tensors."""
         raise NotImplementedError
+
+
+def _compute_by_name() -> dict[str, tuple[str, ...]]:
+    """Shorthand -> the compute dtypes of the format it names."""
+    return {name: resolve(name).compute_dtypes for name in shorthands()}
 
 
 def register(cls: type, shorthands: dict[str, dict] | None = None) -> type:

@@ -51,6 +51,7 @@ class MXFP8(LowBitFormat):
     block: ClassVar[int] = 32
     advisor_format: ClassVar[str] = "mxfp8"
     bits_per_value: ClassVar[float] = 8 + 8 / 32  # e4m3 elements, one E8M0 scale per 32
+    compute_dtypes: ClassVar[tuple[str, ...]] = ("bf16",)  # torchao's MX: no fp16 yet
 
     def __post_init__(self):
         if not isinstance(self.wgrad_hp, bool):

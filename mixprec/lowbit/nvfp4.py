@@ -38,6 +38,7 @@ class NVFP4(LowBitFormat):
     block: ClassVar[int] = 16
     advisor_format: ClassVar[str] = "nvfp4"
     bits_per_value: ClassVar[float] = 4 + 8 / 16  # e2m1 elements, one e4m3 scale per 16
+    compute_dtypes: ClassVar[tuple[str, ...]] = ("bf16",)  # torchao quantizes bf16/fp32 only
     advisor_limits: ClassVar[tuple[float, float]] = (0.4, 0.6)  # 3 significant bits
 
     def describe(self) -> str:
