@@ -162,7 +162,12 @@ class Policy:
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype"):
-            object.__setattr__(self, field, to_dtype(getattr(self, field), what=field))
+            dtype = to_dtype(getattr(self, field), what=field)
+            if dtype.itemsize < 2:  # an fp8 dtype: a GEMM format, not what a model trains in
+                raise ValueError(f"{field} must be a dtype a model trains in (fp32, bf16, fp16); "
+                                 f"got {dtype_name(dtype)}: FP8 GEMMs are fp8= (a "
+                                 f"mixprec.lowbit format, e.g. fp8='tensorwise')")
+            object.__setattr__(self, field, dtype)
         object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", to_dtype(self.output_dtype,

@@ -235,6 +235,22 @@ def test_a_batch_holding_inf_or_nan_is_refused(bad):
         mp.advise(KwargNet(), {"x": x}, lambda out, _: out.sum())
 
 
+def test_a_model_whose_fp32_loss_is_not_finite_is_refused():
+    """exp of a large activation overflows in fp32 itself: no format is to blame (every layer
+    was reported unsafe, and the advised policy, fp32 for both, fixed nothing)."""
+    class Overflowing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(torch.exp(self.a(x) * 200))
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"fp32 loss on this batch is nan.*trace_nonfinite"):
+        mp.advise(Overflowing(), (torch.randn(4, 8), torch.randint(0, 2, (4,))), F.cross_entropy)
+
+
 class KwargNet(nn.Module):
     def __init__(self):
         super().__init__()

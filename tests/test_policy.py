@@ -72,6 +72,10 @@ def test_bad_policy_fields():
         Policy(loss_scale=-1.0)
     with pytest.raises(TypeError, match="keep_fp32"):
         Policy(keep_fp32=(int,))
+    for field in ("param_dtype", "compute_dtype"):  # prepare cast weights to e4m3, then died
+        with pytest.raises(ValueError, match=rf"{field} must be a dtype a model trains in .*"
+                                             r"got fp8_e4m3: FP8 GEMMs are fp8="):
+            Policy(**{field: "fp8_e4m3"})
 
 
 VALID_KEEP = "an nn.Module subclass .*, a qualified module name .*, or an iterable of them"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -176,6 +177,11 @@ def advise(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
     started = time.perf_counter()
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
         loss, calls = reference_pass(model, split, loss_fn, chosen, seed)
+        if not math.isfinite(float(loss)):  # nothing a 16-bit format does can be judged
+            raise ValueError(
+                f"the model's fp32 loss on this batch is {float(loss)}: the model overflows in "
+                f"fp32 already, so no format can be blamed or advised. Find where with "
+                f"mp.debug.trace_nonfinite(model) and fix it (or pass another batch)")
         t_ref = time.perf_counter()
         done = [c for c in calls.values() if c.output is not None]
         refs = [(c, reference(c)) for c in done]
