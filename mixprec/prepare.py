@@ -264,7 +264,11 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         optimizers = wrap_late(model, optimizers, originals, policy)
     if policy.is_mixed or policy.autocast or policy.cast_inputs:
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
-        model.forward = Entry(model, in_dtype, policy.output_dtype, context)
+        # without autocast (O3) the inputs follow the parameters' dtype: model.float() after
+        # prepare gives an fp32 model whose inputs are fp32 (under autocast the GEMMs cast)
+        probe = (None if policy.autocast or in_dtype is None else
+                 next((p for p in model.parameters() if p.dtype == in_dtype), None))
+        model.forward = Entry(model, in_dtype, policy.output_dtype, context, probe)
         root_island = island_of(model)  # to_float(model, ...): the root computes in that
         if root_island is not None:
             root_island.place(None)  # the entry casts the outputs

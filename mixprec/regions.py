@@ -95,16 +95,20 @@ class Entry(ForwardWrapper):
     module's hooks outside its graph and traces each one as a frame of its own."""
 
     before = None  # (class default: an entry pickled before it existed)
+    probe = None  # without autocast: a parameter cast to ``in_dtype``, whose dtype inputs follow
 
-    def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None):
+    def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None,
+                 probe: torch.Tensor | None = None):
         super().__init__(module)
         self.in_dtype, self.out_dtype, self.context = in_dtype, out_dtype, context
+        self.probe = probe
 
     def __call__(self, *args, **kwargs):
         if self.before is not None and not torch.compiler.is_compiling():
             self.before(self.module)
-        if self.in_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.in_dtype)
+        if self.in_dtype is not None:  # (pure 16-bit cast to fp32 by model.float(): fp32 in)
+            dtype = self.in_dtype if self.probe is None else self.probe.dtype
+            args, kwargs = cast_floating((args, kwargs), dtype)
         if self.context is None:
             out = self.call_inner(*args, **kwargs)
         else:

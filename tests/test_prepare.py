@@ -345,3 +345,22 @@ def test_a_non_persistent_buffer_stays_fp32_under_autocast(level):
     assert (worst == 0.0) if level == "O2" else (worst > 0.1)
     out = model(torch.randn(8192, 8), positions)
     assert torch.isfinite(out).all()
+
+
+def test_a_pure_16_bit_model_cast_to_fp32_computes_in_fp32():
+    """O3 casts the inputs to its dtype without autocast: after ``model.float()`` (to evaluate
+    or export in fp32) they follow the parameters (the first GEMM raised a dtype mismatch)."""
+    torch.manual_seed(0)
+    model = mp.prepare(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+                       level="O3", dtype="bf16")
+    x = torch.randn(4, 16)
+    assert model(x).dtype == torch.bfloat16
+    plain = copy.deepcopy(model).float()
+    model.float()
+    assert model[0].weight.dtype == torch.float32
+    out = model(x)
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        expected = model[2](torch.relu(model[0](x)))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert plain(x).dtype == torch.float32
