@@ -364,3 +364,34 @@ def test_a_pure_16_bit_model_cast_to_fp32_computes_in_fp32():
         expected = model[2](torch.relu(model[0](x)))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert plain(x).dtype == torch.float32
+
+
+class SeqCheckpointed(nn.Module):
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                                  nn.LayerNorm(16), nn.Linear(16, 4))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint_sequential(self.body, 2, x,
+                                                                use_reentrant=False)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_checkpoint_sequential_inside_a_forward_computes_as_the_plain_forward(level):
+    """``checkpoint_sequential`` over a Sequential inside the model's forward: the same outputs
+    and gradients as the plain forward, bit for bit, at every level."""
+    runs = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = mp.prepare(SeqCheckpointed(checkpointed), level=level, dtype="bf16")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        out = model(x)
+        out.float().pow(2).sum().backward()
+        runs.append((out.detach(), [p.grad for p in model.parameters()]))
+    (a, ga), (b, gb) = runs
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(torch.equal(g, h) for g, h in zip(ga, gb))
