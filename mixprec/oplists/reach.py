@@ -113,6 +113,8 @@ def unreachable_names(model: nn.Module, names) -> dict[str, tuple[str, ...]]:
     if calls is None:
         return {}
     called, sources = calls
+    # functions the custom code calls (by name, or ``@`` for matmul) count as called too
+    called = called | {f for f in OPS_BENEATH if f not in called and _mentioned(f, sources)}
     result = {}
     for name in names:
         flat = normalize_op_name(name)

@@ -113,6 +113,8 @@ _ATTENTION = frozenset({"_scaled_dot_product_flash_attention",
 #: ``fp32_ops=["linear"]`` does. (tests/test_oplists.py checks it against what really runs.)
 OPS_BENEATH: dict[str, frozenset[str]] = {
     "linear": _LINEAR_GEMMS,
+    "matmul": frozenset({"mm", "bmm", "dot", "mv"}),  # ``a @ b`` in a custom forward
+    "einsum": frozenset({"mm", "bmm"}),
     "bilinear": frozenset({"_trilinear", "add"}),
     **{name: _CONVOLUTIONS | {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"} - {name}
        for name in _CONV.values()},
