@@ -235,6 +235,20 @@ def test_a_batch_holding_inf_or_nan_is_refused(bad):
         mp.advise(KwargNet(), {"x": x}, lambda out, _: out.sum())
 
 
+def test_a_frozen_layer_is_measured_as_a_trainable_one():
+    """A frozen layer (a backbone, an embedding) gets its output gradient measured too: its
+    first-order loss change read 0 in every format, and its gradient ranges went unchecked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    frozen = mp.advise(model, batch, F.cross_entropy).to_dict()["layers"][0]["formats"]
+    for fmt in ("bf16", "fp16"):
+        assert frozen[fmt]["loss_change"] > 1e-7
+        assert frozen[fmt]["amax"]["grad_output"] > 0
+    assert not model[0].weight.requires_grad and model[0].weight.grad is None
+
+
 def test_a_model_whose_fp32_loss_is_not_finite_is_refused():
     """exp of a large activation overflows in fp32 itself: no format is to blame (every layer
     was reported unsafe, and the advised policy, fp32 for both, fixed nothing)."""

@@ -123,9 +123,14 @@ def reference_pass(model: nn.Module, batch: Any, loss_fn: Callable | None,
             if call.calls != 1 or not isinstance(output, torch.Tensor):
                 return None
             call.output = output.detach()
+            replaced = None
+            if not output.requires_grad and output.is_floating_point():
+                # a frozen layer (a backbone, an embedding): its output made a leaf that asks
+                # for its gradient, so the backward measures it too (it read as no effect)
+                output = replaced = output.detach().requires_grad_(True)
             if output.requires_grad:
                 output.register_hook(lambda g: setattr(call, "grad", g.detach()))
-            return None
+            return replaced
         return hook
 
     for name, mod in layers:
