@@ -53,8 +53,9 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         A dict with ``weights`` (the model's parameters as stored), ``masters`` (fp32 master
         copies), ``compensation`` (the buffers of compact masters: Kahan compensations, split
         remainders), ``optimizer_state`` (everything else in
-        ``optimizer.state``, except the rounding generator's state: 5 KB, not per
-        parameter), ``gradients`` (those currently held: 0 after
+        ``optimizer.state`` for the model's parameters, except the rounding generator's state:
+        5 KB, not per parameter; the optimizer's parameters outside the model are not
+        counted), ``gradients`` (those currently held: 0 after
         ``zero_grad(set_to_none=True)``) and ``total``, each in bytes per parameter.
 
     Raises:
@@ -77,8 +78,9 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     out = {"weights": sum(tensor_bytes(p.detach()) for p in params),
            "masters": 0, "compensation": 0, "optimizer_state": 0,
            "gradients": sum(tensor_bytes(p.grad) for p in params)}
+    ours = {id(p) for p in params}
     if isinstance(optimizer, MasterWeightOptimizer):
-        masters = list(optimizer.masters_by_param().values())
+        masters = [m for p, m in optimizer.masters_by_param().items() if id(p) in ours]
         out["masters"] = sum(tensor_bytes(m.detach()) for m in masters)
         out["gradients"] += sum(tensor_bytes(held_grad(m)) for m in masters)
     if isinstance(optimizer, CompactMasterOptimizer):
@@ -86,7 +88,11 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         out["gradients"] += sum(tensor_bytes(g) for g in held["gradients"])
         out["compensation"] += sum(tensor_bytes(c) for c in held["compensation"])
     if optimizer is not None:
-        for state in optimizer.state.values():
+        side = getattr(optimizer, "model_param", None)  # a master's model parameter
+        for tensor, state in optimizer.state.items():
+            if id(side(tensor) if isinstance(optimizer, MasterWeightOptimizer) else tensor) \
+                    not in ours:  # a parameter outside the model (added to the optimizer)
+                continue
             for key, value in state.items():
                 if key == GENERATOR_KEY:  # a fixed 5 KB whatever the model's size
                     continue

@@ -400,6 +400,14 @@ def test_bytes_per_parameter_counts_what_is_held(master, state_dtype):
     assert got["total"] == pytest.approx(EXPECTED[(master, state_dtype)], abs=0.01)
     assert got["masters"] == (4 if master == "fp32" else 0)
     assert got["compensation"] == (2 if master in BUFFERED else 0)
+    # parameters added to the optimizer from outside the model are not the model's bytes (their
+    # state inflated optimizer_state: 8 B/param of state read as 126)
+    extra = nn.Linear(512, 512).to(torch.bfloat16)
+    opt.add_param_group({"params": list(extra.parameters())})
+    extra(torch.randn(2, 512).bfloat16()).float().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert mp.bytes_per_parameter(net, opt) == pytest.approx(got, abs=0.01)
 
 
 def test_plan_knows_the_compact_options():
