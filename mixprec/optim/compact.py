@@ -52,7 +52,7 @@ import torch
 from .. import masters
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
-from ..scaling.unscale import _by_device_dtype, check_and_unscale_
+from ..scaling.unscale import check_and_unscale_, divide_
 from ..shards import like_shard, local
 from . import compact_lists, compact_state, family, pieces, states, steps
 from .buckets import Scratch, is_per_parameter
@@ -262,8 +262,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                     grads.append(p.grad)
             found = check_and_unscale_(grads, None if divide else factor)
             if divide:
-                for (device, _), same in _by_device_dtype(grads).items():
-                    torch._foreach_div_(same, factor.to(device))
+                divide_(grads, factor)
             if factor is not None:  # the model's gradients read as the true ones too
                 dense = [(local(p.grad), local(copy)) for p, copy in low if not copy.is_sparse]
                 if dense:  # (FSDP2 shards: their local tensors; DTensor has no foreach copy)
@@ -345,7 +344,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.scratch.restore()
         self.step_kwargs = kwargs
         try:
-            items, fp32 = self._items()
+            items, fp32 = pieces.items_of(self)
             keys = family.draw_keys(self, items)
             scale = None if grad_scale is None else grad_scale.to(torch.float32)
             again = (None if closure is None or is_per_parameter(self.inner)
@@ -365,36 +364,6 @@ class CompactMasterOptimizer(WrappedOptimizer):
             self.drop_master_grads()
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return loss
-
-    def _items(self) -> tuple[list[pieces.Slice], list[list[torch.Tensor]]]:
-        """The 16-bit parameters with gradients (in order), and each group's fp32 ones. Per
-        tensor per step: what depends only on the param groups is kept per layout."""
-        items, fp32 = [], []
-        state, key, held = self.state, self._buffer_key, self._grads32
-        pending, make = self._pending, pieces.Slice._make
-        for g, (low, own) in enumerate(self._item_layout()):
-            fp32.append(list(own))
-            for p, numel in low:
-                grad = p.grad
-                if grad is None:
-                    continue
-                buf = None if key is None else (state.get(p) or {}).get(key)
-                items.append(make((g, p, self._grad_of(p) if held else grad,
-                                   pending.get(p) if buf is None else buf, len(items), (), 0,
-                                   numel, False)))
-        return items, fp32
-
-    def _item_layout(self) -> list[tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]]:
-        """Per param group, its 16-bit parameters with their (local) sizes and its fp32 ones,
-        worked out once per layout."""
-        cached = self.__dict__.get("_layout_items")
-        if cached is None or cached[0] != self.layout_version:
-            layout = []
-            for group in self.param_groups:
-                low = [(p, local(p).numel()) for p in group["params"] if is_low_precision(p)]
-                layout.append((low, [p for p in group["params"] if not is_low_precision(p)]))
-            cached = self._layout_items = (self.layout_version, layout)
-        return cached[1]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (its 16-bit parameters get their buffers under kahan/split).

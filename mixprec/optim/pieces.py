@@ -20,12 +20,13 @@ from typing import NamedTuple
 import torch
 
 from .. import kernel_table
+from ..dtypes import is_low_precision
 from ..masters.rounding import KEY_STRIDE, shard_key
 from ..shards import is_dtensor, local
 from . import states
 from .buckets import PER_PARAMETER_OPTIMIZERS
 
-__all__ = ["Slice", "cut", "piece_limit", "shifts", "positions",
+__all__ = ["Slice", "cut", "piece_limit", "shifts", "positions", "items_of",
            "slice_view", "spare_for", "flat_buffer"]
 
 #: torch's optimizers whose update of an element reads that element and per-parameter scalars.
@@ -152,3 +153,35 @@ def flat_buffer(opt, device, use: str, numel: int, kept: bool) -> torch.Tensor:
 def cut(opt, items: list[Slice]):
     """The pieces of a per-parameter optimizer's step (step 1 of the module docstring)."""
     return _pieces(opt, items, type(opt.inner) in _CUT, opt.inner.state)
+
+
+def items_of(opt) -> tuple[list[Slice], list[list[torch.Tensor]]]:
+    """``opt``'s 16-bit parameters with gradients (in order), and each group's fp32 ones. Per
+    tensor per step: what depends only on the param groups is kept per layout."""
+    items, fp32 = [], []
+    state, key, held = opt.state, opt._buffer_key, opt._grads32
+    pending, make = opt._pending, Slice._make
+    for g, (low, own) in enumerate(_layout_of(opt)):
+        fp32.append(list(own))
+        for p, numel in low:
+            grad = p.grad
+            if grad is None:
+                continue
+            buf = None if key is None else (state.get(p) or {}).get(key)
+            items.append(make((g, p, opt._grad_of(p) if held else grad,
+                               pending.get(p) if buf is None else buf, len(items), (), 0,
+                               numel, False)))
+    return items, fp32
+
+
+def _layout_of(opt) -> list[tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]]:
+    """Per param group, its 16-bit parameters with their (local) sizes and its fp32 ones,
+    worked out once per layout."""
+    cached = opt.__dict__.get("_layout_items")
+    if cached is None or cached[0] != opt.layout_version:
+        layout = []
+        for group in opt.param_groups:
+            low = [(p, local(p).numel()) for p in group["params"] if is_low_precision(p)]
+            layout.append((low, [p for p in group["params"] if not is_low_precision(p)]))
+        cached = opt._layout_items = (opt.layout_version, layout)
+    return cached[1]

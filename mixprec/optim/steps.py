@@ -27,7 +27,7 @@ import contextlib
 import torch
 
 from .. import kernel_table
-from ..scaling.unscale import unscale_
+from ..scaling.unscale import divide_, unscale_
 from ..shards import is_dtensor
 from . import hooks, kernels, master_lists, states
 from .master_lists import step_grad
@@ -129,19 +129,11 @@ def settle_grads(opt, grad_scale: torch.Tensor) -> torch.Tensor:
     own = [t.grad for g in opt.param_groups for t in g["params"]
            if not is_master(t) and t.grad is not None]
     with torch.no_grad():
-        for tensors in _by_device([g for _, g in made] + own).values():
-            torch._foreach_div_(tensors, grad_scale.to(tensors[0].device))
+        divide_([g for _, g in made] + own, grad_scale)
         unscale_([t.model_param.grad for t, _ in made], inv)
     for t, grad in made:  # the model gradients changed version: made from them still
         set_grad(t, grad)
     return found
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
-    return out
 
 
 def bucketed_step(opt, grad_scale: torch.Tensor | None,

@@ -18,7 +18,7 @@ from .. import kernel_table
 from ..shards import replicated
 
 __all__ = ["check_and_unscale_", "unscale_", "found_nonfinite", "total_norm",
-           "unscale_and_check_", "nonfinite_param_names", "clip_norm_", "clip_value_"]
+           "unscale_and_check_", "nonfinite_param_names", "clip_norm_", "clip_value_", "divide_"]
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,13 @@ def unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
     """Multiply ``tensors`` by the 0-d ``inv_scale`` in place (sparse ones by their values)."""
     for (dev, _), group in _by_device_dtype(tensors).items():
         torch._foreach_mul_(group, inv_scale.to(dev, torch.float32))
+
+
+def divide_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Divide ``tensors`` by the 0-d ``scale`` in place, as torch's fused optimizer kernels
+    divide the gradients they read by their ``grad_scale`` (sparse ones by their values)."""
+    for (dev, _), group in _by_device_dtype(tensors).items():
+        torch._foreach_div_(group, scale.to(dev))
 
 
 def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
