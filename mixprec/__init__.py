@@ -26,6 +26,7 @@ from .policy import NormLayer, Policy, is_norm_layer
 from .precision import Precision
 from .precision_map import PrecisionMap
 from .prepare import policy_of, prepare
+from .recompute import activation_checkpoint
 from .scaling import (
     DynamicLossScaler,
     NoLossScaler,
@@ -81,6 +82,7 @@ __all__ = [
     "policy_of",
     "MixedPrecision",
     "to_float",
+    "activation_checkpoint",
     "fp8_modules",
     "lowbit",
     "masters",

@@ -49,6 +49,7 @@ from .optim.compact_state import show_held
 from .optim.params import show_master_grads
 from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
+from .recompute import recompute_hint
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
 from .scaling.gradscaler import TORCH_KEYS
 from .scaling.state import skip_limit
@@ -229,7 +230,13 @@ class MixedPrecision:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``scale(loss).backward(**kwargs)``."""
-        self.scale(loss).backward(**kwargs)
+        try:
+            self.scale(loss).backward(**kwargs)
+        except torch.utils.checkpoint.CheckpointError as error:
+            hinted = recompute_hint(error)  # a function checkpointed with torch's: what instead
+            if hinted is error:
+                raise
+            raise hinted from error
 
     def unscale_(self, optimizer) -> None:
         """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for

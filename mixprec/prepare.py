@@ -56,6 +56,7 @@ from .regions import (
     island_of,
     island_region,
     refresh_island,
+    region_modules,
 )
 from .statedict import companions_of, link_masters, register_fp32_state_dict
 
@@ -314,12 +315,18 @@ def _policy_context(policy: Policy, device_type: str, low_ops, fp32_ops,
 
 def _root_region(model: nn.Module, policy: Policy, context) -> Region:
     """The entry's region: a fixed-dtype policy with islands of another dtype casts each
-    module's inputs to its compute dtype (an fp32 island's output is fp32)."""
+    module's inputs to its compute dtype (an fp32 island's output is fp32), and so does one
+    whose modules hold parameters stored in another dtype (untrained ones a master-weight
+    policy keeps as they are, one tied to an fp32 island's), which are cast for the call."""
     if policy.autocast or context is None:
         return Region(context)
-    other = any(island_of(m) is not None and island_of(m).dtype != policy.compute_dtype
+    dtype = policy.compute_dtype
+    other = any(island_of(m) is not None and island_of(m).dtype != dtype
                 for m in model.modules() if m is not model)
-    return Region(context, policy.compute_dtype if other else None)
+    other = other or any(p.is_floating_point() and p.dtype not in (dtype, torch.float64)
+                         for m in region_modules(model) for p in m._parameters.values()
+                         if p is not None)
+    return Region(context, dtype if other else None)
 
 
 def _trained(optimizers: list, policy: Policy):

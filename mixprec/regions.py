@@ -167,18 +167,32 @@ class Island(ForwardWrapper):
             args, kwargs = cast_floating((args, kwargs), self.dtype)
         slots = [(m, n, m._parameters[n]) for m, n in self._param_slots()]
         slots = [(m, n, p) for m, n, p in slots if p is not None and p.dtype != self.dtype]
-        if not slots:
-            out = self.context.run(self.call_inner, args, kwargs)
-        else:
-            cast: dict[int, torch.Tensor] = {}
-            try:
-                for m, n, p in slots:  # a tied parameter is cast once
-                    m._parameters[n] = cast.setdefault(id(p), p.to(self.dtype))
-                out = self.context.run(self.call_inner, args, kwargs)
-            finally:
-                for m, n, p in slots:
-                    m._parameters[n] = p
+        out = _with_params_cast(slots, self.dtype, self.context.run, self.call_inner, args,
+                                kwargs)
         return out if self.widen is None else cast_floating(out, self.widen)
+
+
+def _with_params_cast(slots: list, dtype: torch.dtype, run, *args):
+    """``run(*args)`` with the parameters in ``slots`` (``(module, name, parameter)``) cast to
+    ``dtype`` for the call (a differentiable cast: their gradients reach the stored ones)."""
+    if not slots:
+        return run(*args)
+    cast: dict[int, torch.Tensor] = {}
+    try:
+        for m, n, p in slots:  # a tied parameter is cast once
+            m._parameters[n] = cast.setdefault(id(p), p.to(dtype))
+        return run(*args)
+    finally:
+        for m, n, p in slots:
+            m._parameters[n] = p
+
+
+def _other_dtype(module: nn.Module, dtype: torch.dtype) -> list:
+    """``module``'s own floating parameters stored in a dtype other than ``dtype`` (fp64 aside),
+    as ``(module, name, parameter)``."""
+    return [(module, n, p) for n, p in module._parameters.items()
+            if p is not None and p.dtype != dtype and p.is_floating_point()
+            and p.dtype != torch.float64]
 
 
 def island_of(module: nn.Module) -> Island | None:
@@ -219,8 +233,17 @@ class RegionWrapper(ForwardWrapper):
         self._region, self._cast, self._restore = region, region.cast, region.restore
 
     def __call__(self, *args, **kwargs):
-        if self._cast is not None and _needs_cast((args, kwargs), self._cast):
-            args, kwargs = cast_floating((args, kwargs), self._cast)
+        if self._cast is not None:
+            if _needs_cast((args, kwargs), self._cast):
+                args, kwargs = cast_floating((args, kwargs), self._cast)
+            # a parameter stored in another dtype (a frozen fp32 weight, one tied to an fp32
+            # island's) is cast for the call: nothing else casts it in a fixed-dtype region
+            other = _other_dtype(self.module, self._cast)
+            if other:
+                return _with_params_cast(other, self._cast, self._call, args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if self._restore and not torch.compiler.is_compiling() and not context_active():
             with contextlib.ExitStack() as entered:
                 self._region.context.enter(entered)

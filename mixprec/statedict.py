@@ -207,14 +207,36 @@ def _named_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
             **dict(module.named_buffers(prefix=head, remove_duplicate=False))}
 
 
+def _where(t: torch.Tensor) -> tuple | None:
+    """Where a plain tensor's elements lie (``param.detach()`` lies where ``param`` does)."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(),
+                t.dtype, t.device)
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (meta, a subclass)
+        return None
+
+
+def _by_storage(module: nn.Module) -> dict[tuple, torch.Tensor]:
+    """``module``'s low-precision tensors by where they lie: a value whose key a state-dict
+    hook renamed (torch's ``checkpoint_wrapper`` drops its ``_checkpoint_wrapped_module.``)
+    is still found."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return {w: t for t in tensors if is_low_precision(t) and (w := _where(t)) is not None
+            and w[0] != 0}
+
+
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     """state_dict post-hook: low-precision floating values become fp32 (companions where
     known)."""
     link = companions_of(module)
     pairs = link.settle() if link is not None else {}
     tensors = _named_tensors(module, prefix)
+    stored = None
     for key, value in list(state_dict.items()):
         own = tensors.get(key)
+        if own is None and torch.is_tensor(value) and is_low_precision(value):
+            stored = _by_storage(module) if stored is None else stored
+            own = stored.get(_where(value))
         if own is None or value is own or not torch.is_tensor(value) \
                 or not is_low_precision(value):
             continue  # not ours, keep_vars=True (the tensor itself), or already fp32
@@ -234,6 +256,10 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
     if not pairs:
         return
     tensors = _named_tensors(module, prefix)
+    if any(key not in tensors for key in state_dict if key.startswith(prefix)):
+        # a key a state-dict hook renames (torch's checkpoint_wrapper): as state_dict() names it
+        tensors = {**tensors, **{k: v for k, v in module.state_dict(
+            prefix=prefix, keep_vars=True).items() if torch.is_tensor(v)}}
     with torch.no_grad():
         for key, value in state_dict.items():
             param = tensors.get(key)

@@ -13,6 +13,7 @@ PUBLIC = {
     "__version__",
     "device_capabilities", "SlowDtypeWarning", "Policy", "PrecisionMap", "Precision",
     "NormLayer", "is_norm_layer", "prepare", "policy_of", "MixedPrecision", "to_float",
+    "activation_checkpoint",
     "fp8_modules", "lowbit", "masters",
     "autocast", "op_lists", "OpListWarning",
     "MasterWeightOptimizer", "CompactMasterOptimizer", "fp32_state_dict", "bytes_per_parameter",

@@ -39,7 +39,7 @@ LAYERS = (
     ("master methods", ("masters",)),
     ("components", ("lowbit", "scaling", "optim")),
     ("policy and casting", ("precision", "precision_map", "policy", "autocast", "outputs",
-                            "regions", "casting")),
+                            "regions", "recompute", "casting")),
     ("preparing a model", ("vocabulary", "fp8", "statedict", "prepare_checks", "prepare",
                            "footprint")),
     ("engine", ("engine", "engine_checks", "engine_parallel")),

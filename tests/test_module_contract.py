@@ -294,6 +294,32 @@ def test_state_dict_and_load_state_dict_hooks(master):
     torch.testing.assert_close(mp.fp32_state_dict(model), other, rtol=tol[0], atol=tol[1])
 
 
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
+def test_state_dict_keys_renamed_by_a_sub_module_hook_keep_the_masters(master):
+    """torch's activation-checkpoint wrapper renames its module's keys (its state-dict hooks
+    drop ``_checkpoint_wrapped_module.``): model.state_dict() returned the rounded bf16 weights
+    for them, and loading an fp32 dict rounded the masters."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    model = net()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            level="O2", dtype="bf16", master=master)
+    for i in range(2):
+        step(model, opt, i)
+    sd = model.state_dict()
+    assert "0.weight" in sd and all(v.dtype == torch.float32 for v in sd.values())
+    torch.testing.assert_close(sd, dict(mp.fp32_state_dict(model, opt)), rtol=0, atol=0)
+    g = torch.Generator().manual_seed(5)
+    other = {k: torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    model.load_state_dict(other)
+    tol = {"fp32": (0, 0), "split": (0, 0), "kahan": (2.0 ** -14, 1e-7)}[master]
+    torch.testing.assert_close(dict(mp.fp32_state_dict(model, opt)), other, rtol=tol[0],
+                               atol=tol[1])
+    torch.testing.assert_close(model.state_dict(), other, rtol=tol[0], atol=tol[1])
+
+
 def test_apply_zero_grad_and_train_eval_are_torchs():
     model, opt = trained("fp32", steps=0)
     x, y = batch()

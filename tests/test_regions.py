@@ -127,6 +127,73 @@ def test_to_float_alone_keeps_fp32_weights_so_small_updates_accumulate():
     assert bf16_layer.weight.dtype == FP32
 
 
+# -- parameters stored in another dtype than their region's --------------------------------------
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 32)
+        self.body = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.body(self.emb(ids))))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_o3_head_tied_to_an_fp32_embedding_computes_with_its_weight_cast(dtype):
+    """Its forward died ("expected m1 and m2 to have the same dtype"): the tied weight is
+    stored fp32 (the embedding is kept fp32) and nothing cast it for the O3 head."""
+    model = mp.prepare(TiedLM(), level="O3", dtype=mp.dtypes.dtype_name(dtype), keep_fp32=["emb"])
+    assert model.head.weight is model.emb.weight and model.emb.weight.dtype == FP32
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    out = model(ids)
+    w = model.emb.weight
+    with torch.no_grad():
+        h = torch.relu(F.linear(F.embedding(ids, w).to(dtype), model.body.weight,
+                                model.body.bias))
+        expected = F.linear(h, w.to(dtype))
+    assert out.dtype == dtype and torch.equal(out, expected)
+    out.float().square().mean().backward()
+    assert w.grad.dtype == FP32
+    # both uses reach the stored weight: the head's rows that no id looks up get gradient too
+    unused = torch.ones(50, dtype=torch.bool)
+    unused[ids.flatten()] = False
+    assert w.grad[unused].abs().sum() > 0 and w.grad[~unused].abs().sum() > 0
+
+
+def test_a_frozen_fp32_layer_computes_in_16_bits_under_a_master_policy_without_autocast():
+    """A master-weight Policy with autocast=False (the custom-policy example of the levels
+    docs) died at a frozen layer: its weight keeps fp32 (no master holds it) and the inputs
+    were cast to bf16 with no autocast to meet them. It computes with its weight cast per
+    call, as autocast would, and keeps its fp32 value."""
+    policy = mp.Policy(param_dtype="bf16", compute_dtype="bf16", output_dtype=None,
+                       keep_fp32=(nn.LayerNorm,), master_weights=True, autocast=False,
+                       cast_inputs=True)
+    for frozen in (True, False):  # frozen, or trained but not in the optimizer given
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
+        if frozen:
+            net[0].requires_grad_(False)
+        kept = net[0].weight.detach().clone()
+        net, opt = mp.prepare(net, torch.optim.SGD([p for p in net[1:].parameters()], lr=0.1),
+                              policy=policy)
+        assert net[0].weight.dtype == FP32 and net[3].weight.dtype == BF16
+        x = torch.randn(8, 16)
+        out = net(x)
+        with torch.no_grad():
+            h = F.linear(x.to(BF16), kept.to(BF16), net[0].bias.to(BF16))
+            h = F.layer_norm(h.float(), (64,), net[1].weight, net[1].bias)
+            expected = F.linear(F.gelu(h.to(BF16)), net[3].weight, net[3].bias)
+        assert out.dtype == BF16 and torch.equal(out, expected)
+        before = net[3].weight.detach().clone()
+        out.float().square().mean().backward()
+        opt.step()
+        assert torch.equal(net[0].weight, kept)  # never rounded
+        assert not torch.equal(net[3].weight, before)
+
+
 # -- recomputation ---------------------------------------------------------------------------------
 class Blocks(nn.Module):
     def __init__(self, mode):
@@ -159,6 +226,60 @@ def test_recomputed_forward_runs_under_the_same_op_lists(level, mode, ops):
         grads.append([p.grad for p in model.parameters()])
     for g, h in zip(*grads):
         assert torch.equal(g, h)
+
+
+def _attend(h):  # a function, not a module: no region wrapper re-enters anything for it
+    return torch.softmax(h, -1) * h
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out, self.how = nn.Linear(8, 16), nn.Linear(16, 4), how
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.how is None:
+            h = _attend(h)
+        elif self.how[0] == "mixprec":
+            h = mp.activation_checkpoint(_attend, h, use_reentrant=self.how[1])
+        else:
+            h = checkpoint(_attend, h, use_reentrant=self.how[1])
+        return self.out(h)
+
+
+@pytest.mark.parametrize("ops", [{}, {"fp32_ops": ["gelu"]}, {"dtype": "fp16"}])
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_checkpointed_function_recomputes_under_the_same_op_lists(level, reentrant, ops):
+    """torch's checkpoint of a function (not a module) recomputed without the op lists: the
+    non-reentrant one refused the recomputed softmax's dtype, the reentrant one made gradients
+    1.9e-3 off. mp.activation_checkpoint re-enters them: bitwise the uncheckpointed gradients."""
+    kw = {"dtype": "bf16", **ops}
+    grads = []
+    for how in (None, ("mixprec", reentrant)):
+        model = mp.prepare(Checkpointed(how), level=level, **kw)
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+              ).float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, h in zip(*grads):
+        assert torch.equal(g, h)
+
+
+def test_torchs_checkpoint_of_a_function_is_refused_with_what_to_write_instead():
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    model = Checkpointed(("torch", False))
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = model(torch.randn(4, 8)).float().square().mean()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError,
+                       match=r"(?s)dtype.*mp\.activation_checkpoint\(fn"):
+        amp.backward(loss)
+    with pytest.raises(TypeError, match="callable"):
+        mp.activation_checkpoint(None)
+    x = torch.randn(3, requires_grad=True)  # outside any mixprec block: torch's
+    torch.testing.assert_close(mp.activation_checkpoint(torch.sin, x, use_reentrant=False),
+                               torch.sin(x), rtol=0, atol=0)
 
 
 def test_checkpoint_sequential_and_hugging_face_gradient_checkpointing():

@@ -27,7 +27,7 @@ import torch
 
 from .tables import TORCH_DEFAULTS
 
-__all__ = ["ATEN_OVERLOADS", "split", "active", "targets_in_force"]
+__all__ = ["ATEN_OVERLOADS", "split", "active", "targets_in_force", "block_in_force"]
 
 #: Op-list name -> the ATen overloads its Python-level functions, methods and modules reach.
 ATEN_OVERLOADS: dict[str, tuple[str, ...]] = {
@@ -52,11 +52,17 @@ def split(device_type: str, ops: tuple) -> tuple[tuple, tuple]:
     return here, tuple((n, t) for n, t in ops if (n, t) not in here)
 
 
-_state = threading.local()  # .stack: the targets ({op name: target}) of the blocks entered
+_state = threading.local()  # .stack: the blocks entered (their targets: {op name: target})
 
 
 def targets_in_force() -> dict | None:
     """The targets of the innermost block entered on this thread, or None."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1].targets if stack else None
+
+
+def block_in_force() -> active | None:
+    """The innermost :class:`active` block entered on this thread, or None."""
     stack = getattr(_state, "stack", None)
     return stack[-1] if stack else None
 
@@ -137,7 +143,7 @@ class active:
         stack = getattr(_state, "stack", None)
         if stack is None:
             stack = _state.stack = []
-        stack.append(self.targets)
+        stack.append(self)
         return self
 
     def __exit__(self, *exc):
