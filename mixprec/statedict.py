@@ -32,7 +32,6 @@ from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .regions import Entry
-from .shards import local as _local
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
            "fp32_state_dict"]
@@ -91,14 +90,9 @@ class Companions:
         """Make every companion consistent with its parameter, then return the pairs (one host
         sync per parameter: state_dict time only)."""
         self.follow_writes()
+        for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
+            opt.follow_writes()
         pairs = self.pairs()
-        with torch.no_grad():
-            for param, comp in pairs.items():  # (FSDP: each rank checks its own shards)
-                low = _local(param)  # a model moved (Lightning's teardown) keeps its masters
-                here = _local(comp).to(low.device)  # where the optimizer has them
-                changed = ~rounds_to(here, low)
-                if changed.any():  # the parameter was written directly: it is the truth there
-                    _local(comp).copy_(torch.where(changed, low.to(_FP32), here))
         self._record()
         return pairs
 
@@ -134,27 +128,6 @@ def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter; None for a tensor made under ``torch.inference_mode`` (a copy
     taken there), which has none: its writes are not followed."""
     return None if t.is_inference() else t._version
-
-
-def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
-    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
-    Kahan weight + compensation can sit exactly half an ulp from its weight). Where that half
-    gap is below ``low``'s dtype's smallest subnormal (fp16 weights under 2^-13), up to that
-    subnormal: a Kahan compensation of the weight's dtype can't hold less, so it holds a whole
-    ulp there. A parameter stored in fp32 or wider (a prepared model cast with ``.float()``)
-    must equal ``value``."""
-    if not is_low_precision(low):
-        return value.to(low.dtype) == low
-    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(_FP32)
-    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(_FP32)
-    mid = low.to(_FP32)
-    info = torch.finfo(low.dtype)
-    tiny = info.smallest_normal * info.eps  # the smallest subnormal
-    # the midpoints of two adjacent 16-bit values are exact in fp32
-    inside = ((value <= torch.maximum((mid + up) / 2, mid + tiny))
-              & (value >= torch.minimum((mid + down) / 2, mid - tiny)))
-    return inside | (value.to(low.dtype) == low)  # == also covers inf
 
 
 def link_masters(model: nn.Module, optimizers: list) -> None:

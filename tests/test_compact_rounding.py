@@ -10,7 +10,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.masters.rounding import RoundingGenerator, noise16, round_fp16_with, stochastic_round
 from mixprec.optim import CompactMasterOptimizer
-from mixprec.statedict import rounds_to
+from mixprec.optim.writes import rounds_to
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")

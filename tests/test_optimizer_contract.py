@@ -570,3 +570,209 @@ def test_can_load_from_and_to_a_named_state_dict(kind):
         model, opt, _ = saved[named]
         opt.load_state_dict(saved[not named][2])
         train(model, opt, steps=1, start=2)
+
+
+# -- writes made outside the step ------------------------------------------------------------------
+def _stepped(master, dtype="bf16"):
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), level="O2",
+                            dtype=dtype, master=master)
+    g = torch.Generator().manual_seed(3)
+    for p in model.parameters():  # large weights: a compensation as large as theirs
+        p.grad = (torch.randn(p.shape, generator=g) * 4).to(p.dtype)
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _zero_step(model, opt):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # SGD without momentum: a step that changes nothing
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+@pytest.mark.parametrize("master,dtype", [("fp32", "bf16"), ("fp32", "fp16"), ("split", "bf16"),
+                                          ("kahan", "bf16"), ("kahan", "fp16"),
+                                          ("stochastic", "bf16")])
+def test_a_clamp_of_the_model_weights_is_kept_by_the_next_step(master, dtype, read_first):
+    """A Lipschitz clamp written as in plain torch (``p.clamp_`` over model.parameters()):
+    fp32 masters' next step wrote the old masters back (the clamp undone: weights up to 1.9
+    after clamping to 1/16), and Kahan's pair kept a compensation as large as the old weight's
+    (values 8% over the bound). Each master now takes the weight where their rounding
+    disagrees, before the step reads it and before ``state_dict()`` does."""
+    c = 2.0 ** -4  # exact in bf16 and fp16
+    model, opt = _stepped(master, dtype)
+    assert max(p.abs().max().item() for p in model.parameters()) > 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-c, c)
+    if read_first:
+        model.state_dict()
+    _zero_step(model, opt)
+    values = mp.fp32_state_dict(model, opt)
+    ulp = 2.0 ** -4 * torch.finfo({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]).eps
+    # fp32 masters take the weight exactly where it disagrees; a pair's value rounds to it:
+    # within half an ulp of the bound
+    bound = c if master in ("fp32", "stochastic") else c + ulp / 2
+    for name, p in model.named_parameters():
+        assert p.abs().max().item() <= c, name
+        assert values[name].abs().max().item() <= bound, name
+
+
+def test_fp32_masters_edited_in_place_through_param_groups_are_kept():
+    """fp32 masters hold ``param_groups``: a projection written there was undone by
+    ``state_dict()`` (the weight, now off the master's rounding, taken as written) and by the
+    next step; it now gives its rounding to the weight."""
+    model, opt = _stepped("fp32")
+    c = 2.0 ** -4
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for t in group["params"]:
+                t.clamp_(-c, c)
+    sd = model.state_dict()
+    assert max(v.abs().max().item() for v in sd.values()) <= c
+    assert all(torch.equal(p, opt.master_param(p).to(p.dtype)) for p in model.parameters())
+    _zero_step(model, opt)
+    assert max(v.abs().max().item() for v in mp.fp32_state_dict(model, opt).values()) <= c
+
+
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
+def test_a_model_load_between_steps_is_followed_exactly(master):
+    """A load writes weights and masters (or buffers) together: the check that follows writes
+    keeps what was loaded, bit for bit."""
+    model, opt = _stepped(master)
+    g = torch.Generator().manual_seed(7)
+    other = {k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    model.load_state_dict(other)
+    loaded = {k: v.clone() for k, v in mp.fp32_state_dict(model, opt).items()}
+    _zero_step(model, opt)
+    torch.testing.assert_close(dict(mp.fp32_state_dict(model, opt)), loaded, rtol=0, atol=0)
+
+
+def _adamw_run(master, clear_at=2, steps=4):
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16", master=master)
+    g = torch.Generator().manual_seed(11)
+    seen = None
+    for i in range(steps):
+        if i == clear_at:
+            before = {k: v.clone() for k, v in mp.fp32_state_dict(model, opt).items()}
+            opt.state.clear()  # torch's idiom to reset the moments
+            seen = (before, dict(mp.fp32_state_dict(model, opt)), opt.state_dict())
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return mp.fp32_state_dict(model, opt), seen
+
+
+@pytest.mark.parametrize("master", ["split", "kahan"])
+def test_a_cleared_state_resets_the_moments_and_keeps_the_pairs(master):
+    """``optimizer.state.clear()`` dropped the remainders and compensations with the moments:
+    ``state_dict()`` then crashed (a pair without its buffer) and the next step started from
+    the bare 16-bit weights. The buffers are kept (and saved) until the next step puts them
+    back; split then steps bit for bit as fp32 masters with their state cleared alike."""
+    final, (before, after, saved) = _adamw_run(master)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    key = {"split": "remainder", "kahan": "compensation"}[master]
+    assert sum(key in entry for entry in saved["state"].values()) == 4  # the 16-bit weights
+    assert not any("exp_avg" in entry for entry in saved["state"].values())
+    reference, _ = _adamw_run("fp32")
+    if master == "split":
+        torch.testing.assert_close(dict(final), dict(reference), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(dict(final), dict(reference), rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_step_pre_hooks_see_true_gradients_when_the_step_clips(master):
+    """fp16, ``amp.step(opt, max_grad_norm=...)``: the clip was folded into the step, so a step
+    pre-hook read the loss-scaled gradients (norm 8.9e4 instead of 1.36) and a clip inside it
+    changed the update. With pre-hooks the scaler unscales first, as it does without a clip."""
+    runs = {}
+    for max_norm in (None, 1e6):  # a clip that never binds: the same updates
+        amp = mp.MixedPrecision(level="O2", dtype="fp16", master=master)
+        model = net()
+        model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.float()) for g in o.param_groups
+                         for p in g["params"] if p.grad is not None])).item()))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            amp.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            amp.step(opt, max_grad_norm=max_norm)
+            opt.zero_grad()
+        runs[max_norm] = (seen, mp.fp32_state_dict(model, opt))
+    assert max(runs[1e6][0]) < 100  # true gradients, not 2^16 times them
+    torch.testing.assert_close(runs[1e6][0], runs[None][0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(dict(runs[1e6][1]), dict(runs[None][1]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("master,dtype", [("fp32", "fp16"), ("fp32", "bf16"), ("split", "bf16")])
+def test_gradscaler_unscales_before_step_pre_hooks_as_for_torchs_optimizers(master, dtype):
+    """torch.amp.GradScaler handed the loss scale to the step (the fused-optimizer protocol),
+    so a step pre-hook saw gradients 2^16 times too large (a clip in it changed the update);
+    with pre-hooks registered it now unscales first, as for torch's unfused optimizers."""
+    def run(prepare):
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if prepare:
+            model, opt = mp.prepare(model, opt, level="O2", dtype=dtype, master=master)
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(torch.nn.utils.clip_grad_norm_(
+            [p for g in o.param_groups for p in g["params"] if p.grad is not None], 1.0).item()))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            scaler.scale(torch.nn.functional.mse_loss(model(x).float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return seen
+    torch.testing.assert_close(run(True), run(False), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_add_param_group_takes_named_parameters_as_torch_does(kind):
+    """``add_param_group({"params": list(m.named_parameters())})`` (torch >= 2.6 keeps the
+    names) crashed: fp32 masters refused a tuple, the compact ones read it as a tensor."""
+    model = net()
+    model, opt = mp.prepare(model, torch.optim.SGD(model.named_parameters(), lr=1e-2),
+                            level="O2", dtype="bf16", master=kind[0])
+    torch.manual_seed(1)
+    new = nn.Linear(4, 4).to(torch.bfloat16)
+    before = new.weight.detach().clone()
+    opt.add_param_group({"params": list(new.named_parameters()), "lr": 0.5})
+    assert opt.param_groups[-1]["param_names"] == ["weight", "bias"]
+    new(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    expected = before.float() - 0.5 * torch.full((4, 4), 2.0)  # SGD: d(sum)/dW = 2 per entry
+    torch.testing.assert_close(new.weight.float(), expected, rtol=0, atol=2e-2)
+    with pytest.raises(ValueError, match="names are missing"):
+        opt.add_param_group({"params": [("a", nn.Parameter(torch.ones(1))),
+                                        nn.Parameter(torch.ones(1))]})
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_copy_of_an_optimizer_with_a_scheduler_steps_itself(kind):
+    """An LR scheduler sets a wrapper of ``step`` bound to its optimizer on the instance: a
+    deep copy kept it, so the copy's ``step()`` stepped the original (and pickle refused the
+    optimizer). torch's pickling drops it; so does the wrapper's."""
+    import pickle
+
+    model, opt, _ = make(kind)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    model2, opt2 = copy.deepcopy((model, opt))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model2).backward()
+    opt2.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert any(not torch.equal(p, b) for p, b in zip(model2.parameters(), before))
+    assert len(opt2.state) > 0 and len(opt.state) == 0
+    pickle.loads(pickle.dumps((model, opt)))

@@ -65,6 +65,7 @@ from .wrapper import (
     check_inner,
     stale_fp16_error,
 )
+from .writes import Record, rounds_to, versions
 
 __all__ = ["CompactMasterOptimizer"]
 
@@ -125,8 +126,12 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._grads32: dict[torch.Tensor, tuple[torch.Tensor, tuple]] = {}
         self._pending: dict[torch.Tensor, torch.Tensor] = {}
+        # each buffer put in the state, kept here too: a state cleared to reset the moments
+        # (optimizer.state.clear()) gets it back, the pair's value unchanged
+        self._kept: dict[torch.Tensor, torch.Tensor] = {}
         self.scratch = Scratch()  # a bounded piece's buffers, held during a step
         self.lists: compact_lists.Plan | None = None
+        self._seen = Record()  # the weights' versions after the last step (.writes)
         self._adopt(optimizer, bucket_mb, fused)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
@@ -146,6 +151,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _rebuild(self) -> None:
         super()._rebuild()
         self._low = [p for p in self._model_params if is_low_precision(p)]
+        self._torch_unscales = not any(p.dtype == torch.float16 for p in self._low)
         self.lists = None  # made again after the next step
 
     def _check_params(self, params: Iterable[torch.Tensor]) -> None:
@@ -178,7 +184,10 @@ class CompactMasterOptimizer(WrappedOptimizer):
             state = self.state[p]
             if key not in state:
                 buf = self._pending.pop(p, None)
-                state[key] = buf if buf is not None else self.master.make_buffer(p, None)
+                if buf is None:
+                    buf = self._kept.get(p)
+                state[key] = self._kept[p] = (buf if buf is not None
+                                              else self.master.make_buffer(p, None))
 
     # -- what it holds -------------------------------------------------------------------------
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -186,7 +195,19 @@ class CompactMasterOptimizer(WrappedOptimizer):
         (``"split"``); None for ``"stochastic"`` or fp32 params."""
         key = self._buffer_key
         comp = None if key is None else self.state.get(param, {}).get(key)
-        return self._pending.get(param) if comp is None else comp
+        if comp is None and key is not None:
+            comp = self._pending.get(param)
+            return self._kept.get(param) if comp is None else comp
+        return comp
+
+    def set_aside(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The buffers not in the state: made before the first step, or kept from a state
+        cleared since (the next step puts them back); ``state_dict()`` saves them."""
+        key = self._buffer_key
+        if key is None:
+            return {}
+        kept = {p: b for p, b in self._kept.items() if key not in self.state.get(p, ())}
+        return {**kept, **self._pending}
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Besides ``state``: fp32 gradients made for the step, buffers not yet in the state,
@@ -214,6 +235,26 @@ class CompactMasterOptimizer(WrappedOptimizer):
         what the rounding lost (``"kahan"``); split exactly (``"split"``)."""
         with torch.no_grad():
             self.master.assign(param, self.compensation(param), value)
+
+    def follow_writes(self) -> None:
+        """Take the writes made into the weights outside the step (:mod:`.writes`): where a
+        weight written directly is not the rounding of the value it and its buffer stand for
+        (a compensation left from a weight of another size), the buffer is zeroed: the pair
+        stands for the weight as written (a zero buffer adds nothing to its weight)."""
+        low = self._low
+        changed = self._seen.changed(low, versions(low))
+        if not changed:
+            return
+        if self._buffer_key is not None:
+            with torch.no_grad():
+                for i in changed:
+                    p = low[i]
+                    buf = self.compensation(p)
+                    if buf is None:
+                        continue
+                    w, b = local(p.detach()), local(buf)
+                    b.masked_fill_(~rounds_to(self.master.load(w, b), w), 0)
+        self._seen.take(low, versions(low))
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -339,6 +380,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.follow_writes()
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._settle_pending()
         self.scratch.restore()
@@ -362,6 +404,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             self.step_kwargs = {}
             self.scratch.release()
             self.drop_master_grads()
+            self._seen.take(self._low, versions(self._low))
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return loss
 
@@ -386,6 +429,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         are stepped as fp32 parameters from now on, without a buffer."""
         for p in params:
             self._pending.pop(p, None)
+            self._kept.pop(p, None)
             if self._buffer_key is not None:
                 self.state.get(p, {}).pop(self._buffer_key, None)
         super().params_widened(params)

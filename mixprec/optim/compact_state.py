@@ -28,16 +28,17 @@ __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped
 
 
 def save_pending(optimizer, state: dict) -> dict:
-    """state_dict post-hook: buffers not yet in the state (no step taken) are saved too, so a
-    checkpoint taken before the first step resumes exactly."""
-    if not optimizer._pending:
+    """state_dict post-hook: buffers not in the state (no step taken yet, or a state cleared
+    since the last) are saved too, so a checkpoint taken then resumes exactly."""
+    aside = optimizer.set_aside()
+    if not aside:
         return state
     index, start = {}, 0
     for group in optimizer.param_groups:  # torch's numbering: first occurrence, group by group
         for i, p in enumerate(group["params"], start):
             index.setdefault(id(p), i)
         start += len(group["params"])
-    for p, comp in optimizer._pending.items():
+    for p, comp in aside.items():
         entry = state["state"].setdefault(index[id(p)], {})
         entry.setdefault(optimizer._buffer_key, comp)
     return state
@@ -67,11 +68,14 @@ def hold_unstepped(optimizer) -> None:
     key = getattr(optimizer, "_buffer_key", None)
     if key is None:
         return
+    optimizer._kept = {}
     for p in optimizer._low:
         entry = optimizer.state.get(p)
         if entry is not None and set(entry) == {key}:
             optimizer._pending[p] = entry[key]
             del optimizer.state[p]
+        elif entry is not None and key in entry:
+            optimizer._kept[p] = entry[key]
 
 
 def widen_int16(optimizer, state: dict) -> dict:

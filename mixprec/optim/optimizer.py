@@ -56,6 +56,7 @@ from .wrapper import (
     reevaluating,
     stale_fp16_error,
 )
+from .writes import Record, rounds_to, versions
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
@@ -114,6 +115,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.rounding = RoundingGenerator(seed)
         self.inner = optimizer
         self._carry = GradCarry()  # the factor the model's gradients carry after a step
+        self._seen = Record()  # the weights' versions after the last step (.writes)
         self._master_of: dict[torch.Tensor, MasterParameter] = {}  # model param -> master
         self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
@@ -182,6 +184,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             params.append(param)
             masters.append(master)
         self._pairs = list(pairs.values())
+        self._flat = ([p for ps, _ in self._pairs for p in ps],
+                      [m for _, ms in self._pairs for m in ms])
         super()._rebuild()
         self.scratch = Scratch()  # views made for the old groups go with it
         self.pieces = master_lists.plan(self)  # the buckets' lists for torch's fused kernel
@@ -238,6 +242,26 @@ class MasterWeightOptimizer(WrappedOptimizer):
         with torch.no_grad():
             for params, masters in self._pairs:
                 torch._foreach_copy_(masters, params)
+
+    def follow_writes(self, masters: bool = True) -> None:
+        """Take the writes made outside the step (:mod:`.writes`): a weight written directly
+        gives its value to its master where their rounding disagrees; with ``masters``, a
+        master whose rounding no longer is its (unwritten) weight was written in place, and
+        gives its rounding to the weight (one host read per parameter: ``state_dict()``
+        time)."""
+        params, held = self._flat
+        weights = self._seen.changed(self._flat, versions(params))
+        with torch.no_grad():
+            for i in weights:  # (a model moved apart from its masters: compared where they are)
+                m, p = held[i], params[i].to(held[i].device)
+                m.copy_(torch.where(rounds_to(m, p), m, p.float()))
+            if masters:
+                written = set(weights)
+                for i, (p, m) in enumerate(zip(params, held)):
+                    if i not in written and not rounds_to(m, p.to(m.device)).all():
+                        p.copy_(m)
+        if weights or masters:
+            self._seen.take(self._flat, versions(params))
 
     def write_back(self) -> None:
         """Copy the masters into the model parameters with torch's cast (round to nearest, ties
@@ -328,10 +352,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
             return None
         self._carry.inv = None
         self.step_kwargs = kwargs
+        self.follow_writes(masters=False)  # (a master written in place is stepped as it is)
         try:
             return self._step(closure, grad_scale, found_inf)
         finally:
             self.step_kwargs = {}
+            self._seen.take(self._flat, versions(self._flat[0]))
 
     def _step(self, closure, grad_scale, found_inf) -> Any:
         loss = again = None

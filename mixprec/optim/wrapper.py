@@ -127,9 +127,17 @@ class WrappedOptimizer(torch.optim.Optimizer):
     """
 
     _set_up = False  # False while torch's Optimizer.__init__ registers the groups
-    # torch.amp.GradScaler's protocol for optimizers that unscale while they step: it sets
-    # ``grad_scale`` and ``found_inf`` on the optimizer before step() (see amp_scaling)
-    _step_supports_amp_scaling = True
+    # whether torch's GradScaler.unscale_ takes the gradients in param_groups (fp16 ones no)
+    _torch_unscales = True
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler's protocol for optimizers that unscale while they step: it sets
+        ``grad_scale`` and ``found_inf`` on the optimizer before step() (see amp_scaling). Not
+        while step pre-hooks would read the gradients and GradScaler's ``unscale_`` takes
+        them: it then unscales first, as for any other optimizer, so the hooks see true
+        gradients."""
+        return not (self._torch_unscales and self.has_step_pre_hooks())
 
     def _adopt(self, optimizer: torch.optim.Optimizer, bucket_mb, fused) -> None:
         # torch's own set-up (hooks, step profiling), then share the inner optimizer's groups and
@@ -174,7 +182,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._rebuild()
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        # not a ``step`` set on the instance: an LR scheduler's wrapper, bound to this optimizer
+        # (a copy would step the original; pickle refuses it), which torch's pickling drops too
+        return {k: v for k, v in self.__dict__.items() if k != "step"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -348,6 +358,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if isinstance(params, set):
             raise TypeError("param_group['params'] must be an ordered sequence, not a set")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        named = [p for p in params if isinstance(p, tuple)]  # named_parameters(), as torch takes
+        if named:
+            if len(named) != len(params):
+                raise ValueError("all optimizer params should be with/without names. Some param "
+                                 "names are missing")
+            group["param_names"] = [name for name, _ in named]
+            params = [p for _, p in named]
         group["params"] = params  # a generator is read once, here
         known = {id(self._model_side(p)) for g in self.param_groups for p in g["params"]}
         if any(id(p) in known for p in params):

@@ -194,7 +194,7 @@ class LossScaler(GradScalerInterface):
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
-        elif owner:
+        elif owner and not _has_pre_hooks(optimizer):  # (a pre-hook reads true gradients)
             return self._fold_clip(optimizer, max_norm, norm_type)
         else:
             self.unscale_(optimizer)
@@ -397,8 +397,7 @@ class LossScaler(GradScalerInterface):
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
         """A READY optimizer about to step: unscale (plain, or an owner whose step pre-hooks
         read gradients, as with torch's GradScaler) or check (owner) its gradients."""
-        hooked = getattr(optimizer, "has_step_pre_hooks", None)
-        if not owner or (hooked is not None and hooked()):
+        if not owner or _has_pre_hooks(optimizer):
             if self._scales or self._checks:
                 self.unscale_(optimizer)
             return self._stages.ensure(optimizer)
@@ -430,3 +429,9 @@ class LossScaler(GradScalerInterface):
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
         return found
+
+
+def _has_pre_hooks(optimizer) -> bool:
+    """Whether step pre-hooks will run in ``optimizer``'s step (they read true gradients)."""
+    hooked = getattr(optimizer, "has_step_pre_hooks", None)
+    return hooked is not None and hooked()

@@ -1,0 +1,77 @@
+"""Writes made outside the step into what a master optimizer holds, followed before it steps.
+
+A 16-bit weight written directly (a clamp of ``model.parameters()`` for a Lipschitz bound, a
+re-initialised head, a load) no longer equals the rounding of its master (fp32 masters) or of
+the value its buffer makes of it (a Kahan compensation left from a weight of another size):
+the weight is the truth there, as the user wrote it, and the master (or buffer) takes its value
+where their rounding disagrees (:func:`rounds_to`), so a step never undoes the write. An fp32
+master written in place (through ``optimizer.param_groups``) gives its rounding to its weight.
+
+Which weights were written is read from torch's version counters, recorded after each step
+(one list of integers): a step checks them (no host sync, no kernel where nothing was written;
+about 0.1 us a tensor on the host); the elementwise check runs only for a weight written since.
+A master written in place is found by ``state_dict()`` (its rounding is no longer its unwritten
+weight).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..dtypes import is_low_precision
+
+__all__ = ["rounds_to", "versions", "Record"]
+
+_FP32 = torch.float32
+_VERSION = operator.attrgetter("_version")
+
+
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
+    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
+    Kahan weight + compensation can sit exactly half an ulp from its weight). Where that half
+    gap is below ``low``'s dtype's smallest subnormal (fp16 weights under 2^-13), up to that
+    subnormal: a Kahan compensation of the weight's dtype can't hold less, so it holds a whole
+    ulp there. A parameter stored in fp32 or wider (a prepared model cast with ``.float()``)
+    must equal ``value``."""
+    if not is_low_precision(low):
+        return value.to(low.dtype) == low
+    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(_FP32)
+    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(_FP32)
+    mid = low.to(_FP32)
+    info = torch.finfo(low.dtype)
+    tiny = info.smallest_normal * info.eps  # the smallest subnormal
+    # the midpoints of two adjacent 16-bit values are exact in fp32
+    inside = ((value <= torch.maximum((mid + up) / 2, mid + tiny))
+              & (value >= torch.minimum((mid + down) / 2, mid - tiny)))
+    return inside | (value.to(low.dtype) == low)  # == also covers inf
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (an FSDP2 shard's: the DTensor's own, which a write
+    through the DTensor moves)."""
+    return list(map(_VERSION, tensors))
+
+
+class Record:
+    """The version counters of some tensors when their optimizer last made them consistent.
+
+    ``changed(now)``: the indices whose counter moved since (every index before a first
+    record, or after the tensors changed)."""
+
+    __slots__ = ("key", "seen")
+
+    def __init__(self) -> None:
+        self.key, self.seen = None, None
+
+    def changed(self, key, now: list[int]) -> list[int]:
+        if key is not self.key or self.seen is None or len(self.seen) != len(now):
+            return list(range(len(now)))
+        if now == self.seen:
+            return []
+        return [i for i, (a, b) in enumerate(zip(now, self.seen)) if a != b]
+
+    def take(self, key, now: list[int]) -> None:
+        self.key, self.seen = key, now
