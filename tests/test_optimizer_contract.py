@@ -776,3 +776,83 @@ def test_a_copy_of_an_optimizer_with_a_scheduler_steps_itself(kind):
     assert any(not torch.equal(p, b) for p, b in zip(model2.parameters(), before))
     assert len(opt2.state) > 0 and len(opt.state) == 0
     pickle.loads(pickle.dumps((model, opt)))
+
+
+@pytest.mark.parametrize("where", ["before step", "in a pre-hook"])
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_gradient_set_to_none_in_param_groups_is_not_stepped(kind, where):
+    """torch steps only the parameters with a gradient: ``p.grad = None`` on a tensor of
+    ``param_groups`` (a master, with fp32 masters) was ignored, the master's gradient read again
+    from its model parameter's, and the weight moved. The master's gradient is the model's:
+    setting it to None clears both (so the user's optimizer's own ``zero_grad()`` clears the
+    model's gradients too)."""
+    model, opt, user = make(kind, cls=torch.optim.SGD)
+    first = opt.param_groups[0]["params"][0]
+
+    def drop(o, args, kwargs):
+        o.param_groups[0]["params"][0].grad = None
+
+    if where == "in a pre-hook":
+        opt.register_step_pre_hook(drop)
+    weight = model[0].weight.detach().clone()
+    other = model[3].weight.detach().clone()
+    loss_of(model).backward()
+    if where == "before step":
+        first.grad = None
+        assert first.grad is None and model[0].weight.grad is None
+    opt.step()
+    assert torch.equal(model[0].weight, weight)
+    assert not torch.equal(model[3].weight, other)
+    loss_of(model).backward()
+    user.zero_grad()  # the optimizer given to prepare: its groups hold the same tensors
+    assert all(p.grad is None for p in model.parameters() if p.dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_state_is_read_by_the_model_parameter_as_on_a_torch_optimizer(kind):
+    """``optimizer.state[model_param]`` (logging a moment, as for any torch optimizer) gave
+    ``{}`` with fp32 masters, whose state is keyed by the masters, and left that empty entry
+    behind: the next ``state_dict()`` failed with a bare ``KeyError``. The model parameter now
+    reads its master's entry, after a load, a deep copy and pickle too."""
+    import pickle
+
+    model, opt, _ = make(kind)
+    loss_of(model).backward()
+    opt.step()
+    expected = {"exp_avg", "exp_avg_sq", "step"}
+    assert expected <= set(opt.state[model[0].weight])
+    opt.load_state_dict(opt.state_dict())
+    for m, o in [(model, opt), copy.deepcopy((model, opt)),
+                 pickle.loads(pickle.dumps((model, opt)))]:
+        entry = o.state[m[0].weight]
+        assert expected <= set(entry) and entry["exp_avg"].shape == m[0].weight.shape
+        o.state_dict()
+    assert len(opt.state) == 6  # one entry a parameter: no empty one keyed by a model weight
+
+
+def test_stochastic_rounding_with_sgd_saves_its_generator():
+    """Stochastic rounding with SGD without momentum: torch keeps no state, and the rounding
+    generator's state had no entry to travel in (``state_dict()["state"]`` was empty), so a
+    resumed run rounded from the default seed again (weights 4e-3 apart after 2 steps)."""
+    def fresh():
+        model = net()
+        return mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
+                          dtype="bf16", master="stochastic")
+
+    def train(model, opt, steps):
+        for i in steps:
+            loss_of(model, i).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = fresh()
+    train(model, opt, range(3))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    assert any("rounding_generator" in entry for entry in saved[1]["state"].values())
+    train(model, opt, range(3, 5))
+    resumed, ropt = fresh()
+    resumed.load_state_dict(saved[0])
+    ropt.load_state_dict(saved[1])
+    train(resumed, ropt, range(3, 5))
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)

@@ -40,6 +40,7 @@ from .buckets import Scratch, is_per_parameter
 from .params import (
     GradCarry,
     MasterParameter,
+    MasterState,
     derive_grad,
     drop_grad,
     is_master,
@@ -186,11 +187,19 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._pairs = list(pairs.values())
         self._flat = ([p for ps, _ in self._pairs for p in ps],
                       [m for _, ms in self._pairs for m in ms])
+        self._map_state()
         super()._rebuild()
         self.scratch = Scratch()  # views made for the old groups go with it
         self.pieces = master_lists.plan(self)  # the buckets' lists for torch's fused kernel
 
+    def _map_state(self) -> None:
+        """``state`` as a :class:`~.params.MasterState` (torch makes a plain one on a load; a
+        copy and pickle give one)."""
+        if type(self.state) is not MasterState:
+            self.state = self.inner.state = MasterState(self.state, self._master_of)
+
     def _loaded(self) -> None:
+        self._map_state()
         for piece in self.pieces:  # the next step runs through the inner optimizer's step
             if piece is not None:
                 piece.ready = False

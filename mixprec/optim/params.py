@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections import defaultdict
 
 import torch
 from torch import nn
 
-__all__ = ["MasterParameter", "GradCarry", "is_master", "valid_grad", "is_stale", "held_grad",
-           "set_grad", "drop_grad", "derive_grad", "show_master_grads"]
+__all__ = ["MasterParameter", "MasterState", "GradCarry", "is_master", "valid_grad", "is_stale",
+           "held_grad", "set_grad", "drop_grad", "derive_grad", "show_master_grads"]
 
 _GRAD = torch.Tensor.grad  # torch's own .grad slot (a C-level descriptor)
 _NO_SOURCE = (None, -1)
@@ -114,11 +115,15 @@ class MasterParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        set_grad(self, value)
+        if value is None:  # its gradient is the model's: gone for both (torch's zero_grad)
+            del self.grad
+        else:
+            set_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
         drop_grad(self)
+        self._mp_param.grad = None
 
     def __reduce_ex__(self, proto):
         return (_rebuild_master, (self.data, self.requires_grad, self._mp_param, self._mp_carry))
@@ -216,3 +221,28 @@ def show_master_grads(param_groups) -> None:
         torch._foreach_copy_([m._mp_param.grad for m, _ in pairs], [g for _, g in pairs])
     for master, grad in pairs:  # the model gradients changed version: made from them still
         set_grad(master, grad)
+
+
+class MasterState(defaultdict):
+    """torch's optimizer ``state`` (tensor -> its state) where a model parameter stands for its
+    master: ``optimizer.state[model_param]`` is its master's entry, as on a torch optimizer
+    stepping the model parameter itself (a lookup made an empty entry keyed by the model
+    parameter, which ``state_dict()`` then failed on). Only indexing maps: ``in`` and ``get``
+    see the masters' keys as they are. Pickles and copies as torch's plain ``defaultdict``
+    (the optimizer maps it again when rebuilt).
+
+    ``masters``: model parameter -> master, the optimizer's own (live) mapping.
+    """
+
+    def __init__(self, entries, masters: dict) -> None:
+        super().__init__(dict, entries)
+        self.masters = masters
+
+    def __missing__(self, key):
+        master = self.masters.get(key) if isinstance(key, torch.Tensor) else None
+        if master is not None:
+            return self[master]
+        return super().__missing__(key)
+
+    def __reduce__(self):
+        return (defaultdict, (dict,), None, None, iter(self.items()))

@@ -260,7 +260,7 @@ def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerat
     """Put the generator's state into the first state entry that holds the inner optimizer's own
     state (an entry of ours alone would make torch's optimizers skip their state set-up), else,
     when the inner optimizer keeps none (SGD without momentum), the first entry of ours (a
-    Kahan compensation's)."""
+    Kahan compensation's), else an entry of its own."""
     anchor = ours = None
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -273,8 +273,14 @@ def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerat
             if ours is None and state:
                 ours = state
     anchor = anchor if anchor is not None else ours
-    if anchor is not None:
-        anchor[GENERATOR_KEY] = rounding.state_dict()
+    if anchor is None:  # no state at all (stochastic rounding with SGD without momentum): an
+        # entry of its own, at the first parameter stepped (torch made none it could skip)
+        first = next((p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None), None)
+        if first is None:
+            return
+        anchor = optimizer.state[first]
+    anchor[GENERATOR_KEY] = rounding.state_dict()
 
 
 def restore_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerator) -> None:
