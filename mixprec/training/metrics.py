@@ -32,8 +32,23 @@ class Metric:
     def compute(self) -> float:
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """What has accumulated since :meth:`reset` (:meth:`mixprec.Trainer.save` writes it, so
+        an epoch resumed mid-way counts every batch once): the attributes that are numbers,
+        strings or tensors (copies). Override both methods for state of other types."""
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in vars(self).items() if isinstance(v, _PLAIN)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        for k, v in state.items():
+            setattr(self, k, v.clone() if isinstance(v, torch.Tensor) else v)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
 class Accuracy(Metric):

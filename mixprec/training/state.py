@@ -190,7 +190,14 @@ def trainer_meta(trainer) -> dict:
         "history": trainer.history.state_dict(),
         "rng": capture_rng(trainer.state.data),
         "epoch_start_rng": trainer.state.epoch_start_rng,
+        "metrics": metric_states(trainer),  # under ddp/fsdp: per rank, like the RNG states
     }
+
+
+def metric_states(trainer) -> dict:
+    """Each metric's accumulated state, by name (an epoch resumed mid-way counts every batch
+    once)."""
+    return {m.name: m.state_dict() for m in trainer.metrics}
 
 
 def trainer_state(trainer) -> dict:
@@ -232,6 +239,11 @@ def restore_progress(trainer, ckpt: dict) -> None:
     """Counters, history and RNG states of a checkpoint (after its tensors were loaded)."""
     trainer.history.load_state_dict(ckpt["history"])
     trainer.state.load_state_dict(ckpt["counters"], ckpt["epoch_start_rng"], ckpt["rng"])
+    saved = ckpt.get("metrics") or {}  # (none in a checkpoint written before they were saved)
+    for m in trainer.metrics:
+        m.reset()
+        if m.name in saved:
+            m.load_state_dict(saved[m.name])
 
 
 def load_trainer_state(trainer, ckpt: dict, path) -> None:

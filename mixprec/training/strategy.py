@@ -228,7 +228,8 @@ class DistributedStrategy(Strategy):
     def rank_states(self, trainer) -> list[dict]:
         """Every rank's RNG states (gathered: they differ per rank)."""
         mine = {"rng": ts.capture_rng(trainer.state.data),
-                "epoch_start_rng": trainer.state.epoch_start_rng}
+                "epoch_start_rng": trainer.state.epoch_start_rng,
+                "metrics": ts.metric_states(trainer)}
         gathered: list = [None] * env.world_size()
         dist.all_gather_object(gathered, mine)
         return gathered
@@ -267,7 +268,8 @@ def rank_checkpoint(ckpt: dict, path, rank: int, world: int) -> dict:
     if not ranks:
         return ckpt
     mine = ranks[rank % len(ranks)]
-    return {**ckpt, "rng": mine["rng"], "epoch_start_rng": mine["epoch_start_rng"]}
+    return {**ckpt, "rng": mine["rng"], "epoch_start_rng": mine["epoch_start_rng"],
+            "metrics": mine.get("metrics") if saved_world == world else None}
 
 
 class DDPStrategy(DistributedStrategy):

@@ -312,8 +312,9 @@ class Trainer:
         for cb in callbacks:
             cb.on_epoch_begin(self, self.epoch + 1)
         self.model.train()
-        for m in self.metrics:
-            m.reset()
+        if self.state.batch_in_epoch == 0:  # (mid-epoch, resumed: what the saved part counted)
+            for m in self.metrics:
+                m.reset()
         window, window_loss, divisor = 0, None, accum
         # without len(): each window read ahead, so a short last one divides by its own size
         for batch, size in (windows(it, accum) if n is None else ((b, None) for b in it)):
@@ -370,10 +371,11 @@ class Trainer:
         """Write everything a resumed run needs to continue bitwise identically.
 
         Model, optimizer (with fp32 masters), loss scaler, scheduler, step/epoch counters, the
-        position in the epoch, the history, and the RNG states (torch, CUDA, numpy, python, the
-        data loader's generators, and those from the start of the current epoch). The file is
-        written to a temporary name and renamed, so a failure leaves any old file intact, and it
-        carries the SHA-256 of its content, which :meth:`load` checks.
+        position in the epoch, the history, the metrics' state, and the RNG states (torch,
+        CUDA, numpy, python, the data loader's generators, and those from the start of the
+        current epoch). The file is written to a temporary name and renamed, so a failure
+        leaves any old file intact, and it carries the SHA-256 of its content, which
+        :meth:`load` checks.
 
         Under ddp/fsdp call it on every rank: under ddp, rank 0 writes the one file (holding
         every rank's RNG states); under fsdp, ``path`` is a directory written by all ranks
