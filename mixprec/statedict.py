@@ -31,6 +31,7 @@ from torch import nn
 from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
+from .optim.wrapper import owner_of
 from .regions import Entry
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -52,8 +53,20 @@ class Companions:
         self._shadows: dict[torch.Tensor, torch.Tensor] = {}
         self._versions: dict[torch.Tensor, tuple[int, int]] = {}
 
+    def relink(self) -> None:
+        """A copy made together with its optimizer (``copy.deepcopy((model, opt))``, pickle, a
+        ``torch.save`` of both): once every shadowed parameter is stepped by a live master
+        optimizer (the copied one), its masters are the companions again, as the original's."""
+        if self._refs or not self._shadows:
+            return
+        owners = {id(o): o for o in map(owner_of, self._shadows)}
+        if owners and None not in owners.values():
+            self._refs = [weakref.ref(o) for o in owners.values()]
+            self._shadows, self._versions = {}, {}
+
     def pairs(self) -> dict[torch.Tensor, torch.Tensor]:
         """Low-precision parameter -> its fp32 companion."""
+        self.relink()
         if self._refs:
             pairs: dict[torch.Tensor, torch.Tensor] = {}
             for ref in self._refs:
@@ -90,6 +103,7 @@ class Companions:
         """Make every companion consistent with its parameter, then return the pairs (one host
         sync per parameter: state_dict time only)."""
         self.follow_writes()
+        self.relink()
         for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
             opt.follow_writes()
         pairs = self.pairs()

@@ -856,3 +856,59 @@ def test_stochastic_rounding_with_sgd_saves_its_generator():
     train(resumed, ropt, range(3, 5))
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("how", ["state", "param_groups"])
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
+def test_state_and_param_groups_assigned_anew_are_stepped(master, how):
+    """``opt.state = defaultdict(dict)`` (resetting the moments) and ``opt.param_groups = [...]``
+    were ignored: the inner optimizer kept stepping its own objects (the run equalled one
+    without the reassignment). Compared with torch's AdamW on the fp32 weights, fed the same
+    (bf16-exact) gradients."""
+    from collections import defaultdict
+
+    def run(prepared):
+        model = net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if prepared:
+            model, opt = mp.prepare(model, opt, level="O2", dtype="bf16", master=master)
+        g = torch.Generator().manual_seed(9)
+        for i in range(6):
+            if i == 3 and how == "state":
+                opt.state = defaultdict(dict)
+            elif i == 3:
+                opt.param_groups = [dict(group, lr=group["lr"] * 10) for group in opt.param_groups]
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16).to(p.dtype)
+            opt.step()
+            opt.zero_grad()
+        return dict(mp.fp32_state_dict(model, opt) if prepared else model.state_dict())
+
+    tol = {"fp32": 1e-6, "split": 1e-6, "kahan": 1e-4}[master]
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
+def test_a_model_copied_with_its_optimizer_saves_the_copied_masters(master, how):
+    """After ``copy.deepcopy((model, opt))`` (or pickle) and training the copies, the copied
+    model's ``state_dict()`` held its fp32 shadows from copy time, the weights' upcasts since
+    (1e-3 from the copied optimizer's masters). Its parameters are stepped by the copied
+    optimizer: its masters are the companions again. A model copied alone keeps its shadows."""
+    import pickle
+
+    model, opt, _ = make((master, "fp32"), cls=torch.optim.AdamW)
+    loss_of(model).backward()
+    opt.step()
+    opt.zero_grad()
+    ema = copy.deepcopy(model)  # alone: a snapshot, nothing steps it
+    snapshot = {k: v.clone() for k, v in ema.state_dict().items()}
+    model2, opt2 = (copy.deepcopy((model, opt)) if how == "deepcopy"
+                    else pickle.loads(pickle.dumps((model, opt))))
+    for i in (1, 2):
+        loss_of(model2, i).backward()
+        opt2.step()
+        opt2.zero_grad()
+    torch.testing.assert_close(model2.state_dict(), dict(mp.fp32_state_dict(model2, opt2)),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(ema.state_dict(), snapshot, rtol=0, atol=0)

@@ -358,6 +358,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 driven by ``torch.amp.GradScaler``); ``found_inf`` while not
                 ``skips_on_device()``; fp16 gradients changed after :meth:`unscale_grads_`.
         """
+        self.follow_reassigned()
         grad_scale, found_inf = self.amp_scaling(grad_scale, found_inf)
         if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
             self.drop_master_grads()

@@ -355,6 +355,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 driven by ``torch.amp.GradScaler``); ``found_inf`` while not
                 ``skips_on_device()``.
         """
+        self.follow_reassigned()
         grad_scale, found_inf = self.amp_scaling(grad_scale, found_inf)
         if found_inf is True:  # torch.amp.GradScaler's overflow, read: the step is skipped
             self.drop_master_grads()

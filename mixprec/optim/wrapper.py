@@ -13,6 +13,7 @@ the factor the gradients carry and the overflow flag: mixprec's through the prot
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,10 +25,35 @@ from . import hooks, loadcheck
 from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
 
-__all__ = ["WrappedOptimizer", "reevaluating", "is_wrapped", "check_bucket_mb",
+__all__ = ["WrappedOptimizer", "reevaluating", "is_wrapped", "owner_of", "check_bucket_mb",
            "check_grad_scale", "not_ours", "check_inner", "stale_fp16_error"]
 
 _FUSED = ("auto", "compile", False)
+
+
+# id(model parameter) -> weak references to it and to the master optimizer stepping it: a copy
+# of a prepared model made together with its optimizer finds the copied one (mixprec.statedict)
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    if _OWNERS.get(key, (None,))[0] is ref:  # (not a newer tensor with the same id)
+        del _OWNERS[key]
+
+
+def _own(param: torch.Tensor, opt: weakref.ref) -> None:
+    key = id(param)
+    held = _OWNERS.get(key)
+    if held is None or held[0]() is not param:
+        held = (weakref.ref(param, lambda r, key=key: _forget(r, key)),)
+    _OWNERS[key] = (held[0], opt)
+
+
+def owner_of(param: torch.Tensor):
+    """The live master optimizer stepping ``param`` (the latest built over it), or None."""
+    held = _OWNERS.get(id(param))
+    opt = None if held is None or held[0]() is not param else held[1]()
+    return opt if opt is not None and id(param) in opt._model_ids else None
 
 
 def is_wrapped(optimizer: Any) -> bool:
@@ -154,6 +180,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._fused: bool | str = False
         self.fused = fused
 
+    def follow_reassigned(self) -> None:
+        """``optimizer.state = defaultdict(dict)`` (a reset of the moments) or
+        ``optimizer.param_groups = [...]`` assigned on this optimizer: the inner one, which
+        steps them, takes them too (each step checks, two identity tests)."""
+        inner = self.inner
+        if self.state is not inner.state or self.param_groups is not inner.param_groups:
+            inner.state, inner.param_groups = self.state, self.param_groups
+            self._rebuild()
+
     # -- configuration -------------------------------------------------------------------------
     @property
     def fused(self) -> bool | str:
@@ -215,6 +250,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.elements = sum(local(p).numel() for p in held)  # what a piece is sized by
         self._buckets = make_buckets(self.param_groups, self._bucket_mb,
                                      is_per_parameter(self.inner), self.elements)
+        self._model_ids, mine = {id(p) for p in self._model_params}, weakref.ref(self)
+        for p in self._model_params:
+            _own(p, mine)
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
