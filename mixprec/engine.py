@@ -320,8 +320,9 @@ class MixedPrecision:
             raise RuntimeError("grad_norm() after clip_grad_norm_(): use the norm it returned")
         grads = list(_grads(optimizer))
         total = replicated(total_norm(grads, norm_type, scaler.scale_tensor.device))  # FSDP2
-        if stage == "ready" and scaler.is_enabled():  # they still carry the loss scale
-            total = total / scaler.scale_tensor
+        carried = scaler.carried_factor(optimizer) if stage == "ready" else None
+        if carried is not None:  # they still carry the scale of the loss they came from
+            total = total / carried.to(total.device)
         return total
 
     def step(self, *optimizers, max_grad_norm: float | None = None, **kwargs) -> bool:

@@ -851,3 +851,93 @@ def test_static_and_none_scalers_answer_torch_calls_and_refuse_what_they_cannot_
     none.step(opt)
     with pytest.raises(ValueError, match="does not scale the loss"):
         none.update(new_scale=2.0)
+
+
+# ----------------------------------------------------------------------------- edge inputs
+def test_a_policy_with_a_fixed_loss_scale_makes_a_static_scaler():
+    """``Policy(loss_scale=128.0)`` (the docstring's "a fixed float") made every entry point
+    fail with "loss scaler spec must be 'auto', ...; got 'auto'"."""
+    policy = mp.Policy(param_dtype="fp16", compute_dtype="fp16", output_dtype="fp32",
+                       master_weights=True, loss_scale=128.0)
+    scaler = mp.make_loss_scaler("auto", policy)
+    assert isinstance(scaler, mp.StaticLossScaler) and scaler.get_scale() == 128.0
+    amp = mp.MixedPrecision(policy=policy)
+    amp.setup(make_model())
+    assert isinstance(amp.scaler, mp.StaticLossScaler) and amp.scaler.get_scale() == 128.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mp.StaticLossScaler(1e-46),  # stored as 0: the step wrote NaN weights
+    lambda: mp.make_loss_scaler(1e-40),  # a float32 subnormal: its reciprocal is inf
+    lambda: mp.DynamicLossScaler(init_scale=2.0 ** -129, min_scale=2.0 ** -140),
+    lambda: mp.DynamicLossScaler(min_scale=1e-50),  # backed off to exactly 0 after 160 skips
+    lambda: mp.StaticLossScaler(1.0).update(new_scale=1e-46),
+])
+def test_a_scale_float32_cannot_hold_or_invert_is_refused(make):
+    with pytest.raises(ValueError, match=r"must be positive, a float32 normal number"):
+        make()
+    assert mp.StaticLossScaler(2.0 ** -126).get_scale() == 2.0 ** -126
+
+
+def test_grad_norm_after_another_optimizers_step_reads_the_carried_scale():
+    """Two optimizers over one model, one backward: after ``amp.step(o1)`` grew the scale,
+    ``amp.grad_norm(o2)`` divided by the new scale (half the true norm)."""
+    model = make_model()
+    o1 = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    o2 = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    amp = mp.MixedPrecision(level="O0", loss_scale=mp.DynamicLossScaler(init_scale=1024.0,
+                                                                        growth_interval=1))
+    model = amp.setup(model)
+    amp.backward(model(batch(0)[0]).sum())
+    before = amp.grad_norm(o2)
+    amp.step(o1)
+    assert amp.scaler.get_scale() == 2048.0
+    torch.testing.assert_close(amp.grad_norm(o2), before, rtol=0, atol=0)
+    torch.testing.assert_close(amp.clip_grad_norm_(o2, 1e9), before, rtol=1e-6, atol=0)
+
+
+def test_apex_facade_keeps_a_first_scale_below_its_floor_until_a_change():
+    """apex starts at min(2**16, max_loss_scale) whatever min_loss_scale is, and bounds only
+    the scale a change makes: a floor of 2**17 moved the scale on a clean step (to 131072)."""
+    from mixprec.compat.apex_scaler import ApexLossScaler
+
+    scaler = ApexLossScaler("dynamic", min_loss_scale=2.0 ** 17)
+    clean, overflow = torch.zeros(()), torch.ones(())
+    for _ in range(3):
+        scaler.update(clean)
+    assert scaler.loss_scale() == 2.0 ** 16 and scaler.unskipped() == 3
+    scaler.update(overflow)  # apex: max(min_loss_scale, scale / 2)
+    assert scaler.loss_scale() == 2.0 ** 17 and scaler.unskipped() == 0
+    capped = ApexLossScaler("dynamic", max_loss_scale=2.0 ** 10)
+    capped.load(2.0 ** 10, 1999)
+    capped.update(clean)  # a growth: min(max_loss_scale, scale * 2)
+    assert capped.loss_scale() == 2.0 ** 10 and capped.unskipped() == 0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda sd: sd["state"].update(scale=1e6), "outside"),  # above max_scale=64
+    (lambda sd: sd["state"].update(growth_tracker=-5), "growth_tracker"),
+    (lambda sd: sd["state"].update(growth_tracker=2.5), "growth_tracker"),
+    (lambda sd: sd["state"].update(hysteresis_tracker=0), "hysteresis_tracker"),
+    (lambda sd: sd["state"].update(skips_at_min=-3), "skips_at_min"),
+    (lambda sd: sd["counters"].update(applied_steps="x"), "applied_steps"),
+])
+def test_a_scaler_state_the_config_rules_out_is_refused_and_nothing_changes(edit, match):
+    """Each was accepted: a scale above max_scale (dropped to 64 on a clean step), negative or
+    fractional counts (truncated), a count of the wrong type (a TypeError at the next step)."""
+    scaler = mp.DynamicLossScaler(init_scale=32.0, max_scale=64.0, hysteresis=2)
+    sd = copy.deepcopy(scaler.state_dict())
+    edit(sd)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(sd)
+    assert scaler.state_dict() == before
+
+
+def test_a_static_scalers_skip_flag_loads_as_a_bool_only():
+    scaler = mp.StaticLossScaler(8.0)
+    sd = scaler.state_dict()
+    sd["config"]["skip_on_overflow"] = "False"  # bool("False") is True
+    with pytest.raises(ValueError, match="skip_on_overflow.*must be a bool"):
+        scaler.load_state_dict(sd)
+    assert scaler.skip_on_overflow is True

@@ -4,7 +4,9 @@ apex's dynamic rules are :func:`mixprec.scaling.adjust_scale` with no hysteresis
 is ``min(2**16, max_loss_scale)``; every clean ``scale_loss`` exit counts one "unskipped" step
 and after 2000 in a row the scale doubles (never above ``max_loss_scale``); an exit that found
 inf/NaN halves it (never below ``min_loss_scale``) and resets the count. A fixed scale never
-changes and never skips; its exits only count.
+changes and never skips; its exits only count. A first scale below ``min_loss_scale`` (a floor
+above 2**16) stays as it is until an overflow or a growth, as in apex (the bounds apply to the
+scale a change makes: :func:`_apex_rule`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..scaling.state import DynamicConfig, ScaleState, adjust_scale, positive_scale
+from ..scaling.state import DynamicConfig, ScaleState, positive_scale
 
 __all__ = ["ApexLossScaler", "INIT_SCALE", "GROWTH_INTERVAL"]
 
@@ -60,7 +62,7 @@ class ApexLossScaler:
     def update(self, found_inf: torch.Tensor) -> None:
         """Count one ``scale_loss`` exit; a dynamic scale adapts to ``found_inf`` (no sync)."""
         if self.dynamic:
-            self.state = adjust_scale(self.state, found_inf, self.config)
+            self.state = _apex_rule(self.state, found_inf, self.config)
         else:
             self.state = dataclasses.replace(self.state,
                                              growth_tracker=self.state.growth_tracker + 1)
@@ -84,3 +86,19 @@ class ApexLossScaler:
             self.state.device)
         if not self.dynamic:
             self.fixed = scale
+
+
+def _apex_rule(state: ScaleState, found_inf: torch.Tensor, config: DynamicConfig) -> ScaleState:
+    """apex's update (no host sync): an overflow sets ``max(min, scale / 2)`` and resets the
+    count; a clean exit counts, and the count reaching the interval sets ``min(max, scale * 2)``
+    and resets it. A scale outside the bounds (below a floor above 2**16) is left as it is
+    otherwise."""
+    found = found_inf.to(state.device) > 0
+    count = torch.where(found, torch.zeros_like(state.growth_tracker), state.growth_tracker + 1)
+    grow = count >= config.growth_interval
+    scale = torch.where(found, torch.clamp(state.scale * config.backoff_factor,
+                                           min=config.min_scale),
+                        torch.where(grow, torch.clamp(state.scale * config.growth_factor,
+                                                      max=config.max_scale), state.scale))
+    return dataclasses.replace(state, scale=scale,
+                               growth_tracker=torch.where(grow, torch.zeros_like(count), count))

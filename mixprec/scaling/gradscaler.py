@@ -91,10 +91,24 @@ class GradScalerInterface:
         check_keys("state_dict['counters']", state_dict["counters"],
                    tuple(f.name for f in dataclasses.fields(Counters)))
         positive_scale("state_dict['state']['scale']", state_dict["state"]["scale"])
+        for name, value in state_dict["counters"].items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"state_dict['counters'][{name!r}] must be an integer >= 0; got "
+                                 f"{value!r}")
+        old_config = self._config_dict()
         self._load_config(state_dict["config"])  # validates before anything is assigned
-        self._state = ScaleState.from_numbers(state_dict["state"], self._state.device)
+        try:
+            state = ScaleState.from_numbers(state_dict["state"], self._state.device)
+            self._check_loaded_scale(float(state_dict["state"]["scale"]))
+        except ValueError:
+            self._load_config(old_config)
+            raise
+        self._state = state
         self._counters = Counters(**state_dict["counters"])
         self._stages.clear()
+
+    def _check_loaded_scale(self, scale: float) -> None:
+        """Refuse a loaded scale the config rules out (a dynamic one: outside its bounds)."""
 
     # -- hooks for the kinds of scaler -------------------------------------------------------
     def _config_dict(self) -> dict:

@@ -271,14 +271,18 @@ class DynamicLossScaler(LossScaler):
             backoff_factor=state_dict["backoff_factor"],
             growth_interval=state_dict["growth_interval"])
         scale = positive_scale("the GradScaler's scale", state_dict["scale"])
-        if not config.min_scale <= scale <= config.max_scale:
-            raise ValueError(f"the GradScaler's scale {scale} lies outside [min_scale, max_scale]"
-                             f" = [{config.min_scale}, {config.max_scale}]")
-        self.config = config
-        self._state = ScaleState.from_numbers(
+        self._check_loaded_scale(scale, config)
+        state = ScaleState.from_numbers(
             {"scale": scale, "growth_tracker": state_dict["_growth_tracker"],
              "hysteresis_tracker": config.hysteresis, "skips_at_min": 0}, self._state.device)
+        self.config, self._state = config, state
         self._stages.clear()
+
+    def _check_loaded_scale(self, scale: float, config=None) -> None:
+        config = self.config if config is None else config
+        if not config.min_scale <= scale <= config.max_scale:
+            raise ValueError(f"the loaded scale {scale} lies outside [min_scale, max_scale] = "
+                             f"[{config.min_scale}, {config.max_scale}]")
 
 
 class StaticLossScaler(LossScaler):
@@ -325,7 +329,10 @@ class StaticLossScaler(LossScaler):
 
     def _load_config(self, config):
         check_keys("state_dict['config']", config, ("skip_on_overflow",))
-        self.skip_on_overflow = bool(config["skip_on_overflow"])
+        if not isinstance(config["skip_on_overflow"], bool):
+            raise ValueError(f"state_dict['config']['skip_on_overflow'] must be a bool; got "
+                             f"{config['skip_on_overflow']!r}")
+        self.skip_on_overflow = config["skip_on_overflow"]
 
 
 def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
@@ -371,6 +378,8 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
     key = "none" if spec is None else spec.strip().lower()
     if key == "auto":
         key = _auto_spec(dtype) or "none"
+        if not isinstance(key, str):  # a Policy's fixed loss_scale: a number
+            return StaticLossScaler(key)
     if key == "dynamic":
         return DynamicLossScaler(max_skips_at_min=limit)
     if key == "none":

@@ -17,6 +17,7 @@ __all__ = ["ScaleState", "DynamicConfig", "adjust_scale", "positive_scale", "che
            "skip_limit"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,14 @@ class ScaleState:
 
     @classmethod
     def from_numbers(cls, values: dict, device=None) -> "ScaleState":
-        """Build a state from plain numbers (one per field)."""
+        """Build a state from plain numbers (one per field).
+
+        Raises:
+            ValueError: a scale that is not a valid loss scale, or a count that is not an
+                integer of its range (a loaded state is checked before it is used)."""
+        positive_scale("the state's scale", values["scale"])
+        for name, low in (("growth_tracker", 0), ("hysteresis_tracker", 1), ("skips_at_min", 0)):
+            _int_at_least(f"the state's {name}", values[name], low)
         def tensor(field):
             dtype = torch.float32 if field.name == "scale" else torch.int32
             return torch.tensor(values[field.name], dtype=dtype, device=device)
@@ -171,10 +179,13 @@ def _finite_number(name: str, value) -> float:
 
 
 def positive_scale(name: str, value) -> float:
+    """``value`` as a loss scale: a number a float32 holds as a normal number, whose reciprocal
+    (what unscaling multiplies by) is finite: in [2^-126, float32 max]. (A smaller one was
+    stored as 0, or unscaled by inf: the step wrote NaN or inf weights.)"""
     v = _finite_number(name, value)
-    if not 0.0 < v <= _FP32_MAX:
-        raise ValueError(f"{name} must be positive and at most float32 max ({_FP32_MAX:.4g}); "
-                         f"got {value!r}")
+    if not _FP32_TINY <= v <= _FP32_MAX:
+        raise ValueError(f"{name} must be positive, a float32 normal number in [2^-126, "
+                         f"{_FP32_MAX:.4g}] (its reciprocal finite); got {value!r}")
     return v
 
 
