@@ -396,9 +396,13 @@ class MixedPrecision:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The policy (as plain data) and the scaler's state; a host sync."""
-        return {"policy": None if self.policy is None else self.policy.state_dict(),
-                "scaler": self._ready().state_dict()}
+        """The policy (as plain data) and the scaler's state, and with a monitor its step count
+        (a resumed run records at the steps the uninterrupted one would); a host sync."""
+        state = {"policy": None if self.policy is None else self.policy.state_dict(),
+                 "scaler": self._ready().state_dict()}
+        if self.monitor is not None:
+            state["monitor"] = {"step": self.monitor.step}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`, or a ``torch.amp.GradScaler``'s ``state_dict()`` (a
@@ -416,13 +420,17 @@ class MixedPrecision:
             if state or scaler.is_enabled():
                 scaler.load_state_dict(state)
             return
-        if not isinstance(state, dict) or set(state) != {"policy", "scaler"}:
+        if not isinstance(state, dict) or not ({"policy", "scaler"} <= set(state)
+                                               <= {"policy", "scaler", "monitor"}):
             got = sorted(state) if isinstance(state, dict) else repr(state)
             raise ValueError(f"a MixedPrecision state_dict has the keys ['policy', 'scaler'] "
-                             f"(or a torch.amp.GradScaler's: {list(TORCH_KEYS)}); got {got}")
+                             f"(and 'monitor' with a monitor; or a torch.amp.GradScaler's: "
+                             f"{list(TORCH_KEYS)}); got {got}")
         self._ready()
         check_policy(state["policy"], self.policy)
         self.scaler.load_state_dict(state["scaler"])
+        if self.monitor is not None and state.get("monitor") is not None:
+            self.monitor.resume_at(state["monitor"]["step"])
 
 
 def _grads(optimizer) -> Iterator[torch.Tensor]:

@@ -2,6 +2,7 @@
 (through Trainer.log, so report_to reaches it): real runs on the real packages."""
 
 import csv
+import warnings
 
 import pytest
 import torch
@@ -88,3 +89,90 @@ def test_mixprec_trainer_logs_the_monitor_through_trainer_log_to_tensorboard(tmp
     names = {t.removeprefix("train/") for t in tags}
     assert {"mixprec/grad_norm", "mixprec/lm_head/act_headroom",
             "mixprec/transformer.h.0.mlp.c_proj/grad_underflow"} <= names
+
+
+def test_a_resumed_trainer_records_at_the_steps_the_uninterrupted_run_would(tmp_path):
+    """After ``Trainer.load`` the monitor counted from 0 again: a resumed run appending to its
+    record wrote steps 0, 2, 4 after 0..5 (``read_run`` saw two runs in one file). The engine's
+    state carries the monitor's step now."""
+    def make(path, mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        return mp.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                          level="O2", dtype="bf16", progress=False,
+                          monitor=mp.PrecisionMonitor(every=2,
+                                                      writers=[JSONLWriter(path, mode=mode)]))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g))
+            for _ in range(6)]
+    path = tmp_path / "precision.jsonl"
+    first = make(path, "w")
+    first.fit(data, epochs=1)
+    first.save(tmp_path / "ck.pt")
+    first.engine.monitor.close()
+    resumed = make(path, "a")
+    resumed.load(tmp_path / "ck.pt")
+    assert resumed.engine.monitor.step == resumed.global_step == 6
+    resumed.fit(data, epochs=2)
+    resumed.engine.monitor.close()
+    assert [r["step"] for r in resumed.engine.monitor.records] == [6, 8, 10]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "holds more than one run"
+        series = read_run(path)
+    assert [s for s, _ in series["mixprec/loss_scale"]] == [0, 2, 4, 6, 8, 10]
+
+
+def test_the_engine_state_carries_the_monitors_step():
+    """What Lightning's and Accelerate's checkpoints hold of mixprec (the engine's state):
+    a resumed run's monitor continues from the saved step (Lightning's restarted at 0)."""
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        amp = mp.MixedPrecision("O2", "bf16", monitor=mp.PrecisionMonitor(every=2))
+        model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return amp, model, opt
+    amp, model, opt = run()
+    for _ in range(3):
+        amp.backward(model(torch.randn(2, 4)).float().sum())
+        amp.step(opt)
+        opt.zero_grad()
+    state = amp.state_dict()
+    assert state["monitor"] == {"step": 3}
+    amp2, model2, opt2 = run()
+    amp2.load_state_dict(state)
+    assert amp2.monitor.step == 3 and not amp2.monitor.recording
+    plain = mp.MixedPrecision("O2", "bf16")
+    plain.setup(nn.Linear(4, 2))
+    plain.load_state_dict(state)  # a run without a monitor loads it, ignoring the count
+    with pytest.raises(ValueError, match="step must be an integer"):
+        amp2.monitor.resume_at(-1)
+
+
+def test_mixprec_trainer_logs_the_monitor_at_the_step_of_its_own_log(tmp_path):
+    """The monitor's record of an optimizer step went through ``Trainer.log`` inside the step,
+    before ``global_step`` moved on: one step before the Trainer's own loss and grad norm of
+    that step. It is held until the Trainer counted the step (and its own log still runs)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from mixprec.integrations.transformers import MixprecTrainer
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    rows = (torch.randint(0, 64, (32, 1), generator=torch.Generator().manual_seed(0))
+            + torch.arange(16)) % 64
+    args = transformers.TrainingArguments(
+        str(tmp_path), use_cpu=True, per_device_train_batch_size=8, num_train_epochs=1,
+        report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no",
+        max_grad_norm=0.0, seed=0)
+    trainer = MixprecTrainer(model, args, train_dataset=[{"input_ids": r, "labels": r}
+                                                         for r in rows],
+                             mixed_precision=mp.MixedPrecision(
+                                 "O2", "bf16", monitor=mp.PrecisionMonitor(every=1)))
+    trainer.train()
+    own = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    monitored = {h["step"]: h["mixprec/loss"] for h in trainer.state.log_history
+                 if "mixprec/loss" in h}
+    assert sorted(own) == sorted(monitored) == [1, 2, 3, 4]
+    for step, loss in own.items():
+        assert monitored[step] == pytest.approx(loss, rel=1e-4)

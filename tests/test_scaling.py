@@ -941,3 +941,25 @@ def test_a_static_scalers_skip_flag_loads_as_a_bool_only():
     with pytest.raises(ValueError, match="skip_on_overflow.*must be a bool"):
         scaler.load_state_dict(sd)
     assert scaler.skip_on_overflow is True
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("second", ["clip", "step"])
+def test_a_backward_after_unscaling_is_refused_before_the_mixed_gradients_are_used(level,
+                                                                                 second):
+    """backward -> clip_grad_norm_ -> backward -> clip_grad_norm_: the second clip measured
+    (and the step applied) unscaled gradients plus still-scaled ones (a norm of 1501 for a
+    true 2.93; Accelerate's clip on every micro-batch did this). Refused, as GradScaler
+    refuses a second unscale_, with the order to follow."""
+    model = make_model()
+    amp = mp.MixedPrecision(level=level, dtype="fp16", loss_scale=1024.0)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch(0)
+    amp.backward(F.mse_loss(model(x).float(), y))
+    amp.clip_grad_norm_(opt, 1e9)
+    amp.backward(F.mse_loss(model(x).float(), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    call = (lambda: amp.clip_grad_norm_(opt, 1e9)) if second == "clip" else (lambda: amp.step(opt))
+    with pytest.raises(RuntimeError, match="after a backward that followed unscale_"):
+        call()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -545,3 +545,26 @@ def test_a_policy_naming_a_class_defined_in_a_function_resumes(tmp_path):
     again.load(tmp_path / "run.pt")
     assert again.global_step == first.global_step
     assert all(torch.equal(a, b) for a, b in zip(params(again), params(first)))
+
+
+def test_accuracy_leaves_out_ignored_labels_and_mae_refuses_a_broadcast():
+    """Token labels of -100 (padding, which cross-entropy ignores) were counted as wrong
+    predictions (0.5 for 2 of 2 right); MAE of (N, 1) outputs against (N,) targets summed
+    all N x N differences (105 for a true 1.9)."""
+    from mixprec.training.metrics import Accuracy, MeanAbsoluteError
+
+    logits = torch.tensor([[[5.0, 0.0], [0.0, 5.0], [5.0, 0.0]]])  # (N=1, T=3, C=2)
+    acc = Accuracy()
+    acc.update(logits, torch.tensor([[0, 1, -100]]))
+    assert acc.compute() == 1.0
+    counted_all = Accuracy(ignore_index=None)  # every target counts: -100 is a wrong one
+    counted_all.update(logits, torch.tensor([[0, 1, -100]]))
+    assert counted_all.compute() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="ignore_index must be an integer"):
+        Accuracy(ignore_index=1.5)
+    mae = MeanAbsoluteError()
+    out, target = torch.tensor([[1.0], [2.0]]), torch.tensor([0.0, 4.0])
+    mae.update(out, target)
+    assert mae.compute() == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="element by element"):
+        mae.update(torch.ones(2, 3), torch.ones(2))

@@ -157,12 +157,25 @@ class MixprecTrainer(transformers.Trainer):
         self._staging: Path | None = None  # where _save_checkpoint writes, while it does
         self._push_pending = False
         super().__init__(*args, **kwargs)
+        self._monitored: dict = {}  # recorded during an optimizer step, logged after it
         if mixed_precision.monitor is not None:
             mixed_precision.monitor.writers.append(CallbackWriter(self._log_monitored))
+            self.add_callback(_MonitorFlush(self))
 
     def _log_monitored(self, step: int, scalars: dict) -> None:
-        """What the engine's monitor records, through ``self.log`` (and so ``report_to``)."""
-        self.log(dict(scalars))
+        """What the engine's monitor records, through ``self.log`` (and so ``report_to``), at
+        the step the Trainer logs that optimizer step at: held until its ``global_step`` moved
+        on (a step's record is made inside the optimizer's step, before it does), else (a
+        closing record, after training) logged now."""
+        if self.optimizer is not None and self.state.global_step < self.state.max_steps:
+            self._monitored.update(scalars)
+        else:
+            self.log(dict(scalars))
+
+    def _flush_monitored(self) -> None:
+        if self._monitored:
+            scalars, self._monitored = self._monitored, {}
+            self.log(scalars)
 
     # -- set-up ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -339,3 +352,19 @@ def _refuse_amp_arguments(args) -> None:
             f"autocast and GradScaler, or a half-precision model for evaluation) on top of the "
             f"MixedPrecision engine, which would cast and scale twice; leave fp16/bf16 False: "
             f"mixed_precision=mp.MixedPrecision(level=..., dtype=...) decides the precision")
+
+
+class _MonitorFlush(transformers.TrainerCallback):
+    """Logs the monitor's record of an optimizer step once the Trainer counted that step (its
+    own loss and grad norm for the step are logged at the same ``global_step``)."""
+
+    def __init__(self, trainer: MixprecTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        should_log = control.should_log  # (Trainer.log clears it: its own log of this step)
+        self.trainer._flush_monitored()
+        self.trainer.control.should_log = control.should_log = should_log
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._flush_monitored()

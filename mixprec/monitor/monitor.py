@@ -175,6 +175,20 @@ class PrecisionMonitor(EngineObserver):
         if probe is not None and stepped:
             self._lost.update(probe.sums())
 
+    def resume_at(self, step: int) -> None:
+        """Continue counting from ``step`` (a resumed run: the step its checkpoint was saved
+        at), so that it records at the steps the uninterrupted run records at.
+
+        Raises:
+            ValueError: ``step`` is not an integer >= 0.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0; got {step!r}")
+        self.step = step
+        self._disarm()
+        if self.recording:
+            self._arm()
+
     def end_step(self, applied: bool) -> None:
         """Close the step: record it when it is a recorded one, then move on."""
         self._window += 1

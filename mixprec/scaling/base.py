@@ -51,6 +51,7 @@ class LossScaler(GradScalerInterface):
     def __init__(self):
         self._state = ScaleState.initial(1.0)
         self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
+        self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
         self._counters = Counters()
         self._stages = StageBook()
         self._modules: list[weakref.ref] = []
@@ -139,6 +140,7 @@ class LossScaler(GradScalerInterface):
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
+        self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, optimizer) -> None:
@@ -166,7 +168,7 @@ class LossScaler(GradScalerInterface):
         elif self._scales or self._checks:  # unscaled in place, or (no scale) checked
             record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
                                                                 inv_scale, self._state.device))
-        record.stage = Stage.UNSCALED
+        record.stage, record.scaled = Stage.UNSCALED, self._scaled
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients the step will use to ``max_norm``; return their norm.
@@ -194,6 +196,7 @@ class LossScaler(GradScalerInterface):
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
+            self._check_no_backward_since(record, "clip_grad_norm_()")
         elif owner and not _has_pre_hooks(optimizer):  # (a pre-hook reads true gradients)
             return self._fold_clip(optimizer, max_norm, norm_type)
         else:
@@ -244,6 +247,8 @@ class LossScaler(GradScalerInterface):
         owner = owns_gradients(optimizer)
         if record is None or record.stage is Stage.READY:
             record = self._prepare_step(optimizer, owner)
+        else:
+            self._check_no_backward_since(record, "step()")
         record.stage = Stage.STEPPED
         queued = QueuedStep(optimizer, record, owner)
         flag = record.found_inf if self._checks else None
@@ -420,8 +425,19 @@ class LossScaler(GradScalerInterface):
         record.grad_scale = carried / coef
         if self._checks:
             record.found_inf = (~torch.isfinite(total)).float()
-        record.stage = Stage.UNSCALED
+        record.stage, record.scaled = Stage.UNSCALED, self._scaled
         return total
+
+    def _check_no_backward_since(self, record: OptimizerRecord, what: str) -> None:
+        """Refuse ``what`` when a loss was scaled (a backward) after this optimizer's gradients
+        were unscaled or a clip folded: scaled gradients were added to unscaled ones."""
+        if self._scales and record.stage is Stage.UNSCALED and record.scaled != self._scaled:
+            raise RuntimeError(
+                f"{what} after a backward that followed unscale_() or clip_grad_norm_() on this "
+                "optimizer: the new gradients carry the loss scale, the earlier ones do not, and "
+                "their sum is neither. Unscale or clip once per iteration, after the last "
+                "backward (with gradient accumulation: after the last micro-batch, e.g. when "
+                f"accelerator.sync_gradients is True); {SEQUENCE}")
 
     def _reduced(self, found: torch.Tensor) -> torch.Tensor:
         """The overflow flag of every rank (max over ``process_group``; no host read)."""

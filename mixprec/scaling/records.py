@@ -37,6 +37,8 @@ class OptimizerRecord:
         stage: its :class:`Stage`.
         found_inf: the 0-d inf/NaN flag of the gradients its step reads (None: not checked).
         grad_scale: the factor the gradients its step reads still carry (None: none).
+        scaled: how many losses the scaler had scaled when they were unscaled (or a clip
+            folded): one more since means scaled gradients were added to unscaled ones.
         bad_params: names of the parameters with non-finite gradients, set when this step
             reached the dynamic scaler's min-scale limit.
     """
@@ -45,6 +47,7 @@ class OptimizerRecord:
     found_inf: torch.Tensor | None = None
     grad_scale: torch.Tensor | None = None
     bad_params: list[str] | None = None
+    scaled: int = 0  # the scaler's count of scaled losses when it was unscaled or clipped
 
 
 @dataclasses.dataclass

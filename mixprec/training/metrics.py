@@ -64,15 +64,21 @@ class Accuracy(Metric):
         class_dim: the scores' class dimension (1 or -1); None: read from the shapes (where
             both fit, ``(N, C, C)`` scores against ``(N, C)`` targets, an update refuses to
             guess).
+        ignore_index: a target value that is not counted (as ``F.cross_entropy`` ignores it:
+            -100, Hugging Face's label for padding and for the tokens after the first of a
+            word), or None to count every target.
     """
 
     name = "accuracy"
     sum_state = ("correct", "total")
 
-    def __init__(self, class_dim: int | None = None):
+    def __init__(self, class_dim: int | None = None, ignore_index: int | None = -100):
         if class_dim not in (None, 1, -1):
             raise ValueError(f"class_dim must be None, 1 or -1; got {class_dim!r}")
-        self.class_dim = class_dim
+        if ignore_index is not None and (isinstance(ignore_index, bool)
+                                         or not isinstance(ignore_index, int)):
+            raise ValueError(f"ignore_index must be an integer or None; got {ignore_index!r}")
+        self.class_dim, self.ignore_index = class_dim, ignore_index
         self.reset()
 
     def reset(self) -> None:
@@ -94,11 +100,17 @@ class Accuracy(Metric):
                              f"(N, C, T) and (N, T, C) fit. Pass metrics=[mp.Accuracy(class_dim=1)]"
                              f" (torch's layout) or mp.Accuracy(class_dim=-1) (token logits)")
         pred = output.argmax(dim=fits[0])
-        self.correct = (pred == target).sum() + self.correct
-        self.total += target.numel()
+        if self.ignore_index is None or target.is_floating_point():
+            self.correct = (pred == target).sum() + self.correct
+            self.total = target.numel() + self.total
+            return
+        counted = target != self.ignore_index
+        self.correct = ((pred == target) & counted).sum() + self.correct
+        self.total = counted.sum() + self.total  # (a device tensor: no host sync)
 
     def compute(self) -> float:
-        return int(self.correct) / self.total if self.total else float("nan")
+        total = int(self.total)
+        return int(self.correct) / total if total else float("nan")
 
 
 def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
@@ -107,7 +119,9 @@ def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
 
 
 class MeanAbsoluteError(Metric):
-    """Mean absolute difference between output and target (computed in fp32)."""
+    """Mean absolute difference between output and target (computed in fp32), element by
+    element: outputs of another shape with as many elements (``(N, 1)`` against ``(N,)``)
+    are compared as after a squeeze; others are refused."""
 
     name = "mae"
     sum_state = ("sum", "count")
@@ -120,6 +134,13 @@ class MeanAbsoluteError(Metric):
         self.count = 0
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        if output.shape != target.shape:
+            if output.numel() != target.numel():
+                raise ValueError(f"mae compares output and target element by element; got "
+                                 f"output {tuple(output.shape)} and target "
+                                 f"{tuple(target.shape)} (broadcasting them would compare "
+                                 f"every output with every target)")
+            output = output.reshape(target.shape)  # (N, 1) against (N,): as after a squeeze
         self.sum = (output.float() - target.float()).abs().sum(dtype=torch.float64) + self.sum
         self.count += output.numel()
 

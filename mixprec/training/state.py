@@ -191,6 +191,7 @@ def trainer_meta(trainer) -> dict:
         "rng": capture_rng(trainer.state.data),
         "epoch_start_rng": trainer.state.epoch_start_rng,
         "metrics": metric_states(trainer),  # under ddp/fsdp: per rank, like the RNG states
+        "monitor": precision.get("monitor"),  # its step count
     }
 
 
@@ -239,6 +240,9 @@ def restore_progress(trainer, ckpt: dict) -> None:
     """Counters, history and RNG states of a checkpoint (after its tensors were loaded)."""
     trainer.history.load_state_dict(ckpt["history"])
     trainer.state.load_state_dict(ckpt["counters"], ckpt["epoch_start_rng"], ckpt["rng"])
+    monitor = trainer.engine.monitor
+    if monitor is not None and ckpt.get("monitor") is not None:
+        monitor.resume_at(ckpt["monitor"]["step"])
     saved = ckpt.get("metrics") or {}  # (none in a checkpoint written before they were saved)
     for m in trainer.metrics:
         m.reset()
