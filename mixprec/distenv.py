@@ -298,5 +298,12 @@ def is_fsdp(model) -> bool:
 
 
 def unwrap(model):
-    """The user's module inside a ``DistributedDataParallel`` wrapper (else ``model`` itself)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The user's module inside ``DistributedDataParallel`` and ``torch.compile``'s
+    ``OptimizedModule`` wrappers (either order), else ``model`` itself: plain names."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # (duck-typed: no torch._dynamo import here)
+        else:
+            return model

@@ -46,9 +46,13 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
                           f"{caps['auto_reason']}",
                           hardware.SlowDtypeWarning, stacklevel=3)
         return resolved
-    resolved = to_dtype(dtype)
+    try:
+        resolved = to_dtype(dtype)
+    except ValueError:  # an unknown name (the registry's message lists dtypes refused here)
+        resolved = None
     if resolved not in TRAINING_DTYPES:
-        raise ValueError(f"a training dtype must be 'fp32', 'fp16' or 'bf16'; got {dtype!r}")
+        raise ValueError(f"a training dtype must be 'auto', 'fp32', 'fp16' or 'bf16' (or their "
+                         f"torch dtypes); got {dtype!r}")
     if warn:
         hardware.warn_if_slow(resolved, device)
     return resolved

@@ -305,6 +305,9 @@ def test_the_advise_command_refuses_bad_options_before_measuring(capsys, tmp_pat
     missing = tmp_path / "no-such-dir" / "advice.png"
     assert cli.main(["advise", "--model", "planted-overflow", "--plot", str(missing)]) == 2
     assert f"the directory {missing.parent} does not exist" in capsys.readouterr().err
+    # a directory: the chart went to <dir>.png beside it, and nothing said so
+    assert cli.main(["advise", "--model", "planted-overflow", "--plot", str(tmp_path)]) == 2
+    assert "is a directory; give the chart's file name" in capsys.readouterr().err
     assert cli.main(["advise", "--model", "transformer", "--seq-len", "100000"]) == 2
     assert "seq_len must be at most 1024, the positions the transformer model has" in \
         capsys.readouterr().err

@@ -234,3 +234,23 @@ def test_version_comes_from_one_place(capsys):
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mixprec.__version__"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--lr", "nan"], "--lr must be a positive finite number; got nan"),
+    (["demo", "--lr", "-1"], "--lr must be a positive finite number; got -1.0"),
+    (["demo", "--out", "/proc/mixprec-demo"], "is not a folder the demo can write"),
+])
+def test_demo_refuses_bad_options_before_training(capsys, argv, message):
+    """``--lr nan`` trained four NaN runs whose table showed finite losses; an ``--out`` that
+    can't be made failed with a traceback after the runs (minutes)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_report_to_a_directory_is_a_command_line_error(tmp_path, capsys):
+    run = tmp_path / "run.jsonl"
+    run.write_text('{"step": 0, "mixprec/loss": 1.0}\n')
+    assert cli.main(["report", str(run), "-o", str(tmp_path)]) == 2  # was an IsADirectoryError
+    assert "Is a directory" in capsys.readouterr().err

@@ -363,3 +363,13 @@ def test_save_pretrained_loads_back_as_the_exact_masters(master, tmp_path):
             assert torch.equal(loaded[key], value), key
     with pytest.raises(ValueError, match="push_to_hub"):
         gpt.save_pretrained(tmp_path / "hub", push_to_hub=True)
+
+
+def test_fp32_state_dict_of_a_compiled_model_has_the_plain_names():
+    """``mp.fp32_state_dict(torch.compile(model))`` kept ``_orig_mod.`` in every key: the dict
+    did not load into a plain model, as its docstring promises."""
+    model, opt = trained("fp32", steps=1)
+    compiled = torch.compile(model)  # (wrapping only: nothing is compiled until it is called)
+    sd = mp.fp32_state_dict(compiled, opt)
+    assert list(sd) == list(mp.fp32_state_dict(model, opt))
+    net().load_state_dict(sd)

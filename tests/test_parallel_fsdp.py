@@ -97,6 +97,24 @@ def _inf_in_data(rank):
             "weights": mp.fp32_state_dict(trainer.model)}
 
 
+def _trace_finite(rank):
+    """trace_nonfinite over an FSDP2 step with finite data, torch's uninitialised memory filled
+    with NaN (deterministic mode): the all-gather's output buffer, written by the collective
+    after FSDP's copy-in op made it, read as the first non-finite op."""
+    torch.manual_seed(0)
+    model = Net()
+    model, _ = mp.parallel.fsdp(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                level="O2", dtype="bf16")
+    x, y = dataset()[rank * 4: rank * 4 + 4]
+    torch.use_deterministic_algorithms(True)
+    try:
+        with mp.debug.trace_nonfinite(model) as tracer:
+            F.cross_entropy(model(x), y).backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return None if tracer.report is None else str(tracer.report)
+
+
 def _state_dict(rank, out):
     ckpts = os.path.join(out, "ckpts")
     saver = mp.ModelCheckpoint(ckpts, every_n_steps=2, every_epoch=False, keep_last=1)
@@ -142,6 +160,7 @@ def suite(rank, out):
     results["resume"] = resume_case(rank, out, "fsdp", "O2")
     results["state_dict"] = _state_dict(rank, out)
     results["step0"] = _save_before_training(rank, out)
+    results["trace"] = _trace_finite(rank)
     return results
 
 
@@ -238,3 +257,9 @@ def test_fp32_state_dict_gathers_full_plain_tensors(ranks):
         assert sd["checkpoints"] == {"ckpt-step4": [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                     "mixprec-checksums.json", "rank0.pt",
                                                     "rank1.pt", "trainer.pt"]}
+
+
+def test_the_nonfinite_tracer_reads_no_uninitialised_fsdp_buffer(ranks):
+    """It reported "first non-finite in forward: ... fsdp.all_gather_copy_in" for finite data
+    (that op returns the all-gather's output buffer before the collective fills it)."""
+    assert [r["trace"] for r in ranks] == [None, None]

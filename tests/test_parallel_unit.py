@@ -293,3 +293,35 @@ def test_a_checkpoint_from_another_world_size_loads_only_at_an_epoch_end(tmp_pat
     torch.manual_seed(123)
     fresh.load(tmp_path / "end.pt")
     assert fresh.global_step == 3 and torch.equal(torch.get_rng_state(), rng["torch"])
+
+
+def test_plan_lists_only_the_masters_that_hold_fp16_weights(capsys):
+    """``mixprec plan --dtype fp16 --master kahan`` failed ("master='split' holds the high half
+    of the master in bf16 weights"): the compact rows listed every method, for any dtype."""
+    assert cli_main(["plan", "--params", "7e9", "--dtype", "fp16", "--master", "kahan"]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.startswith("*")]
+    assert "kahan/fp32" in chosen[0]
+    assert "split" not in out and "stochastic" not in out and "kahan/bf16" in out
+    rows = mp.parallel.plan_table("7B", dtype="bf16", compact=True)
+    assert {r.master for r in rows} >= {"split", "stochastic", "kahan"}
+
+
+def _reduce_int8():
+    from mixprec.parallel.ddp import reduce_dtype_of
+    reduce_dtype_of("int8")
+
+
+def _train_fp8():
+    from mixprec.policy import resolve_dtype
+    resolve_dtype("fp8", "cpu")
+
+
+@pytest.mark.parametrize("call", [_reduce_int8, _train_fp8])
+def test_a_bad_dtype_is_refused_naming_only_the_dtypes_that_are_taken(call):
+    """The registry's message listed 'fp64', 'fp8_e4m3' and 'fp8_e5m2' as valid for a reduce
+    or training dtype, which are then refused in their turn."""
+    with pytest.raises(ValueError) as info:
+        call()
+    assert "'fp32'" in str(info.value) and "fp64" not in str(info.value)
+    assert "fp8_e4m3" not in str(info.value)

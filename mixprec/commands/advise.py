@@ -78,6 +78,9 @@ def _check_plot(path: str | None) -> None:
     """Refuse a chart path whose directory does not exist, before the measurement."""
     if path is None:
         return
+    if os.path.isdir(path):  # matplotlib would write <path>.png beside it, saying nothing
+        raise ValueError(f"--plot {path}: is a directory; give the chart's file name, e.g. "
+                         f"{os.path.join(path, 'advise.png')}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--plot {path}: the directory {folder} does not exist; create it or "

@@ -12,6 +12,7 @@ off).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import warnings
@@ -199,10 +200,26 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def _check_writable(out: Path) -> None:
+    """Refuse an ``--out`` folder that can't be made or written (the runs take minutes)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".mixprec-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} is not a folder the demo can write its plot and "
+                         f"report to ({exc.strerror or exc}); pass another, or --no-plot") from None
+
+
 def _run(args) -> int:
     for name in ("epochs", "batch", "width"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be a positive integer; got {getattr(args, name)}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"--lr must be a positive finite number; got {args.lr}")
+    if not args.no_plot:  # before training, not after it
+        _check_writable(Path(args.out))
     low = dtype_name(resolve_dtype(args.dtype, "cpu", warn=False))
     if not args.json:
         print(f"mixprec demo: DigitsCNN(width={args.width}) on scikit-learn digits, {args.epochs} "

@@ -40,8 +40,8 @@ def _run(args) -> int:
             else:
                 page = write_report(args.run, args.output, args.title).resolve()
                 text = f"{summary_text(series)}\nreport: {page}"
-        except FileNotFoundError as exc:  # an OSError, not one the command line reports
-            raise ValueError(str(exc)) from None
+        except OSError as exc:  # (a missing file, a directory given as the page to write, no
+            raise ValueError(str(exc)) from None  # permission): not one the command reports
         finally:
             for w in caught:
                 print(f"mixprec report: warning: {w.message}", file=sys.stderr)

@@ -151,9 +151,21 @@ def _incoming(args, kwargs, in_stats, scalars, inputs_were_finite) -> tuple[bool
     return in_inf, in_nan
 
 
-# Ops that return uninitialised memory: garbage bits may read as inf/NaN and mean nothing.
+# Ops that return uninitialised memory: garbage bits may read as inf/NaN and mean nothing
+# (FSDP2's copy-in returns the all-gather's output buffer, which the collective fills after it).
 _UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
-                            "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted"})
+                            "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted",
+                            "fsdp::all_gather_copy_in"})
+# Collectives: an output is filled when the collective completes, after the op returns (its
+# ``wait``), so it is read where it is consumed; ``wait_tensor``'s own output is complete.
+_COLLECTIVES = ("c10d::", "_c10d_functional::")
+
+
+def _unread(name: str) -> bool:
+    """Whether an op's outputs are not checked (uninitialised, or a collective's, not yet
+    complete)."""
+    return name in _UNINITIALIZED or (name.startswith(_COLLECTIVES)
+                                      and not name.endswith("::wait_tensor"))
 
 
 class _NonFiniteMode(TorchDispatchMode):
@@ -234,7 +246,7 @@ class NonFiniteTracer:
     # the per-op check
     def _run(self, func, args, kwargs):
         phase = current_phase()
-        if phase in self._created or func.is_view or func._schema.name in _UNINITIALIZED:
+        if phase in self._created or func.is_view or _unread(func._schema.name):
             return func(*args, **kwargs)
         # an in-place op overwrites its inputs: note whether they were finite before it ran
         inputs_were_finite = None

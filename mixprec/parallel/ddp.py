@@ -42,10 +42,11 @@ def reduce_dtype_of(spec: Any) -> torch.dtype:
     """
     try:
         dt = to_dtype(spec, what="reduce_dtype")
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    except (TypeError, ValueError):
+        dt = None  # (its message would list dtypes refused here too)
     if dt not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype must be 'fp32', 'bf16' or 'fp16'; got {spec!r}")
+        raise ValueError(f"reduce_dtype must be 'fp32', 'bf16' or 'fp16' (or their torch "
+                         f"dtypes); got {spec!r}")
     return dt
 
 

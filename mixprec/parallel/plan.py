@@ -30,6 +30,8 @@ import math
 import re
 import warnings
 
+import torch
+
 from .. import masters, vocabulary
 from ..dtypes import dtype_name, to_dtype
 from ..policy import LEVELS, Policy
@@ -225,11 +227,16 @@ def plan(params, *, level: str = vocabulary.Default("O2"), dtype=vocabulary.Defa
 def plan_table(params, *, dtype="bf16", world: int = 8, optimizer: str = "adamw",
                reduce_dtype="fp32", compact: bool = False) -> list[MemoryPlan]:
     """Plans for every strategy and level: "single" at one rank, "ddp"/"fsdp" at ``world``;
-    with ``compact``, also O2 with each master and state dtype of :data:`COMPACT_OPTIONS`."""
+    with ``compact``, also O2 with each master and state dtype of :data:`COMPACT_OPTIONS` whose
+    method holds ``dtype`` weights (fp16: no split or stochastic rows)."""
+    low = to_dtype(dtype)
+    held = tuple((m, s) for m, s in COMPACT_OPTIONS
+                 if not masters.resolve(m).dtypes or low not in (torch.float16, torch.bfloat16)
+                 or low in masters.resolve(m).dtypes)
     rows = []
     for strategy in STRATEGIES:
         for level in LEVELS:
-            options = COMPACT_OPTIONS if compact and level == "O2" else (("fp32", "fp32"),)
+            options = held if compact and level == "O2" else (("fp32", "fp32"),)
             for master, state_dtype in options:
                 rows.append(plan(params, level=level, dtype=dtype, strategy=strategy,
                                  world=1 if strategy == "single" else world,
