@@ -275,8 +275,8 @@ def record_generator(optimizer: torch.optim.Optimizer, rounding: RoundingGenerat
     anchor = anchor if anchor is not None else ours
     if anchor is None:  # no state at all (stochastic rounding with SGD without momentum): an
         # entry of its own, at the first parameter stepped (torch made none it could skip)
-        first = next((p for g in optimizer.param_groups for p in g["params"]
-                      if p.grad is not None), None)
+        first = next((p for g in optimizer.param_groups for p in g["params"]  # (a master's
+                      if getattr(p, "model_param", p).grad is not None), None)  # .grad: a copy)
         if first is None:
             return
         anchor = optimizer.state[first]
