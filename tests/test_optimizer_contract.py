@@ -928,3 +928,31 @@ def test_fp32_masters_hold_no_fp32_gradient_after_the_step():
     opt.step()
     assert all(held_grad(m) is None for m in opt.masters_by_param().values())
     assert mp.bytes_per_parameter(model, opt)["gradients"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_only_the_weights_written_since_the_last_step_are_checked(master, monkeypatch):
+    """The check that follows writes made outside the step reads version counters; the
+    elementwise comparison runs for a weight written since, not for every weight, and not on
+    the first step (a 42M-parameter model's first step took 3.0 s instead of 1.3 s when it
+    compared every weight with its master)."""
+    import mixprec.optim.compact as compact_module
+    import mixprec.optim.optimizer as optimizer_module
+    from mixprec.optim.writes import rounds_to
+
+    compared = []
+
+    def counting(value, low):
+        compared.append(tuple(low.shape))
+        return rounds_to(value, low)
+
+    monkeypatch.setattr(optimizer_module, "rounds_to", counting)
+    monkeypatch.setattr(compact_module, "rounds_to", counting)
+    model, opt = _stepped(master)  # (the first step)
+    assert compared == []
+    with torch.no_grad():
+        model[3].weight.clamp_(-0.1, 0.1)
+    _zero_step(model, opt)
+    assert compared == [(4, 16)]
+    _zero_step(model, opt)
+    assert compared == [(4, 16)]

@@ -141,6 +141,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.register_load_state_dict_post_hook(load_generator)
         method.register_load_hooks(self)
         compact_state.register(self)
+        self._seen.take(self._low, versions(self._low))  # the pairs hold the weights as made
 
     def __repr__(self) -> str:
         dt = str(self.state_dtype).replace('torch.', '')

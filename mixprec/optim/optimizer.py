@@ -128,6 +128,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._initial = {}
         checkpoint.register(self)
         states.register(self)
+        self._seen.take(self._flat, versions(self._flat[0]))  # masters made from the weights
 
     def _check_fused(self, value) -> None:
         if value == "compile":
