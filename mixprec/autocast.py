@@ -248,6 +248,10 @@ class autocast(contextlib.ContextDecorator):
     def __init__(self, dtype="auto", *, enabled: bool = True, device_type: str | None = None,
                  low_precision_ops=(), fp32_ops=(), cache_enabled: bool = True,
                  extend_defaults: bool = True, emulate_fp16="auto", promote_ops=()):
+        for name, flag in (("enabled", enabled), ("cache_enabled", cache_enabled),
+                           ("extend_defaults", extend_defaults)):
+            if not isinstance(flag, bool):  # (bool("no") is True)
+                raise TypeError(f"mp.autocast({name}=...) must be True or False; got {flag!r}")
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         oplists.check_device_type(device_type)

@@ -328,8 +328,12 @@ class Policy:
 
     @property
     def is_mixed(self) -> bool:
-        """True unless the policy is plain fp32 everywhere (then prepare changes nothing)."""
-        return self.compute_dtype != torch.float32 or self.param_dtype != torch.float32
+        """True unless the policy is plain fp32 everywhere, its per-module entries included
+        (then prepare changes nothing)."""
+        return (self.compute_dtype != torch.float32 or self.param_dtype != torch.float32
+                or any(entry.compute not in (None, torch.float32)
+                       or entry.param_dtype not in (None, torch.float32)
+                       for entry in self.modules.values()))
 
     def __str__(self) -> str:
         master = (self.master if self.master_weights else "none")

@@ -291,3 +291,13 @@ def test_promote_ops_validated_like_the_others(kw):
         mp.autocast("bf16", device_type="cpu", promote_ops=["mull"])
     with pytest.raises(TypeError, match="promote_ops"):
         mp.op_lists("cpu", "bf16", promote_ops=5)
+
+
+@pytest.mark.parametrize("kwargs", [{"enabled": "no"}, {"cache_enabled": "x"},
+                                    {"extend_defaults": 0}])
+def test_switches_take_a_bool_only(kwargs):
+    """``mp.autocast(enabled="no")`` turned autocast on (``bool("no")``); a bad
+    ``cache_enabled`` was refused by torch's message about ``enabled``."""
+    name = next(iter(kwargs))
+    with pytest.raises(TypeError, match=rf"mp\.autocast\({name}=\.\.\.\) must be True or False"):
+        mp.autocast("bf16", device_type="cpu", **kwargs)

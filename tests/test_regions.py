@@ -396,3 +396,24 @@ def test_hugging_face_norms_stay_fp32_at_o2(name):
     mp.prepare(model, level="O2", dtype="bf16")
     assert model[1].weight.dtype == FP32 and model[0].weight.dtype == BF16
     assert torch.isfinite(model(torch.randn(2, 8))).all()
+
+
+@pytest.mark.parametrize("policy", [
+    lambda: mp.Policy.from_level("O0").replace(modules={"0": "bf16"}),
+    lambda: mp.Policy(overrides={nn.Linear: "bf16"}),
+])
+def test_a_16_bit_module_entry_in_an_fp32_policy_computes_in_16_bits(policy):
+    """An fp32 policy counted as "not mixed", so prepare left the model as it was: the entry was
+    recorded (``policy_of`` showed it) and ignored, while the same entry written by ``to_float``
+    (an equal policy) computed in bf16."""
+    net = mlp()
+    model = mp.prepare(net, policy=policy())
+    with mp.debug.op_stats() as stats:
+        out = model(torch.randn(4, 8))
+    assert stats.count(op="addmm", dtype="bf16") >= 1 and out.dtype == FP32
+    marked = mlp()
+    mp.to_float(marked[0], "bf16")
+    marked = mp.prepare(marked, level="O0")
+    x = torch.randn(4, 8)
+    if mp.policy_of(model) == mp.policy_of(marked):
+        assert torch.equal(model(x), marked(x))

@@ -568,3 +568,10 @@ def test_accuracy_leaves_out_ignored_labels_and_mae_refuses_a_broadcast():
     assert mae.compute() == pytest.approx(1.5)
     with pytest.raises(ValueError, match="element by element"):
         mae.update(torch.ones(2, 3), torch.ones(2))
+
+
+@pytest.mark.parametrize("value", [True, -1, 1.5])
+def test_loss_monitor_takes_a_step_count_only(value):
+    """``LossMonitor(True)`` was taken as "print every step" (a bool is an int to Python)."""
+    with pytest.raises(ValueError, match="per_print_times must be an integer >= 0"):
+        mp.LossMonitor(value)

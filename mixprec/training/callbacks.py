@@ -63,7 +63,8 @@ class LossMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1, print_fn: Callable[[str], None] = print):
-        if not isinstance(per_print_times, int) or per_print_times < 0:
+        if (isinstance(per_print_times, bool) or not isinstance(per_print_times, int)
+                or per_print_times < 0):
             raise ValueError(f"per_print_times must be an integer >= 0; got {per_print_times!r}")
         self.per_print_times = per_print_times
         self.print_fn = print_fn
