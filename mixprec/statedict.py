@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .distenv import is_fsdp, unwrap
-from .dtypes import is_low_precision
+from .dtypes import is_low_precision, to_dtype
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .optim.wrapper import owner_of
 from .regions import Entry
@@ -256,8 +256,8 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
                 state_dict[key] = link.load(param, comp, value)
 
 
-def fp32_state_dict(model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> OrderedDict[str, Any]:
+def fp32_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    dtype: Any = torch.float32) -> OrderedDict[str, Any]:
     """An fp32 copy of a model's weights, from its fp32 masters where they exist, plain names.
 
     The one path for fp32 weights (``mp.fp32_state_dict``, ``mp.parallel.fp32_state_dict``):
@@ -278,10 +278,14 @@ def fp32_state_dict(model: nn.Module,
     Args:
         model: the model (plain, prepared, DDP-wrapped or FSDP-sharded).
         optimizer: its optimizer (a MasterWeightOptimizer holds the fp32 masters), or None.
+        dtype: the floating dtype of the values (PaddlePaddle's ``decorate(save_dtype=)``):
+            fp32 (the default), or "bf16", "fp16", "fp64": the fp32 values cast once, with
+            torch's rounding (a checkpoint of half the size, or one a 16-bit deployment reads).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``optimizer`` not an optimizer.
-        ValueError: ``optimizer`` is a ``MasterWeightOptimizer`` over another model's params.
+        ValueError: ``optimizer`` is a ``MasterWeightOptimizer`` over another model's params;
+            a ``dtype`` other than fp32, bf16, fp16 or fp64.
 
     Example:
         >>> model = nn.Linear(2, 2).to(torch.bfloat16)
@@ -293,6 +297,9 @@ def fp32_state_dict(model: nn.Module,
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be None or a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    save = to_dtype(dtype, what="dtype")
+    if save not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"dtype must be 'fp32', 'bf16', 'fp16' or 'fp64'; got {dtype!r}")
     model = unwrap(model)
     source = model.state_dict(keep_vars=True)  # FSDP: the sharded parameters themselves
     if isinstance(optimizer, (MasterWeightOptimizer, CompactMasterOptimizer)):
@@ -303,7 +310,12 @@ def fp32_state_dict(model: nn.Module,
     else:
         link = companions_of(model)
         masters = link.settle() if link is not None else {}
-    return _copy(source, masters, gather=is_fsdp(model))
+    out = _copy(source, masters, gather=is_fsdp(model))
+    if save != torch.float32:
+        for name, value in out.items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                out[name] = value.to(save)
+    return out
 
 
 def _copy(source: dict, masters: dict, gather: bool) -> OrderedDict[str, Any]:

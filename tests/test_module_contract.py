@@ -373,3 +373,18 @@ def test_fp32_state_dict_of_a_compiled_model_has_the_plain_names():
     sd = mp.fp32_state_dict(compiled, opt)
     assert list(sd) == list(mp.fp32_state_dict(model, opt))
     net().load_state_dict(sd)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp64"])
+def test_fp32_state_dict_saves_in_another_dtype_from_the_masters(dtype):
+    """PaddlePaddle's ``decorate(save_dtype=)``: the weights written in a chosen dtype, cast
+    once from the fp32 masters (not from the 16-bit weights)."""
+    model, opt = trained("fp32", steps=2)
+    exact = mp.fp32_state_dict(model, opt)
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[dtype]
+    saved = mp.fp32_state_dict(model, opt, dtype=dtype)
+    assert all(v.dtype == target for v in saved.values())
+    for name, value in saved.items():
+        assert torch.equal(value, exact[name].to(target))
+    with pytest.raises(ValueError, match="dtype must be 'fp32', 'bf16', 'fp16' or 'fp64'"):
+        mp.fp32_state_dict(model, opt, dtype="fp8_e4m3")
