@@ -226,4 +226,5 @@ def emulate_fp16(enabled=True, *, device_type="cpu"):
         >>> y.dtype
         torch.float16
     """
+    check_mode(enabled, "emulate_fp16(enabled=...)")  # (its message names this argument)
     return emulation_context(device_type, _FP16, enabled)

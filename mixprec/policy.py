@@ -22,6 +22,8 @@ __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "res
 LEVELS = ("O0", "O1", "O2", "O3")
 _LOG = logging.getLogger("mixprec")
 _told: set[str] = set()  # the devices whose dtype="auto" choice was logged
+_FP32_MAX = torch.finfo(torch.float32).max
+_TINY = torch.finfo(torch.float32).tiny  # 2^-126: the smallest loss scale (mixprec.scaling)
 
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
@@ -171,6 +173,9 @@ class Policy:
                 raise ValueError(f"{field} must be a dtype a model trains in (fp32, bf16, fp16); "
                                  f"got {dtype_name(dtype)}: FP8 GEMMs are fp8= (a "
                                  f"mixprec.lowbit format, e.g. fp8='tensorwise')")
+            if dtype not in TRAINING_DTYPES:  # fp64: its forward met fp32 inputs and failed
+                raise ValueError(f"{field} must be a dtype a model trains in (fp32, bf16, fp16); "
+                                 f"got {dtype_name(dtype)}")
             object.__setattr__(self, field, dtype)
         object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
         if self.output_dtype is not None:
@@ -182,9 +187,10 @@ class Policy:
         ls = self.loss_scale
         if not (ls is None or ls == "dynamic" or (
                 isinstance(ls, (int, float)) and not isinstance(ls, bool)
-                and 0 < float(ls) < float("inf"))):
-            raise ValueError(f"loss_scale must be 'dynamic', a positive finite number or None; "
-                             f"got {ls!r}")
+                and _TINY <= ls <= _FP32_MAX)):  # (no float(): an int beyond float64's range)
+            raise ValueError(f"loss_scale must be 'dynamic', None, or a positive number a "
+                             f"float32 holds and inverts, in [2^-126, {_FP32_MAX:.4g}]; got "
+                             f"{ls!r}")
         if self.level is not None and self.level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")
@@ -287,7 +293,7 @@ class Policy:
         level = level.upper()
         if level == "O0":
             if not (isinstance(dtype, str) and dtype.lower() == "auto"):
-                to_dtype(dtype)  # still validate
+                resolve_dtype(dtype, device, warn=False)  # still validate: a training dtype
             return cls(level="O0")
         low = resolve_dtype(dtype, device, warn=warn)
         fp32 = torch.float32

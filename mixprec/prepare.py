@@ -263,7 +263,8 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
         optimizers = wrap_late(model, optimizers, originals, policy)
-    if policy.is_mixed or policy.autocast or policy.cast_inputs:
+    if (policy.is_mixed or policy.autocast or policy.cast_inputs
+            or policy.output_dtype not in (None, _FP32)):  # (an fp32 policy's outputs cast)
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
         # without autocast (O3) the inputs follow the parameters' dtype: model.float() after
         # prepare gives an fp32 model whose inputs are fp32 (under autocast the GEMMs cast)
@@ -273,8 +274,10 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         root_island = island_of(model)  # to_float(model, ...): the root computes in that
         if root_island is not None:
             root_island.place(None)  # the entry casts the outputs
-        assign_regions(model, island_region(model, root_island) if root_island is not None
-                       else _root_region(model, policy, context))
+        region = (island_region(model, root_island) if root_island is not None
+                  else _root_region(model, policy, context))
+        model.forward.cast_params = None if root_island is not None else region.cast
+        assign_regions(model, region)
     register_fp32_state_dict(model, policy.master_weights)
     if policy.master_weights:
         checks.watch_masterless_steps(p for p in model.parameters()
@@ -318,14 +321,15 @@ def _root_region(model: nn.Module, policy: Policy, context) -> Region:
     module's inputs to its compute dtype (an fp32 island's output is fp32), and so does one
     whose modules hold parameters stored in another dtype (untrained ones a master-weight
     policy keeps as they are, one tied to an fp32 island's), which are cast for the call."""
-    if policy.autocast or context is None:
-        return Region(context)
     dtype = policy.compute_dtype
-    other = any(island_of(m) is not None and island_of(m).dtype != dtype
-                for m in model.modules() if m is not model)
-    other = other or any(p.is_floating_point() and p.dtype not in (dtype, torch.float64)
-                         for m in region_modules(model) for p in m._parameters.values()
-                         if p is not None)
+    if policy.autocast and dtype != _FP32:  # (autocast casts each op's operands)
+        return Region(context)
+    stored = any(p.is_floating_point() and p.dtype not in (dtype, torch.float64)
+                 for m in region_modules(model) for p in m._parameters.values() if p is not None)
+    if context is None:  # fp32 compute (16-bit storage): a region only to cast the parameters
+        return Region(None, dtype if stored else None)
+    other = stored or any(island_of(m) is not None and island_of(m).dtype != dtype
+                          for m in model.modules() if m is not model)
     return Region(context, dtype if other else None)
 
 

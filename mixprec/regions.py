@@ -96,6 +96,8 @@ class Entry(ForwardWrapper):
 
     before = None  # (class default: an entry pickled before it existed)
     probe = None  # without autocast: a parameter cast to ``in_dtype``, whose dtype inputs follow
+    cast_params = None  # a fixed-dtype root region's dtype: the root's own parameters stored in
+    # another dtype are cast to it for the call, as a region wrapper casts its module's
 
     def __init__(self, module, in_dtype, out_dtype, context: PrecisionContext | None,
                  probe: torch.Tensor | None = None):
@@ -109,11 +111,17 @@ class Entry(ForwardWrapper):
         if self.in_dtype is not None:  # (pure 16-bit cast to fp32 by model.float(): fp32 in)
             dtype = self.in_dtype if self.probe is None else self.probe.dtype
             args, kwargs = cast_floating((args, kwargs), dtype)
-        if self.context is None:
-            out = self.call_inner(*args, **kwargs)
+        other = [] if self.cast_params is None else _other_dtype(self.module, self.cast_params)
+        if other:
+            out = _with_params_cast(other, self.cast_params, self._run, args, kwargs)
         else:
-            out = self.context.run(self.call_inner, args, kwargs)
+            out = self._run(args, kwargs)
         return out if self.out_dtype is None else cast_outputs(out, self.out_dtype)
+
+    def _run(self, args, kwargs):
+        if self.context is None:
+            return self.call_inner(*args, **kwargs)
+        return self.context.run(self.call_inner, args, kwargs)
 
 
 class Island(ForwardWrapper):

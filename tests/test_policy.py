@@ -226,3 +226,23 @@ def test_prepare_applies_policy_overrides_and_records_to_float_marks():
     with pytest.raises(ValueError, match=r"name no module of the model: 'hed'"):
         mp.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2)),
                    policy=Policy(overrides={"hed": "fp32"}))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: mp.Policy("fp64", "fp64"), ValueError, "param_dtype must be a dtype a model trains"),
+    (lambda: mp.Policy.from_level("O0", "fp8_e4m3"), ValueError, "a training dtype must be"),
+    (lambda: mp.prepare(torch.nn.Linear(2, 2), level="O0", dtype="fp64"), ValueError,
+     "a training dtype must be"),
+    (lambda: mp.Policy(loss_scale=2 ** 2000), ValueError, "loss_scale must be 'dynamic'"),
+    (lambda: mp.Policy(loss_scale=1e-40), ValueError, "loss_scale must be 'dynamic'"),
+    (lambda: mp.make_loss_scaler(10 ** 400, "fp16"), ValueError, "must be a finite number"),
+    (lambda: mp.formats.range_report(torch.ones(2), "fp16", scale=10 ** 400), ValueError,
+     "scale must be a positive finite number"),
+    (lambda: mp.emulate_fp16("maybe"), ValueError, r"emulate_fp16\(enabled=\.\.\.\) must be"),
+])
+def test_values_a_run_cannot_use_are_refused_where_they_are_given(call, error, match):
+    """Each was accepted and failed later (fp64 weights met fp32 inputs; an O0 'dtype' was not
+    checked; a loss scale a float32 cannot hold), or raised a bare OverflowError (an int beyond
+    float64), or named another argument (``mode`` for ``enabled``)."""
+    with pytest.raises(error, match=match):
+        call()

@@ -417,3 +417,40 @@ def test_a_16_bit_module_entry_in_an_fp32_policy_computes_in_16_bits(policy):
     x = torch.randn(4, 8)
     if mp.policy_of(model) == mp.policy_of(marked):
         assert torch.equal(model(x), marked(x))
+
+
+@pytest.mark.parametrize("make,policy", [
+    (lambda: nn.Sequential(nn.Linear(4, 2)),
+     lambda: mp.Policy("bf16", "fp32", master_weights=True, autocast=True, cast_inputs=True)),
+    (lambda: nn.Sequential(nn.Linear(4, 2)),
+     lambda: mp.Policy("bf16", "fp32", master_weights=True, cast_inputs=True)),
+    (lambda: nn.Linear(4, 2),  # the root's own parameters
+     lambda: mp.Policy("fp16", "bf16", master_weights=True, cast_inputs=True)),
+    (lambda: nn.Linear(4, 2).requires_grad_(False),  # frozen fp32 weights on the root
+     lambda: mp.Policy("bf16", "bf16", master_weights=True, cast_inputs=True)),
+])
+def test_parameters_stored_apart_from_the_compute_dtype_are_cast_for_the_call(make, policy):
+    """Policies whose storage and compute dtypes differ died at the first GEMM ("mat1 and mat2
+    must have the same dtype"): nothing cast bf16 weights for fp32 compute, nor the root
+    module's own parameters. Each computes in its compute dtype from its weights' values."""
+    torch.manual_seed(0)
+    net = make()
+    pol = policy()
+    trained = [p for p in net.parameters() if p.requires_grad]
+    model = (mp.prepare(net, torch.optim.SGD(trained, lr=0.1), policy=pol)[0] if trained
+             else mp.prepare(net, policy=pol))
+    x = torch.randn(3, 4)
+    out = model(x)
+    assert out.dtype == FP32
+    layer = model if isinstance(model, nn.Linear) else model[0]
+    with torch.no_grad():
+        expected = F.linear(x.to(pol.compute_dtype), layer.weight.to(pol.compute_dtype),
+                            layer.bias.to(pol.compute_dtype)).float()
+    assert torch.equal(out, expected)
+
+
+def test_an_fp32_policy_casts_its_outputs_to_its_output_dtype():
+    """``Policy(output_dtype="bf16")`` with fp32 storage and compute returned fp32: nothing
+    was installed on a policy that changes no parameter."""
+    model = mp.prepare(mlp(), policy=mp.Policy(output_dtype="bf16"))
+    assert model(torch.randn(2, 8)).dtype == BF16

@@ -168,6 +168,10 @@ def check_scale(scale: Any) -> float:
     """A positive finite float, else ValueError/TypeError."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a positive number; got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
+    try:
+        finite = math.isfinite(scale)
+    except OverflowError:  # an int beyond float64's range
+        finite = False
+    if not (finite and scale > 0):
         raise ValueError(f"scale must be a positive finite number; got {scale!r}")
     return float(scale)

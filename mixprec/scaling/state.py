@@ -173,7 +173,12 @@ def _constants(config: DynamicConfig, device: torch.device) -> tuple[torch.Tenso
 
 
 def _finite_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:  # (an int beyond float64's range: OverflowError from the conversion)
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite number; got {value!r}")
     return float(value)
 
