@@ -42,6 +42,13 @@ class _NormLayerMeta(type):
     def __instancecheck__(cls, instance) -> bool:
         return is_norm_layer(instance)
 
+    def __subclasscheck__(cls, sub) -> bool:
+        """A norm class (what a precision map's ``[module type]`` looks up): torch's, or one
+        named as the zoo's are (its instances are norm layers when they hold no sub-module)."""
+        return sub is cls or (isinstance(sub, type) and (
+            issubclass(sub, NORM_LAYERS) or (issubclass(sub, nn.Module)
+                                             and bool(_ZOO_NORM_NAME.search(sub.__name__)))))
+
     def __repr__(cls) -> str:
         return "mixprec.NormLayer"
 

@@ -346,10 +346,18 @@ class Policy:
         output = "as-is" if self.output_dtype is None else dtype_name(self.output_dtype)
         body = (f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
                 f"output={output},master={master}")
-        extras = [name for name, on in (("autocast", self.autocast),
-                                         ("cast_inputs", self.cast_inputs)) if on]
-        if self.level is None and extras:
+        scale, autocast, cast_inputs = _level_switches(self.level, self.compute_dtype)
+        if self.level is None:
+            extras = [name for name, on in (("autocast", self.autocast),
+                                             ("cast_inputs", self.cast_inputs)) if on]
+        else:  # a level's own switches go without saying; a change to them does not
+            extras = [f"{name}={on}" for name, on, level_value in (
+                ("autocast", self.autocast, autocast),
+                ("cast_inputs", self.cast_inputs, cast_inputs)) if on != level_value]
+        if extras:
             body += "," + ",".join(extras)
+        if self.loss_scale != scale:  # (unequal policies print unequal)
+            body += f",loss_scale={self.loss_scale}"
         if self.state_dtype != _FP32:
             body += f",state={dtype_name(self.state_dtype)}"
         shown = self.modules
@@ -366,6 +374,13 @@ class Policy:
 
 
 _O2_MODULES = PrecisionMap({NormLayer: Precision(_FP32)})  # O2 keeps norm layers in fp32
+def _level_switches(level: str | None, compute: torch.dtype) -> tuple:
+    """``(loss_scale, autocast, cast_inputs)`` a level sets (a custom policy: the defaults)."""
+    low = compute != torch.float32
+    scale = "dynamic" if compute == torch.float16 and level in ("O1", "O2") else None
+    return (scale, level in ("O1", "O2") and low, level in ("O2", "O3") and low)
+
+
 #: the fields Policy.replace may change keeping the level label (what prepare's keywords set)
 _LEVEL_KEEPING = {"keep_fp32", "master", "state_dtype", "fp8", "fp8_modules"}
 _NO_MASTERS = {"O0": "fp32 training", "O1": "its parameters stay fp32",

@@ -247,6 +247,10 @@ class PrecisionMap:
         if not isinstance(state, (list, tuple)):
             raise TypeError(f"a precision map state_dict is a list of [key, precision]; got "
                             f"{described(state)}")
+        for i, entry in enumerate(state):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise TypeError(f"a precision map state_dict is a list of [key, precision]; "
+                                f"entry {i} is {described(entry)}")
         return cls([(type_from_path(k["type"]) if isinstance(k, dict) else k, v)
                     for k, v in state])
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -246,3 +248,54 @@ def test_values_a_run_cannot_use_are_refused_where_they_are_given(call, error, m
     float64), or named another argument (``mode`` for ``enabled``)."""
     with pytest.raises(error, match=match):
         call()
+
+
+def test_unequal_policies_print_unequal():
+    """``str(policy)`` (what ``policy_of`` shows) left out the loss scale and a level's changed
+    switches: a static, a dynamic and no loss scale printed alike."""
+    base = dict(param_dtype="fp16", compute_dtype="fp16", master_weights=True)
+    shown = {str(mp.Policy(**base, loss_scale=s)) for s in (None, "dynamic", 1024.0)}
+    assert len(shown) == 3
+    o2 = mp.Policy.from_level("O2", "fp16")
+    assert str(o2) == "O2(params=fp16,compute=fp16,output=fp32,master=fp32)"
+    relabelled = dataclasses.replace(o2, autocast=False)  # (still labelled O2)
+    assert str(relabelled) != str(o2) and "autocast=False" in str(relabelled)
+
+
+def test_a_precision_map_finds_the_norm_marker_for_a_norm_type():
+    """O2's map applies its NormLayer entry to a LayerNorm (``lookup``) but ``map[nn.LayerNorm]``
+    raised KeyError and ``get`` gave None."""
+    from torch import nn
+    o2 = mp.Policy.from_level("O2", "bf16").modules
+    assert o2[nn.LayerNorm] == o2.lookup(nn.LayerNorm(4), "ln") == o2.get(nn.BatchNorm2d)
+    assert o2.get(nn.Linear) is None
+    assert issubclass(mp.NormLayer, mp.NormLayer) and not issubclass(nn.Linear, mp.NormLayer)
+
+
+@pytest.mark.parametrize("state", [[["a"]], [("x", "bf16", "extra")], ["linear"]])
+def test_a_malformed_precision_map_state_names_the_entry(state):
+    with pytest.raises(TypeError, match=r"list of \[key, precision\]; entry 0 is"):
+        mp.PrecisionMap.from_state_dict(state)
+
+
+def test_range_report_counts_what_the_scale_pushed_out_of_float64_as_overflow():
+    """A value the scale takes beyond float64 counted as non-finite in the source, one it takes
+    to 0 as an exact zero (both are about the source, per the docstring)."""
+    big = mp.formats.range_report(torch.tensor([1e300], dtype=torch.float64), "fp16", scale=1e10)
+    assert (big.overflow, big.nonfinite) == (1, 0)
+    tiny = mp.formats.range_report(torch.tensor([1e-300], dtype=torch.float64), "fp16",
+                                   scale=1e-30)
+    assert (tiny.underflow, tiny.exact_zero) == (1, 0)
+    source = mp.formats.range_report(torch.tensor([0.0, float("inf")]), "fp16", scale=2.0)
+    assert (source.exact_zero, source.nonfinite) == (1, 1)
+
+
+@pytest.mark.parametrize("text, match", [("0x1p-1080", "below the smallest float64 subnormal"),
+                                         ("0x1p+2000", "beyond the float64 range")])
+def test_explain_refuses_a_hex_literal_outside_float64(text, match):
+    """``0x1p-1080`` was read as 0.0 (``float.fromhex`` rounds it), where ``2**-1080`` is
+    refused."""
+    from mixprec.commands.formats import parse_value
+    with pytest.raises(ValueError, match=match):
+        parse_value(text)
+    assert parse_value("0x1.8p1") == 3.0

@@ -42,9 +42,15 @@ def parse_value(text: str) -> float:
         return _SPECIAL[s.lower()]
     if s.lower().lstrip("+-").startswith("0x"):
         try:
-            return float.fromhex(s)
-        except (ValueError, OverflowError):
+            value = float.fromhex(s)
+        except OverflowError:
+            raise ValueError(f"VALUE {text!r} is beyond the float64 range (max ~1.8e308)") from None
+        except ValueError:
             raise ValueError(f"VALUE must be {_HINT}; got {text!r}") from None
+        if value == 0 and _hex_mantissa_nonzero(s):  # fromhex rounds to 0 below the range
+            raise ValueError(f"VALUE {text!r} is below the smallest float64 subnormal "
+                             f"(~4.9e-324)")
+        return value
     try:
         exact = Fraction(s)
     except (ValueError, ZeroDivisionError):
@@ -58,6 +64,12 @@ def parse_value(text: str) -> float:
     if value == 0:
         raise ValueError(f"VALUE {text!r} is below the smallest float64 subnormal (~4.9e-324)")
     return value
+
+
+def _hex_mantissa_nonzero(s: str) -> bool:
+    """Whether a hex float literal's digits (before its ``p`` exponent) are not all zero."""
+    digits = s.lower().lstrip("+-")[2:].split("p")[0].replace(".", "")
+    return any(d != "0" for d in digits)
 
 
 def _evaluate(expr: str, text: str) -> Fraction:

@@ -103,11 +103,15 @@ _COUNT_FIELDS = ("numel", "overflow", "underflow", "subnormal", "exact_zero", "r
                  "exact", "nonfinite")
 
 
-def _chunk_counts(x: torch.Tensor, fmt: FloatFormat) -> dict[str, float]:
-    """Counts (and rel-error max/sum) for one float64 chunk."""
+def _chunk_counts(x: torch.Tensor, fmt: FloatFormat,
+                  source: torch.Tensor | None = None) -> dict[str, float]:
+    """Counts (and rel-error max/sum) for one float64 chunk ``x`` (``source`` scaled), the
+    source's own zeros and non-finite values told apart from those the scale made (a value
+    the scale takes beyond float64's range overflows; one it takes to 0 underflows)."""
+    source = x if source is None else source
     stored = round_to(x, fmt)
-    finite, stored_finite = torch.isfinite(x), torch.isfinite(stored)
-    zero_in, zero_out = x == 0, stored == 0
+    finite, stored_finite = torch.isfinite(source), torch.isfinite(stored)
+    zero_in, zero_out = source == 0, stored == 0
     representable = finite & ~zero_in & ~zero_out & stored_finite
     rel = ((stored - x).abs() / x.abs())[representable]
     return {
@@ -155,7 +159,8 @@ def range_report(tensor: torch.Tensor, fmt: Any = "fp16", *, scale: float = 1.0)
     scale = check_scale(scale)
     totals = dict.fromkeys(_COUNT_FIELDS, 0) | {"rel_max": 0.0, "rel_sum": 0.0}
     for chunk in tensor.detach().reshape(-1).split(_CHUNK):
-        counts = _chunk_counts(chunk.to(torch.float64) * scale, fmt)
+        wide = chunk.to(torch.float64)
+        counts = _chunk_counts(wide * scale, fmt, wide)
         for key, val in counts.items():
             totals[key] = max(totals[key], val) if key == "rel_max" else totals[key] + val
     rel_max, rel_sum = totals.pop("rel_max"), totals.pop("rel_sum")
