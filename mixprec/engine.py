@@ -262,6 +262,8 @@ class MixedPrecision:
         """
         total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
         self._show_clipped(optimizer)
+        if self.monitor is not None and norm_type == 2.0:  # the step's record: the norm before
+            self.monitor.clipped(optimizer, total)           # the clip, not the clipped one
         return total
 
     def clip_grad_value_(self, optimizer, clip_value: float) -> None:

@@ -243,7 +243,7 @@ def test_tensorboard_events_read_back_with_the_expected_tags(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {"mixprec/loss", "mixprec/loss_scale", "mixprec/skipped_steps",
+    expected = {"mixprec/loss", "mixprec/loss_scale", "mixprec/skipped_steps", "mixprec/steps",
                 "mixprec/grad_norm"} | {f"mixprec/{n}/{s}" for n in ("0", "1", "3") for s in (
                     "grad_underflow", "act_amax", "act_headroom", "weight_update_lost")}
     assert tags == expected
@@ -267,7 +267,10 @@ def test_any_object_with_write_and_close_is_a_writer():
     monitor = mp.PrecisionMonitor(every=3, writers=[Mine()])
     run("O1", "bf16", monitor, n=4)
     monitor.close()
-    assert [s for s, _ in seen[:-1]] == [0, 3] and seen[-1] == "closed"
+    # the records, then the closing count at the last step (a recorded one: the count says
+    # the run was closed, where a report read it as not closed before)
+    assert [s for s, _ in seen[:-1]] == [0, 3, 3] and seen[-1] == "closed"
+    assert set(seen[-2][1]) == {"mixprec/steps", "mixprec/skipped_steps"}
     assert "step" not in seen[0][1] and seen[0][1]["mixprec/loss_scale"] == 1.0
 
 
@@ -351,3 +354,73 @@ def test_a_tied_weight_is_measured_once_and_reported_for_both_layers():
     record = monitor.records[0]
     assert record["mixprec/0/weight_update_lost"] == pytest.approx(0.0, abs=1e-6)
     assert record["mixprec/1/weight_update_lost"] == pytest.approx(0.0, abs=1e-6)
+
+
+# -- what the numbers say --------------------------------------------------------------------------
+@pytest.mark.parametrize("level,dtype", [("O2", "fp16"), ("O1", "fp16"), ("O2", "bf16")])
+def test_grad_norm_is_the_norm_before_a_clip_by_hand(level, dtype):
+    """After ``amp.clip_grad_norm_`` (Lightning's, the HF Trainer's and Accelerate's clips go
+    through it) the record read the clipped gradients: ``max_norm``, not the true norm."""
+    monitor = mp.PrecisionMonitor(every=1)
+    amp = mp.MixedPrecision(level, dtype, monitor=monitor)
+    model = net()
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    amp.backward(F.mse_loss(model(x).float(), y))
+    true = amp.clip_grad_norm_(opt, 1e-3)
+    amp.step(opt)
+    assert true.item() > 1e-2
+    assert monitor.records[0]["mixprec/grad_norm"] == pytest.approx(true.item(), rel=1e-6)
+
+
+def test_an_evaluation_between_steps_is_not_in_the_steps_activation_range():
+    """The hooks for the next recorded step were armed when a step ended, so an evaluation
+    forward in between (its inputs 100 times larger here) set that step's ``act_amax``."""
+    monitor = mp.PrecisionMonitor(every=2, layers=["0"])
+    amp = mp.MixedPrecision("O2", "bf16", monitor=monitor)
+    model = net()
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    model[0].register_forward_hook(lambda m, a, o: seen.append(o.detach().abs().max().item()))
+    for i, (x, y) in enumerate(batches(3)):
+        if i == 2:
+            seen.clear()
+        amp.backward(F.mse_loss(model(x).float(), y))
+        amp.step(opt)
+        opt.zero_grad()
+        if i == 1:
+            with torch.no_grad():
+                model(x * 100)  # an evaluation, not step 2's forward
+    assert monitor.records[1]["step"] == 2
+    assert monitor.records[1]["mixprec/0/act_amax"] == pytest.approx(max(seen), rel=1e-3)
+
+
+def _report(series):
+    from mixprec.monitor.report import advice
+    from mixprec.monitor.run import Run
+    run = Run(series)
+    return run, advice(run)
+
+
+def test_the_report_counts_closed_and_resumed_runs_and_reads_an_overflow(tmp_path):
+    """A monitor closed after a recorded last step read as "not closed"; a resumed run
+    appended to its record counted only the first process's steps (5 of 5 skipped, not 5 of
+    10); a layer whose outputs overflowed (headroom -inf) got the all-clear; 2 skipped steps of
+    50 (4%: the docs' rule is more than 2%) got no finding."""
+    path = tmp_path / "run.jsonl"
+    monitor = mp.PrecisionMonitor(every=2, writers=[JSONLWriter(path)])
+    run("O2", "bf16", monitor, n=5)  # steps 0..4, the last one recorded
+    monitor.close()
+    counted, _ = _report(read_run(path))
+    assert (counted.step_count, counted.count_exact) == (5, True)
+    resumed = {"mixprec/loss": [(0, 1.0), (6, 1.0), (9, 1.0)],
+               "mixprec/steps": [(4, 5.0)], "mixprec/skipped_steps": [(4, 2.0), (9, 5.0)]}
+    counted, said = _report(resumed)
+    assert (counted.step_count, counted.count_exact) == (10, False)
+    assert any("5 of the first 10 steps" in a for a in said)
+    overflow = {"mixprec/loss": [(0, 1.0), (3, 1.0)], "mixprec/steps": [(3, 4.0)],
+                "mixprec/0/act_headroom": [(0, 15.0), (3, float("-inf"))]}
+    assert any("overflowed" in a and "step 3" in a for a in _report(overflow)[1])
+    few = {"mixprec/loss": [(0, 1.0), (49, 1.0)], "mixprec/steps": [(49, 50.0)],
+           "mixprec/skipped_steps": [(49, 2.0)]}
+    assert any(a.startswith("2 of 50 steps were skipped") for a in _report(few)[1])

@@ -99,6 +99,8 @@ class PrecisionMonitor(EngineObserver):
         self._hooks: list = []
         self._loss: torch.Tensor | None = None
         self._window = 0
+        self._clipped: dict[int, torch.Tensor] = {}  # a hand clip's norm, until the step
+        self._closed_at = 0  # the step count of the last closing record
         self._reset_step()
 
     def __repr__(self) -> str:
@@ -138,8 +140,16 @@ class PrecisionMonitor(EngineObserver):
             value = loss.detach().float().reshape(())
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
+    def clipped(self, optimizer, norm: torch.Tensor) -> None:
+        """``optimizer``'s gradients were clipped by hand (``amp.clip_grad_norm_``: the hosts'
+        clips go through it); ``norm`` is their true 2-norm before the clip, which the step's
+        record reports (its gradients, clipped, no longer have it)."""
+        self._clipped[id(optimizer)] = norm
+
     def before_step(self, optimizer, norm: torch.Tensor | None) -> None:
         """Measure ``optimizer``'s gradients and step an fp32 probe (a recorded step only)."""
+        if norm is None:
+            norm = self._clipped.pop(id(optimizer), None)
         scaler = self._engine.scaler
         carried = scaler.carried_factor(optimizer)
         self._scale = scaler.scale_tensor.detach().clone() if scaler.is_enabled() else None
@@ -191,6 +201,7 @@ class PrecisionMonitor(EngineObserver):
 
     def end_step(self, applied: bool) -> None:
         """Close the step: record it when it is a recorded one, then move on."""
+        self._clipped = {}
         self._window += 1
         if self.recording and self._engine is not None:
             self._record()
@@ -205,7 +216,9 @@ class PrecisionMonitor(EngineObserver):
         ``mixprec/steps`` (the steps run) and ``mixprec/skipped_steps``, so that a report
         counts every step, not only those up to the last record."""
         self._disarm()
-        if self._window and self._engine is not None and is_main_process():
+        if self.step > self._closed_at and self._engine is not None and is_main_process():
+            # (also when the last step was a recorded one: the count says the run was closed)
+            self._closed_at = self.step
             closing = {"mixprec/steps": float(self.step),
                        "mixprec/skipped_steps": float(self._engine.scaler.skipped_steps)}
             for w in self.writers:
@@ -318,7 +331,9 @@ class PrecisionMonitor(EngineObserver):
         fp8 = name in self._fp8
 
         def hook(module, args, output):
-            amax = output_amax(output)
+            if not torch.is_grad_enabled():  # an evaluation between steps: not the step's
+                return                       # forward (an activation checkpoint's recompute
+            amax = output_amax(output)       # runs with grad enabled)
             if amax is not None:
                 prev = self._amax.get(name)
                 self._amax[name] = amax if prev is None else torch.maximum(prev, amax)

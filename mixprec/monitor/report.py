@@ -56,7 +56,7 @@ def _scale_advice(run: Run) -> list[str]:
                        "fp32_ops=), or train in bf16.")
     if skips and run.step_count:
         total, steps = run.skipped(), _steps_text(run)
-        if total > max(2, 0.02 * run.step_count):
+        if total > 0.02 * run.step_count:  # (the documented rule: more than 2% of steps)
             out.append(f"{total:g} of {steps} steps were skipped for inf/NaN gradients "
                        f"({total / run.step_count:.0%}): each is a batch the model did not "
                        "learn from. A scale that backs off more slowly (hysteresis=) or bf16 "
@@ -111,15 +111,17 @@ def _underflow_advice(run: Run) -> list[str]:
 def _range_advice(run: Run) -> list[str]:
     hits = []
     for layer in run.layers:
-        room = [(s, v) for s, v in run.layer(layer, "act_headroom") if math.isfinite(v)]
+        room = [(s, v) for s, v in run.layer(layer, "act_headroom") if not math.isnan(v)]
         if room:
             step, least = min(room, key=lambda p: p[1])
             if least < HEADROOM_LIMIT:
                 hits.append((layer, step, least))
     fmt = run.format_name() or "the training format"
-    return [f"Layer {layer}'s outputs came within {least:.1f} binades of {fmt}'s largest "
-            f"value at step {step}: keep it in fp32 (keep_fp32=['{layer}']) before they "
-            f"overflow, or train in bf16." for layer, step, least in
+    return [(f"Layer {layer}'s outputs overflowed {fmt} (inf) at step {step}: keep it in fp32 "
+             f"(keep_fp32=['{layer}']), or train in bf16." if least == -math.inf else
+             f"Layer {layer}'s outputs came within {least:.1f} binades of {fmt}'s largest "
+             f"value at step {step}: keep it in fp32 (keep_fp32=['{layer}']) before they "
+             f"overflow, or train in bf16.") for layer, step, least in
             sorted(hits, key=lambda h: h[2])[:5]]
 
 
@@ -216,7 +218,8 @@ def worst_layers(run: Run, most: int = 3) -> list[tuple[str, list[tuple[str, str
     for title, stat, reduce, high, text in _WORST:
         figures = []
         for layer in run.layers:
-            values = [v for _, v in run.layer(layer, stat) if math.isfinite(v)]
+            values = [v for _, v in run.layer(layer, stat) if not math.isnan(v)]  # (inf: an
+                                                                                   # overflow)
             if values:
                 figures.append((layer, reduce(values)))
         figures.sort(key=lambda f: -f[1] if high else f[1])

@@ -37,10 +37,13 @@ class Run:
         counts = series.get(_STEPS, [])
         #: whether :attr:`step_count` is the run's own count (its closing record), or only
         #: the steps up to the last record
-        self.count_exact = bool(counts)
         last = max((s for points in series.values() for s, _ in points), default=-1)
+        # records after the last closing one (a resumed run that was not closed): counted to
+        # the last record
+        self.count_exact = bool(counts) and max(self.steps, default=-1) <= counts[-1][0]
         #: the steps the run took: its closing count, else up to the last record
-        self.step_count = int(counts[-1][1]) if counts else last + 1
+        self.step_count = (int(counts[-1][1]) if self.count_exact
+                           else max(last + 1, int(counts[-1][1]) if counts else 0))
 
     def get(self, name: str) -> list[tuple[int, float]]:
         """The points of ``mixprec/<name>`` (empty when not recorded)."""

@@ -127,6 +127,8 @@ class CallbackWriter:
         """Nothing to close."""
 
 
+_CLOSING = {"mixprec/steps", "mixprec/skipped_steps"}  # what a closing record holds
+
 def as_writers(writers) -> list:
     """``writers=`` as a list: one writer, or an iterable of writers.
 
@@ -192,7 +194,9 @@ def _read_jsonl(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ValueError(f"{path}:{number} is not a JSON object with a 'step': "
                                  f"{line.strip()[:80]!r}") from None
-            if last is not None and step <= last[0] and not warned:  # one warning per file
+            closing = set(row) <= _CLOSING  # (a closing count at the last record's step)
+            if (last is not None and (step < last[0] or step == last[0] and not closing)
+                    and not warned):  # one warning per file
                 warnings.warn(f"{path}:{number}: step {step} follows step {last[0]} (line "
                               f"{last[1]}): the file holds more than one run, read as one "
                               f"(JSONLWriter(path, mode='a') appends; the default starts the "
