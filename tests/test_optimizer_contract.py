@@ -956,3 +956,72 @@ def test_only_the_weights_written_since_the_last_step_are_checked(master, monkey
     assert compared == [(4, 16)]
     _zero_step(model, opt)
     assert compared == [(4, 16)]
+
+
+@pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
+def test_a_learned_scalar_steps_with_bf16_moments(master):
+    """A 0-d bf16 parameter (a learned temperature) with bf16 moments and AdamW crashed in
+    torch's fused kernel ("expected scalar type Float but found BFloat16"): its 0-d moments were
+    taken for scalars, not widened. Its update is AdamW's on fp32 (to rounding)."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.temp = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.lin(x) * self.temp
+
+    torch.manual_seed(0)
+    model = Scaled()
+    reference = torch.tensor(1.5, requires_grad=True)
+    ref_opt = torch.optim.AdamW([reference], lr=1e-2)
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16", master=master, state_dtype="bf16")
+    for _ in range(3):
+        model.temp.grad = torch.tensor(0.5, dtype=torch.bfloat16)
+        reference.grad = torch.tensor(0.5)
+        for p in model.lin.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        ref_opt.step()
+    ulps = 3 if master == "stochastic" else 1  # (each step rounds stochastically: a walk)
+    torch.testing.assert_close(model.temp.float(), reference.detach(), rtol=0,
+                               atol=ulps * 2 ** -7)
+    assert model.temp.float().item() < 1.5 - 2e-2
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_fp32_masters_with_bf16_moments_step_a_strided_tensor_alone(optimizer):
+    """A channels_last conv weight alone in its bucket (``bucket_mb`` small) with bf16 moments
+    crashed the cached lists ("expected scalar type Float but found BFloat16"): its moments are
+    not widened there, and the check that sends such a bucket through the inner step read no
+    widened moment as "all fp32"."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    kwargs = {"momentum": 0.9} if optimizer is torch.optim.SGD else {}
+    conv, opt = mp.prepare(conv, optimizer(conv.parameters(), lr=1e-2, **kwargs), level="O2",
+                           dtype="bf16", state_dtype="bf16")
+    opt.bucket_mb = 1e-4
+    before = conv.weight.detach().clone()
+    for _ in range(3):
+        conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).float().sum(
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(conv.weight, before) and torch.isfinite(conv.weight).all()
+
+
+@pytest.mark.parametrize("master", ["split", "kahan"])
+def test_an_fp32_masters_state_dict_is_refused_by_a_compact_optimizer(master):
+    """It loaded and dropped the saved fp32 masters (the values fell back to the 16-bit
+    weights, 6e-3 off); the reverse load was refused already."""
+    model, opt, _ = make(("fp32", "fp32"))
+    loss_of(model).backward()
+    opt.step()
+    saved = opt.state_dict()
+    other, other_opt, _ = make((master, "fp32"))
+    before = copy.deepcopy(other_opt.state_dict())
+    with pytest.raises(ValueError, match="holds fp32 masters"):
+        other_opt.load_state_dict(saved)
+    assert other_opt.state_dict().keys() == before.keys()

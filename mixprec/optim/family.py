@@ -66,8 +66,9 @@ _unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _moment(key, value, param: torch.Tensor) -> bool:
-    """:func:`.states.is_moment`, the cheap refusals first."""
-    return (isinstance(value, torch.Tensor) and value.dim() > 0
+    """:func:`.states.is_moment`, the cheap refusals first (a 0-d tensor is a moment of a 0-d
+    parameter only: a learned scalar's moments, not a step count)."""
+    return (isinstance(value, torch.Tensor) and (value.dim() > 0 or param.dim() == 0)
             and states.is_moment(key, value, param))
 
 

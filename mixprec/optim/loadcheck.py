@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from .buckets import PER_PARAMETER_OPTIMIZERS
+from .checkpoint import MASTERS_KEY as _MASTERS
 from .states import BUFFER_KEYS, COMPENSATION_KEY, GENERATOR_KEY
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_before_load"]
@@ -44,6 +45,14 @@ def check_before_load(optimizer, state_dict) -> None:
     to torch's own checks, which follow)."""
     if not isinstance(state_dict, Mapping):
         return
+    method = getattr(optimizer, "master", None)
+    if method is not None and getattr(method, "compact", False) and _MASTERS in state_dict:
+        raise ValueError(
+            f"this optimizer state_dict holds fp32 masters ({_MASTERS!r}: saved by "
+            f"master='fp32'), and this optimizer keeps master={str(method)!r}, whose masters "
+            "are its weights with their buffers: loading it would drop the saved masters. Load "
+            "it into an optimizer of master='fp32', or load the model's state_dict (its fp32 "
+            "values) into this one and start its optimizer state afresh")
     groups, state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
         return

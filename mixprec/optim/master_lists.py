@@ -154,8 +154,8 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
                 tensors, step_grads = _having(have, tensors), _having(have, step_grads)
             if tensors:
                 calls.append(kernels.torch_functional(opt.inner, group, tensors, step_grads))
-        if wide and not _all_fp32(calls):  # a moment not in the widened runs
-            raise KeyError("moment")
+        if opt.state_dtype != torch.float32 and not _all_fp32(calls):  # a moment not in the
+            raise KeyError("moment")  # widened runs (a strided one: none was, wide is [])
     except KeyError:  # state not made yet
         states.unwiden(wide)
         return False
