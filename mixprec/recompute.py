@@ -22,17 +22,25 @@ from torch.overrides import _get_current_function_mode_stack
 from .autocast import _OpListMode, context_active, is_mixprec_mode
 from .emulation import Fp16EmulationMode
 from .oplists import kernels
+from .regions import active_casts, cast_again
 
 __all__ = ["activation_checkpoint", "recompute_hint"]
 
 
 class _Recompute:
-    """``function``, run inside the captured mixprec block when none is in force."""
+    """``function``, run inside the captured mixprec block when none is in force, and with the
+    parameters cast for the call again (a module's that a fixed-dtype region casts per call)
+    when the module's call has returned (the recomputation)."""
 
-    def __init__(self, function: Callable, block, modes: list) -> None:
-        self.function, self.block, self.modes = function, block, modes
+    def __init__(self, function: Callable, block, modes: list, casts: list) -> None:
+        self.function, self.block, self.modes, self.casts = function, block, modes, casts
 
     def __call__(self, *args, **kwargs):
+        if self.casts and not active_casts():
+            return cast_again(self.casts, self._run, args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
         if context_active() or (self.block is None and not self.modes):
             return self.function(*args, **kwargs)
         with contextlib.ExitStack() as stack:
@@ -49,9 +57,10 @@ def activation_checkpoint(function: Callable, *args: Any, use_reentrant: bool | 
                           **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=..., **kwargs)``,
     whose recomputation runs under the mixprec op lists and fp16 emulation in force now (see
-    the module docstring): the gradients are bitwise those of the forward without
-    checkpointing. Call it where you would call torch's, inside a prepared model's forward;
-    outside any mixprec block it is torch's.
+    the module docstring), with the parameters a fixed-dtype region casts per call cast again:
+    the gradients are bitwise those of the forward without checkpointing. Call it where you
+    would call torch's, inside a prepared model's forward; outside any mixprec block it is
+    torch's.
 
     Raises:
         TypeError: ``function`` is not callable.
@@ -66,7 +75,7 @@ def activation_checkpoint(function: Callable, *args: Any, use_reentrant: bool | 
                         f"{type(function).__name__}")
     modes = [m for m in _get_current_function_mode_stack() if is_mixprec_mode(m)]
     return torch.utils.checkpoint.checkpoint(
-        _Recompute(function, kernels.block_in_force(), modes), *args,
+        _Recompute(function, kernels.block_in_force(), modes, active_casts()), *args,
         use_reentrant=use_reentrant, **kwargs)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from .outputs import cast_outputs
 __all__ = ["Region", "ForwardWrapper", "Entry", "Island", "RegionWrapper", "assign_regions",
            "island_of",
            "region_modules", "island_region", "structure_changed",
-           "refresh_island", "outer_dtype"]
+           "refresh_island", "outer_dtype", "active_casts", "cast_again"]
 
 _generation = itertools.count(1)
 _current = [next(_generation)]  # bumped whenever islands are added: islands re-derive their slots
@@ -180,19 +181,42 @@ class Island(ForwardWrapper):
         return out if self.widen is None else cast_floating(out, self.widen)
 
 
+_casts = threading.local()  # .active: the (slots, dtype) of the calls casting parameters now
+
+
+def active_casts() -> list:
+    """The parameter casts in force on this thread, outermost first (``(slots, dtype)``): what a
+    recomputation re-enters (:func:`mixprec.activation_checkpoint`)."""
+    return list(getattr(_casts, "active", ()))
+
+
 def _with_params_cast(slots: list, dtype: torch.dtype, run, *args):
     """``run(*args)`` with the parameters in ``slots`` (``(module, name, parameter)``) cast to
-    ``dtype`` for the call (a differentiable cast: their gradients reach the stored ones)."""
+    ``dtype`` for the call (a differentiable cast: their gradients reach the stored ones). A
+    parameter the call replaced stays replaced; one it wrote in place (a max-norm clamp in a
+    forward) gets the write, through the cast's dtype."""
     if not slots:
         return run(*args)
     cast: dict[int, torch.Tensor] = {}
+    versions: dict[int, int] = {}
+    active = _casts.__dict__.setdefault("active", [])
+    active.append((slots, dtype))
     try:
         for m, n, p in slots:  # a tied parameter is cast once
             m._parameters[n] = cast.setdefault(id(p), p.to(dtype))
+        versions = {key: c._version for key, c in cast.items()}
         return run(*args)
     finally:
+        active.pop()
         for m, n, p in slots:
-            m._parameters[n] = p
+            if m._parameters[n] is cast.get(id(p)):  # (not replaced by the call)
+                m._parameters[n] = p
+        with torch.no_grad():
+            for m, n, p in slots:
+                c = cast.get(id(p))
+                if c is not None and c._version != versions.get(id(p), c._version):
+                    p.copy_(c)  # written in place during the call
+                    versions[id(p)] = c._version
 
 
 def _other_dtype(module: nn.Module, dtype: torch.dtype) -> list:
@@ -334,3 +358,12 @@ def island_region(module: nn.Module, island: Island) -> Region:
     inner = [island_of(m) for m in module.modules() if m is not module]
     other = any(i is not None and i.dtype != island.dtype for i in inner)
     return Region(island.context, island.dtype if other or island.cast_inputs else None)
+
+
+def cast_again(casts: list, run, *args):
+    """``run(*args)`` under the parameter casts ``casts`` (:func:`active_casts`'s, outermost
+    first), made anew from the stored parameters."""
+    if not casts:
+        return run(*args)
+    (slots, dtype), rest = casts[0], casts[1:]
+    return _with_params_cast(slots, dtype, cast_again, rest, run, *args)

@@ -102,8 +102,8 @@ class Companions:
     def settle(self) -> dict[torch.Tensor, torch.Tensor]:
         """Make every companion consistent with its parameter, then return the pairs (one host
         sync per parameter: state_dict time only)."""
-        self.follow_writes()
         self.relink()
+        self.follow_writes()
         for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
             opt.follow_writes()
         pairs = self.pairs()
@@ -129,7 +129,10 @@ class Companions:
             self._versions = {p: (_version(p), _version(s)) for p, s in self._shadows.items()}
 
     def __getstate__(self) -> dict:
-        return {"shadows": {p: c.detach() for p, c in self.settle().items()}}
+        # copies: a master detached shares its storage, and a pickle of the model with its
+        # optimizer would make the copy's shadows the copied masters themselves (a shadow
+        # following its weight then wrote the 16-bit value into the master)
+        return {"shadows": {p: c.detach().clone() for p, c in self.settle().items()}}
 
     def __setstate__(self, state: dict) -> None:
         self._refs = []

@@ -1025,3 +1025,106 @@ def test_an_fp32_masters_state_dict_is_refused_by_a_compact_optimizer(master):
     with pytest.raises(ValueError, match="holds fp32 masters"):
         other_opt.load_state_dict(saved)
     assert other_opt.state_dict().keys() == before.keys()
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_a_write_through_data_is_taken_at_state_dict(master):
+    """``w.data.clamp_()`` moves no version counter: with fp32 masters ``state_dict()`` took the
+    weight for an edited master and wrote the old master over it (the clamp lost); Kahan kept a
+    compensation as large as the old weight's. ``state_dict()`` compares every pair."""
+    model, opt = _stepped(master)
+    c = 2.0 ** -4
+    for p in model.parameters():
+        p.data.clamp_(-c, c)
+    values = model.state_dict()
+    assert max(p.abs().max().item() for p in model.parameters()) <= c
+    ulp_half = c * torch.finfo(torch.bfloat16).eps / 2
+    assert max(v.abs().max().item() for v in values.values()) <= c + (
+        ulp_half if master == "kahan" else 0)
+
+
+def test_a_weight_written_in_the_closure_is_kept_by_fp32_masters():
+    """The step looked for written weights before running its closure: one the closure wrote
+    was overwritten by the old master."""
+    model, opt = _stepped("fp32")
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+
+    def closure():
+        with torch.no_grad():
+            model[0].weight.fill_(0.25)
+        loss = loss_of(model)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 0.25))
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_torch_save_of_an_optimizer_after_a_step_loads(master, tmp_path):
+    """``torch.save(opt)`` after a step wrote the step's scratch, views of a storage released
+    to 0 bytes: loading raised "Trying to resize storage that is not resizable". And the copied
+    model's shadows were the copied masters themselves (a detached master shares its storage):
+    a shadow taking its stepped weight wrote the 16-bit value into the master."""
+    model, opt = _stepped(master)
+    torch.save((model, opt), tmp_path / "both.pt")
+    model2, opt2 = torch.load(tmp_path / "both.pt", weights_only=False)
+    _zero_step(model2, opt2)
+    torch.testing.assert_close(dict(mp.fp32_state_dict(model2, opt2)),
+                               dict(mp.fp32_state_dict(model, opt)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+def test_a_checkpoint_taken_after_a_cleared_state_keeps_the_rounding_generator(master):
+    """The rounding generator's state lives in the optimizer state: after ``state.clear()`` a
+    checkpoint taken before the next step held none, and the resumed run rounded otherwise."""
+    def fresh():
+        model = net()
+        return mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
+                          dtype="bf16", master=master)
+
+    def train(model, opt, steps):
+        for i in steps:
+            loss_of(model, i).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = fresh()
+    train(model, opt, range(2))
+    opt.state.clear()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train(model, opt, range(2, 4))
+    resumed, ropt = fresh()
+    resumed.load_state_dict(saved[0])
+    ropt.load_state_dict(saved[1])
+    train(resumed, ropt, range(2, 4))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+def test_state_set_deleted_or_popped_by_the_model_parameter():
+    """``opt.state[w] = {}`` (resetting one layer's moments, as on a torch optimizer) made an
+    entry keyed by the model parameter that broke ``state_dict()``; ``del``/``pop`` raised."""
+    model, opt = _stepped("fp32")
+    w = model[0].weight
+    opt.state[w] = {}
+    assert opt.state[w] == {}
+    opt.state_dict()
+    del opt.state[w]
+    opt.state[w]["x"] = torch.zeros(1)
+    assert opt.state.pop(w) == {"x": torch.zeros(1)}
+    opt.state_dict()
+
+
+def test_a_prepared_model_loads_under_torchs_swap_tensors_mode():
+    """With ``set_swap_module_params_on_conversion(True)`` a load swaps each parameter, which
+    torch refuses for a tensor with a weak reference: the owner table held one per parameter."""
+    model, opt = _stepped("fp32")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(saved)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    torch.testing.assert_close(model.state_dict(), saved, rtol=0, atol=0)

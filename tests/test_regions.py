@@ -454,3 +454,72 @@ def test_an_fp32_policy_casts_its_outputs_to_its_output_dtype():
     was installed on a policy that changes no parameter."""
     model = mp.prepare(mlp(), policy=mp.Policy(output_dtype="bf16"))
     assert model(torch.randn(2, 8)).dtype == BF16
+
+
+class _Frozen(nn.Module):
+    """A block whose method reads its own frozen fp32 weight (cast per call under a master
+    policy without autocast)."""
+
+    def __init__(self, checkpointed, reentrant=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.out = nn.Linear(8, 4)
+        self.checkpointed, self.reentrant = checkpointed, reentrant
+
+    def mix(self, h):
+        return torch.tanh(h @ self.w)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = (mp.activation_checkpoint(self.mix, h, use_reentrant=self.reentrant)
+             if self.checkpointed else self.mix(h))
+        return self.out(h)
+
+
+_NO_AUTOCAST = dict(param_dtype="bf16", compute_dtype="bf16", output_dtype=None,
+                    master_weights=True, autocast=False, cast_inputs=True)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_method_reads_its_parameters_cast_again(reentrant):
+    """Recomputed after its module's call returned, the method read the stored fp32 weight
+    (its per-call bf16 cast undone): "expected m1 and m2 to have the same dtype"."""
+    grads = []
+    for checkpointed in (False, True):
+        net = _Frozen(checkpointed, reentrant)
+        model, _ = mp.prepare(net, torch.optim.SGD([p for p in net.parameters()
+                                                    if p.requires_grad], lr=0.1),
+                              policy=mp.Policy(**_NO_AUTOCAST))
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+              ).float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+        assert model.w.dtype == FP32
+    for g, h in zip(*grads):
+        assert torch.equal(g, h)
+
+
+def test_a_forward_that_writes_or_replaces_a_cast_parameter_keeps_the_change():
+    """A max-norm clamp of a per-call-cast weight inside forward went to the temporary copy
+    (lost); a parameter the forward replaced was put back after the call."""
+    class Writes(_Frozen):
+        def forward(self, x):
+            with torch.no_grad():
+                self.w.clamp_(max=0.5)
+            return super().forward(x)
+
+    class Replaces(_Frozen):
+        def forward(self, x):
+            out = super().forward(x)
+            self.w = nn.Parameter(torch.full((8, 8), 0.25), requires_grad=False)  # (after use)
+            return out
+
+    for cls, check in ((Writes, lambda w: w.max().item() == 0.5),
+                       (Replaces, lambda w: torch.equal(w, torch.full((8, 8), 0.25)))):
+        net = cls(False)
+        model, _ = mp.prepare(net, torch.optim.SGD([p for p in net.parameters()
+                                                    if p.requires_grad], lr=0.1),
+                              policy=mp.Policy(**_NO_AUTOCAST))
+        model(torch.randn(4, 8))
+        assert check(model.w) and model.w.dtype == FP32, cls.__name__

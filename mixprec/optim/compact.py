@@ -237,13 +237,17 @@ class CompactMasterOptimizer(WrappedOptimizer):
         with torch.no_grad():
             self.master.assign(param, self.compensation(param), value)
 
-    def follow_writes(self) -> None:
+    def follow_writes(self, settle: bool = True) -> None:
         """Take the writes made into the weights outside the step (:mod:`.writes`): where a
         weight written directly is not the rounding of the value it and its buffer stand for
         (a compensation left from a weight of another size), the buffer is zeroed: the pair
-        stands for the weight as written (a zero buffer adds nothing to its weight)."""
+        stands for the weight as written (a zero buffer adds nothing to its weight). With
+        ``settle`` (``state_dict()`` time) every pair is checked: a write through ``.data``
+        moves no version counter."""
         low = self._low
         changed = self._seen.changed(low, versions(low))
+        if settle:
+            changed = list(range(len(low)))
         if not changed:
             return
         if self._buffer_key is not None:
@@ -382,7 +386,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.follow_writes()
+        self.follow_writes(settle=False)
         inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._settle_pending()
         self.scratch.restore()
@@ -407,6 +411,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             self.scratch.release()
             self.drop_master_grads()
             self._seen.take(self._low, versions(self._low))
+        self._stepped = True  # (a state cleared after it: its state_dict saves the generator)
         states.record_generator(self.inner, self.rounding)  # both kinds round stochastically
         return loss
 

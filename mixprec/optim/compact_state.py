@@ -30,6 +30,7 @@ __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped
 def save_pending(optimizer, state: dict) -> dict:
     """state_dict post-hook: buffers not in the state (no step taken yet, or a state cleared
     since the last) are saved too, so a checkpoint taken then resumes exactly."""
+    _save_generator(optimizer, state)
     aside = optimizer.set_aside()
     if not aside:
         return state
@@ -42,6 +43,20 @@ def save_pending(optimizer, state: dict) -> dict:
         entry = state["state"].setdefault(index[id(p)], {})
         entry.setdefault(optimizer._buffer_key, comp)
     return state
+
+
+def _save_generator(optimizer, state: dict) -> None:
+    """A state cleared since the last step holds no rounding generator: it goes in the first
+    parameter's entry, so a run resumed from this checkpoint rounds as the uninterrupted one."""
+    if not getattr(optimizer, "_stepped", False) or any(
+            isinstance(e, dict) and states.GENERATOR_KEY in e for e in state["state"].values()):
+        return
+    if not optimizer.master.draws_bits and optimizer.state_dtype == torch.float32:
+        return  # (nothing rounded stochastically: the generator never moves)
+    first = state["param_groups"][0]["params"][0] if state["param_groups"] else None
+    if first is not None:
+        state["state"].setdefault(first, {})[states.GENERATOR_KEY] = \
+            optimizer.rounding.state_dict()
 
 
 def load_generator(optimizer) -> None:

@@ -117,6 +117,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self._carry = GradCarry()  # the factor the model's gradients carry after a step
         self._seen = Record()  # the weights' versions after the last step (.writes)
+        self._masters_seen = Record()  # the masters' (a master edited through param_groups)
         self._master_of: dict[torch.Tensor, MasterParameter] = {}  # model param -> master
         self._initial = dict(initial_masters or {})
         for group in optimizer.param_groups:  # in place: some optimizers (LBFGS) keep the list
@@ -128,7 +129,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._initial = {}
         checkpoint.register(self)
         states.register(self)
-        self._seen.take(self._flat, versions(self._flat[0]))  # masters made from the weights
+        self._record_writes()  # the masters made from the weights
 
     def _check_fused(self, value) -> None:
         if value == "compile":
@@ -253,25 +254,39 @@ class MasterWeightOptimizer(WrappedOptimizer):
             for params, masters in self._pairs:
                 torch._foreach_copy_(masters, params)
 
-    def follow_writes(self, masters: bool = True) -> None:
+    def follow_writes(self, settle: bool = True) -> None:
         """Take the writes made outside the step (:mod:`.writes`): a weight written directly
-        gives its value to its master where their rounding disagrees; with ``masters``, a
-        master whose rounding no longer is its (unwritten) weight was written in place, and
-        gives its rounding to the weight (one host read per parameter: ``state_dict()``
-        time)."""
+        gives its value to its master where their rounding disagrees. With ``settle``
+        (``state_dict()`` time; one host read per parameter), every other pair is compared too:
+        a master written in place (through ``param_groups``) gives its rounding to its weight;
+        a disagreement neither version counter saw (a write through ``.data``) is the weight's,
+        as written."""
         params, held = self._flat
         weights = self._seen.changed(self._flat, versions(params))
         with torch.no_grad():
             for i in weights:  # (a model moved apart from its masters: compared where they are)
                 m, p = held[i], params[i].to(held[i].device)
                 m.copy_(torch.where(rounds_to(m, p), m, p.float()))
-            if masters:
+            if settle:
                 written = set(weights)
+                edited = set(self._masters_seen.changed(self._flat, versions(held)))
                 for i, (p, m) in enumerate(zip(params, held)):
-                    if i not in written and not rounds_to(m, p.to(m.device)).all():
+                    if i in written:
+                        continue
+                    agree = rounds_to(m, p.to(m.device))
+                    if agree.all():
+                        continue
+                    if i in edited:
                         p.copy_(m)
-        if weights or masters:
-            self._seen.take(self._flat, versions(params))
+                    else:
+                        m.copy_(torch.where(agree, m, p.to(m.device).float()))
+        if weights or settle:
+            self._record_writes()
+
+    def _record_writes(self) -> None:
+        params, held = self._flat
+        self._seen.take(self._flat, versions(params))
+        self._masters_seen.take(self._flat, versions(held))
 
     def write_back(self) -> None:
         """Copy the masters into the model parameters with torch's cast (round to nearest, ties
@@ -363,12 +378,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
             return None
         self._carry.inv = None
         self.step_kwargs = kwargs
-        self.follow_writes(masters=False)  # (a master written in place is stepped as it is)
         try:
             return self._step(closure, grad_scale, found_inf)
         finally:
             self.step_kwargs = {}
-            self._seen.take(self._flat, versions(self._flat[0]))
+            self._record_writes()
 
     def _step(self, closure, grad_scale, found_inf) -> Any:
         loss = again = None
@@ -378,6 +392,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
                                    "closure recomputes the gradients")
             with torch.enable_grad():  # first: the gradients the step reads
                 loss = closure()
+        self.follow_writes(settle=False)  # (after the closure: it may write weights; a master
+        if closure is not None:            # written in place is stepped as it is)
             if not is_per_parameter(self.inner):  # it calls the closure again (LBFGS)
                 again = reevaluating(closure, loss, self.write_back,
                                      lambda: self.unscale_grads_(None))

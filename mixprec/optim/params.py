@@ -238,11 +238,23 @@ class MasterState(defaultdict):
         super().__init__(dict, entries)
         self.masters = masters
 
+    def _key(self, key):
+        return self.masters.get(key, key) if isinstance(key, torch.Tensor) else key
+
     def __missing__(self, key):
         master = self.masters.get(key) if isinstance(key, torch.Tensor) else None
         if master is not None:
             return self[master]
         return super().__missing__(key)
+
+    def __setitem__(self, key, value) -> None:  # (``state[model_param] = {}``: a reset)
+        super().__setitem__(self._key(key), value)
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(self._key(key))
+
+    def pop(self, key, *default):
+        return super().pop(self._key(key), *default)
 
     def __reduce__(self):
         return (defaultdict, (dict,), None, None, iter(self.items()))

@@ -31,29 +31,17 @@ __all__ = ["WrappedOptimizer", "reevaluating", "is_wrapped", "owner_of", "check_
 _FUSED = ("auto", "compile", False)
 
 
-# id(model parameter) -> weak references to it and to the master optimizer stepping it: a copy
-# of a prepared model made together with its optimizer finds the copied one (mixprec.statedict)
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _forget(ref: weakref.ref, key: int) -> None:
-    if _OWNERS.get(key, (None,))[0] is ref:  # (not a newer tensor with the same id)
-        del _OWNERS[key]
-
-
-def _own(param: torch.Tensor, opt: weakref.ref) -> None:
-    key = id(param)
-    held = _OWNERS.get(key)
-    if held is None or held[0]() is not param:
-        held = (weakref.ref(param, lambda r, key=key: _forget(r, key)),)
-    _OWNERS[key] = (held[0], opt)
+# the live master optimizers (weakly: no reference to a parameter, which torch's swap-tensors
+# loading refuses): a copy of a prepared model made together with its optimizer finds the
+# copied one among them (mixprec.statedict)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def owner_of(param: torch.Tensor):
-    """The live master optimizer stepping ``param`` (the latest built over it), or None."""
-    held = _OWNERS.get(id(param))
-    opt = None if held is None or held[0]() is not param else held[1]()
-    return opt if opt is not None and id(param) in opt._model_ids else None
+    """The live master optimizer stepping ``param`` (the latest built over it), or None. (An id
+    in an optimizer's parameters is this parameter's: the optimizer holds its own alive.)"""
+    owners = [opt for opt in list(_LIVE) if id(param) in getattr(opt, "_model_ids", ())]
+    return owners[-1] if owners else None
 
 
 def is_wrapped(optimizer: Any) -> bool:
@@ -218,8 +206,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # not a ``step`` set on the instance: an LR scheduler's wrapper, bound to this optimizer
-        # (a copy would step the original; pickle refuses it), which torch's pickling drops too
-        return {k: v for k, v in self.__dict__.items() if k != "step"}
+        # (a copy would step the original; pickle refuses it), which torch's pickling drops too;
+        # nor the step's scratch and what views it (storage released between steps, which
+        # torch.save can't write): made again by the next step
+        state = {k: v for k, v in self.__dict__.items() if k not in ("step", "lists")}
+        if "scratch" in state:
+            state["scratch"] = type(state["scratch"])()
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -250,9 +243,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.elements = sum(local(p).numel() for p in held)  # what a piece is sized by
         self._buckets = make_buckets(self.param_groups, self._bucket_mb,
                                      is_per_parameter(self.inner), self.elements)
-        self._model_ids, mine = {id(p) for p in self._model_params}, weakref.ref(self)
-        for p in self._model_params:
-            _own(p, mine)
+        self._model_ids = {id(p) for p in self._model_params}
+        _LIVE.add(self)
 
     @staticmethod
     def _model_side(tensor: torch.Tensor) -> torch.Tensor:
