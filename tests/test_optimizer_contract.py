@@ -830,21 +830,27 @@ def test_state_is_read_by_the_model_parameter_as_on_a_torch_optimizer(kind):
     assert len(opt.state) == 6  # one entry a parameter: no empty one keyed by a model weight
 
 
+
+def _sgd_prepared(master):
+    model = net()
+    return mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
+                      dtype="bf16", master=master)
+
+
+def _train(model, opt, steps):
+    for i in steps:
+        loss_of(model, i).backward()
+        opt.step()
+        opt.zero_grad()
+
 def test_stochastic_rounding_with_sgd_saves_its_generator():
     """Stochastic rounding with SGD without momentum: torch keeps no state, and the rounding
     generator's state had no entry to travel in (``state_dict()["state"]`` was empty), so a
     resumed run rounded from the default seed again (weights 4e-3 apart after 2 steps)."""
     def fresh():
-        model = net()
-        return mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
-                          dtype="bf16", master="stochastic")
+        return _sgd_prepared("stochastic")
 
-    def train(model, opt, steps):
-        for i in steps:
-            loss_of(model, i).backward()
-            opt.step()
-            opt.zero_grad()
-
+    train = _train
     model, opt = fresh()
     train(model, opt, range(3))
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
@@ -1080,16 +1086,9 @@ def test_a_checkpoint_taken_after_a_cleared_state_keeps_the_rounding_generator(m
     """The rounding generator's state lives in the optimizer state: after ``state.clear()`` a
     checkpoint taken before the next step held none, and the resumed run rounded otherwise."""
     def fresh():
-        model = net()
-        return mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
-                          dtype="bf16", master=master)
+        return _sgd_prepared(master)
 
-    def train(model, opt, steps):
-        for i in steps:
-            loss_of(model, i).backward()
-            opt.step()
-            opt.zero_grad()
-
+    train = _train
     model, opt = fresh()
     train(model, opt, range(2))
     opt.state.clear()
