@@ -2,7 +2,7 @@
 vocabulary) and the 4096-wide Llama, eager and compiled, in one markdown table.
 
     python3 bench/gpu_check.py [--budget 420] [--steps 6] [--rounds 3] [--out table.md]
-    python3 bench/gpu_check.py --device cpu --tiny     # a smoke run of the same code, seconds
+    python3 bench/gpu_check.py --device cpu --tiny     # a smoke run of the same code (~2 min)
 
 On CUDA with the machine's own torch (nothing installed; torchao only when it is importable --
 ``make gpu-check`` takes it from a wheel in ``.whl/`` -- else the FP8 rows are skipped with a
@@ -200,7 +200,8 @@ def table(results: list[dict], header: str, sizes: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="tiny models: a smoke run in seconds")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny models: a smoke run (about two minutes on a 2-core CPU)")
     p.add_argument("--models", default=None, help="comma-separated: gpt2,llama,llama4096")
     p.add_argument("--rows", default=None, help="only these rows (comma-separated)")
     p.add_argument("--eager-only", action="store_true", help="skip the compiled groups")

@@ -85,12 +85,21 @@ def train(opt_level: str, x, y, steps: int, dtype: str, device) -> dict:
     return {"losses": losses, "ms_per_step": 1e3 * per_step}
 
 
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 used to mean "the default" silently)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true",
                         default=os.environ.get("MIXPREC_EXAMPLE_TINY") == "1")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--dtype", default="fp16", help="fp16 (apex's) or bf16")
+    parser.add_argument("--steps", type=_positive, default=None)
+    parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"),
+                        help="fp16 (apex's) or bf16")
     args = parser.parse_args(argv)
     steps = args.steps or (6 if args.tiny else 100)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -125,12 +125,21 @@ def train(name: str, run: dict, data, epochs: int, dtype: str) -> dict:
     return result
 
 
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 used to mean "the default" silently)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true",
                         default=os.environ.get("MIXPREC_EXAMPLE_TINY") == "1")
-    parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--dtype", default="fp16", help="fp16 (MindSpore's float16) or bf16")
+    parser.add_argument("--epochs", type=_positive, default=None)
+    parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"),
+                        help="fp16 (MindSpore's float16) or bf16")
     args = parser.parse_args(argv)
     epochs = args.epochs or (2 if args.tiny else 10)
     data = create_dataset(num_data=64 if args.tiny else 1024)

@@ -110,13 +110,22 @@ def run(mode: str, loader, width: int, dtype, accumulate: int = 1):
     return float(train_loss), train_time / steps
 
 
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 used to mean "the default" silently)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true",
                         default=os.environ.get("MIXPREC_EXAMPLE_TINY") == "1")
-    parser.add_argument("--width", type=int, default=None, help="input_size = output_size")
+    parser.add_argument("--width", type=_positive, default=None, help="input_size = output_size")
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", help="bf16, fp16 or auto (the fast one here)")
+    parser.add_argument("--dtype", default="auto", choices=("bf16", "fp16", "auto"),
+                        help="bf16, fp16 or auto (the fast one here)")
     args = parser.parse_args(argv)
     width = args.width or (64 if args.tiny else 1024)
     batch = args.batch or (32 if args.tiny else 256)

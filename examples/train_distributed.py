@@ -31,7 +31,7 @@ def make_data(n=512, features=32, classes=4):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--level", default="O2", choices=["O0", "O1", "O2", "O3"])
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "auto"))
     p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp"])
     p.add_argument("--reduce-dtype", default="fp32")
     p.add_argument("--epochs", type=int, default=3)

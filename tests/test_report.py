@@ -194,3 +194,13 @@ def test_the_page_renders_in_headless_chromium(o3_run, tmp_path):
         assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     finally:
         driver.quit()
+
+
+def test_report_names_a_file_that_is_not_text(tmp_path, capsys):
+    """A binary file gave a bare UnicodeDecodeError message naming neither file nor line, where
+    the docs promise both."""
+    from mixprec import cli
+    path = tmp_path / "plot.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    assert cli.main(["report", str(path)]) == 2
+    assert f"{path}:1 is not a JSON object with a 'step'" in capsys.readouterr().err

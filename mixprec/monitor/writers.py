@@ -184,8 +184,8 @@ def read_run(path) -> dict[str, list[tuple[int, float]]]:
 def _read_jsonl(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     last, warned = None, False  # (step, line) of the previous row
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, encoding="utf-8", errors="replace") as f:  # (a binary file: its first
+        for number, line in enumerate(f, 1):                  # line is named below)
             if not line.strip():
                 continue
             try:
