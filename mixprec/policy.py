@@ -15,6 +15,7 @@ from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 from .norms import NORM_LAYERS, NormLayer, is_norm_layer
 from .precision import Precision, type_from_path, type_path
 from .precision_map import PrecisionMap, one_format, with_legacy, with_names
+from .scaling.state import positive_scale
 
 __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "resolve_dtype",
            "MASTERS", "STATE_DTYPES", "FP8_RECIPES", "type_path", "type_from_path"]
@@ -22,8 +23,6 @@ __all__ = ["Policy", "LEVELS", "NORM_LAYERS", "NormLayer", "is_norm_layer", "res
 LEVELS = ("O0", "O1", "O2", "O3")
 _LOG = logging.getLogger("mixprec")
 _told: set[str] = set()  # the devices whose dtype="auto" choice was logged
-_FP32_MAX = torch.finfo(torch.float32).max
-_TINY = torch.finfo(torch.float32).tiny  # 2^-126: the smallest loss scale (mixprec.scaling)
 
 
 def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> torch.dtype:
@@ -185,12 +184,12 @@ class Policy:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False; got {getattr(self, flag)!r}")
         ls = self.loss_scale
-        if not (ls is None or ls == "dynamic" or (
-                isinstance(ls, (int, float)) and not isinstance(ls, bool)
-                and _TINY <= ls <= _FP32_MAX)):  # (no float(): an int beyond float64's range)
-            raise ValueError(f"loss_scale must be 'dynamic', None, or a positive number a "
-                             f"float32 holds and inverts, in [2^-126, {_FP32_MAX:.4g}]; got "
-                             f"{ls!r}")
+        if not (ls is None or ls == "dynamic"):
+            try:  # the scalers' own check of a scale (mixprec.scaling)
+                positive_scale("loss_scale", ls)
+            except ValueError as error:
+                raise ValueError(f"loss_scale must be 'dynamic', None, or a number a loss "
+                                 f"scaler takes ({error}); got {ls!r}") from None
         if self.level is not None and self.level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))} or None; "
                              f"got {self.level!r}")

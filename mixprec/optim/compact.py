@@ -54,7 +54,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, divide_
 from ..shards import like_shard, local
-from . import compact_lists, compact_state, family, pieces, states, steps
+from . import compact_lists, compact_state, family, pieces, states, steps, writes
 from .buckets import Scratch, is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
@@ -65,7 +65,7 @@ from .wrapper import (
     check_inner,
     stale_fp16_error,
 )
-from .writes import Record, rounds_to, versions
+from .writes import Record, versions
 
 __all__ = ["CompactMasterOptimizer"]
 
@@ -244,22 +244,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         stands for the weight as written (a zero buffer adds nothing to its weight). With
         ``settle`` (``state_dict()`` time) every pair is checked: a write through ``.data``
         moves no version counter."""
-        low = self._low
-        changed = self._seen.changed(low, versions(low))
-        if settle:
-            changed = list(range(len(low)))
-        if not changed:
-            return
-        if self._buffer_key is not None:
-            with torch.no_grad():
-                for i in changed:
-                    p = low[i]
-                    buf = self.compensation(p)
-                    if buf is None:
-                        continue
-                    w, b = local(p.detach()), local(buf)
-                    b.masked_fill_(~rounds_to(self.master.load(w, b), w), 0)
-        self._seen.take(low, versions(low))
+        writes.follow_pairs(self, settle)
 
     # -- the loss-scaler protocol --------------------------------------------------------------
     def grads_for_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -35,7 +35,7 @@ import torch
 from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
-from . import checkpoint, kernels, master_lists, states, steps
+from . import checkpoint, kernels, master_lists, states, steps, writes
 from .buckets import Scratch, is_per_parameter
 from .params import (
     GradCarry,
@@ -57,7 +57,7 @@ from .wrapper import (
     reevaluating,
     stale_fp16_error,
 )
-from .writes import Record, rounds_to, versions
+from .writes import Record, versions
 
 __all__ = ["MasterWeightOptimizer", "is_master_optimizer", "MASTERS_KEY"]
 
@@ -261,27 +261,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         a master written in place (through ``param_groups``) gives its rounding to its weight;
         a disagreement neither version counter saw (a write through ``.data``) is the weight's,
         as written."""
-        params, held = self._flat
-        weights = self._seen.changed(self._flat, versions(params))
-        with torch.no_grad():
-            for i in weights:  # (a model moved apart from its masters: compared where they are)
-                m, p = held[i], params[i].to(held[i].device)
-                m.copy_(torch.where(rounds_to(m, p), m, p.float()))
-            if settle:
-                written = set(weights)
-                edited = set(self._masters_seen.changed(self._flat, versions(held)))
-                for i, (p, m) in enumerate(zip(params, held)):
-                    if i in written:
-                        continue
-                    agree = rounds_to(m, p.to(m.device))
-                    if agree.all():
-                        continue
-                    if i in edited:
-                        p.copy_(m)
-                    else:
-                        m.copy_(torch.where(agree, m, p.to(m.device).float()))
-        if weights or settle:
-            self._record_writes()
+        writes.follow_masters(self, settle)
 
     def _record_writes(self) -> None:
         params, held = self._flat

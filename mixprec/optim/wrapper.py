@@ -205,10 +205,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._rebuild()
 
     def __getstate__(self) -> dict[str, Any]:
-        # not a ``step`` set on the instance: an LR scheduler's wrapper, bound to this optimizer
-        # (a copy would step the original; pickle refuses it), which torch's pickling drops too;
-        # nor the step's scratch and what views it (storage released between steps, which
-        # torch.save can't write): made again by the next step
+        # no per-instance ``step`` (an LR scheduler's wrapper bound to this optimizer, which
+        # torch's pickling drops too), nor the step's scratch and its views (released storage)
         state = {k: v for k, v in self.__dict__.items() if k not in ("step", "lists")}
         if "scratch" in state:
             state["scratch"] = type(state["scratch"])()

@@ -21,8 +21,9 @@ import operator
 import torch
 
 from ..dtypes import is_low_precision
+from ..shards import local
 
-__all__ = ["rounds_to", "versions", "Record"]
+__all__ = ["rounds_to", "versions", "Record", "follow_masters", "follow_pairs"]
 
 _FP32 = torch.float32
 _VERSION = operator.attrgetter("_version")
@@ -75,3 +76,49 @@ class Record:
 
     def take(self, key, now: list[int]) -> None:
         self.key, self.seen = key, now
+
+
+def follow_masters(opt, settle: bool) -> None:
+    """:meth:`MasterWeightOptimizer.follow_writes`: each weight written since the last record
+    gives its value to its fp32 master where their rounding disagrees; with ``settle`` every
+    other pair is compared too (a master written in place gives its rounding to its weight; a
+    disagreement neither counter saw is the weight's, as written through ``.data``)."""
+    params, held = opt._flat
+    weights = opt._seen.changed(opt._flat, versions(params))
+    with torch.no_grad():
+        for i in weights:  # (a model moved apart from its masters: compared where they are)
+            m, p = held[i], params[i].to(held[i].device)
+            m.copy_(torch.where(rounds_to(m, p), m, p.float()))
+        if settle:
+            written = set(weights)
+            edited = set(opt._masters_seen.changed(opt._flat, versions(held)))
+            for i, (p, m) in enumerate(zip(params, held)):
+                if i in written:
+                    continue
+                agree = rounds_to(m, p.to(m.device))
+                if agree.all():
+                    continue
+                if i in edited:
+                    p.copy_(m)
+                else:
+                    m.copy_(torch.where(agree, m, p.to(m.device).float()))
+    if weights or settle:
+        opt._record_writes()
+
+
+def follow_pairs(opt, settle: bool) -> None:
+    """:meth:`CompactMasterOptimizer.follow_writes`: where a weight written since the last
+    record (with ``settle``: any weight) is not the rounding of what it and its buffer stand
+    for, the buffer is zeroed (the pair stands for the weight as written)."""
+    low = opt._low
+    changed = list(range(len(low))) if settle else opt._seen.changed(low, versions(low))
+    if not changed:
+        return
+    if opt._buffer_key is not None:
+        with torch.no_grad():
+            for i in changed:
+                buf = opt.compensation(low[i])
+                if buf is not None:
+                    w, b = local(low[i].detach()), local(buf)
+                    b.masked_fill_(~rounds_to(opt.master.load(w, b), w), 0)
+    opt._seen.take(low, versions(low))
