@@ -120,6 +120,8 @@ class MixedPrecision:
         self._given = policy
         if policy is not None or not (isinstance(dtype, str) and dtype.lower() == "auto"):
             self._resolve(None)
+        else:
+            self._check_for_some_dtype()
         self.models: list[nn.Module] = []
         self.monitor = check_monitor(monitor)
         self._owned: weakref.WeakSet = weakref.WeakSet()  # optimizers checked by _check_owned
@@ -134,6 +136,22 @@ class MixedPrecision:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._owned = weakref.WeakSet()
+
+    def _check_for_some_dtype(self) -> None:
+        """With ``dtype="auto"`` (resolved on the model's device at ``setup``): refuse now the
+        options no dtype could take (an unknown master or loss scale), with the error the
+        first dtype tried gives."""
+        errors = []
+        for probe in ("bf16", "fp16", "fp32"):
+            try:
+                policy = resolve_policy(self._level, probe, self._keep, None, None, warn=False,
+                                        fp8=self._fp8, fp8_modules=self._fp8_names,
+                                        **self._compact)
+                make_loss_scaler(self._loss_scale, dtype=policy, max_consecutive_skips=self._skips)
+                return
+            except (TypeError, ValueError) as error:
+                errors.append(error)
+        raise errors[0]
 
     def _resolve(self, device) -> Policy:
         if self.policy is None:
@@ -385,7 +403,12 @@ class MixedPrecision:
         return applied
 
     def _check_owned(self, optimizer) -> None:
-        if self.models and optimizer not in self._owned:  # once per optimizer
+        if not self.models:
+            raise RuntimeError("amp.step(optimizer) on a MixedPrecision that set up no model: "
+                               "write model, opt = amp.setup(model, opt) first (amp.adopt(model) "
+                               "for a model prepared elsewhere), then amp.backward(loss) and "
+                               "amp.step(opt)")
+        if optimizer not in self._owned:  # once per optimizer
             check_owned(self.models, optimizer)
             check_masters(self.policy, self.models, optimizer)
             self._owned.add(optimizer)

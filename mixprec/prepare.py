@@ -70,7 +70,13 @@ _FP32 = torch.float32
 def policy_of(model: nn.Module) -> Policy | None:
     """The :class:`Policy` a model was prepared with, or None. Its ``modules`` map holds what
     single modules compute in as prepared: the policy's entries, the model's ``to_float``
-    marks, and the low-bit layers chosen, by qualified name (``str()`` shows them)."""
+    marks, and the low-bit layers chosen, by qualified name (``str()`` shows them).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"policy_of takes an nn.Module (a model or sub-module); got "
+                        f"{type(model).__name__}")
     return getattr(model, _POLICY_ATTR, None)
 
 
@@ -206,8 +212,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         ``model``, or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or a bad ``policy``/``optimizer``/
-            ``keep_fp32``.
+        TypeError: ``model`` is not an ``nn.Module`` or is already wrapped in
+            ``DistributedDataParallel`` (prepare first, then wrap), or a bad ``policy``/
+            ``optimizer``/``keep_fp32``.
         ValueError: an unknown level, dtype or op name; an optimizer holding foreign tensors;
             ``keep_fp32`` names that match no module; a ``to_float`` mark in another 16-bit
             format than the policy's; a model on the meta device; ``policy`` with ``level``;
@@ -245,6 +252,12 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     ``fp8_modules`` of :func:`prepare` (the policy holds names only)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("prepare takes the model before it is wrapped in "
+                        "DistributedDataParallel (DDP sizes its gradient buckets for the "
+                        "parameters' dtype when it wraps, and would no longer average the "
+                        "gradients of the cast ones): call model, opt = mp.prepare(model, opt, "
+                        "...) first, then model = mp.parallel.ddp(model)")
     if policy_of(model) is not None:
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")

@@ -285,6 +285,20 @@ def test_an_empty_batch_and_a_model_without_parameters_are_refused():
         mp.advise(frozen, (x, y), F.cross_entropy)
 
 
+def test_mxfp8_as_fp8_and_an_unknown_format_say_what_to_write():
+    """fp8="mxfp8" names a format of its own here (it was refused as an unknown Float8
+    recipe); a format no advice can hold is not suggested as one to measure."""
+    batch = outlier_case()[1]
+    for fmt in ("mxfp8", "nvfp4"):
+        with pytest.raises(ValueError, match=f"measure it with formats=\\(..., '{fmt}'\\)"):
+            mp.advise(outlier_net(), batch, F.cross_entropy, fp8=fmt)
+    advice = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16",))
+    with pytest.raises(ValueError, match="unknown format 'fp7'.*mp.advise measures any of"):
+        advice.unsafe("fp7")
+    with pytest.raises(ValueError, match=r"formats=\(..., 'fp16'\)"):
+        advice.unsafe("fp16")
+
+
 def test_a_policy_takes_only_the_fp8_recipe_that_was_measured():
     batch = outlier_case()[1]
     tensorwise = mp.advise(outlier_net(), batch, F.cross_entropy, formats=("bf16", "fp8_e4m3"))

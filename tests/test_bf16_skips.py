@@ -292,3 +292,34 @@ def test_the_flag_goes_to_torchs_fused_kernel_and_is_read_once_after_the_step():
         assert amp.step(opt)
     reads = [i for i, op in enumerate(order.ops) if op == "aten._local_scalar_dense"]
     assert len(reads) == 1 and reads[0] > order.ops.index("aten._fused_adamw_")
+
+
+@pytest.mark.parametrize("dtype,scale", [("bf16", 1.0), ("fp16", 128.0)])
+def test_a_fixed_loss_scale_takes_the_bound_too(dtype, scale):
+    """A fixed scale can fix no overflow: every skip counts toward ``max_consecutive_skips``
+    (it was accepted and dropped); a StaticLossScaler made by hand keeps MindSpore's rule."""
+    amp = mp.MixedPrecision(level="O2", dtype=dtype, loss_scale=scale, max_consecutive_skips=2)
+    second_skip_raises(amp, r"2 steps in a row \(max_consecutive_skips=2\) at the fixed loss "
+                            r"scale .*first parameter with a non-finite gradient: 3\.weight")
+    assert isinstance(amp.scaler, mp.StaticLossScaler)
+    assert mp.StaticLossScaler(8.0).max_consecutive_skips is None
+    restored = mp.StaticLossScaler(8.0)
+    restored.load_state_dict(amp.scaler.state_dict())
+    assert restored.max_consecutive_skips == 2
+
+
+def test_the_fp16_bound_error_names_its_keyword_and_the_first_parameter():
+    amp = mp.MixedPrecision(level="O2", dtype="fp16",
+                            loss_scale=mp.DynamicLossScaler(init_scale=1.0, max_skips_at_min=2))
+    second_skip_raises(amp, r"max_skips_at_min=2; the precision keyword max_consecutive_skips= "
+                            r"sets it.*first parameter with a non-finite gradient: 3\.weight")
+
+
+def second_skip_raises(amp, match: str) -> None:
+    """A model set up on ``amp``: one skipped step, then a second that raises ``match``."""
+    model = net()
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    skip(amp, model, opt, 1)
+    backward(amp, model, 1, poison=True)
+    with pytest.raises(mp.NonFiniteGradientsError, match=match):
+        amp.step(opt)

@@ -125,6 +125,31 @@ def test_bad_input_is_refused_clearly():
         amp.setup("model")
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"loss_scale": "dyn"}, "loss scaler spec must be"),
+    ({"loss_scale": -5}, "scale must be positive"),
+    ({"master": "fp16"}, "master must be one of"),
+    ({"state_dtype": "int8"}, "state_dtype must be one of")])
+def test_dtype_auto_refuses_at_construction_what_no_dtype_takes(kwargs, match):
+    """dtype="auto" resolves at setup; an option no dtype could take is refused now, as with
+    an explicit dtype (it was accepted until setup)."""
+    with pytest.raises(ValueError, match=match):
+        mp.MixedPrecision(level="O2", **kwargs)
+    assert mp.MixedPrecision(level="O2", master="stochastic", state_dtype="bf16").policy is None
+
+
+def test_a_step_before_setup_is_refused_saying_to_set_up():
+    amp = mp.MixedPrecision(level="O1", dtype="bf16")
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"set up no model: write model, opt = "
+                                           r"amp.setup\(model, opt\) first"):
+        amp.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def _backward_once(level, dtype, loss_scale, master=None):
     amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale=loss_scale, master=master)
     model = net()

@@ -106,6 +106,8 @@ def step_in_lockstep(nets, opts, i, scalers=None, clip=None):
     x, y = batch(i)
     loss = nn.functional.mse_loss(nets[0](x).float(), y)
     (loss if scalers is None else scalers[0].scale(loss)).backward()
+    for scaler in (scalers or [])[1:]:  # the copied gradients carry the same scale
+        scaler.scale(loss)
     for net in nets[1:]:
         for p, q in zip(nets[0].parameters(), net.parameters()):
             q.grad = None if p.grad is None else p.grad.clone()

@@ -151,6 +151,7 @@ def test_no_loss_scaler_step_reads_model_grads_without_syncing():
 def scaled_step(model, opt, scaler, grads, clip=None):
     """Gradients as a scaled backward would leave them, then unscale_, clip, step, update."""
     scale = scaler.get_scale()
+    scaler.scale(torch.zeros(()))  # the loss the gradients stand for, scaled
     set_grads(model, [None if g is None else (g.float() * scale).to(g.dtype) for g in grads])
     scaler.unscale_(opt)
     if clip is not None:

@@ -11,6 +11,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.monitor import JSONLWriter, TensorBoardWriter, read_run
+from mixprec.monitor.run import Run
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
@@ -272,6 +273,28 @@ def test_any_object_with_write_and_close_is_a_writer():
     assert [s for s, _ in seen[:-1]] == [0, 3, 3] and seen[-1] == "closed"
     assert set(seen[-2][1]) == {"mixprec/steps", "mixprec/skipped_steps"}
     assert "step" not in seen[0][1] and seen[0][1]["mixprec/loss_scale"] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["w", "a"])
+def test_a_jsonl_record_holds_one_object_per_step_the_closing_count_joining_the_last(tmp_path,
+                                                                                   mode):
+    """Every step recorded: the closing count joins the last step's object (it was a second
+    object with the same step), and the report reads the run as before."""
+    path = tmp_path / "p.jsonl"
+    if mode == "a":
+        path.write_text('{"step": 0, "mixprec/loss": 1.0}\n')
+    monitor = mp.PrecisionMonitor(every=1, writers=[JSONLWriter(path, mode=mode)])
+    run("O1", "bf16", monitor, n=3)
+    monitor.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if mode == "a":
+        assert rows.pop(0) == {"step": 0, "mixprec/loss": 1.0}
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["mixprec/steps"] == 3.0 and "mixprec/loss" in rows[-1]
+    assert rows[-1]["mixprec/loss"] == pytest.approx(monitor.records[-1]["mixprec/loss"])
+    if mode == "w":
+        record = Run(read_run(path))
+        assert record.steps == [0, 1, 2] and record.step_count == 3 and record.count_exact
 
 
 # -- through mp.Trainer ----------------------------------------------------------------------------

@@ -234,13 +234,32 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(ranks):
         assert max_diff(got, r0[name(config)]["whole"]) <= TOLERANCE[config[0]], (host, config)
 
 
-def test_setup_refuses_a_wrapped_model_and_names_the_order():
-    model = Net()
+def _wrapped_without_a_group() -> DistributedDataParallel:
     fake = DistributedDataParallel.__new__(DistributedDataParallel)  # no process group needed
     torch.nn.Module.__init__(fake)
-    fake.module = model
+    fake.module = Net()
+    return fake
+
+
+def test_setup_refuses_a_wrapped_model_and_names_the_order():
     with pytest.raises(TypeError, match="before it is wrapped in DistributedDataParallel"):
-        mp.MixedPrecision(level="O2", dtype="bf16").setup(fake)
+        mp.MixedPrecision(level="O2", dtype="bf16").setup(_wrapped_without_a_group())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_prepare_refuses_a_wrapped_model_and_names_the_order(level):
+    """After the cast DDP's hooks no longer average the gradients: the ranks would drift."""
+    fake = _wrapped_without_a_group()
+    before = {n: p.detach().clone() for n, p in fake.named_parameters()}
+    with pytest.raises(TypeError, match=r"then model = mp.parallel.ddp\(model\)"):
+        mp.prepare(fake, torch.optim.SGD(fake.parameters(), lr=0.1), level=level, dtype="bf16")
+    assert mp.policy_of(fake) is None
+    assert all(torch.equal(p, before[n]) for n, p in fake.named_parameters())
+
+
+def test_fsdp_refuses_a_ddp_model_and_says_what_to_pass():
+    with pytest.raises(TypeError, match="pass model.module"):
+        mp.parallel.fsdp(_wrapped_without_a_group(), level="O2", dtype="bf16")
 
 
 def test_an_optimizer_over_replaced_parameters_is_refused_at_the_first_step():

@@ -195,6 +195,12 @@ def test_policy_of_and_prepare_twice():
         mp.prepare(model, level="O2", dtype="bf16")
 
 
+@pytest.mark.parametrize("bad", [None, "model", 3])
+def test_policy_of_refuses_what_is_not_a_module(bad):
+    with pytest.raises(TypeError, match=f"policy_of takes an nn.Module.*got {type(bad).__name__}"):
+        mp.policy_of(bad)
+
+
 def test_prepared_model_still_trains_under_state_dict_round_trip():
     model, x, _ = make("mlp")
     mp.prepare(model, level="O2", dtype="bf16")

@@ -610,8 +610,46 @@ def test_static_and_none_reject_dynamic_state():
     for scaler in (mp.StaticLossScaler(), mp.NoLossScaler()):
         with pytest.raises(ValueError, match="from a 'dynamic' loss scaler"):
             scaler.load_state_dict(sd)
-    with pytest.raises(ValueError, match="use DynamicLossScaler"):
-        mp.StaticLossScaler().load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+
+
+def test_every_scaler_loads_a_grad_scalers_state_dict_as_far_as_it_can_hold_it():
+    """Static: the GradScaler's scale becomes its fixed one; none: a disabled GradScaler's
+    (empty) state, and an enabled one's is refused, saying where it loads."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=512.0)
+    static = mp.StaticLossScaler(128.0, max_consecutive_skips=3)
+    static.load_state_dict(theirs.state_dict())
+    assert static.get_scale() == 512.0 and static.max_consecutive_skips == 3
+    with pytest.raises(ValueError, match="empty"):
+        static.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())
+    with pytest.raises(ValueError, match="must have keys"):
+        static.load_state_dict({"scale": 2.0})
+    assert static.get_scale() == 512.0
+    none = mp.NoLossScaler()
+    none.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())
+    with pytest.raises(ValueError, match="load it into a DynamicLossScaler"):
+        none.load_state_dict(theirs.state_dict())
+
+
+@pytest.mark.parametrize("make", [lambda: mp.DynamicLossScaler(init_scale=64.0),
+                                  lambda: mp.StaticLossScaler(64.0)], ids=["dynamic", "static"])
+@pytest.mark.parametrize("call", ["step", "unscale_", "clip_grad_norm_"])
+def test_a_scaler_that_never_scaled_a_loss_refuses_to_unscale(make, call):
+    """As torch.amp.GradScaler refuses it: the gradients of a plain loss.backward() would be
+    divided by the scale. After a loaded state (a resumed run) it steps."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = make()
+    args = (opt, 1.0) if call == "clip_grad_norm_" else (opt,)
+    with pytest.raises(RuntimeError, match=call + r"\(\) before any scaler.scale\(loss\).*Write "
+                                           r"scaler.scale\(loss\).backward\(\)"):
+        getattr(scaler, call)(*args)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    resumed = make()
+    resumed.load_state_dict(scaler.state_dict())
+    getattr(resumed, call)(*args)
+    assert mp.NoLossScaler().step(opt)  # nothing to unscale
 
 
 def test_public_names_are_exported():

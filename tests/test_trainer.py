@@ -303,6 +303,11 @@ def test_bad_arguments_raise_clear_errors(digits):
         Trainer(model, F.cross_entropy, opt, level="O4")
     with pytest.raises(ValueError, match="unknown metric"):
         Trainer(model, F.cross_entropy, opt, metrics="f1")
+    with pytest.raises(TypeError, match="Trainer's model must be an nn.Module; got NoneType"):
+        Trainer(None, F.cross_entropy, opt)
+    for bad in (3, "LossMonitor"):
+        with pytest.raises(TypeError, match="callbacks must be a list of mixprec.Callback"):
+            Trainer(model, F.cross_entropy, opt, callbacks=bad)
 
 
 def test_empty_data_and_non_scalar_loss(digits):

@@ -105,7 +105,8 @@ def test_the_monitor_takes_one_writer_as_well_as_a_list(tmp_path):
     amp.backward(F.mse_loss(model(torch.randn(8, 4)).float(), torch.zeros(8, 2)))
     amp.step(opt)
     monitor.close()
-    assert [r["step"] for r in _lines(path)] == [0, 0]  # the record, the closing count
+    rows = _lines(path)  # the record, the closing count joining it
+    assert [r["step"] for r in rows] == [0] and rows[0]["mixprec/steps"] == 1.0
     with pytest.raises(TypeError, match=r"writers takes a writer or a list of writers; got str "
                                         r"'p.jsonl' \(for a file: JSONLWriter\('p.jsonl'\)\)"):
         mp.PrecisionMonitor(writers="p.jsonl")

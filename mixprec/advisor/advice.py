@@ -22,7 +22,7 @@ from ..fp8 import speed
 from ..policy import Policy
 from ..precision import OFF, Precision
 from ..precision_map import PrecisionMap
-from .measure import SIXTEEN, Measurement, lowbit_formats
+from .measure import SIXTEEN, Measurement, format_names, lowbit_formats
 from .report import format_table, plot_advice
 
 __all__ = ["Thresholds", "LayerAdvice", "Advice"]
@@ -175,6 +175,11 @@ class Advice:
 
     def _check(self, fmt: str) -> None:
         if fmt not in self.formats:
+            known = format_names()
+            if fmt not in known:
+                raise ValueError(f"unknown format {fmt!r}: this advice measured "
+                                 f"{list(self.formats)}; mp.advise measures any of "
+                                 f"{list(known)}")
             raise ValueError(f"this advice measured {list(self.formats)}, not {fmt!r}: run "
                              f"mp.advise(..., formats=(..., {fmt!r}))")
 

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import vocabulary
+from .. import lowbit, vocabulary
 from ..casting import module_device
 from ..fp8.choice import eligible_layers, gemm_dims
 from ..lowbit import Float8
+from ..lowbit.float8 import RECIPES
 from ..policy import Policy
 from ..prepare import policy_of
 from ..training.batches import to_device
@@ -44,6 +45,15 @@ def _check(model, formats, fp8_recipe, thresholds) -> tuple[str, ...]:
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty list of {list(known)}; got "
                          f"{list(formats)}")
+    try:
+        named = lowbit.resolve(fp8_recipe)
+    except (TypeError, ValueError):
+        named = None  # (the recipe's own check below says what is valid)
+    if named is not None and not isinstance(named, Float8):  # fp8= elsewhere; here a format
+        raise ValueError(f"advise's fp8= is the FP8 recipe its 'fp8_e4m3' format is measured "
+                         f"with ({', '.join(map(repr, RECIPES))}); {fp8_recipe!r} is a format "
+                         f"of its own: measure it with formats=(..., {str(named)!r}), then "
+                         f"Advice.policy(fp8={str(named)!r})")
     lowbit_formats(("fp8_e4m3",), fp8_recipe)  # the recipe's own check
     if thresholds is not None and not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds must be a mixprec.advisor.Thresholds; got "

@@ -212,9 +212,10 @@ class PrecisionMonitor(EngineObserver):
     def close(self) -> None:
         """Write the run's closing count, remove the hooks and close the writers.
 
-        When steps ran after the last record, a closing record at the last step holds
-        ``mixprec/steps`` (the steps run) and ``mixprec/skipped_steps``, so that a report
-        counts every step, not only those up to the last record."""
+        A closing record at the last step holds ``mixprec/steps`` (the steps run) and
+        ``mixprec/skipped_steps``, so that a report counts every step, not only those up to
+        the last record (a :class:`~mixprec.monitor.JSONLWriter` adds it to the last step's
+        object when that step was recorded)."""
         self._disarm()
         if self.step > self._closed_at and self._engine is not None and is_main_process():
             # (also when the last step was a recorded one: the count says the run was closed)

@@ -53,14 +53,26 @@ class JSONLWriter:
         self.mode = mode
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fresh = mode == "w"  # the first write truncates
+        self._last: tuple[int, int, dict] | None = None  # (step, offset, row) of the last line
 
     def write(self, step: int, scalars: dict) -> None:
         """Add ``{"step": step, **scalars}`` as one line (the first one of a ``mode="w"``
-        writer replaces what the file held)."""
+        writer replaces what the file held). More scalars for the step this writer wrote last
+        (the monitor's closing count after a recorded last step) join that step's line: one
+        object per step."""
         row = {"step": int(step), **{k: _finite_or_text(v) for k, v in scalars.items()}}
-        with open(self.path, "w" if self._fresh else "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        if self._last is not None and self._last[0] == row["step"]:
+            offset, row = self._last[1], {**self._last[2], **row}
+            with open(self.path, "r+b") as f:
+                f.seek(offset)
+                f.truncate()
+                f.write((json.dumps(row) + "\n").encode("utf-8"))
+        else:
+            with open(self.path, "wb" if self._fresh else "ab") as f:
+                offset = f.seek(0, os.SEEK_END)
+                f.write((json.dumps(row) + "\n").encode("utf-8"))
         self._fresh = False
+        self._last = (row["step"], offset, row)
 
     def close(self) -> None:
         """Nothing is held open."""

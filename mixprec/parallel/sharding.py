@@ -185,7 +185,8 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         ``model`` (sharded in place), or ``(model, optimizer)`` when an optimizer is given.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, bad ``units`` entries or optimizer;
+        TypeError: ``model`` is not an ``nn.Module`` or is a ``DistributedDataParallel``,
+            bad ``units`` entries or optimizer;
             ``mixed_precision`` that is not a :class:`mixprec.MixedPrecision`, or comes with
             precision keywords.
         ValueError: an unknown level, dtype, reduce dtype, master or state dtype; a unit name
@@ -201,6 +202,10 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp expects an nn.Module; got {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("fsdp shards the plain model, not one wrapped in "
+                        "DistributedDataParallel (FSDP2 reduces the gradients itself; the two do "
+                        "not nest): pass model.module, or the model before you wrapped it")
     if is_fsdp(model) or policy_of(model) is not None:
         raise RuntimeError("fsdp prepares and shards the model itself: pass the fresh fp32 model "
                            "(not one already passed to mp.prepare or fully_shard)")

@@ -52,6 +52,7 @@ class LossScaler(GradScalerInterface):
         self._state = ScaleState.initial(1.0)
         self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
+        self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
         self._stages = StageBook()
         self._modules: list[weakref.ref] = []
@@ -193,6 +194,7 @@ class LossScaler(GradScalerInterface):
             RuntimeError: called twice, or after step(), in one iteration.
         """
         checks.check_clip_args(max_norm, norm_type)
+        self._check_scaled("clip_grad_norm_()")
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
@@ -240,6 +242,7 @@ class LossScaler(GradScalerInterface):
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
                             "optimizer.step(closure) directly when not scaling")
         checks.check_optimizer(optimizer)
+        self._check_scaled("step()")
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
@@ -397,7 +400,22 @@ class LossScaler(GradScalerInterface):
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
+        self._check_scaled(what)
         return self._stages.ready(optimizer, what)
+
+    def _check_scaled(self, what: str) -> None:
+        """Refuse ``what`` from a scaler that never scaled a loss nor loaded a state (as
+        ``torch.amp.GradScaler`` refuses it): the gradients carry no scale to divide by."""
+        if self._scales and not self._scaled and not self._resumed:
+            raise RuntimeError(
+                f"{what} before any scaler.scale(loss): the gradients carry no loss scale, and "
+                f"unscaling them would divide them by {self.get_scale():g}. Write "
+                f"scaler.scale(loss).backward() instead of loss.backward(), then "
+                f"scaler.step(optimizer) and scaler.update()")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._resumed = True
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
         """A READY optimizer about to step: unscale (plain, or an owner whose step pre-hooks

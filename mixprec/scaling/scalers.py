@@ -31,6 +31,7 @@ import torch
 
 from ..dtypes import to_dtype
 from .base import LossScaler
+from .gradscaler import TORCH_KEYS
 from .state import (
     DynamicConfig,
     ScaleState,
@@ -117,19 +118,23 @@ class NoLossScaler(LossScaler):
                 f"NonFiniteGradientsError (max_consecutive_skips=)")
 
     def _persistent_overflow_error(self, names):
-        first = names[0].split(" shape ")[0] if names else "none on this rank"
-        return NonFiniteGradientsError(
-            f"gradients held inf/NaN for {self.max_consecutive_skips} steps in a row "
-            f"(max_consecutive_skips={self.max_consecutive_skips}), with no loss scale that "
-            f"could cause or fix it; the first parameter with a non-finite gradient: {first}. "
-            f"Look for inf/NaN in the loss, the inputs or the forward pass (e.g. with "
-            f"mixprec.debug.trace_nonfinite(model)). Parameters with non-finite gradients: "
-            f"{_listed(names)}", names)
+        limit = self.max_consecutive_skips
+        return _bound_error(f"{limit} steps in a row (max_consecutive_skips={limit}), with no "
+                            f"loss scale that could cause or fix it", names)
 
     def _config_dict(self):
         if not self.skip_nonfinite:
             return {}
         return {"skip_nonfinite": True, "max_consecutive_skips": self.max_consecutive_skips}
+
+    def _load_grad_scaler(self, state_dict):
+        """A disabled ``torch.amp.GradScaler``'s (empty) state_dict: nothing to load. An enabled
+        one's scaled the loss, which this scaler cannot continue."""
+        if state_dict:
+            raise ValueError(f"this torch.amp.GradScaler state_dict holds a loss scale "
+                             f"({state_dict.get('scale')!r}); NoLossScaler scales nothing: load "
+                             f"it into a DynamicLossScaler (or a StaticLossScaler, which takes "
+                             f"its scale as its fixed one)")
 
     def _load_config(self, config):
         if config == {}:  # a no-op scaler's (or an earlier version's): settings stay as made
@@ -145,6 +150,17 @@ class NoLossScaler(LossScaler):
 
 def _listed(names: list[str]) -> str:
     return "; ".join(names) if names else "none on this rank (another rank overflowed)"
+
+
+def _bound_error(how_long: str, names: list[str], hint: str = "") -> NonFiniteGradientsError:
+    """The error of a run of skipped steps past its bound: how long and at what scale, the
+    first parameter with a non-finite gradient, where to look, and every such parameter."""
+    first = names[0].split(" shape ")[0] if names else "none on this rank"
+    return NonFiniteGradientsError(
+        f"gradients held inf/NaN for {how_long}; the first parameter with a non-finite "
+        f"gradient: {first}. {hint}Look for inf/NaN in the loss, the inputs or the forward "
+        f"pass (e.g. with mixprec.debug.trace_nonfinite(model)). Parameters with non-finite "
+        f"gradients: {_listed(names)}", names)
 
 
 class DynamicLossScaler(LossScaler):
@@ -215,13 +231,11 @@ class DynamicLossScaler(LossScaler):
         return self._state.scale <= self.config.min_scale
 
     def _persistent_overflow_error(self, names):
-        listed = _listed(names)
-        return NonFiniteGradientsError(
-            f"gradients were non-finite for {self.config.max_skips_at_min} steps in a row at the "
-            f"minimum loss scale {self.config.min_scale}: the overflow is not caused by the scale "
-            f"(look for inf/NaN in the loss, the inputs or the forward pass, e.g. with "
-            f"mixprec.debug.trace_nonfinite()). Parameters with non-finite gradients: {listed}",
-            names)
+        limit = self.config.max_skips_at_min
+        return _bound_error(f"{limit} steps in a row at the minimum loss scale "
+                            f"{self.config.min_scale} (max_skips_at_min={limit}; the precision "
+                            f"keyword max_consecutive_skips= sets it): the overflow is not "
+                            f"caused by the scale", names)
 
     def get_growth_factor(self) -> float:
         return self.config.growth_factor
@@ -261,11 +275,10 @@ class DynamicLossScaler(LossScaler):
         self.config = DynamicConfig(**config)
 
     def _load_grad_scaler(self, state_dict):
-        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
         if not state_dict:
             raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves "
                              "nothing); nothing to load")
-        check_keys("a torch.amp.GradScaler state_dict", state_dict, keys)
+        check_keys("a torch.amp.GradScaler state_dict", state_dict, TORCH_KEYS)
         config = dataclasses.replace(
             self.config, growth_factor=state_dict["growth_factor"],
             backoff_factor=state_dict["backoff_factor"],
@@ -293,10 +306,11 @@ class StaticLossScaler(LossScaler):
         skip_on_overflow: skip steps whose gradients hold inf/NaN (MindSpore's
             ``drop_overflow_update``). False applies every step without reading the flag (no
             host sync at all).
-
-    The scale never changes, so persistent overflow is not raised as an error: watch
-    ``skipped_steps`` (or use :class:`DynamicLossScaler`, which raises
-    :class:`NonFiniteGradientsError`).
+        max_consecutive_skips: with ``skip_on_overflow``, skipped steps in a row before
+            :class:`NonFiniteGradientsError` naming the parameters (an integer >= 1; a fixed
+            scale cannot fix any of them), or None (default: never, as MindSpore's manager;
+            watch ``skipped_steps``). A policy's numeric ``loss_scale`` gets the precision
+            keyword of the same name (8 unless set).
 
     Example:
         >>> StaticLossScaler(1024.0).get_scale()
@@ -306,33 +320,68 @@ class StaticLossScaler(LossScaler):
     _kind = "static"
     _scales = True
 
-    def __init__(self, scale: float = 128.0, skip_on_overflow: bool = True):
+    def __init__(self, scale: float = 128.0, skip_on_overflow: bool = True,
+                 max_consecutive_skips: int | None = None):
         super().__init__()
         if not isinstance(skip_on_overflow, bool):
             raise TypeError(f"skip_on_overflow must be a bool; got {skip_on_overflow!r}")
         self._state = ScaleState.initial(positive_scale("scale", scale))
         self.skip_on_overflow = skip_on_overflow
+        self.max_consecutive_skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
 
     @property
     def _checks(self) -> bool:
         return self.skip_on_overflow
 
+    def _skip_limit(self):
+        return self.max_consecutive_skips
+
+    def _adjust(self, found_inf):
+        found = found_inf.to(self._state.device) > 0  # counts skips in a row; the scale stays
+        return dataclasses.replace(self._state, skips_at_min=(self._state.skips_at_min + 1) * found)
+
+    def _persistent_overflow_error(self, names):
+        limit = self.max_consecutive_skips
+        return _bound_error(f"{limit} steps in a row (max_consecutive_skips={limit}) at the "
+                            f"fixed loss scale {self.get_scale()}", names,
+                            "A smaller scale (or a DynamicLossScaler) fixes an overflow the "
+                            "scale causes. ")
+
     def _config_dict(self):
-        return {"skip_on_overflow": self.skip_on_overflow}
+        if self.max_consecutive_skips is None:  # (the layout of earlier versions)
+            return {"skip_on_overflow": self.skip_on_overflow}
+        return {"skip_on_overflow": self.skip_on_overflow,
+                "max_consecutive_skips": self.max_consecutive_skips}
 
     def _repr_fields(self):
-        return {"scale": self.get_scale(), "skip_on_overflow": self.skip_on_overflow}
+        return {"scale": self.get_scale(), **self._config_dict()}
 
     def _set_scale(self, new_scale: float) -> None:
         self._state = dataclasses.replace(self._state, scale=torch.full_like(
             self._state.scale, new_scale))
 
     def _load_config(self, config):
-        check_keys("state_dict['config']", config, ("skip_on_overflow",))
+        keys = ("skip_on_overflow",) + (("max_consecutive_skips",)
+                                        if isinstance(config, dict)
+                                        and "max_consecutive_skips" in config else ())
+        check_keys("state_dict['config']", config, keys)
         if not isinstance(config["skip_on_overflow"], bool):
             raise ValueError(f"state_dict['config']['skip_on_overflow'] must be a bool; got "
                              f"{config['skip_on_overflow']!r}")
-        self.skip_on_overflow = config["skip_on_overflow"]
+        limit = skip_limit("state_dict['config']['max_consecutive_skips']",
+                           config.get("max_consecutive_skips"))
+        self.skip_on_overflow, self.max_consecutive_skips = config["skip_on_overflow"], limit
+
+    def _load_grad_scaler(self, state_dict):
+        """A ``torch.amp.GradScaler``'s scale becomes this fixed one (its growth settings have
+        nothing to apply to here)."""
+        if not state_dict:
+            raise ValueError("this state_dict is empty (a disabled torch.amp.GradScaler saves "
+                             "nothing); nothing to load")
+        check_keys("a torch.amp.GradScaler state_dict", state_dict, TORCH_KEYS)
+        scale = positive_scale("the GradScaler's scale", state_dict["scale"])
+        self._state = ScaleState.initial(scale, device=self._state.device)
+        self._stages.clear()
 
 
 def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
@@ -368,10 +417,11 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
         if limit != 8:
             raise ValueError(f"max_consecutive_skips={limit!r} beside a scaler object: set it "
                              f"on the scaler (NoLossScaler(max_consecutive_skips=...), "
+                             f"StaticLossScaler(max_consecutive_skips=...), "
                              f"DynamicLossScaler(max_skips_at_min=...))")
         return spec
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return StaticLossScaler(spec)
+        return StaticLossScaler(spec, max_consecutive_skips=limit)
     if spec is not None and not isinstance(spec, str):
         raise TypeError(f"loss scaler spec must be 'auto', 'dynamic', 'none', None, a number or a "
                         f"loss scaler; got {type(spec).__name__} {spec!r}")
@@ -379,7 +429,7 @@ def make_loss_scaler(spec: Any = "auto", dtype: Any = None, *,
     if key == "auto":
         key = _auto_spec(dtype) or "none"
         if not isinstance(key, str):  # a Policy's fixed loss_scale: a number
-            return StaticLossScaler(key)
+            return StaticLossScaler(key, max_consecutive_skips=limit)
     if key == "dynamic":
         return DynamicLossScaler(max_skips_at_min=limit)
     if key == "none":

@@ -112,6 +112,11 @@ class Trainer:
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
                  max_consecutive_skips: int | None = 8, loss_scaler: Any = vocabulary.UNSET):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Trainer's model must be an nn.Module; got {type(model).__name__}")
+        if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+            raise TypeError(f"callbacks must be a list of mixprec.Callback instances; got "
+                            f"{type(callbacks).__name__} {callbacks!r}")
         check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
