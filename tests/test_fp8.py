@@ -20,6 +20,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.fp8 import choice
+from mixprec.lowbit import fp8sim
 
 pytest.importorskip("torchao.float8")
 
@@ -145,6 +146,13 @@ def test_a_chosen_layer_computes_an_fp8_gemm(recipe):
     torch.testing.assert_close(layer.weight.grad, want_gw, **tol)
     torch.testing.assert_close(x.grad, want_gx, **tol)
     assert rel(y - b, x.detach() @ w.t()) > 1e-3  # and not an fp32 GEMM
+    # the advisor's simulation: the same GEMMs, rowwise ones rounded to bf16 as the layer's
+    xs = x.detach().clone().requires_grad_()
+    sim = fp8sim.float8_matmul(xs, w.t().clone().requires_grad_(), rowwise=rowwise)
+    sim.backward(g)
+    assert torch.equal(sim, sim.bfloat16().float()) == rowwise
+    torch.testing.assert_close(sim, want, **tol)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=2.0 ** -8 if rowwise else 1e-5, atol=1e-6)
 
 
 def test_op_stats_see_the_float8_casts_of_each_chosen_layer():

@@ -121,6 +121,33 @@ def test_the_mx_cast_is_a_power_of_two_per_block_and_e4m3_elements():
     assert float(largest) == 2.0 ** 5 and float(ratio) >= 2.0 ** 5  # 1e4/448 -> 2^5
 
 
+def test_an_nvfp4_block_whose_scale_rounds_to_zero_is_zeroed_and_counted_flushed():
+    """The e4m3 block scale of a block far below the tensor's amax rounds to 0: the block
+    dequantizes to zeros (it was kept at scale 1, and reported unflushed)."""
+    x = torch.cat([torch.full((16,), 0.0).index_fill(0, torch.tensor([0]), 1e6),
+                   torch.linspace(0.3, 1.0, 16)]).reshape(1, 32)
+    q = blocks.fake_quant(x, blocks.NVFP4, -1)
+    assert float(q[0, 0]) == pytest.approx(1e6, rel=0.25)
+    assert torch.equal(q[0, 16:], torch.zeros(16))
+    amax, saturated, flushed, _, _ = blocks.fractions(x, blocks.NVFP4, -1)
+    assert (float(amax), float(saturated)) == (1e6, 0.0)
+    assert float(flushed) == pytest.approx(16 / 17, rel=1e-6)  # the 16 of block 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_makes_the_whole_nvfp4_tensor_nan_and_mx_its_block(bad):
+    """NVFP4's tensor scale comes from the tensor's amax: one inf/NaN makes every value NaN (the
+    other rows were clamped finite values: -61.4 came back as -6); MX's scale is per block."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 32, generator=g) * 50
+    x[0, 3] = bad
+    q = blocks.fake_quant(x, blocks.NVFP4, -1)
+    assert torch.isnan(q).all()
+    assert float(blocks.fractions(x, blocks.NVFP4, -1)[1]) == 1.0
+    mx = blocks.fake_quant(x, blocks.MX, -1)
+    assert torch.isfinite(mx[1]).all() and not torch.isfinite(mx[0]).all()
+
+
 def test_no_code_outside_the_formats_branches_on_a_format_name():
     """String constants equal to a shorthand (docstrings aside) appear only in
     mixprec/lowbit, where each format registers its own."""

@@ -89,16 +89,23 @@ def block_scales(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Ten
     if not cast.tensor_scale:
         exponent = torch.ceil(torch.log2(amax / cast.emax)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
         return blocks, torch.exp2(exponent)
+    # (an inf or NaN in the tensor makes the tensor scale, hence every block's, NaN or inf:
+    # every value NaN, as the real cast gives; a block scale that rounds to 0 zeroes its block)
     outer = (blocks.abs().amax() / (cast.emax * _E4M3_MAX)).clamp(min=torch.finfo().tiny)
     inner = (amax / cast.emax / outer).clamp(max=_E4M3_MAX).to(_E4M3).float()
-    scales = inner * outer
-    return blocks, torch.where(scales > 0, scales, torch.ones_like(scales))
+    return blocks, inner * outer
+
+
+def _elements(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each block's values over its scale (a block whose scale is 0 holds only zeros: what it
+    dequantizes to), before rounding."""
+    return blocks / torch.where(scales == 0, torch.ones_like(scales), scales)
 
 
 def fake_quant(x: torch.Tensor, cast: BlockCast, axis: int) -> torch.Tensor:
     """``x`` cast to the block format along ``axis`` and back, in fp32 (same shape)."""
     blocks, scales = block_scales(x, cast, axis)
-    q = (cast.round(blocks / scales) * scales).flatten(-2)
+    q = (cast.round(_elements(blocks, scales)) * scales).flatten(-2)
     return q[..., :x.shape[axis]].movedim(-1, axis)
 
 
@@ -106,16 +113,17 @@ def fake_quant(x: torch.Tensor, cast: BlockCast, axis: int) -> torch.Tensor:
 def fractions(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Tensor, ...]:
     """What the cast does to ``x``, as 0-d tensors (no host sync): the amax of the tensor, the
     fraction of values saturated (beyond the element range after scaling by more than the
-    block scale's rounding, or inf/NaN), the
-    fraction of nonzero values flushed to zero, the largest block scale (the dequantization
-    factor of the block holding the largest value) and its ratio to the smallest (of the blocks
-    holding a nonzero value)."""
+    block scale's rounding, or inf/NaN, or all of them where the tensor's scale is not finite),
+    the fraction of nonzero values flushed to zero (a block whose scale rounds to 0 flushes
+    all of them), the largest block scale (the dequantization factor of the block holding the
+    largest value) and its ratio to the smallest (of the blocks holding a nonzero value)."""
     blocks, scales = block_scales(x, cast, axis)
     a = blocks.abs()
-    scaled = a / scales
-    saturated = ((scaled > cast.emax * cast.slack) | ~torch.isfinite(a)).float().mean()
+    scaled = _elements(a, scales)
+    saturated = ((scaled > cast.emax * cast.slack) & (scales > 0) | ~torch.isfinite(a)
+                 | ~torch.isfinite(scales)).float().mean()
     nonzero = a > 0
-    flushed = (cast.round(scaled) == 0) & nonzero
+    flushed = ((cast.round(scaled) == 0) | (scales == 0)) & nonzero
     live = nonzero.any(dim=-1, keepdim=True)
     big = torch.where(live, scales, torch.zeros_like(scales)).amax()
     small = torch.where(live, scales, torch.full_like(scales, float("inf"))).amin()

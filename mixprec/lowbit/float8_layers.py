@@ -8,7 +8,9 @@ The forward (:func:`fp8_linear`) runs torchao's FP8 matmul (its autograd functio
 scales, ``torch._scaled_mm`` for the forward GEMM and both backward GEMMs) in the precision the
 layer's region computes in: under autocast the input is cast to the autocast dtype first (what
 ``F.linear`` under autocast does), the weight is cast to FP8 from its stored dtype (fp32 at O1,
-16-bit at O2/O3), and the output comes out in the input's dtype. The GEMM runs with autocast and
+16-bit at O2/O3), and the output comes out in the input's dtype (with the rowwise recipes
+rounded to bf16 first: torch's rowwise FP8 GEMM writes only bf16, so an fp32 or fp16 layer's
+outputs and gradients carry bf16's precision). The GEMM runs with autocast and
 torch-function modes off, so neither autocast nor mixprec's op lists or fp16 emulation touch its
 FP8 operands. The bias is added in the output's dtype.
 

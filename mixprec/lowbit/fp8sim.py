@@ -4,7 +4,8 @@ An FP8 linear layer (torchao's recipes, see :mod:`mixprec.lowbit.float8`) casts 
 operand to FP8 with a dynamic scale, ``q = saturate(x * s)`` with ``s = fmax / amax``,
 multiplies the FP8 values exactly and accumulates in fp32, and divides by the scales.
 :func:`fake_quant` returns ``q / s`` in fp32, so ``fake_quant(a) @ fake_quant(b)`` is that
-GEMM's result up to the order of fp32 accumulation. :func:`float8_matmul` does this for the
+GEMM's result up to the order of fp32 accumulation (with rowwise scales then rounded to bf16,
+what that kernel returns whatever the layer's dtype). :func:`float8_matmul` does this for the
 forward GEMM and both backward GEMMs (the output gradient in e5m2 for the tensorwise recipe, in
 e4m3 with rowwise scales for the rowwise ones), with autograd. It needs no torchao and runs on
 any device. Block-scaled formats (MXFP8, NVFP4) are simulated by :mod:`.blocks`;
@@ -46,21 +47,28 @@ class _FP8Matmul(torch.autograd.Function):
     def forward(ctx, x2, w_t, rowwise: bool, weight_grad_fp8: bool):
         ctx.save_for_backward(x2, w_t)
         ctx.rowwise, ctx.weight_grad_fp8 = rowwise, weight_grad_fp8
-        return fake_quant(x2, _E4M3, -1 if rowwise else None) @ \
-            fake_quant(w_t, _E4M3, 0 if rowwise else None)
+        return _result(fake_quant(x2, _E4M3, -1 if rowwise else None)
+                       @ fake_quant(w_t, _E4M3, 0 if rowwise else None), rowwise)
 
     @staticmethod
     def backward(ctx, grad):
         x2, w_t = ctx.saved_tensors
         rowwise = ctx.rowwise
         g_dtype = _E4M3 if rowwise else _E5M2
-        grad_x = fake_quant(grad, g_dtype, -1 if rowwise else None) @ \
-            fake_quant(w_t, _E4M3, -1 if rowwise else None).t()
+        grad_x = _result(fake_quant(grad, g_dtype, -1 if rowwise else None)
+                         @ fake_quant(w_t, _E4M3, -1 if rowwise else None).t(), rowwise)
         if not ctx.weight_grad_fp8:
             return grad_x, x2.t() @ grad, None, None
-        grad_w = fake_quant(x2, _E4M3, 0 if rowwise else None).t() @ \
-            fake_quant(grad, g_dtype, 0 if rowwise else None)
+        grad_w = _result(fake_quant(x2, _E4M3, 0 if rowwise else None).t()
+                         @ fake_quant(grad, g_dtype, 0 if rowwise else None), rowwise)
         return grad_x, grad_w, None, None
+
+
+def _result(product: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """A GEMM's fp32 result as the FP8 kernel returns it: with rowwise scales in bf16
+    (``torch._scaled_mm``'s rowwise kernel writes only bf16; torchao casts it to an fp32 or fp16
+    layer's dtype after, and its power-of-two scales round nothing more)."""
+    return product.to(torch.bfloat16).float() if rowwise else product
 
 
 def float8_matmul(x: torch.Tensor, w_t: torch.Tensor, rowwise: bool = False,
