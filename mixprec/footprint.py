@@ -41,6 +41,19 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if is_dtensor(p) else p.numel()
 
 
+def _ddp_buckets(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets (held for the run: one element per parameter it
+    reduces, in the parameter's dtype), less the gradients that are views of them
+    (``gradient_as_bucket_view``), counted as gradients; 0 for a model DDP does not wrap."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    ignored = getattr(model, "parameters_to_ignore", set())
+    synced = [p for n, p in model.module.named_parameters() if p.requires_grad
+              and n not in ignored]
+    views = sum(tensor_bytes(p.grad) for p in synced) if model.gradient_as_bucket_view else 0
+    return sum(tensor_bytes(p.detach()) for p in synced) - views
+
+
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                         ) -> dict[str, float]:
     """Bytes per model parameter, measured from the tensors held.
@@ -56,7 +69,8 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         ``optimizer.state`` for the model's parameters, except the rounding generator's state:
         5 KB, not per parameter; the optimizer's parameters outside the model are not
         counted), ``gradients`` (those currently held: 0 after
-        ``zero_grad(set_to_none=True)``) and ``total``, each in bytes per parameter.
+        ``zero_grad(set_to_none=True)``; under DDP its gradient buckets too, held for the run)
+        and ``total``, each in bytes per parameter.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
@@ -77,7 +91,7 @@ def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         raise ValueError("the model has no parameters to count bytes per parameter for")
     out = {"weights": sum(tensor_bytes(p.detach()) for p in params),
            "masters": 0, "compensation": 0, "optimizer_state": 0,
-           "gradients": sum(tensor_bytes(p.grad) for p in params)}
+           "gradients": sum(tensor_bytes(p.grad) for p in params) + _ddp_buckets(model)}
     ours = {id(p) for p in params}
     if isinstance(optimizer, MasterWeightOptimizer):
         masters = [m for p, m in optimizer.masters_by_param().items() if id(p) in ours]

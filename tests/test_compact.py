@@ -230,10 +230,16 @@ def test_resume_from_state_dicts_is_bitwise(master, state_dtype):
     model2, opt2 = make(master, state_dtype, seed=5)
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
+    # the buffers made before the load are dropped for the loaded ones (they were kept too:
+    # 2 bytes per parameter more, for the rest of the run)
+    held = mp.bytes_per_parameter(model, opt)["compensation"]
+    assert mp.bytes_per_parameter(model2, opt2)["compensation"] == held
+    assert opt2.held_tensors()["compensation"] == []
     scaler2 = mp.DynamicLossScaler()
     scaler2.load_state_dict(saved[2])
     train(model2, opt2, scaler2, 3, start=3)
     assert_bitwise(everything(model, opt), everything(model2, opt2))
+    assert mp.bytes_per_parameter(model2, opt2)["compensation"] == held
 
 
 def test_a_kahan_checkpoint_before_the_first_step_carries_the_initial_compensation():

@@ -228,6 +228,24 @@ def test_plan_counts_bytes_per_rank_for_each_strategy_and_level():
     assert plan(n, level="O2", dtype="fp32", strategy="single").masters == 0
 
 
+@pytest.mark.filterwarnings("ignore:Adam .* keeps its moment estimates in fp16")
+@pytest.mark.parametrize("level,dtype", [("O3", "bf16"), ("O3", "fp16"), ("O2", "bf16")])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_the_planned_optimizer_state_is_what_a_prepared_optimizer_holds(optimizer, level, dtype):
+    """Adagrad makes its state when constructed, from the fp32 model: fp32 at O3 (the plan said
+    2 bytes where 4 were held); Adam makes its state at its first step, in the weights' dtype."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Linear(128, 64))
+    kind = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[optimizer]
+    model, opt = mp.prepare(model, kind(model.parameters(), lr=1e-3, **(
+        {"eps": 1e-4} if dtype == "fp16" else {})), level=level, dtype=dtype)
+    model(torch.randn(4, 16).to(next(model.parameters()).dtype)).float().sum().backward()
+    opt.step()
+    held = mp.bytes_per_parameter(model, opt)["optimizer_state"]
+    n = sum(p.numel() for p in model.parameters())
+    planned = plan(n, level=level, dtype=dtype, strategy="single", optimizer=optimizer)
+    assert planned.optimizer_state / n == pytest.approx(held, abs=0.01)  # (Adam's step: 0-d)
+
+
 @pytest.mark.parametrize("text,count", [("7e9", 7 * 10 ** 9), ("7B", 7 * 10 ** 9),
                                         ("350M", 350 * 10 ** 6), ("1.3b", 1_300_000_000),
                                         (1000, 1000)])
@@ -241,6 +259,8 @@ def test_parameter_counts_parse(text, count):
     ({"world": 0}, "world must be an integer >= 1"), ({"strategy": "single", "world": 8},
                                                        "runs one process"),
     ({"optimizer": "shampoo"}, "optimizer must be one of"), ({"dtype": "fp64"}, "dtype must be"),
+    ({"dtype": "int8"}, r"plan's dtype must be 'bf16', 'fp16' or 'fp32' \(or their torch"),
+    ({"dtype": "auto"}, "'auto' has no device to resolve on"),
 ])
 def test_plan_rejects_bad_input(kwargs, match):
     args = {"params": "7B", "level": "O2", "strategy": "fsdp", "world": 8, **kwargs}
@@ -325,3 +345,33 @@ def test_a_bad_dtype_is_refused_naming_only_the_dtypes_that_are_taken(call):
         call()
     assert "'fp32'" in str(info.value) and "fp64" not in str(info.value)
     assert "fp8_e4m3" not in str(info.value)
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_bytes_per_parameter_counts_ddps_gradient_buckets_as_the_plan_does(tmp_path, as_view):
+    """DDP holds a gradient bucket per parameter for the run (the plan counts it; the
+    measurement left it out); gradients that are views of the buckets are counted once."""
+    import gc
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32))
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                level="O2", dtype="bf16")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=as_view)
+        ddp(torch.randn(4, 64)).float().sum().backward()
+        held = mp.bytes_per_parameter(ddp, opt)["gradients"]
+        assert held == (2.0 if as_view else 4.0)  # the bf16 buckets, and gradients apart
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        measured = mp.bytes_per_parameter(ddp, opt)
+        assert measured["gradients"] == 2.0  # the buckets stay
+        n = sum(p.numel() for p in model.parameters())
+        planned = plan(n, level="O2", dtype="bf16", strategy="ddp", world=2, optimizer="adamw")
+        assert planned.bytes_per_parameter() == pytest.approx(measured["total"], abs=0.01)
+        del ddp
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -91,6 +91,7 @@ def hold_unstepped(optimizer) -> None:
             del optimizer.state[p]
         elif entry is not None and key in entry:
             optimizer._kept[p] = entry[key]
+            optimizer._pending.pop(p, None)  # the buffer made before the load: not kept twice
 
 
 def widen_int16(optimizer, state: dict) -> dict:

@@ -8,7 +8,9 @@ weight dtype. For torch's
 per-parameter optimizers (Adafactor and SparseAdam aside: their state is not element-wise) a
 larger tensor is cut into slices: flat ranges of multiples of 64 elements (torch's fused CPU
 kernel then groups the elements for its vector loop as for the whole tensor), or, for a strided
-tensor, row ranges.
+tensor (a gradient laid out apart from its weight, say), row ranges of multiples of 64 elements
+where a row's length allows (for a weight whose rows are laid out in memory order, the same
+groups again).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
             yield from _runs(shape[1:], limit, (*prefix, i), start + i * inner)
         return
     rows = max(1, limit // inner)
+    whole = _ALIGN // math.gcd(inner, _ALIGN)  # rows per multiple of _ALIGN elements
+    if rows >= whole:  # each slice a multiple of _ALIGN elements: where the tensor's rows are
+        rows -= rows % whole  # its memory's, torch's fused CPU kernel groups them as whole
     for a in range(0, shape[0], rows):
         b = min(a + rows, shape[0])
         yield (*prefix, slice(a, b)), start + a * inner, (b - a) * inner
