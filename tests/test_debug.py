@@ -87,6 +87,20 @@ def test_forward_overflow_names_layer_and_op(pass_model, name):
     assert text.startswith(f"first non-finite in forward: {name} (aten.addmm.default)")
 
 
+def test_a_ddp_wrapped_model_is_named_as_the_users_module():
+    """Modules are named as in the user's model (``encoder.fc2``; the root by its class), not
+    under DDP's ``module.`` prefix."""
+    net = _fp16_net(fc2_weight=1e4)
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel)  # no process group needed to name modules
+    torch.nn.Module.__init__(ddp)
+    ddp.module = net
+    with debug.trace_nonfinite(ddp) as tracer:
+        net(torch.full((3, 8), 10.0, dtype=torch.float16))
+    assert tracer.report.forward.module == "encoder.fc2"
+    assert tracer._names[id(ddp)] == tracer._names[id(net)] == type(net).__name__
+
+
 def test_forward_overflow_under_autocast_fp16():
     net = Net()
     with torch.no_grad():

@@ -15,6 +15,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..distenv import unwrap
 from ..dtypes import dtype_name
 from ._common import PHASES, current_phase, tensors_in
 
@@ -184,8 +185,11 @@ class NonFiniteTracer:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
         self.raise_on_first = bool(raise_on_first)
-        self._names = {} if model is None else {
-            id(m): name or type(model).__name__ for name, m in model.named_modules()}
+        inner = None if model is None else unwrap(model)  # DDP's and compile's wrappers:
+        self._names = {} if model is None else {          # the user's module names
+            id(m): name or type(inner).__name__ for name, m in inner.named_modules()}
+        if model is not inner:
+            self._names[id(model)] = type(inner).__name__
         self._created: dict[str, NonFiniteEvent] = {}
         self._inherited: dict[str, NonFiniteEvent] = {}
         self._stack: list[tuple[int, str, set]] = []
