@@ -65,12 +65,18 @@ class _OpListMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        targets = self.targets
+        if not torch.compiler.is_compiling():  # the innermost block's lists (eager)
+            block = kernels.block_in_force()
+            if block is not None and block.mode_targets is not None:
+                targets = block.mode_targets
         try:
-            target = self.targets.get(func)
+            target = targets.get(func)
         except TypeError:  # an unhashable callable is never one of ours
             target = None
-        if target is None or not torch.is_autocast_enabled(self.device_type):
-            return func(*args, **kwargs)
+        if (target is None or not torch.is_autocast_enabled(self.device_type)
+                or kwargs.get("out") is not None):  # out=: the caller's tensor's dtype, as
+            return func(*args, **kwargs)            # torch.autocast leaves such a call
         if target == _PROMOTE:
             dtype = _widest((args, kwargs), self.device_type)
         else:
@@ -172,15 +178,19 @@ class PrecisionContext:
     def run(self, fn, args: tuple, kwargs: dict):
         """``fn(*args, **kwargs)`` under this context."""
         with self._autocast():
-            if self._eager_kernels():
-                with kernels.active(self.device_type, self.kernels):
+            if self._eager_block():
+                with self._block():
                     return self._with_modes(self.mode_targets, fn, args, kwargs)
             return self._with_modes(self.targets, fn, args, kwargs)
 
-    def _eager_kernels(self) -> bool:
-        # eager code casts these ops at the dispatcher and intercepts only the others in
-        # Python; traced code intercepts them all (dynamo inlines the mode into the graph)
-        return bool(self.kernels) and self.autocast and not torch.compiler.is_compiling()
+    def _eager_block(self) -> bool:
+        # eager code casts the kernels' ops at the dispatcher and intercepts only the others in
+        # Python, under a block that also makes any enclosing block's lists give way to this
+        # one's; traced code intercepts them all (dynamo inlines the mode into the graph)
+        return self.autocast and not torch.compiler.is_compiling()
+
+    def _block(self) -> kernels.active:
+        return kernels.active(self.device_type, self.kernels, self.mode_targets)
 
     def _with_modes(self, targets: dict, fn, args, kwargs):
         if targets and self.emulate:  # the op lists innermost: they see each call first
@@ -198,8 +208,8 @@ class PrecisionContext:
         """Enter this context on ``stack`` (for code that is not one function call)."""
         stack.enter_context(self._autocast())
         targets = self.targets
-        if self._eager_kernels():
-            stack.enter_context(kernels.active(self.device_type, self.kernels))
+        if self._eager_block():
+            stack.enter_context(self._block())
             targets = self.mode_targets
         if self.emulate:
             stack.enter_context(Fp16EmulationMode(self.device_type))

@@ -25,6 +25,7 @@ Two situations are handled:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 
@@ -78,6 +79,31 @@ def autocast_runs_in_low_precision(op: str, device_type: str) -> bool:
     return name is not None and name in table["low_precision"]
 
 
+def _labels(term: str) -> list[str]:
+    """The index labels of one einsum operand or output (an ellipsis is one label)."""
+    return (["..."] if "..." in term else []) + list(term.replace("...", ""))
+
+
+def einsum_contracts(args) -> bool:
+    """Whether ``torch.einsum(*args)`` contracts an index that two operands share: torch then
+    multiplies them with ``bmm`` (which autocast casts); a permutation, a reduction, a diagonal
+    or an elementwise or outer product runs no GEMM and stays in its inputs' dtype. (The
+    sublist form is taken as a contraction.)"""
+    if not args or not isinstance(args[0], str):
+        return True
+    lhs, arrow, out = args[0].replace(" ", "").partition("->")
+    inputs = [_labels(term) for term in lhs.split(",")]
+    if len(inputs) < 2:
+        return False
+    shared = collections.Counter(label for labels in inputs for label in set(labels))
+    if arrow:
+        kept = set(_labels(out))
+    else:  # the implicit output: labels written once, and the ellipsis
+        written = collections.Counter(label for labels in inputs for label in labels)
+        kept = {label for label, n in written.items() if n == 1} | {"..."}
+    return any(n >= 2 and label not in kept for label, n in shared.items())
+
+
 def _round(t):
     """A floating tensor as fp32 holding fp16-rounded values (differentiable)."""
     if isinstance(t, torch.Tensor) and t.dtype in ROUNDABLE_DTYPES:
@@ -113,6 +139,8 @@ class Fp16EmulationMode(TorchFunctionMode):
 
     def _wanted(self, op: str, args, kwargs) -> bool:
         """Would this call run an fp16 kernel on our device without the emulation?"""
+        if op == "einsum" and not einsum_contracts(args):  # no GEMM inside: torch's own ops
+            return False
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         floating = [t for t in tensors if t.is_floating_point()]
         if not floating or any(t.device.type != self.device_type for t in tensors):

@@ -45,7 +45,8 @@ class _Recompute:
             return self.function(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             if self.block is not None:
-                stack.enter_context(kernels.active(self.block.device_type, self.block.targets))
+                stack.enter_context(kernels.active(self.block.device_type, self.block.targets,
+                                                   self.block.mode_targets))
             for mode in self.modes:  # fresh modes, outermost first, as they were entered
                 stack.enter_context(
                     _OpListMode(mode.device_type, mode.targets) if isinstance(mode, _OpListMode)

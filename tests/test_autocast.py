@@ -149,6 +149,47 @@ def test_disabled_and_nested():
     assert (x + x).dtype == FP32 and not torch.is_autocast_enabled("cpu")
 
 
+def test_the_innermost_block_s_lists_apply_as_torch_autocast_s_do():
+    """An inner block, or a prepared model's own forward, computes with its own lists inside an
+    enclosing block that moved ops (the enclosing mode and kernels kept casting: linear in
+    fp32 inside an inner block that left it low; softmax in fp32 inside torch's exact lists)."""
+    x, w = _x(2, 4), _x(3, 4)
+    cpu = {"device_type": "cpu"}
+    with mp.autocast("bf16", **cpu, fp32_ops=["linear"], low_precision_ops=["gelu"]):
+        assert F.linear(x, w).dtype == FP32 and F.gelu(x).dtype == BF16
+        with mp.autocast("bf16", **cpu):
+            assert F.linear(x, w).dtype == BF16 and F.gelu(x).dtype == FP32
+            assert torch.softmax(x.bfloat16(), -1).dtype == FP32  # mixprec's default lists
+            with mp.autocast("bf16", **cpu, extend_defaults=False):
+                assert torch.softmax(x.bfloat16(), -1).dtype == BF16  # torch's lists exactly
+        assert F.linear(x, w).dtype == FP32  # the enclosing lists again
+    net = mp.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)), level="O1", dtype="bf16")
+    alone = net(x)
+    with mp.autocast("bf16", **cpu, fp32_ops=["linear"]):
+        assert torch.equal(net(x), alone)
+
+
+def test_a_moved_op_called_with_out_writes_the_callers_tensor():
+    """As torch.autocast leaves an out= call: the result goes into ``out`` (it went into a cast
+    copy, and ``out`` kept its old values)."""
+    a, o = _x(3), torch.zeros(3)
+    twice, exp = a + a, torch.exp(a)
+    with mp.autocast("bf16", device_type="cpu", low_precision_ops=["add", "exp"]):
+        assert torch.add(a, a, out=o) is o and torch.equal(o, twice)
+        assert torch.exp(a, out=o) is o and torch.equal(o, exp)
+
+
+@pytest.mark.parametrize("name", ["__add__", "Tensor.__add__", "torch.Tensor.__add__"])
+def test_an_operator_method_names_its_op(name):
+    """``"__add__"`` was accepted and cast nothing (``x + y`` reaches ``Tensor.add``): it names
+    the op ``add``, which covers the operator."""
+    x = _x(2, 2).bfloat16()
+    with mp.autocast("bf16", device_type="cpu", fp32_ops=[name]):
+        assert (x + x).dtype == FP32 and torch.add(x, x).dtype == FP32
+    with pytest.raises(ValueError, match="both"):
+        mp.autocast("bf16", device_type="cpu", fp32_ops=[name], low_precision_ops=["add"])
+
+
 def test_fp32_dtype_means_disabled():
     ac = mp.autocast("fp32", device_type="cpu")
     with ac:

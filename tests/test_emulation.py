@@ -110,6 +110,28 @@ def test_emulated_value_is_fp32_sum_of_fp16_products_rounded_once():
     assert (out == expected).float().mean() > 0.95
 
 
+EQUATIONS = {"ij->ji": 1, "ij->i": 1, "ii->i": 1, "ij,ij->ij": 2, "i,j->ij": 2, "ij,kj->ikj": 2,
+             "ij,jk->ik": 2, "ij,ij->i": 2, "ij,ij": 2, "...j,jk->...k": 2, "ij,j->i": 2}
+
+
+@pytest.mark.parametrize("equation", EQUATIONS)
+def test_an_einsum_is_emulated_only_where_torch_runs_a_gemm_for_it(equation):
+    """torch.autocast casts the bmm einsum runs for a contraction; a transpose, a reduction or an
+    elementwise product stays fp32 (the emulation rounded every einsum to fp16)."""
+    shapes = {"ij->ji": [(3, 4)], "ij->i": [(3, 4)], "ii->i": [(3, 3)], "i,j->ij": [(3,), (4,)],
+              "ij,kj->ikj": [(3, 4), (5, 4)], "ij,jk->ik": [(3, 4), (4, 5)],
+              "...j,jk->...k": [(3, 4), (4, 5)], "ij,j->i": [(3, 4), (4,)]}
+    operands = [torch.randn(*shape) for shape in shapes.get(equation, [(3, 4), (3, 4)])]
+    with torch.autocast("cpu", dtype=torch.float16):
+        native = torch.einsum(equation, *operands)
+        with mp.emulate_fp16(True):
+            emulated = torch.einsum(equation, *operands)
+    assert emulation.einsum_contracts((equation, *operands)) == (native.dtype == torch.float16)
+    assert emulated.dtype == native.dtype
+    if native.dtype == torch.float32:
+        assert torch.equal(emulated, native)
+
+
 def test_autocast_fp16_fp32_model_is_emulated_like_native_autocast():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
     x = torch.randn(16, 32)

@@ -131,12 +131,15 @@ _registry = _Registry()
 
 class active:
     """Inside this block, autocast runs the ops of ``targets`` (op name -> ``"low"``, a dtype
-    or ``"promote"``, names of :func:`split`'s first part) with those casts."""
+    or ``"promote"``, names of :func:`split`'s first part) with those casts, and mixprec's
+    op-list modes entered by this block or an enclosing one cast ``mode_targets`` (callable ->
+    target; None: their own), so that the innermost block's lists apply, as the innermost
+    ``torch.autocast``'s do."""
 
-    __slots__ = ("device_type", "targets")
+    __slots__ = ("device_type", "targets", "mode_targets")
 
-    def __init__(self, device_type: str, targets: dict):
-        self.device_type, self.targets = device_type, targets
+    def __init__(self, device_type: str, targets: dict, mode_targets: dict | None = None):
+        self.device_type, self.targets, self.mode_targets = device_type, targets, mode_targets
 
     def __enter__(self):
         _registry.acquire(self.device_type, self.targets)

@@ -39,9 +39,11 @@ _QUALIFIERS = (("torch.nn.functional.", ""), ("nn.functional.", ""), ("F.", ""),
 def normalize_op_name(name: str) -> str:
     """The flat op-list name of a qualified spelling.
 
-    ``"torch.add"``, ``"Tensor.add"`` -> ``"add"``; ``"torch.nn.functional.gelu"``, ``"F.gelu"``
-    -> ``"gelu"``; ``"torch.linalg.vector_norm"`` -> ``"linalg_vector_norm"``. A flat name is
-    returned as is (stripped). The name is not checked; :func:`resolve_op` does that.
+    ``"torch.add"``, ``"Tensor.add"``, ``"__add__"``, ``"Tensor.__add__"`` -> ``"add"`` (an
+    operator's method names its op, which covers the operator); ``"torch.nn.functional.gelu"``,
+    ``"F.gelu"`` -> ``"gelu"``; ``"torch.linalg.vector_norm"`` -> ``"linalg_vector_norm"``. A
+    flat name is returned as is (stripped). The name is not checked; :func:`resolve_op` does
+    that.
 
     Raises:
         ValueError: ``name`` is not a non-empty string.
@@ -52,8 +54,9 @@ def normalize_op_name(name: str) -> str:
     name = name.strip()
     for prefix, replacement in _QUALIFIERS:
         if name.startswith(prefix) and len(name) > len(prefix):
-            return replacement + name[len(prefix):]
-    return name
+            name = replacement + name[len(prefix):]
+            break
+    return _DUNDER_TO_NAME.get(name, name)  # an operator's method: its op (x + y: "add")
 
 
 @functools.lru_cache(maxsize=None)
