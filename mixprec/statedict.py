@@ -32,6 +32,7 @@ from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision, to_dtype
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .optim.wrapper import owner_of
+from .optim.writes import check_resized
 from .regions import Entry
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -105,6 +106,7 @@ class Companions:
         self.relink()
         self.follow_writes()
         for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
+            check_resized(opt)
             opt.follow_writes()
         pairs = self.pairs()
         self._record()
@@ -222,6 +224,7 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     pairs = link.settle() if link is not None else {}
     tensors = _named_tensors(module, prefix)
     stored = None
+    upcasts: dict[int, torch.Tensor] = {}  # one fp32 tensor per tensor: tied keys stay shared
     for key, value in list(state_dict.items()):
         own = tensors.get(key)
         if own is None and torch.is_tensor(value) and is_low_precision(value):
@@ -232,7 +235,10 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
             continue  # not ours, keep_vars=True (the tensor itself), or already fp32
         comp = pairs.get(own)
         if comp is None:
-            state_dict[key] = value.to(_FP32)
+            upcast = upcasts.get(id(own))
+            if upcast is None:
+                upcast = upcasts[id(own)] = value.to(_FP32)
+            state_dict[key] = upcast
         else:  # the companion itself (in-place writes reach it), on the model's device
             state_dict[key] = comp.detach().to(own.device)
 

@@ -93,6 +93,33 @@ def hooked(kind, when, hook_kind, hook, **kwargs):
     return model, opt, handles[0]
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_weight_given_new_storage_steps_there_and_one_resized_is_refused(kind):
+    """``p.data = ...`` of the same shape (a device move does this) is stepped in its new
+    storage, as torch steps it (a compact step's cached views kept writing the old storage);
+    of another shape (``resize_token_embeddings``) it is refused, at the step and at
+    ``state_dict()``, saying what to do (a split step stepped the old shape)."""
+    runs = [make(kind) for _ in range(2)]
+    for model, opt, _ in runs:
+        opt.bucket_mb, opt.fused = None, "auto"  # the default path, cached lists included
+        train(model, opt, 2)
+    runs[0][0][0].weight.data = runs[0][0][0].weight.data.clone()
+    for model, opt, _ in runs:
+        train(model, opt, 2, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0].parameters(),
+                                                 runs[1][0].parameters()))
+    model, opt, _ = runs[0]
+    head = model[3].weight
+    head.data = torch.cat([head.data, head.data[:2]])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    refusal = r"changed shape after the optimizer was made.*shape \(6, 16\).*Resize the model"
+    with pytest.raises(RuntimeError, match=refusal):
+        opt.step()
+    with pytest.raises(RuntimeError, match=refusal):
+        model.state_dict()
+
+
 # -- step hooks (test_step_pre_hook, test_step_post_hook, test_step_all_hooks) ------------------
 @pytest.mark.parametrize("when", WHEN)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)

@@ -152,17 +152,29 @@ def test_o2_with_all_fp32_keeps_optimizer_params():
     assert any(id(p) in bn_params for p in inner)  # fp32 norm params are stepped directly
 
 
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, t):
+        return self.head(self.embed(t))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_tied_weight_is_one_tensor_in_the_state_dict(level):
+    """Both keys hold one fp32 tensor (O3 made an upcast per key: safetensors and
+    save_pretrained wrote the tied weight twice)."""
+    model = mp.prepare(Tied(), level=level, dtype="bf16")
+    state = model.state_dict()
+    assert state["embed.weight"].dtype == FP32
+    assert state["head.weight"].untyped_storage().data_ptr() == \
+        state["embed.weight"].untyped_storage().data_ptr()
+
+
 def test_tied_parameters_are_cast_once():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 8)
-            self.head = nn.Linear(8, 10, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, t):
-            return self.head(self.embed(t))
-
     model = Tied()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mp.prepare(model, opt, level="O2", dtype="bf16")

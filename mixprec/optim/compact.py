@@ -152,6 +152,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
     def _rebuild(self) -> None:
         super()._rebuild()
         self._low = [p for p in self._model_params if is_low_precision(p)]
+        self._shapes = [p.shape for p in self._low]  # as made (writes.check_resized)
         self._torch_unscales = not any(p.dtype == torch.float16 for p in self._low)
         self.lists = None  # made again after the next step
 
@@ -382,6 +383,8 @@ class CompactMasterOptimizer(WrappedOptimizer):
             scale = None if grad_scale is None else grad_scale.to(torch.float32)
             again = (None if closure is None or is_per_parameter(self.inner)
                      else (closure, loss))  # LBFGS calls it again
+            if self.lists is None:  # (a plan is made for the weights as they are now)
+                writes.check_resized(self)
             if self.lists is None and items and compact_lists.make_state(self, items):
                 compact_lists.prepare(self, items)  # Adam's first step on the lists too
             if again is None and compact_lists.step(self, items, keys, scale, found_inf):
@@ -389,6 +392,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
             elif found_inf is not None and bool(found_inf.item()):  # the lists don't hold: the
                 pass  # flag read, the step skipped
             else:
+                writes.check_resized(self)  # (a weight's new storage: of its old shape?)
                 family.step(self, items, fp32, scale, inv, keys, again)
                 compact_lists.prepare(self, items)
         finally:

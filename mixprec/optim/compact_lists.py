@@ -181,7 +181,8 @@ class Plan:
             if slices[0].index:
                 self.cut_steps[id(public)] = (public, [steps[s.row, s.start] for s in slices])
         flat = any(s.flat for s in slices)
-        return item.param, item.group, item.buf, entry, pairs, flat
+        where = local(item.param).data_ptr()  # the views are of this storage
+        return item.param, item.group, item.buf, entry, pairs, flat, where
 
     def holds(self, opt, items: list[Slice]) -> bool:
         """True when the layout is the one the lists were made for."""
@@ -190,11 +191,11 @@ class Plan:
                 or _names(opt) != self.names):
             return False
         state = opt.inner.state
-        for s, (param, group, buf, entry, pairs, flat) in zip(items, self.records):
+        for s, (param, group, buf, entry, pairs, flat, where) in zip(items, self.records):
             if (s.param is not param or s.group != group or s.buf is not buf
                     or s.grad.is_sparse or (flat and not s.grad.is_contiguous())
-                    or state.get(param) is not entry):
-                return False
+                    or state.get(param) is not entry or local(param).data_ptr() != where):
+                return False  # (a .data assignment gave the weight new storage)
             for key, value in pairs:
                 if entry.get(key) is not value:
                     return False

@@ -360,6 +360,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.step_kwargs = kwargs
         try:
             return self._step(closure, grad_scale, found_inf)
+        except RuntimeError:  # (a weight resized since: a shape mismatch, said so)
+            writes.check_resized(self)
+            raise
         finally:
             self.step_kwargs = {}
             self._record_writes()

@@ -23,7 +23,7 @@ import torch
 from ..dtypes import is_low_precision
 from ..shards import local
 
-__all__ = ["rounds_to", "versions", "Record", "follow_masters", "follow_pairs"]
+__all__ = ["rounds_to", "versions", "Record", "follow_masters", "follow_pairs", "check_resized"]
 
 _FP32 = torch.float32
 _VERSION = operator.attrgetter("_version")
@@ -122,3 +122,27 @@ def follow_pairs(opt, settle: bool) -> None:
                     w, b = local(low[i].detach()), local(buf)
                     b.masked_fill_(~rounds_to(opt.master.load(w, b), w), 0)
     opt._seen.take(low, versions(low))
+
+
+def check_resized(opt) -> None:
+    """Refuse weights whose shape changed since ``opt`` was made (a ``.data`` assignment of
+    another shape: Hugging Face's ``resize_token_embeddings``), which their masters, buffers and
+    moments no longer fit: a step would stop on mismatched shapes, or step the old shape.
+
+    Raises:
+        RuntimeError: naming each such parameter's shapes and what to do instead.
+    """
+    masters = getattr(opt, "_master_of", None)
+    pairs = (list(masters.items()) if masters is not None  # a master has the shape as made
+             else list(zip(opt._low, opt._shapes)))
+    bad = [(p, getattr(held, "shape", held)) for p, held in pairs
+           if getattr(held, "shape", held) != p.shape]
+    if bad:
+        p, shape = bad[0]
+        raise RuntimeError(
+            f"{len(bad)} parameter(s) changed shape after the optimizer was made, e.g. one of "
+            f"shape {tuple(p.shape)}, made with shape {tuple(shape)}"
+            f" (a .data assignment of another shape, such as "
+            f"Hugging Face's resize_token_embeddings): its master and optimizer state no longer "
+            f"fit it. Resize the model before mp.prepare / amp.setup (make the optimizer after "
+            f"resizing), or prepare the resized model again with a new optimizer")
