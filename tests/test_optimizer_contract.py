@@ -23,6 +23,7 @@ from torch.optim.optimizer import (
 )
 
 import mixprec as mp
+from mixprec import kernel_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 
@@ -94,11 +95,12 @@ def hooked(kind, when, hook_kind, hook, **kwargs):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_a_weight_given_new_storage_steps_there_and_one_resized_is_refused(kind):
+def test_a_weight_given_new_storage_steps_there_and_one_resized_is_refused(kind, monkeypatch):
     """``p.data = ...`` of the same shape (a device move does this) is stepped in its new
-    storage, as torch steps it (a compact step's cached views kept writing the old storage);
-    of another shape (``resize_token_embeddings``) it is refused, at the step and at
-    ``state_dict()``, saying what to do (a split step stepped the old shape)."""
+    storage, as torch steps it (a compact step's cached views of a tensor cut into slices kept
+    writing the old storage); of another shape (``resize_token_embeddings``) it is refused, at
+    the step and at ``state_dict()``, saying what to do (a split step stepped the old shape)."""
+    monkeypatch.setitem(kernel_table.STEP_PIECE, "cpu", 64)  # every weight cut into slices
     runs = [make(kind) for _ in range(2)]
     for model, opt, _ in runs:
         opt.bucket_mb, opt.fused = None, "auto"  # the default path, cached lists included
