@@ -285,3 +285,59 @@ def test_compact_masters_train_as_in_mp_trainer(master):
     assert plugin.scaler.skipped_steps == sum(history.skipped) == 1
     tol = 6 * 1e-2 * 4 * 2.0 ** -8 if master == "kahan" else 2.0 ** -6
     assert max_diff(module, ref.model) <= tol
+
+
+def test_toggle_optimizer_freezes_the_other_optimizers_model_parameters_at_o2():
+    """Lightning's ``toggle_optimizer`` sets ``requires_grad`` on what ``param_groups`` hold: at
+    O2 the fp32 masters, which now pass it to their model parameters (the discriminator of a
+    GAN kept receiving the generator loss's gradients: weights 0.2 off fp32's in six steps)."""
+    seen = {}
+
+    class Gan(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.gen, self.dis = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            opt_g, opt_d = self.optimizers()
+            self.toggle_optimizer(opt_g)
+            self.manual_backward(self.dis(self.gen(batch[0])).float().mean())
+            seen["frozen"] = [p.requires_grad for p in self.dis.parameters()]
+            seen["dis grads"] = [p.grad is not None for p in self.dis.parameters()]
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            seen["restored"] = [p.requires_grad for p in self.dis.parameters()]
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.gen.parameters(), lr=0.1),
+                    torch.optim.SGD(self.dis.parameters(), lr=0.1))
+
+    trainer(MixprecPrecision(level="O2", dtype="bf16"), max_steps=1).fit(
+        Gan(), loader(data(2, overflow_at=None)))
+    assert seen == {"frozen": [False, False], "dis grads": [False, False],
+                    "restored": [True, True]}
+
+
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_a_finetuning_callback_trains_with_split_and_is_refused_beside_fp32_masters(master):
+    """Lightning's BaseFinetuning looks the optimizer's parameters up among the module's: fp32
+    masters are not there (a KeyError at the first epoch); split holds the module's own."""
+    class Tuned(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()),
+                                     lr=1e-2)
+
+    module = Tuned()
+    callback = L.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    module.backbone = module.net[0]
+    fit = trainer(MixprecPrecision(level="O2", dtype="bf16", master=master), max_epochs=2,
+                  callbacks=[callback]).fit
+    if master == "fp32":
+        with pytest.raises(RuntimeError, match="BackboneFinetuning maps the optimizer's "
+                                               "parameters.*Use master='split'"):
+            fit(module, loader(data(2, overflow_at=None)))
+    else:
+        fit(module, loader(data(2, overflow_at=None)))
+        assert module.trainer.current_epoch == 2

@@ -56,6 +56,7 @@ from .. import vocabulary
 from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
 from ..monitor import CallbackWriter
+from ..optim import is_master_optimizer
 from ..optim.wrapper import is_wrapped
 from ..policy import Policy
 from ..prepare import policy_of
@@ -216,6 +217,7 @@ class MixprecPrecision(Precision):
                                            prepared)
         else:
             optimizers = self._setup(module, list(optimizers))
+        _check_finetuning(module, optimizers)
         checkpoints.register(module, optimizers)
         self._context = _entry_context(module)
         _log_to_loggers(self.engine.monitor, module)
@@ -339,6 +341,22 @@ class MixprecPrecision(Precision):
         self.engine.load_state_dict(engine_state)
         if _RNG in state_dict:
             checkpoints.restore_rank_rng(state_dict[_RNG])
+
+
+def _check_finetuning(module: nn.Module, optimizers: list) -> None:
+    """Refuse Lightning's fine-tuning callbacks beside fp32 masters: they name the optimizer's
+    parameters by looking them up among the module's, and the optimizer holds fp32 masters in
+    their place (a KeyError at the first epoch)."""
+    trainer = getattr(module, "_trainer", None)
+    callbacks = getattr(trainer, "callbacks", None) or []
+    tuning = [type(cb).__name__ for cb in callbacks
+              if isinstance(cb, pl.callbacks.BaseFinetuning)]
+    if tuning and any(is_master_optimizer(o) for o in optimizers):
+        raise RuntimeError(
+            f"{tuning[0]} maps the optimizer's parameters to the LightningModule's by identity, "
+            f"and with fp32 masters (O2's default) the optimizer holds fp32 copies in their "
+            f"place. Use master='split' (the same fp32 masters' numbers in a 16-bit remainder, "
+            f"the optimizer holding the module's parameters) or level='O1'")
 
 
 def _log_to_loggers(monitor, model: pl.LightningModule) -> None:

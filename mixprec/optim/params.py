@@ -84,6 +84,9 @@ def _is_current(key: tuple | None, grad: torch.Tensor | None) -> bool:
     return key[0] is not None and key[0]() is grad and key[1] == grad._version
 
 
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the tensor's own flag
+
+
 class MasterParameter(nn.Parameter):
     """An fp32 master weight whose ``.grad`` is its model parameter's gradient in fp32.
 
@@ -101,6 +104,24 @@ class MasterParameter(nn.Parameter):
     def model_param(self) -> torch.Tensor:
         """The low-precision model parameter this master belongs to."""
         return self._mp_param
+
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        """Its model parameter's: code that freezes the optimizer's parameters (Lightning's
+        ``toggle_optimizer``) freezes the model's, whose gradients the step reads."""
+        param = self.__dict__.get("_mp_param")
+        return _REQUIRES_GRAD.__get__(self) if param is None else param.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _REQUIRES_GRAD.__set__(self, value)
+        param = self.__dict__.get("_mp_param")
+        if param is not None:
+            param.requires_grad = value
+
+    def requires_grad_(self, requires_grad: bool = True) -> MasterParameter:
+        self.requires_grad = requires_grad
+        return self
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
