@@ -247,7 +247,14 @@ class MixedPrecision:
         return scaled
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``scale(loss).backward(**kwargs)``."""
+        """``scale(loss).backward(**kwargs)``.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor (several losses: their sum, or one call each)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"amp.backward takes one loss tensor; got {type(loss).__name__}: "
+                            f"for several losses call amp.backward(l1 + l2), or once per loss "
+                            f"(retain_graph=True where they share a graph)")
         try:
             self.scale(loss).backward(**kwargs)
         except torch.utils.checkpoint.CheckpointError as error:

@@ -150,6 +150,44 @@ def test_a_step_before_setup_is_refused_saying_to_set_up():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_an_o3_clip_measures_the_norm_in_fp32(dtype):
+    """Finite fp16 gradients whose total norm (128000) is beyond fp16's 65504: torch's clip
+    measured it in fp16 (inf), zeroed every gradient and the step applied nothing; a bf16
+    norm was a bf16 rounding of the true one."""
+    amp = mp.MixedPrecision(level="O3", dtype=dtype, loss_scale=1.0)
+    model = nn.Linear(64, 64, bias=False)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    amp.backward(model(torch.ones(1, 64, dtype=model.weight.dtype)).float().sum())
+    model.weight.grad.fill_(2000.0)  # finite, the total beyond fp16's range
+    before = model.weight.detach().float().clone()
+    norm = amp.clip_grad_norm_(opt, 1.0)
+    assert norm.dtype == torch.float32 and float(norm) == 128000.0
+    assert amp.step(opt)
+    moved = (model.weight.detach().float() - before).norm()
+    assert float(moved) == pytest.approx(1.0, rel=1e-2)
+
+
+def test_a_sparse_gradient_s_norm_sums_its_repeated_indices():
+    """An embedding's sparse gradient holds a row once per use: the norm is of the summed rows
+    (it was of the uncoalesced values: 0.8871 for 0.8894 here)."""
+    torch.manual_seed(0)
+    amp = mp.MixedPrecision(level="O0")
+    model = nn.Embedding(10, 4, sparse=True)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.backward(model(torch.tensor([1, 1, 2, 1])).sum() * 0.1)
+    true = model.weight.grad.to_dense().norm()
+    assert torch.equal(amp.grad_norm(opt), true)
+
+
+def test_backward_of_several_losses_says_what_to_write():
+    amp = mp.MixedPrecision(level="O1", dtype="bf16")
+    model = amp.setup(net())
+    loss = model(torch.randn(2, 8)).float().sum()
+    with pytest.raises(TypeError, match=r"one loss tensor; got list: .*amp.backward\(l1 \+ l2\)"):
+        amp.backward([loss, loss])
+
+
 def _backward_once(level, dtype, loss_scale, master=None):
     amp = mp.MixedPrecision(level=level, dtype=dtype, loss_scale=loss_scale, master=master)
     model = net()

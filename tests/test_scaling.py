@@ -650,6 +650,7 @@ def test_a_scaler_that_never_scaled_a_loss_refuses_to_unscale(make, call):
     resumed.load_state_dict(scaler.state_dict())
     getattr(resumed, call)(*args)
     assert mp.NoLossScaler().step(opt)  # nothing to unscale
+    assert mp.StaticLossScaler(1.0).step(opt)  # a unit scale: dividing by it changes nothing
 
 
 def test_public_names_are_exported():

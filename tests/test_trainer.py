@@ -174,6 +174,33 @@ def test_load_rejects_another_policy_and_bad_files(tmp_path):
         t.load(tmp_path / "missing.pt")
 
 
+def test_load_refuses_a_checkpoint_of_another_optimizer_class(tmp_path):
+    """torch loads SGD's groups into an Adam (a KeyError 'betas' at the first step): refused at
+    load, naming both, the trainer unchanged."""
+    make_trainer("O2", "bf16").save(tmp_path / "sgd.pt")
+    torch.manual_seed(0)
+    model = mlp(0.0)
+    t = Trainer(model, F.cross_entropy, torch.optim.Adam(model.parameters(), lr=1e-3),
+                level="O2", dtype="bf16", progress=False)
+    before = params(t)
+    with pytest.raises(ValueError, match=r"state of a torch.optim.sgd.SGD and this trainer steps "
+                                         r"a torch.optim.adam.Adam"):
+        t.load(tmp_path / "sgd.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, params(t)))
+    assert "betas" in t.optimizer.param_groups[0]
+
+
+def test_namedtuple_batches_train_as_tuples(digits):
+    """``default_collate`` keeps a dataset's namedtuples: they were rebuilt from a generator (a
+    TypeError at the first batch)."""
+    import collections
+    Sample = collections.namedtuple("Sample", ["x", "y"])
+    train = [Sample(x, y) for x, y in loader(torch.utils.data.Subset(digits[0], range(64)), 16)]
+    plain = [tuple(b) for b in train]
+    losses = [make_trainer("O2").fit(batches).loss for batches in (train, plain)]
+    assert losses[0] == losses[1]
+
+
 def test_save_failure_keeps_the_old_file(tmp_path):
     t = make_trainer("O0")
     t.save(tmp_path / "c.pt")
@@ -321,9 +348,19 @@ def test_empty_data_and_non_scalar_loss(digits):
     bad = Trainer(model, nn.CrossEntropyLoss(reduction="none"),
                   torch.optim.SGD(model.parameters(), lr=0.1), level="O0", progress=False)
     before = params(bad)
-    with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor; got \(64,\)"):
+    with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor; got shape \(64,\): reduce"):
         bad.fit(loader(digits[0]))
     assert all(torch.equal(a, b) for a, b in zip(before, params(bad)))
+    model = mlp()
+    counted = Trainer(model, lambda out, y: (out.argmax(-1) == y).sum(),
+                      torch.optim.SGD(model.parameters(), lr=0.1), level="O0", progress=False)
+    with pytest.raises(ValueError, match="got a torch.int64 one: compute it in floating point"):
+        counted.fit(loader(digits[0]))
+    model = mlp()
+    pair = Trainer(model, lambda out, y: (F.cross_entropy(out, y), 0),
+                   torch.optim.SGD(model.parameters(), lr=0.1), level="O0", progress=False)
+    with pytest.raises(ValueError, match="got a tuple: return the loss tensor itself"):
+        pair.fit(loader(digits[0]))
     with pytest.raises(TypeError, match="each batch must be a tuple"):
         make_trainer("O0").fit([torch.zeros(4, 64)])
 

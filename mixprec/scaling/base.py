@@ -21,6 +21,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..dtypes import is_low_precision
 from ..shards import local as _local
 from ..shards import replicated as _replicated
 from . import args as checks
@@ -209,6 +210,8 @@ class LossScaler(GradScalerInterface):
         ids, step = {id(p) for p in params}, optimizer.grads_for_step() if owner else []
         if any(id(p) in ids and g is not p.grad for p, g in step):  # a compact one's fp32 copies
             return passes.clip_norm_([g for _, g in step], max_norm, norm_type)
+        if any(is_low_precision(p.grad) for p in params):  # (the norm accumulated in fp32)
+            return passes.clip_norm_([p.grad for p in params], max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def step(self, optimizer, *args, **kwargs) -> bool:
@@ -372,6 +375,7 @@ class LossScaler(GradScalerInterface):
         return torch.ones((), dtype=torch.bool, device=self._state.device)
 
     _warns_on_first_skip = False
+    _unit = False  # a fixed scale of 1: gradients of a plain backward divide by it harmlessly
 
     def _first_skip_message(self, names: list[str]) -> str:
         raise NotImplementedError
@@ -406,7 +410,7 @@ class LossScaler(GradScalerInterface):
     def _check_scaled(self, what: str) -> None:
         """Refuse ``what`` from a scaler that never scaled a loss nor loaded a state (as
         ``torch.amp.GradScaler`` refuses it): the gradients carry no scale to divide by."""
-        if self._scales and not self._scaled and not self._resumed:
+        if self._scales and not self._scaled and not self._resumed and not self._unit:
             raise RuntimeError(
                 f"{what} before any scaler.scale(loss): the gradients carry no loss scale, and "
                 f"unscaling them would divide them by {self.get_scale():g}. Write "

@@ -326,6 +326,7 @@ class StaticLossScaler(LossScaler):
         if not isinstance(skip_on_overflow, bool):
             raise TypeError(f"skip_on_overflow must be a bool; got {skip_on_overflow!r}")
         self._state = ScaleState.initial(positive_scale("scale", scale))
+        self._unit = float(scale) == 1.0  # (no scale to divide by: a plain backward is fine)
         self.skip_on_overflow = skip_on_overflow
         self.max_consecutive_skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
 
@@ -359,6 +360,7 @@ class StaticLossScaler(LossScaler):
     def _set_scale(self, new_scale: float) -> None:
         self._state = dataclasses.replace(self._state, scale=torch.full_like(
             self._state.scale, new_scale))
+        self._unit = float(new_scale) == 1.0
 
     def _load_config(self, config):
         keys = ("skip_on_overflow",) + (("max_consecutive_skips",)
@@ -381,6 +383,7 @@ class StaticLossScaler(LossScaler):
         check_keys("a torch.amp.GradScaler state_dict", state_dict, TORCH_KEYS)
         scale = positive_scale("the GradScaler's scale", state_dict["scale"])
         self._state = ScaleState.initial(scale, device=self._state.device)
+        self._unit = float(scale) == 1.0
         self._stages.clear()
 
 

@@ -139,14 +139,16 @@ def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
 
 
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0, device=None) -> torch.Tensor:
-    """The ``norm_type``-norm of all values of ``tensors`` together, accumulated in float32.
+    """The ``norm_type``-norm of all values of ``tensors`` together, accumulated in float32 (a
+    sparse tensor's coalesced: an index given twice is one value).
 
     Inf or NaN in any tensor makes it inf or NaN. A 0-d float32 tensor on ``device`` (default:
     the first tensor's; the CPU when there are none).
     """
     norm_type = float(norm_type)
     per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for (dev, _), group in _by_device_dtype(tensors).items():
+    coalesced = [t.coalesce() if t.is_sparse else t for t in tensors]  # duplicates summed first
+    for (dev, _), group in _by_device_dtype(coalesced).items():
         per_device[dev] += [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
                             for t in group]
     if not per_device:
@@ -160,8 +162,12 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0, device=None)
 def clip_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s arithmetic on gradient tensors rather than on
     parameters (a compact optimizer's fp32 copies of fp16 gradients): the total norm, then each
-    gradient times ``min(max_norm / (norm + 1e-6), 1)``; returns the norm. No host sync."""
-    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    gradient times ``min(max_norm / (norm + 1e-6), 1)``; returns the norm. No host sync. The
+    norm of 16-bit gradients is accumulated in float32 (:func:`total_norm`: torch's, in their
+    dtype, overflows fp16 beyond 65504, and a clip by it zeroes every gradient)."""
+    low = any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
+    total = (total_norm(grads, norm_type) if low
+             else torch.nn.utils.get_total_norm(grads, norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (device, _), group in _by_device_dtype(grads).items():
         torch._foreach_mul_(group, coef.to(device))

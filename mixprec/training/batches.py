@@ -49,7 +49,8 @@ def to_device(x, device: torch.device):
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
     if isinstance(x, (list, tuple)):
-        return type(x)(to_device(v, device) for v in x)
+        moved = [to_device(v, device) for v in x]
+        return type(x)(*moved) if hasattr(x, "_fields") else type(x)(moved)  # a namedtuple
     if isinstance(x, Mapping):
         return {k: to_device(v, device) for k, v in x.items()}
     return x
@@ -113,10 +114,16 @@ def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor
                 f"{type(output).__name__} has none: give the batch labels, or pass a loss_fn")
     else:
         loss = loss_fn(*_promoted(logits_of(output), batch.target))
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got {shape}: reduce "
-                         f"it, e.g. with reduction='mean'")
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got a "
+                         f"{type(loss).__name__}: return the loss tensor itself from loss_fn")
+    if loss.dim() != 0:
+        raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got shape "
+                         f"{tuple(loss.shape)}: reduce it, e.g. with reduction='mean'")
+    if not loss.is_floating_point():
+        raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got a {loss.dtype} "
+                         f"one: compute it in floating point (a count or an argmax has no "
+                         f"gradient)")
     return loss
 
 

@@ -186,6 +186,7 @@ def trainer_meta(trainer) -> dict:
         "signature": model_signature(module_of(trainer)),
         "scaler": precision["scaler"],
         "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
+        "optimizer_class": _optimizer_class(trainer),
         "counters": trainer.state.state_dict(),  # the RNG states: below, per rank
         "history": trainer.history.state_dict(),
         "rng": capture_rng(trainer.state.data),
@@ -223,9 +224,21 @@ def _load_states(trainer, states: dict) -> None:
         trainer.scheduler.load_state_dict(states["scheduler"])
 
 
+def _optimizer_class(trainer) -> str:
+    """The qualified name of the user's optimizer (inside a master optimizer)."""
+    opt = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
 def check_compatible(trainer, ckpt: dict, path) -> None:
-    """Refuse a checkpoint from another policy, model or set-up (scheduler or not)."""
+    """Refuse a checkpoint from another policy, model or set-up (scheduler or not, another
+    optimizer class: torch would load its groups and fail at the first step)."""
     where = f"checkpoint {str(path)!r}"
+    saved = ckpt.get("optimizer_class")  # (none in a checkpoint written before it was saved)
+    if saved is not None and saved != _optimizer_class(trainer):
+        raise ValueError(f"{where} holds the state of a {saved} and this trainer steps a "
+                         f"{_optimizer_class(trainer)}: make the trainer with the optimizer the "
+                         f"checkpoint was saved from")
     check_policy(ckpt["policy"], trainer.engine.policy, where)
     diff = signature_mismatch(ckpt["signature"], model_signature(module_of(trainer)))
     if diff:

@@ -410,6 +410,7 @@ class Trainer:
             FileNotFoundError: no such file or checkpoint directory.
             ValueError: not a Trainer checkpoint, a damaged one (its content no longer matches
                 its checksum; the error names the file), or one from another model, policy or
-                set-up (scheduler or not); the trainer is left unchanged.
+                set-up (scheduler or not, another optimizer class); the trainer is left
+                unchanged.
         """
         self.strategy.load(self, path, verify=verify)
