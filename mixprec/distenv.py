@@ -33,7 +33,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
+__all__ = ["in_ddp", "world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
            "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
            "require_group", "settle", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV",
            "SETTLE_GRACE_S", "agree", "apply_timeout", "TimeoutNotAppliedWarning"]
@@ -295,6 +295,18 @@ def is_fsdp(model) -> bool:
     """
     fsdp_module = sys.modules.get("torch.distributed.fsdp")
     return fsdp_module is not None and isinstance(model, fsdp_module.FSDPModule)
+
+
+def in_ddp(model) -> bool:
+    """Whether ``model`` is, or wraps (``torch.compile``'s wrapper), a
+    ``DistributedDataParallel``."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return True
+        if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return False
 
 
 def unwrap(model):

@@ -45,6 +45,8 @@ def _ddp_buckets(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets (held for the run: one element per parameter it
     reduces, in the parameter's dtype), less the gradients that are views of them
     (``gradient_as_bucket_view``), counted as gradients; 0 for a model DDP does not wrap."""
+    while type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        model = model._orig_mod  # torch.compile's wrapper
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return 0
     ignored = getattr(model, "parameters_to_ignore", set())

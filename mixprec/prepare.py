@@ -37,6 +37,7 @@ from .casting import (
     takes_low_precision_input,
     to_float,
 )
+from .distenv import in_ddp
 from .dtypes import dtype_name
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
@@ -252,7 +253,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     ``fp8_modules`` of :func:`prepare` (the policy holds names only)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare expects an nn.Module as model; got {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if in_ddp(model):  # (also inside torch.compile's wrapper)
         raise TypeError("prepare takes the model before it is wrapped in "
                         "DistributedDataParallel (DDP sizes its gradient buckets for the "
                         "parameters' dtype when it wraps, and would no longer average the "

@@ -308,6 +308,18 @@ def test_a_fixed_loss_scale_takes_the_bound_too(dtype, scale):
     assert restored.max_consecutive_skips == 2
 
 
+def test_a_static_scaler_s_bound_survives_an_earlier_version_s_state_dict():
+    """A state dict of a version without the bound (a resumed run) keeps the scaler's own (it
+    was read as "no bound": the resumed run skipped forever again)."""
+    scaler = mp.StaticLossScaler(16.0, max_consecutive_skips=4)
+    old = scaler.state_dict()
+    old["config"] = {"skip_on_overflow": True}
+    scaler.load_state_dict(old)
+    assert scaler.max_consecutive_skips == 4
+    with pytest.raises(ValueError, match="skip_on_overflow=False skips none"):
+        mp.StaticLossScaler(16.0, skip_on_overflow=False, max_consecutive_skips=4)
+
+
 def test_the_fp16_bound_error_names_its_keyword_and_the_first_parameter():
     amp = mp.MixedPrecision(level="O2", dtype="fp16",
                             loss_scale=mp.DynamicLossScaler(init_scale=1.0, max_skips_at_min=2))

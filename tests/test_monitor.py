@@ -297,6 +297,22 @@ def test_a_jsonl_record_holds_one_object_per_step_the_closing_count_joining_the_
         assert record.steps == [0, 1, 2] and record.step_count == 3 and record.count_exact
 
 
+def test_a_closing_count_after_another_writers_lines_is_a_line_of_its_own(tmp_path):
+    """Two writers on one file: a closing count joins its step's line only where nothing was
+    written after it (it truncated the other writer's lines, then corrupted the file)."""
+    path = tmp_path / "p.jsonl"
+    a, b = JSONLWriter(path), JSONLWriter(path, mode="a")
+    a.write(9, {"loss": 1.0})
+    b.write(10, {"eval/acc": 0.5})
+    a.write(9, {"mixprec/steps": 10.0})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 9, "loss": 1.0}, {"step": 10, "eval/acc": 0.5},
+                    {"step": 9, "mixprec/steps": 10.0}]
+    a.write(11, {"loss": 2.0})
+    a.write(11, {"loss": 3.0})  # not a closing count: a line of its own
+    assert len(path.read_text().splitlines()) == 5
+
+
 # -- through mp.Trainer ----------------------------------------------------------------------------
 def test_trainer_records_through_its_engine_with_accumulation(tmp_path):
     monitor = mp.PrecisionMonitor(every=2, writers=[JSONLWriter(tmp_path / "p.jsonl")])

@@ -257,6 +257,11 @@ def test_prepare_refuses_a_wrapped_model_and_names_the_order(level):
     assert all(torch.equal(p, before[n]) for n, p in fake.named_parameters())
 
 
+def test_prepare_sees_ddp_inside_torch_compile_s_wrapper():
+    with pytest.raises(TypeError, match="before it is wrapped in DistributedDataParallel"):
+        mp.prepare(torch.compile(_wrapped_without_a_group()), level="O2", dtype="bf16")
+
+
 def test_fsdp_refuses_a_ddp_model_and_says_what_to_pass():
     with pytest.raises(TypeError, match="pass model.module"):
         mp.parallel.fsdp(_wrapped_without_a_group(), level="O2", dtype="bf16")

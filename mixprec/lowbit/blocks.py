@@ -124,7 +124,7 @@ def fractions(x: torch.Tensor, cast: BlockCast, axis: int) -> tuple[torch.Tensor
                  | ~torch.isfinite(scales)).float().mean()
     nonzero = a > 0
     flushed = ((cast.round(scaled) == 0) | (scales == 0)) & nonzero
-    live = nonzero.any(dim=-1, keepdim=True)
+    live = nonzero.any(dim=-1, keepdim=True) & (scales > 0)  # (a flushed block: no scale)
     big = torch.where(live, scales, torch.zeros_like(scales)).amax()
     small = torch.where(live, scales, torch.full_like(scales, float("inf"))).amin()
     ratio = torch.where(torch.isfinite(small), big / small, torch.ones_like(big))

@@ -53,7 +53,7 @@ class JSONLWriter:
         self.mode = mode
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fresh = mode == "w"  # the first write truncates
-        self._last: tuple[int, int, dict] | None = None  # (step, offset, row) of the last line
+        self._last: tuple | None = None  # (step, offset, row, file size after) of its last line
 
     def write(self, step: int, scalars: dict) -> None:
         """Add ``{"step": step, **scalars}`` as one line (the first one of a ``mode="w"``
@@ -61,7 +61,7 @@ class JSONLWriter:
         (the monitor's closing count after a recorded last step) join that step's line: one
         object per step."""
         row = {"step": int(step), **{k: _finite_or_text(v) for k, v in scalars.items()}}
-        if self._last is not None and self._last[0] == row["step"]:
+        if self._joins(row):
             offset, row = self._last[1], {**self._last[2], **row}
             with open(self.path, "r+b") as f:
                 f.seek(offset)
@@ -72,13 +72,27 @@ class JSONLWriter:
                 offset = f.seek(0, os.SEEK_END)
                 f.write((json.dumps(row) + "\n").encode("utf-8"))
         self._fresh = False
-        self._last = (row["step"], offset, row)
+        self._last = (row["step"], offset, row, _size(self.path))
+
+    def _joins(self, row: dict) -> bool:
+        """The closing count of the step this writer wrote last, with the file as it left it
+        (nothing appended by another writer, not rotated or truncated): it joins that line."""
+        last = self._last
+        return (last is not None and last[0] == row["step"] and set(row) - {"step"} <= _CLOSING
+                and _size(self.path) == last[3])
 
     def close(self) -> None:
         """Nothing is held open."""
 
     def __repr__(self) -> str:
         return f"JSONLWriter({str(self.path)!r}, mode={self.mode!r})"
+
+
+def _size(path: pathlib.Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 class TensorBoardWriter:

@@ -7,10 +7,9 @@ A piece holds at most :func:`piece_limit` elements (the kernel table's
 weight dtype. For torch's
 per-parameter optimizers (Adafactor and SparseAdam aside: their state is not element-wise) a
 larger tensor is cut into slices: flat ranges of multiples of 64 elements (torch's fused CPU
-kernel then groups the elements for its vector loop as for the whole tensor), or, for a strided
-tensor (a gradient laid out apart from its weight, say), row ranges of multiples of 64 elements
-where a row's length allows (for a weight whose rows are laid out in memory order, the same
-groups again).
+kernel then groups the elements for its vector loop as for the whole tensor), or, for a weight,
+buffer or moment that is strided, row ranges of multiples of 64 elements where a row's length
+allows (a gradient laid out apart from its weight is read by value into the flat ranges).
 """
 
 from __future__ import annotations
@@ -53,9 +52,12 @@ class Slice(NamedTuple):
 
 
 def slice_view(tensor: torch.Tensor, s: Slice) -> torch.Tensor:
+    """``tensor``'s part for slice ``s``: a view of the weight, its buffer and moments (flat
+    slices are cut only where they are contiguous); of a gradient laid out otherwise, its
+    values (read, never written)."""
     if not s.index:
         return tensor
-    return (tensor.view(-1) if s.flat else tensor)[s.index]
+    return (tensor.reshape(-1) if s.flat else tensor)[s.index]
 
 
 def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
@@ -78,10 +80,11 @@ def _runs(shape, limit: int, prefix: tuple = (), start: int = 0):
 
 def _parts(item: Slice, limit: int, state: dict):
     """``(index, start, numel, flat)`` of the slices of ``item``: runs of the flat tensors where
-    the weight, gradient, buffer and moments are contiguous, else of rows."""
+    the weight, buffer and moments (what the step writes) are contiguous, a gradient laid out
+    otherwise read by value; else of rows."""
     param = local(item.param)
-    tensors = [param, item.grad, item.buf, *(v for k, v in state.get(item.param, {}).items()
-                                             if states.is_moment(k, v, item.param))]
+    tensors = [param, item.buf, *(v for k, v in state.get(item.param, {}).items()
+                                  if states.is_moment(k, v, item.param))]
     if all(local(t).is_contiguous() for t in tensors if t is not None):
         return ((*run, True) for run in _runs((param.numel(),), limit))
     return ((*run, False) for run in _runs(param.shape, limit))

@@ -202,7 +202,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp expects an nn.Module; got {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if env.in_ddp(model):
         raise TypeError("fsdp shards the plain model, not one wrapped in "
                         "DistributedDataParallel (FSDP2 reduces the gradients itself; the two do "
                         "not nest): pass model.module, or the model before you wrapped it")

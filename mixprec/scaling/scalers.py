@@ -329,6 +329,9 @@ class StaticLossScaler(LossScaler):
         self._unit = float(scale) == 1.0  # (no scale to divide by: a plain backward is fine)
         self.skip_on_overflow = skip_on_overflow
         self.max_consecutive_skips = skip_limit("max_consecutive_skips", max_consecutive_skips)
+        if not skip_on_overflow and max_consecutive_skips is not None:
+            raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} bounds skipped "
+                             f"steps, and skip_on_overflow=False skips none: drop one of them")
 
     @property
     def _checks(self) -> bool:
@@ -343,10 +346,11 @@ class StaticLossScaler(LossScaler):
 
     def _persistent_overflow_error(self, names):
         limit = self.max_consecutive_skips
+        scale = self.get_scale()
         return _bound_error(f"{limit} steps in a row (max_consecutive_skips={limit}) at the "
-                            f"fixed loss scale {self.get_scale()}", names,
+                            f"fixed loss scale {scale}", names,
                             "A smaller scale (or a DynamicLossScaler) fixes an overflow the "
-                            "scale causes. ")
+                            "scale causes. " if scale > 1 else "")
 
     def _config_dict(self):
         if self.max_consecutive_skips is None:  # (the layout of earlier versions)
@@ -370,8 +374,10 @@ class StaticLossScaler(LossScaler):
         if not isinstance(config["skip_on_overflow"], bool):
             raise ValueError(f"state_dict['config']['skip_on_overflow'] must be a bool; got "
                              f"{config['skip_on_overflow']!r}")
-        limit = skip_limit("state_dict['config']['max_consecutive_skips']",
-                           config.get("max_consecutive_skips"))
+        limit = (skip_limit("state_dict['config']['max_consecutive_skips']",
+                            config["max_consecutive_skips"])
+                 if "max_consecutive_skips" in config  # an earlier version's: keep this one's
+                 else self.max_consecutive_skips)
         self.skip_on_overflow, self.max_consecutive_skips = config["skip_on_overflow"], limit
 
     def _load_grad_scaler(self, state_dict):
