@@ -129,8 +129,9 @@ def test_an_nvfp4_block_whose_scale_rounds_to_zero_is_zeroed_and_counted_flushed
     q = blocks.fake_quant(x, blocks.NVFP4, -1)
     assert float(q[0, 0]) == pytest.approx(1e6, rel=0.25)
     assert torch.equal(q[0, 16:], torch.zeros(16))
-    amax, saturated, flushed, _, _ = blocks.fractions(x, blocks.NVFP4, -1)
+    amax, saturated, flushed, largest, ratio = blocks.fractions(x, blocks.NVFP4, -1)
     assert (float(amax), float(saturated)) == (1e6, 0.0)
+    assert float(ratio) == 1.0 and float(largest) > 0  # the flushed block has no scale
     assert float(flushed) == pytest.approx(16 / 17, rel=1e-6)  # the 16 of block 1
 
 

@@ -120,6 +120,8 @@ def test_a_weight_given_new_storage_steps_there_and_one_resized_is_refused(kind,
         opt.step()
     with pytest.raises(RuntimeError, match=refusal):
         model.state_dict()
+    with pytest.raises(RuntimeError, match=refusal):
+        opt.state_dict()
 
 
 # -- step hooks (test_step_pre_hook, test_step_post_hook, test_step_all_hooks) ------------------

@@ -21,7 +21,7 @@ import torch
 
 from ..formats import get as float_format
 from ..shards import local
-from . import hooks, loadcheck
+from . import hooks, loadcheck, writes
 from .buckets import is_per_parameter, make_buckets
 from .states import OWN_KEYS
 
@@ -163,6 +163,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         hooks.share_hooks(self, optimizer)  # the user's hooks run once per step (see .hooks)
         self.param_names: dict[int, str] = {}
         self.register_load_state_dict_pre_hook(loadcheck.check_before_load)
+        self.register_state_dict_pre_hook(writes.check_resized)  # state that fits no weight
         self._bucket_mb = bucket_mb
         self._rebuild()
         self._fused: bool | str = False
