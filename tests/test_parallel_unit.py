@@ -375,3 +375,31 @@ def test_bytes_per_parameter_counts_ddps_gradient_buckets_as_the_plan_does(tmp_p
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("clip", ["unscale_ then clip_grad_norm_", "clip_grad_value_"])
+def test_a_compact_optimizer_s_clip_after_unscale_runs_on_fsdp2_shards(tmp_path, clip):
+    """The clipped fp32 copies are shown in the model's gradients through the shards' local
+    tensors (a foreach copy of DTensors raised NotImplementedError on every rank)."""
+    import gc
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        amp = mp.MixedPrecision(level="O2", dtype="bf16", master="kahan")
+        net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        model, opt = mp.parallel.fsdp(net, torch.optim.AdamW(net.parameters(), lr=1e-2),
+                                      mixed_precision=amp)
+        amp.backward(model(torch.randn(4, 8)).float().square().sum())
+        if clip.startswith("unscale_"):
+            amp.unscale_(opt)
+            amp.clip_grad_norm_(opt, 1e-3)
+        else:
+            amp.clip_grad_value_(opt, 1e-4)
+        assert amp.step(opt)
+        del model, opt
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -155,7 +155,7 @@ def show_held(optimizer) -> None:
     pairs = [(p, copy) for p, (copy, key) in (held or {}).items() if _is_current(key, p.grad)]
     if not pairs:
         return
-    with torch.no_grad():
-        torch._foreach_copy_([p.grad for p, _ in pairs], [copy for _, copy in pairs])
+    with torch.no_grad():  # (FSDP2 shards: their local tensors; DTensor has no foreach copy)
+        torch._foreach_copy_([local(p.grad) for p, _ in pairs], [local(c) for _, c in pairs])
     for p, copy in pairs:  # the model's gradients changed version: the copies still current
         held[p] = (copy, _source_key(p.grad))
