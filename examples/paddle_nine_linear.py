@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true",
                         default=os.environ.get("MIXPREC_EXAMPLE_TINY") == "1")
     parser.add_argument("--width", type=_positive, default=None, help="input_size = output_size")
-    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--batch", type=_positive, default=None)
     parser.add_argument("--dtype", default="auto", choices=("bf16", "fp16", "auto"),
                         help="bf16, fp16 or auto (the fast one here)")
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ prints and writes the fp32 weights.
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +29,26 @@ def make_data(n=512, features=32, classes=4):
     return TensorDataset(x, y)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--level", default="O2", choices=["O0", "O1", "O2", "O3"])
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "auto"))
     p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp"])
-    p.add_argument("--reduce-dtype", default="fp32")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--epochs", type=_positive, default=3)
+    p.add_argument("--global-batch", type=_positive, default=64)
     p.add_argument("--out", default=None, help="write the fp32 weights here (rank 0)")
     args = p.parse_args(argv)
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f"--out {args.out}: its directory does not exist; create it or choose another")
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))

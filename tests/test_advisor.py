@@ -322,6 +322,15 @@ def test_the_advise_command_refuses_bad_options_before_measuring(capsys, tmp_pat
     # a directory: the chart went to <dir>.png beside it, and nothing said so
     assert cli.main(["advise", "--model", "planted-overflow", "--plot", str(tmp_path)]) == 2
     assert "is a directory; give the chart's file name" in capsys.readouterr().err
+    # a format matplotlib cannot write, and a file where the folder should be: after the
+    # measurement they were a traceback or a wrong reason
+    assert cli.main(["advise", "--model", "planted-overflow", "--plot",
+                     str(tmp_path / "advice.txt")]) == 2
+    assert "matplotlib writes png" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert cli.main(["advise", "--model", "planted-overflow", "--plot",
+                     str(tmp_path / "afile" / "advice.png")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
     assert cli.main(["advise", "--model", "transformer", "--seq-len", "100000"]) == 2
     assert "seq_len must be at most 1024, the positions the transformer model has" in \
         capsys.readouterr().err

@@ -34,6 +34,15 @@ def test_doctor_text_and_bad_shape(capsys):
     assert code == 2 and "--shape must be three positive integers" in err
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="an MPS machine has the device")
+def test_doctor_refuses_a_device_torch_cannot_use(capsys):
+    """mps without the backend, and meta, printed a table of 'supported' dtypes."""
+    code, _, err = run(capsys, "doctor", "--device", "mps", "--no-measure")
+    assert code == 2 and "torch cannot make a tensor there (no mps backend" in err
+    code, _, err = run(capsys, "doctor", "--device", "meta", "--no-measure")
+    assert code == 2 and "--device meta: a meta tensor holds no values" in err
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_json_parses_and_rows_are_consistent(capsys, model):
     code, out, _ = run(capsys, "bench", "--model", model, "--levels", "O0,O2", "--steps", "2",

@@ -83,8 +83,19 @@ def _check_plot(path: str | None) -> None:
                          f"{os.path.join(path, 'advise.png')}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"--plot {path}: the directory {folder} does not exist; create it or "
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"--plot {path}: the directory {folder} {what}; create it or "
                          f"choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path}: the directory {folder} is not writable; choose "
+                         f"another path")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix and suffix not in _PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: matplotlib writes {', '.join(_PLOT_FORMATS)}; got "
+                         f"'.{suffix}'")
+
+
+_PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
 
 
 def _target(name: str) -> str:
@@ -127,7 +138,11 @@ def _run(args) -> int:
         policy = advice.policy(args.level, low,
                                fp8=args.fp8 if gains else None, fp8_layers=gains or None)
     if args.plot:
-        advice.plot(args.plot)
+        try:
+            advice.plot(args.plot)
+        except OSError as error:  # (a path the checks above could not rule out: /proc)
+            raise ValueError(f"--plot {args.plot}: could not be written ({error.strerror}); "
+                             f"choose another path") from error
     if args.json:
         out = {"model": args.model, "sizes": None if bm is None else bm.sizes,
                **advice.to_dict(), "policy": None if policy is None else policy.state_dict(),

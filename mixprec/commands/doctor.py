@@ -284,6 +284,16 @@ def resolve_device(name: str) -> str:
     given."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "meta":
+        raise ValueError("--device meta: a meta tensor holds no values; there is nothing to "
+                         "probe or measure there")
+    if device.type not in ("cpu", "cuda"):  # (cuda: device_capabilities says it is missing)
+        try:
+            torch.empty(1, device=device)
+        except (RuntimeError, AssertionError) as error:
+            raise ValueError(f"device {name} was asked for but torch cannot make a tensor "
+                             f"there (no {device.type} backend in this build)") from error
     return name
 
 
