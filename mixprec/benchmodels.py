@@ -10,6 +10,7 @@ that is representative of the model (the shape ``doctor``'s matmul probe is run 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Callable
 
@@ -191,12 +192,20 @@ def get_model(name: str, **sizes) -> BenchModel:
     """The benchmark model ``name`` at the given sizes (None keeps a default).
 
     Raises:
-        ValueError: an unknown model name or a non-positive size.
+        ValueError: an unknown model name, a size the model does not have, or a non-positive
+            size.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    takes = [p for p in inspect.signature(MODELS[name]).parameters
+             if p != "_" and not p.startswith("*")]
     for key, value in sizes.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is None:
+            continue
+        if key not in takes:  # (it was ignored, silently)
+            raise ValueError(f"the {name} model has no {key} (its sizes: {', '.join(takes)}); "
+                             f"got {key}={value!r}")
+        if not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer; got {value!r}")
     return MODELS[name](**sizes)
 

@@ -45,9 +45,10 @@ def test_doctor_refuses_a_device_torch_cannot_use(capsys):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bench_json_parses_and_rows_are_consistent(capsys, model):
+    depth = None if model == "convnet" else 2  # (a convnet has no depth: refused)
     code, out, _ = run(capsys, "bench", "--model", model, "--levels", "O0,O2", "--steps", "2",
-                       "--warmup", "1", "--width", "8", "--batch", "4", "--depth", "2",
-                       "--in-process", "--json")
+                       "--warmup", "1", "--width", "8", "--batch", "4",
+                       *(["--depth", "2"] if depth else []), "--in-process", "--json")
     rep = json.loads(out)
     assert code == 0
     assert [r["row"] for r in rep["rows"]] == ["O0", "O2", "torch.autocast"]
@@ -56,7 +57,16 @@ def test_bench_json_parses_and_rows_are_consistent(capsys, model):
     for r in rep["rows"]:
         assert r["ms_per_step"] > 0 and r["gflops"] > 0 and len(r["times_ms"]) == 2 * 3
         assert r["final_loss"] == r["final_loss"]  # not NaN
-    assert rep["flops_per_step"] == count_flops(get_model(model, width=8, batch=4, depth=2))
+    assert rep["flops_per_step"] == count_flops(get_model(model, width=8, batch=4, depth=depth))
+
+
+def test_a_size_the_model_does_not_have_is_refused(capsys):
+    """``--depth`` for the convnet, ``--seq-len`` for nine-linear were ignored, silently."""
+    code, _, err = run(capsys, "bench", "--model", "convnet", "--depth", "5", "--json")
+    assert code == 2 and "the convnet model has no depth (its sizes: width, batch, " \
+        "image_size)" in err
+    code, _, err = run(capsys, "advise", "--model", "nine-linear", "--seq-len", "9")
+    assert code == 2 and "the nine-linear model has no seq_len" in err
 
 
 @pytest.mark.slow
