@@ -65,18 +65,19 @@ class _OpListMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        targets = self.targets
-        if not torch.compiler.is_compiling():  # the innermost block's lists (eager)
-            block = kernels.block_in_force()
-            if block is not None and block.mode_targets is not None:
-                targets = block.mode_targets
         try:
-            target = targets.get(func)
+            target = self.targets.get(func)
         except TypeError:  # an unhashable callable is never one of ours
             target = None
         if (target is None or not torch.is_autocast_enabled(self.device_type)
                 or kwargs.get("out") is not None):  # out=: the caller's tensor's dtype, as
             return func(*args, **kwargs)            # torch.autocast leaves such a call
+        if not torch.compiler.is_compiling():  # an inner block's lists, not this one's (an op
+            block = kernels.block_in_force()   # it moves is cast by its own mode, first)
+            if block is not None and block.mode_targets is not None:
+                target = block.mode_targets.get(func)
+                if target is None:
+                    return func(*args, **kwargs)
         if target == _PROMOTE:
             dtype = _widest((args, kwargs), self.device_type)
         else:

@@ -33,8 +33,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["in_ddp", "world_size", "rank", "is_fsdp", "unwrap", "local_rank", "is_main_process",
-           "is_initialized", "launched_by_torchrun", "init_from_env", "device", "timeout",
+__all__ = ["ddp_of", "in_ddp", "world_size", "rank", "is_fsdp", "unwrap", "local_rank",
+           "is_main_process", "is_initialized", "launched_by_torchrun", "init_from_env", "device",
+           "timeout",
            "require_group", "settle", "TORCHRUN_HINT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV",
            "SETTLE_GRACE_S", "agree", "apply_timeout", "TimeoutNotAppliedWarning"]
 
@@ -297,16 +298,17 @@ def is_fsdp(model) -> bool:
     return fsdp_module is not None and isinstance(model, fsdp_module.FSDPModule)
 
 
+def ddp_of(model):
+    """The ``DistributedDataParallel`` that ``model`` is, or that ``torch.compile``'s wrapper
+    holds; else None."""
+    while type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        model = model._orig_mod  # (duck-typed: no torch._dynamo import here)
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
 def in_ddp(model) -> bool:
-    """Whether ``model`` is, or wraps (``torch.compile``'s wrapper), a
-    ``DistributedDataParallel``."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return True
-        if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return False
+    """Whether ``model`` is, or wraps, a ``DistributedDataParallel`` (:func:`ddp_of`)."""
+    return ddp_of(model) is not None
 
 
 def unwrap(model):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .distenv import ddp_of
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .optim.params import held_grad
 from .optim.states import BUFFER_KEYS, GENERATOR_KEY
@@ -45,9 +46,8 @@ def _ddp_buckets(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets (held for the run: one element per parameter it
     reduces, in the parameter's dtype), less the gradients that are views of them
     (``gradient_as_bucket_view``), counted as gradients; 0 for a model DDP does not wrap."""
-    while type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        model = model._orig_mod  # torch.compile's wrapper
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    model = ddp_of(model)  # (inside torch.compile's wrapper too)
+    if model is None:
         return 0
     ignored = getattr(model, "parameters_to_ignore", set())
     synced = [p for n, p in model.module.named_parameters() if p.requires_grad

@@ -141,8 +141,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     """
 
     _set_up = False  # False while torch's Optimizer.__init__ registers the groups
-    # whether torch's GradScaler.unscale_ takes the gradients in param_groups (fp16 ones no)
-    _torch_unscales = True
+    _torch_unscales = True  # torch's GradScaler.unscale_ takes param_groups' grads (not fp16)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

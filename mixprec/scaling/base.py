@@ -15,6 +15,7 @@ Two kinds of optimizer are driven:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 
@@ -162,6 +163,7 @@ class LossScaler(GradScalerInterface):
             RuntimeError: unscale_() or clip_grad_norm_() was already called on this
                 optimizer, or step() was, since the last update().
         """
+        self._check_scaled("unscale_()")  # (step() and clip_grad_norm_() check on entry)
         record = self._ready_record(optimizer, "unscale_()")
         inv_scale = self._inv_scale() if self._scales else None
         if owns_gradients(optimizer):
@@ -353,7 +355,10 @@ class LossScaler(GradScalerInterface):
 
     # -- hooks for subclasses ----------------------------------------------------------------
     def _adjust(self, found_inf: torch.Tensor) -> ScaleState:
-        return self._state
+        """The state after a step's overflow flag: a fixed scale (or none) counts skips in a
+        row, which no change of scale can fix (a dynamic scaler adjusts its scale instead)."""
+        found = found_inf.to(self._state.device) > 0
+        return dataclasses.replace(self._state, skips_at_min=(self._state.skips_at_min + 1) * found)
 
     def _next_overflow_raises(self, updated: bool = False) -> bool:
         """Whether this overflow reaches the limit of skips in a row that the scale cannot fix
@@ -404,7 +409,6 @@ class LossScaler(GradScalerInterface):
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
-        self._check_scaled(what)
         return self._stages.ready(optimizer, what)
 
     def _check_scaled(self, what: str) -> None:

@@ -106,10 +106,6 @@ class NoLossScaler(LossScaler):
     def _skip_limit(self):
         return self.max_consecutive_skips
 
-    def _adjust(self, found_inf):
-        found = found_inf.to(self._state.device) > 0  # counts skips in a row; the scale stays 1
-        return dataclasses.replace(self._state, skips_at_min=(self._state.skips_at_min + 1) * found)
-
     def _first_skip_message(self, names):
         return (f"skipped a step: gradients hold inf/NaN ({_listed(names)}). There is no loss "
                 f"scale to back off, so the cause is in the loss, the inputs or the forward "
@@ -339,10 +335,6 @@ class StaticLossScaler(LossScaler):
 
     def _skip_limit(self):
         return self.max_consecutive_skips
-
-    def _adjust(self, found_inf):
-        found = found_inf.to(self._state.device) > 0  # counts skips in a row; the scale stays
-        return dataclasses.replace(self._state, skips_at_min=(self._state.skips_at_min + 1) * found)
 
     def _persistent_overflow_error(self, names):
         limit = self.max_consecutive_skips
