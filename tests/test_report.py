@@ -77,6 +77,20 @@ def test_advice_on_a_collapsing_loss_scale_skips_underflow_and_headroom():
                                "largest value at step 90") for line in lines)
 
 
+@pytest.mark.parametrize("scale, cure", [
+    (1.0, "No loss scale was in use, so no scale setting avoids them"),
+    (1024.0, "A scale that backs off more slowly (hysteresis=) or bf16 avoids them")])
+def test_skip_advice_fits_whether_the_loss_was_scaled(scale, cure):
+    """A bf16 run (no loss scale) with a NaN loss was told to set hysteresis= or use bf16."""
+    steps = list(range(10))
+    run = Run({"mixprec/loss_scale": [(s, scale) for s in steps],
+               "mixprec/skipped_steps": [(s, float(s >= 3)) for s in steps],
+               "mixprec/steps": [(9, 10.0)]})
+    [line] = [a for a in advice(run) if "steps were skipped" in a]
+    assert line.startswith("1 of 10 steps were skipped") and cure in line
+    assert ("trace_nonfinite" in line) == (scale == 1.0)
+
+
 def test_the_page_is_self_contained_with_every_plot(o3_run, tmp_path):
     page = write_report(o3_run, tmp_path / "r.html").read_text()
     assert page.count('src="data:image/png;base64,') == 5  # loss, norm, three heatmaps

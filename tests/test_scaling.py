@@ -825,6 +825,24 @@ def test_every_state_dict_loads_into_torch_grad_scaler(make):
     clone.load_state_dict(scaler.state_dict())  # and our own format still round-trips
 
 
+def test_enabled_stays_as_made_when_a_state_dict_loads():
+    """An enabled scaler that loaded a disabled one's state stopped scaling (enabled False,
+    scale 1.0, no warning): an fp16 run resumed so trained unscaled. It refuses, as an enabled
+    torch.amp.GradScaler refuses a disabled one's; a disabled one loads an enabled one's state
+    and stays disabled. A disabled scaler's GradScaler keys carry its kept scale, not 1.0."""
+    off = mp.DynamicLossScaler(init_scale=512.0, enabled=False)
+    on = mp.DynamicLossScaler(init_scale=1024.0)
+    with pytest.raises(ValueError, match="disabled DynamicLossScaler.*enabled=False"):
+        on.load_state_dict(off.state_dict())
+    assert on.is_enabled() and on.get_scale() == 1024.0
+    loss = torch.tensor(3.0)
+    assert on.scale(loss).item() == 3072.0
+    assert off.state_dict()["scale"] == 512.0
+    off.load_state_dict(mp.DynamicLossScaler(init_scale=8.0).state_dict())
+    assert not off.is_enabled() and off.get_scale() == 1.0
+    assert off.state_dict()["state"]["scale"] == 8.0
+
+
 def test_dynamic_scaler_getters_setters_and_update_new_scale_like_torch():
     scaler = mp.DynamicLossScaler(init_scale=64.0, growth_interval=1)
     assert scaler.is_enabled() and not mp.NoLossScaler().is_enabled()

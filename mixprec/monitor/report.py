@@ -59,9 +59,20 @@ def _scale_advice(run: Run) -> list[str]:
         if total > 0.02 * run.step_count:  # (the documented rule: more than 2% of steps)
             out.append(f"{total:g} of {steps} steps were skipped for inf/NaN gradients "
                        f"({total / run.step_count:.0%}): each is a batch the model did not "
-                       "learn from. A scale that backs off more slowly (hysteresis=) or bf16 "
-                       "avoids them.")
+                       f"learn from. {_skip_cure(run, scale)}")
     return out
+
+
+def _skip_cure(run: Run, scale: list[tuple[int, float]]) -> str:
+    """What avoids skipped steps: a gentler scale where the loss was scaled; where it was not
+    (bf16 or fp32: no scale above 1 recorded), the inf/NaN came from the loss, the inputs or
+    the forward, which no scale setting changes."""
+    if not any(v > 1.0 for _, v in scale):
+        return ("No loss scale was in use, so no scale setting avoids them: the inf/NaN came "
+                "from the loss, the inputs or the forward pass; find the first op that made "
+                "one with mp.debug.trace_nonfinite.")
+    cure = "A scale that backs off more slowly (hysteresis=)"
+    return cure + (" avoids them." if run.format_name() == "bf16" else " or bf16 avoids them.")
 
 
 def _steps_text(run: Run) -> str:

@@ -63,8 +63,8 @@ class GradScalerInterface:
         ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), so
         ``torch.amp.GradScaler().load_state_dict(scaler.state_dict())`` works too.
         """
-        numbers = self._state.to_numbers()
-        return {"scale": self.get_scale(), "growth_factor": self.get_growth_factor(),
+        numbers = self._state.to_numbers()  # (a disabled scaler's kept scale, not 1.0)
+        return {"scale": float(numbers["scale"]), "growth_factor": self.get_growth_factor(),
                 "backoff_factor": self.get_backoff_factor(),
                 "growth_interval": self.get_growth_interval(),
                 "_growth_tracker": int(numbers["growth_tracker"]),

@@ -266,9 +266,17 @@ class DynamicLossScaler(LossScaler):
         return {"scale": float(self._state.scale.item()), **self._config_dict()}
 
     def _load_config(self, config):
+        """The saved settings, ``enabled`` aside: it stays as this scaler was made (as
+        ``torch.amp.GradScaler``'s). An enabled scaler refuses a disabled one's state (it
+        would stop scaling, silently), as ``GradScaler`` refuses a disabled one's."""
         names = tuple(f.name for f in dataclasses.fields(DynamicConfig))
         check_keys("state_dict['config']", config, names)
-        self.config = DynamicConfig(**config)
+        if self.config.enabled and config["enabled"] is False:
+            raise ValueError("this state_dict was saved by a disabled DynamicLossScaler "
+                             "(enabled=False: it scaled nothing); an enabled one does not load "
+                             "it. Make this scaler with enabled=False, or load a state_dict "
+                             "saved while scaling")
+        self.config = DynamicConfig(**{**config, "enabled": self.config.enabled})
 
     def _load_grad_scaler(self, state_dict):
         if not state_dict:
