@@ -181,6 +181,38 @@ def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:
         pre(_load_companions_hook)
     else:  # torch < 2.5
         model._register_load_state_dict_pre_hook(_load_companions_hook, with_module=True)
+    if masters:
+        for sub in model.modules():
+            if sub is not model and any(is_low_precision(p) for p in sub.parameters()):
+                if pre is not None:
+                    sub.register_load_state_dict_pre_hook(_SubLoad(model))
+                else:  # torch < 2.5
+                    sub._register_load_state_dict_pre_hook(_SubLoad(model), with_module=True)
+
+
+class _SubLoad:
+    """load_state_dict pre-hook of a prepared model's sub-modules: a load started at one
+    (``model.backbone.load_state_dict(pretrained)``) sets the companions exactly, as a load
+    through the model does (without it, torch rounded the values into the 16-bit weights and
+    the masters took that rounding). A load through the model (the sub-module's keys then
+    carry a prefix) is the model's hook's. The model is held weakly: a copy of the model gets a
+    hook of the copy (``copy.deepcopy``), a copy of a sub-module alone or a pickle an inert
+    one (a copy's fp32 values are its own shadows, set when it is loaded whole)."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = None if model is None else weakref.ref(model)
+
+    def __call__(self, module, state_dict, prefix, *rest) -> None:
+        model = None if self.model is None else self.model()
+        if not prefix and model is not None:
+            _load_into(companions_of(model), module, state_dict, prefix)
+
+    def __deepcopy__(self, memo) -> "_SubLoad":
+        model = None if self.model is None else self.model()
+        return _SubLoad(memo.get(id(model)) if model is not None else None)
+
+    def __reduce__(self):
+        return _SubLoad, ()
 
 
 def _follow_writes(module, args):
@@ -247,7 +279,10 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
                           unexpected_keys, error_msgs) -> None:
     """load_state_dict pre-hook: the companions take the loaded values exactly (torch then
     rounds them into the low-precision parameters)."""
-    link = companions_of(module)
+    _load_into(companions_of(module), module, state_dict, prefix)
+
+
+def _load_into(link: Companions | None, module, state_dict, prefix) -> None:
     pairs = link.pairs() if link is not None else {}
     if not pairs:
         return

@@ -293,6 +293,32 @@ def test_loads_from_plain_state_dicts_in_either_order_with_ties(order, master):
             assert torch.equal(p.view(torch.int32), q.view(torch.int32))
 
 
+@pytest.mark.parametrize("master", ["split", "kahan"])
+def test_a_plain_optimizer_state_dict_loaded_after_steps_keeps_the_buffers(master):
+    """A plain torch AdamW's state dict (moments, no buffers) loaded after a step dropped the
+    remainder/compensation: ``model.state_dict()`` then failed, and the next step (lr 0)
+    moved the masters by half a bf16 ulp. torch's load sets the moments only: the masters
+    keep their values, as fp32 masters' do, and continue as the loaded moments say."""
+    make = OPTIMIZERS["adamw"]
+    net, opt = prepared(master, make)
+    train(net, opt, range(3))
+    plain = mlp(1)
+    plain_opt = make(plain.parameters())
+    train(plain, plain_opt, range(2))
+    saved = plain_opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.0  # the next step changes nothing but the moments
+    before = {p: v.clone() for p, v in opt.fp32_values().items()}
+    opt.load_state_dict(saved)
+    assert all(opt.compensation(p) is not None for p in before)
+    net.state_dict()  # (failed on the missing buffer)
+    train(net, opt, range(3, 4))
+    for p, value in opt.fp32_values().items():
+        assert torch.equal(value, before[p])
+    for p in before:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].shape == p.shape
+
+
 VIEW_OPS = {"aten::slice", "aten::narrow", "aten::view", "aten::as_strided", "aten::select",
             "aten::alias", "aten::split_with_sizes", "aten::split", "aten::unbind"}
 

@@ -13,7 +13,6 @@ shard alone would move the weights away from one process.
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,14 +23,12 @@ import lightning_cases as lc  # noqa: E402
 from lightning.pytorch.strategies import (  # noqa: E402
     DDPStrategy,
     FSDPStrategy,
-    ModelParallelStrategy,
 )
 from parallel_cases import launch, max_diff  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import mixprec as mp  # noqa: E402
-from mixprec.integrations import lightning_checkpoints as checkpoints  # noqa: E402
 from mixprec.integrations import lightning_strategies as strategies  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning"),
@@ -336,17 +333,12 @@ def _stepped(master: str, dtype: str = "bf16", steps: int = 3):
     return engine, module, opt
 
 
-def _under(module: nn.Module, strategy) -> nn.Module:
-    module._trainer = SimpleNamespace(strategy=strategy)  # what strategy_of reads
-    return module
-
-
 def test_kahan_pairs_take_a_sub_modules_own_load_under_model_parallel():
     """Lightning loads an FSDP2 model one sub-module at a time: each Kahan pair must stand for
     the loaded value (weight to nearest, compensation the rest), not keep a compensation from
-    before (torch's zero-lr step before the optimizer's load would add it to the weight)."""
+    before (torch's zero-lr step before the optimizer's load would add it to the weight). The
+    prepared model's sub-modules do it themselves (a Lightning-only hook did before)."""
     _, module, opt = _stepped("kahan")
-    checkpoints.register(_under(module, ModelParallelStrategy()), [opt])
     value = torch.randn(module.net.head.weight.shape, generator=torch.Generator().manual_seed(5))
     module.net.head.load_state_dict({"weight": value, "bias": torch.zeros(3)})
     weight, comp = module.net.head.weight, opt.compensation(module.net.head.weight)

@@ -223,6 +223,32 @@ def test_prepared_model_still_trains_under_state_dict_round_trip():
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_a_load_into_a_sub_module_sets_its_masters_exactly(master):
+    """``model[0].load_state_dict(pretrained)`` after prepare (a backbone loaded for
+    fine-tuning) rounded the values into the bf16 weights and the masters took that rounding
+    (8.9e-4 off the loaded values, for good); a load through the model was exact. Both are
+    exact now, and a deep copy's sub-module loads into the copy only."""
+    def mlp(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    pretrained = mlp(1)
+    model = mlp(0)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), level="O2",
+                            dtype="bf16", master=master)
+    copied = copy.deepcopy(model)
+    model[0].load_state_dict(pretrained[0].state_dict())
+    model(torch.randn(4, 8)).float().sum().backward()
+    opt.step()  # lr 0: nothing moves
+    for name in ("weight", "bias"):
+        assert torch.equal(model.state_dict()[f"0.{name}"], getattr(pretrained[0], name))
+        assert torch.equal(getattr(model[0], name),
+                           getattr(pretrained[0], name).to(torch.bfloat16))
+    assert torch.equal(copied.state_dict()["0.weight"], mlp(0)[0].weight)
+    copied[0].load_state_dict(pretrained[0].state_dict())
+    assert torch.equal(copied.state_dict()["0.weight"], pretrained[0].weight)
+
+
 def test_custom_op_lists_through_prepare():
     model, x, _ = make("mlp")
     mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["linear"])

@@ -79,11 +79,13 @@ def hold_unstepped(optimizer) -> None:
     round trip when it wraps the optimizer, as Accelerate's does) are held aside again, so an
     optimizer that has not stepped still has an empty ``state``: torch's distributed
     checkpointing takes a non-empty state for a laid-out one and would load into too few
-    entries."""
+    entries. A parameter whose loaded state holds no buffer (a plain torch optimizer's state
+    dict) keeps its own, as fp32 masters keep their masters: torch's load sets the moments,
+    never the parameters."""
     key = getattr(optimizer, "_buffer_key", None)
     if key is None:
         return
-    optimizer._kept = {}
+    before, optimizer._kept = optimizer._kept, {}
     for p in optimizer._low:
         entry = optimizer.state.get(p)
         if entry is not None and set(entry) == {key}:
@@ -92,6 +94,8 @@ def hold_unstepped(optimizer) -> None:
         elif entry is not None and key in entry:
             optimizer._kept[p] = entry[key]
             optimizer._pending.pop(p, None)  # the buffer made before the load: not kept twice
+        elif p in before and p not in optimizer._pending:  # (set aside; the next step puts
+            optimizer._kept[p] = before[p]                  # it in the state)
 
 
 def widen_int16(optimizer, state: dict) -> dict:
