@@ -32,6 +32,12 @@ class ForwardWrapper:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     @property
+    def __code__(self):
+        """The replaced forward's code object (``torch.export`` names its trace by it)."""
+        inner = self.inner if self.inner is not None else type(self.module).forward
+        return inner.__code__
+
+    @property
     def __signature__(self) -> inspect.Signature:
         inner = self.inner if self.inner is not None else \
             type(self.module).forward.__get__(self.module)

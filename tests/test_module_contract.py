@@ -388,3 +388,16 @@ def test_fp32_state_dict_saves_in_another_dtype_from_the_masters(dtype):
         assert torch.equal(value, exact[name].to(target))
     with pytest.raises(ValueError, match="dtype must be 'fp32', 'bf16', 'fp16' or 'fp64'"):
         mp.fp32_state_dict(model, opt, dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_torch_export_of_a_prepared_model_computes_as_it_does(level):
+    """``torch.export.export(model, args)`` failed at every level (an AttributeError: the
+    entry that replaces ``forward`` had no ``__code__``, which export names its trace by)."""
+    torch.manual_seed(0)
+    model = mp.prepare(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(),
+                                     nn.Linear(16, 4)), level=level, dtype="bf16")
+    x = torch.randn(4, 8)
+    exported = torch.export.export(model, (x,)).module()
+    assert torch.equal(exported(x), model(x))
+    assert exported(x).dtype == (torch.bfloat16 if level == "O3" else torch.float32)

@@ -8,6 +8,7 @@ optimizer's ``state_dict`` (no masters) loads too: the masters keep their values
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Mapping
 
@@ -47,9 +48,37 @@ def register(optimizer) -> None:
 
 
 def _save_masters(optimizer, state: dict) -> dict:
-    """state_dict post-hook: the fp32 masters travel under ``"master_weights"``."""
-    state[MASTERS_KEY] = {i: m.detach() for i, m in indexed_masters(optimizer).items()}
+    """state_dict post-hook: the fp32 masters travel under ``"master_weights"``.
+
+    Raises:
+        RuntimeError: called by torch's ``get_state_dict``/``get_optimizer_state_dict``
+            (``torch.distributed.checkpoint.state_dict``), which map an optimizer's
+            parameters to the model's by identity: fp32 masters are other tensors, and torch
+            failed on them with a bare ``KeyError: 0``.
+    """
+    masters = indexed_masters(optimizer)
+    if masters and _from_torch_state_dict_functions():
+        raise RuntimeError(
+            "torch.distributed.checkpoint.state_dict's get_state_dict/"
+            "get_optimizer_state_dict (and set_state_dict) look an optimizer's parameters up "
+            "among the model's, and this optimizer steps fp32 masters, other tensors. Save "
+            "model.state_dict() and optimizer.state_dict() (torch.distributed.checkpoint's "
+            "save/load take them; the masters travel in the optimizer's), or prepare with "
+            "master='split', whose optimizer steps the model's own parameters; under FSDP2 "
+            "(mp.parallel.fsdp) the masters are the shards and these functions work")
+    state[MASTERS_KEY] = {i: m.detach() for i, m in masters.items()}
     return state
+
+
+def _from_torch_state_dict_functions() -> bool:
+    """Whether torch's distributed state-dict functions called this ``state_dict()``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name == "_get_optim_state_dict"
+                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _take_masters(optimizer, state_dict: Mapping) -> dict:
