@@ -401,3 +401,31 @@ def test_torch_export_of_a_prepared_model_computes_as_it_does(level):
     exported = torch.export.export(model, (x,)).module()
     assert torch.equal(exported(x), model(x))
     assert exported(x).dtype == (torch.bfloat16 if level == "O3" else torch.float32)
+
+
+def test_an_orthogonal_parametrization_trains_at_o2_as_under_torch_autocast():
+    """orthogonal() computes its weight with the matrix exponential, whose bf16 kernel returns
+    NaN for a small skew-symmetric matrix: at O2 (its parameter stored in bf16) the loss was NaN
+    from the second step on, where torch.autocast (fp32 parameter) trains. The matrix
+    exponential is kept in fp32."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    def run(level):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), orthogonal(nn.Linear(6, 6)))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        if level is not None:
+            net, opt = mp.prepare(net, opt, level=level, dtype="bf16")
+        gen, losses = torch.Generator().manual_seed(1), []
+        for _ in range(5):
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+            with torch.autocast("cpu", torch.bfloat16, enabled=level is None):
+                loss = nn.functional.mse_loss(net(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    reference, o2 = run(None), run("O2")
+    assert all(abs(a - b) < 2e-3 for a, b in zip(reference, o2)), (reference, o2)

@@ -37,6 +37,8 @@ ATEN_OVERLOADS: dict[str, tuple[str, ...]] = {
     "layer_norm": ("layer_norm.default",),
     "group_norm": ("group_norm.default",),
     "rms_norm": ("rms_norm.default",),
+    "matrix_exp": ("matrix_exp.default",),
+    "linalg_matrix_exp": ("linalg_matrix_exp.default",),
 }
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _LOW, _PROMOTE = "low", "promote"  # the markers of mixprec.autocast

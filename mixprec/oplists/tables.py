@@ -65,10 +65,13 @@ TORCH_DEFAULTS: dict[str, dict[str, frozenset[str]]] = {
 
 #: Precision-sensitive ops mixprec keeps in fp32 where torch's list for the device does not:
 #: torch's CPU list leaves softmax, logsumexp and the layer/group/RMS norms in low precision
-#: where CUDA's list keeps them in fp32. batch_norm is in neither list on purpose: its kernels
-#: take low-precision activations with fp32 statistics and parameters and accumulate in fp32.
+#: where CUDA's list keeps them in fp32; neither list has the matrix exponential, whose bf16
+#: kernel returns NaN for a small skew-symmetric matrix (an ``orthogonal`` parametrization's
+#: weight at O2). batch_norm is in neither list on purpose: its kernels take low-precision
+#: activations with fp32 statistics and parameters and accumulate in fp32.
 MIXPREC_FP32_ADDITIONS: frozenset[str] = frozenset(
-    "softmax log_softmax logsumexp layer_norm group_norm rms_norm".split())
+    "softmax log_softmax logsumexp layer_norm group_norm rms_norm matrix_exp linalg_matrix_exp"
+    .split())
 
 
 _CONV = {nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
