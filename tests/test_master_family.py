@@ -319,6 +319,68 @@ def test_a_plain_optimizer_state_dict_loaded_after_steps_keeps_the_buffers(maste
             assert opt.state[p][key].shape == p.shape
 
 
+@pytest.mark.parametrize("master", ["fp32", "split"])
+@pytest.mark.parametrize("bucket_mb", [None, 1e-4])
+def test_parameters_that_are_views_into_a_larger_tensor_step_as_the_reference(master,
+                                                                              bucket_mb):
+    """fp32 masters of parameters that are views into a larger tensor (``buf[2:7, 3:11]``,
+    ``flat[10:150:2]``) kept the views' strides while their gradients are dense: torch's fused
+    kernel pairs elements by their place in memory, and 27 of 40 elements stepped with other
+    elements' gradients (0.02 off at lr 1e-2). Bit for bit the fp32-master reference now."""
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Parameter(torch.randn(10, 20)[2:7, 3:11])
+            self.b = nn.Parameter(torch.randn(200)[10:150:2])
+
+        def forward(self, x):
+            return x @ self.a.t() + self.b[:5]
+
+    net = Views()
+    masters = [p.detach().clone() for p in net.parameters()]
+    reference = torch.optim.AdamW([nn.Parameter(m) for m in masters], lr=1e-2, fused=True)
+    model, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2), level="O2",
+                            dtype="bf16", master=master)
+    opt.bucket_mb = bucket_mb  # (1e-4: a bucket, or piece, per tensor)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=gen)).float().square().sum().backward()
+        for ref, p in zip(reference.param_groups[0]["params"], model.parameters()):
+            ref.grad = p.grad.float()
+        opt.step()
+        reference.step()
+        opt.zero_grad()
+        got = mp.fp32_state_dict(model, opt)
+        for name, ref in zip(("a", "b"), reference.param_groups[0]["params"]):
+            assert torch.equal(got[name], ref), name
+            assert torch.equal(getattr(model, name), ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_split_steps_sparse_gradients_with_repeated_rows_as_fp32_masters(clip):
+    """An embedding's sparse gradient repeats a row once per lookup; split stepped the
+    uncoalesced gradient (SGD applied -lr * 1 three times, not -lr * 3 once: 1 ulp off fp32
+    masters), and its unscale (a clip) summed the rows in bf16. Both sum them in fp32, as fp32
+    masters do: bit for bit."""
+    nets, opts, engines = [], [], []
+    for master in ("fp32", "split"):
+        torch.manual_seed(0)
+        net = nn.Embedding(16, 8, sparse=True)
+        engine = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+        net, opt = engine.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        nets.append(net), opts.append(opt), engines.append(engine)
+    for rows in ([1, 1, 1, 3], [3, 7, 7, 0, 1], [5, 5, 5, 5, 5, 5, 2]):
+        for net, opt, engine in zip(nets, opts, engines):
+            engine.backward(net(torch.tensor(rows)).float().square().sum() * 0.37)
+            if clip:  # (unscales the gradients first)
+                engine.clip_grad_norm_(opt, 0.5)
+            engine.step(opt)
+            opt.zero_grad()
+        fp32, split = (mp.fp32_state_dict(n, o)["weight"] for n, o in zip(nets, opts))
+        assert torch.equal(fp32, split)
+
+
 VIEW_OPS = {"aten::slice", "aten::narrow", "aten::view", "aten::as_strided", "aten::select",
             "aten::alias", "aten::split_with_sizes", "aten::split", "aten::unbind"}
 

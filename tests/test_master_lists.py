@@ -336,3 +336,15 @@ def test_a_tensor_larger_than_a_piece_steps_a_slice_at_a_time_bitwise(name, stat
         assert torch.equal(p, q) and torch.equal(fo.master_param(p), go.master_param(q))
         for key, value in fo.state[fo.master_param(p)].items():
             assert torch.equal(value, go.state[go.master_param(q)][key]), key
+
+
+def test_scratch_for_a_view_into_a_larger_tensor_has_its_strides():
+    """torch's fused kernel pairs a parameter's and a gradient's elements by their place in
+    memory: the fp32 scratch of a tensor laid out as a view into a larger one must have its
+    strides (``empty_like`` gave it contiguous ones)."""
+    from mixprec.optim.buckets import Scratch
+    for view in (torch.randn(10, 20)[2:7, 3:11], torch.randn(200)[10:150:2],
+                 torch.randn(4, 6).t()):
+        [out] = Scratch().views([view])
+        assert out.shape == view.shape and out.stride() == view.stride()
+        assert out.dtype == torch.float32

@@ -19,7 +19,7 @@ import torch
 from .. import kernel_table
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch",
-           "fill_storages", "empty_storages"]
+           "fill_storages", "empty_storages", "dense_layout"]
 
 #: torch optimizers whose update of each parameter reads only that parameter's gradient and state
 #: (exact types: a subclass may add a global statistic, so it is stepped in one call).
@@ -73,7 +73,7 @@ def make_buckets(param_groups: list[dict], bucket_mb: float | None,
     return buckets
 
 
-def _dense_layout(t: torch.Tensor) -> bool:
+def dense_layout(t: torch.Tensor) -> bool:
     """True when ``t``'s strides cover exactly ``t.numel()`` elements (a view of a flat buffer
     with these strides is a valid tensor)."""
     return (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
@@ -86,10 +86,13 @@ def _views(like: list[torch.Tensor], buffer_of) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(like)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(like):
-        if _dense_layout(t):
+        if dense_layout(t):
             by_device.setdefault(t.device, []).append(i)
-        else:  # an unusual layout: its own tensor, strided as the master
-            out[i] = torch.empty_like(t, dtype=torch.float32)
+        else:  # an unusual layout: its own tensor, strided as the master (empty_like would
+            # give a view into a larger buffer contiguous strides, and torch's fused kernel
+            # pairs a parameter's and a gradient's elements by their place in memory)
+            out[i] = torch.empty_strided(t.shape, t.stride(), dtype=torch.float32,
+                                         device=t.device)
     for device, indices in by_device.items():
         buffer, start = buffer_of(device, sum(like[i].numel() for i in indices)), 0
         for i in indices:
@@ -150,7 +153,7 @@ class Scratch:
         if out is not None and version == self.version:
             fill_storages(self.buffers.values())
             return out
-        if not all(_dense_layout(t) for t in like):
+        if not all(dense_layout(t) for t in like):
             return None
         out = _views(like, lambda device, n: self.take(device, "grads", n))
         self._views[key] = (self.version, out)

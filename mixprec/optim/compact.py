@@ -285,12 +285,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
             for p in self._model_params:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    p.grad = p.grad.coalesce()
-                if is_low_precision(p.grad):
-                    low.append((p, p.grad.float()))
+                if is_low_precision(p.grad):  # (sparse: repeated rows summed in fp32, as
+                    wide = p.grad.float()      # fp32 masters sum them)
+                    low.append((p, wide.coalesce() if wide.is_sparse else wide))
                     grads.append(low[-1][1])
                 else:
+                    if p.grad.is_sparse:
+                        p.grad = p.grad.coalesce()
                     grads.append(p.grad)
             found = check_and_unscale_(grads, None if divide else factor)
             if divide:

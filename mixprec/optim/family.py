@@ -112,7 +112,8 @@ class _Run:
             torch._foreach_copy_([v for v, _ in dense], [g for _, g in dense])
         self.sparse = []
         for temp, view, s in zip(self.params, views, slices):
-            temp.grad = s.grad.float() if s.grad.is_sparse else self._placed(view, s)
+            temp.grad = (s.grad.float().coalesce() if s.grad.is_sparse  # (rows summed in fp32,
+                         else self._placed(view, s))                      # as fp32 masters')
             if s.grad.is_sparse:
                 self.sparse.append(temp.grad)
         self._swap_in(saved)

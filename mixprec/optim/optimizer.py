@@ -36,7 +36,7 @@ from ..dtypes import is_low_precision
 from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, unscale_
 from . import checkpoint, kernels, master_lists, states, steps, writes
-from .buckets import Scratch, is_per_parameter
+from .buckets import Scratch, dense_layout, is_per_parameter
 from .params import (
     GradCarry,
     MasterParameter,
@@ -170,6 +170,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 f"and device")
         value = (initial.detach() if initial is not None
                  else param.detach().to(torch.float32, copy=True))  # keeps the layout
+        if not dense_layout(value):  # a view into a larger tensor (the fp32 parameter prepare
+            value = value.contiguous()  # replaced): a master of its own, its gradient's layout
         master = MasterParameter(value, requires_grad=param.requires_grad)._link(param,
                                                                                  self._carry)
         self._master_of[param] = master
