@@ -88,3 +88,29 @@ def test_paddle_op_map_names_torch_ops():
     assert len(rows) >= 20
     for _, torch_name in rows:
         oplists.resolve_op(torch_name)
+
+
+def test_paddle_op_names_are_refused_naming_torchs_as_the_guide_table_does():
+    """A Paddle kernel name (``elementwise_add``) was refused with close spellings of other
+    ops ("did you mean 'bitwise_and', 'nelement'?"); it names torch's, from the table the
+    guide shows."""
+    import mixprec as mp
+    from mixprec.oplists.names import PADDLE_NAMES
+    table = DOC.read_text().split("| Paddle op | torch name |")[1].split("\n\n")[0]
+    rows = {}
+    for line in table.strip().splitlines()[1:]:
+        paddle, torch_name = (cell.strip() for cell in line.strip("|").split("|"))
+        for name in re.findall(r"`([a-z0-9_]+)`", paddle):
+            rows[name] = torch_name.strip("`")
+    try_names = {n: t for n, t in rows.items() if n != t}
+    for name, torch_name in try_names.items():
+        try:
+            oplists.resolve_op(name)
+        except ValueError as error:  # not a torch name: the error names torch's
+            assert PADDLE_NAMES[name] == torch_name
+            assert f"torch's is {torch_name!r}" in str(error)
+        else:
+            assert name not in PADDLE_NAMES  # a torch name too (Paddle's mul): left alone
+    assert set(PADDLE_NAMES) <= set(try_names)
+    with pytest.raises(ValueError, match="PaddlePaddle kernel name: torch's is 'add'"):
+        mp.autocast("bf16", device_type="cpu", low_precision_ops=["elementwise_add"])

@@ -59,6 +59,19 @@ def normalize_op_name(name: str) -> str:
     return _DUNDER_TO_NAME.get(name, name)  # an operator's method: its op (x + y: "add")
 
 
+#: PaddlePaddle's AMP op names (its kernels') that torch names otherwise -> torch's name, for
+#: the error an unknown name gets (docs/migrating.md has the same table).
+PADDLE_NAMES: dict[str, str] = {
+    "elementwise_add": "add", "elementwise_sub": "sub", "elementwise_mul": "mul",
+    "elementwise_div": "div", "elementwise_pow": "pow", "matmul_v2": "matmul",
+    "depthwise_conv2d": "conv2d", "conv2d_transpose": "conv_transpose2d",
+    "softmax_with_cross_entropy": "cross_entropy", "cross_entropy2": "cross_entropy",
+    "sigmoid_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
+    "reduce_sum": "sum", "reduce_mean": "mean", "lookup_table": "embedding",
+    "lookup_table_v2": "embedding", "fused_attention": "scaled_dot_product_attention",
+}
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_op(name: str) -> tuple:
     """The Python callables that a user-facing op name stands for (function, method, operator).
@@ -92,6 +105,8 @@ def resolve_op(name: str) -> tuple:
     if not found:
         close = difflib.get_close_matches(flat, _known_names(), n=3)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        if flat in PADDLE_NAMES:  # (close spellings of a Paddle kernel name are other ops)
+            hint = f"; {flat!r} is a PaddlePaddle kernel name: torch's is {PADDLE_NAMES[flat]!r}"
         raise ValueError(f"unknown op name {name!r}: not a function of torch, torch.nn.functional, "
                          f"torch.Tensor, torch.linalg, torch.fft or torch.special{hint}")
     return tuple(found)
