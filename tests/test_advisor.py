@@ -355,6 +355,19 @@ def test_fp16_loss_scale_is_where_dynamic_scaling_settles():
     assert loss_scale_for("fp16", 1e-9, 1024) == 1024.0 and loss_scale_for("bf16", 1.0, "auto") == 1
 
 
+def test_a_scale_above_the_start_says_how_long_the_scaler_takes_to_reach_it():
+    """Judged at 2^19, layers read safe that lose a third of their gradients for the run's
+    first thousands of steps (a default scaler starts at 2^16 and doubles every 2000 clean
+    steps): the table line says so, and how to judge the start."""
+    from mixprec.advisor.measure import describe_scale
+    line = describe_scale("auto", 2.0 ** 19)
+    assert "judged at loss scale 2^19" in line
+    assert "starts at 2^16 and doubles every 2000 clean steps" in line
+    assert "after about 6000 steps" in line and "loss_scale=2.**16 judges the start" in line
+    assert "starts at" not in describe_scale("auto", 2.0 ** 15)  # below the start: as trained
+    assert "starts at" not in describe_scale(2.0 ** 20, 2.0 ** 20)
+
+
 def test_a_small_bert_is_judged_at_the_scale_dynamic_scaling_reaches():
     """At a fixed 2^16 ~1.5% of two attention key layers' weight gradients flush in fp16 (the
     1% limit flags them); dynamic scaling grows past 2^16 when nothing overflows, and there

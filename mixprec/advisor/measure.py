@@ -64,6 +64,8 @@ def lowbit_formats(formats, fp8_recipe: str) -> dict[str, lowbit.LowBitFormat]:
     return {f: classes[f].for_advisor(fp8_recipe) for f in formats if f in classes}
 #: DynamicLossScaler's default max_scale: where dynamic scaling stops growing
 _MAX_SCALE = inspect.signature(DynamicLossScaler).parameters["max_scale"].default
+_START = inspect.signature(DynamicLossScaler).parameters["init_scale"].default
+_GROWTH = inspect.signature(DynamicLossScaler).parameters["growth_interval"].default
 _MIN_SCALE = 2.0 ** -24
 
 
@@ -243,9 +245,16 @@ def loss_scale_for(fmt: str, peak: float, loss_scale) -> float:
 def describe_scale(loss_scale, scale: float) -> str:
     """How the fp16 gradient verdicts' loss scale was chosen, for the table."""
     if loss_scale in ("auto", "dynamic"):
-        return (f"fp16 gradient ranges judged at loss scale {_pow2(scale)} (dynamic scaling's "
+        text = (f"fp16 gradient ranges judged at loss scale {_pow2(scale)} (dynamic scaling's "
                 f"on this batch: the largest power of two keeping every gradient finite, at "
                 f"most max_scale {_pow2(_MAX_SCALE)})")
+        if scale > _START:  # (the scaler grows there one doubling per clean interval)
+            steps = round(math.log2(scale / _START)) * _GROWTH
+            text += (f"; a dynamic scaler starts at {_pow2(_START)} and doubles every "
+                     f"{_GROWTH} clean steps, so it reaches that after about {steps} steps, "
+                     f"and more gradients flush to zero until then (loss_scale="
+                     f"2.**{round(math.log2(_START))} judges the start)")
+        return text
     return f"fp16 gradient ranges judged at the fixed loss scale {_pow2(scale)}"
 
 
