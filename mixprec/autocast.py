@@ -17,7 +17,11 @@ import copy
 import dataclasses
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode_stack,
+    _pop_mode_temporarily,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import oplists
@@ -71,7 +75,9 @@ class _OpListMode(TorchFunctionMode):
             target = None
         if (target is None or not torch.is_autocast_enabled(self.device_type)
                 or kwargs.get("out") is not None):  # out=: the caller's tensor's dtype, as
-            return func(*args, **kwargs)            # torch.autocast leaves such a call
+            if torch.compiler.is_compiling():       # torch.autocast leaves such a call
+                return _past_outer_lists(func, args, kwargs)
+            return func(*args, **kwargs)
         if not torch.compiler.is_compiling():  # an inner block's lists, not this one's (an op
             block = kernels.block_in_force()   # it moves is cast by its own mode, first)
             if block is not None and block.mode_targets is not None:
@@ -86,6 +92,19 @@ class _OpListMode(TorchFunctionMode):
             args, kwargs = cast_floating((args, kwargs), dtype, self.device_type)
         with torch.autocast(self.device_type, enabled=False):
             return func(*args, **kwargs)
+
+
+def _past_outer_lists(func, args, kwargs):
+    """``func(*args, **kwargs)`` with the enclosing blocks' op-list modes off the mode stack:
+    in traced code (``torch.compile``) a block's lists apply to what it runs, as in eager code
+    (where :func:`mixprec.oplists.kernels.block_in_force`, which a trace cannot read, names
+    the innermost block); an enclosing mode that saw the call cast it to its own targets
+    (``fp32_ops=["linear"]`` outside reached a prepared model's forward inside)."""
+    with contextlib.ExitStack() as stack:
+        while (modes := _get_current_function_mode_stack()) and isinstance(modes[-1],
+                                                                             _OpListMode):
+            stack.enter_context(_pop_mode_temporarily())
+        return func(*args, **kwargs)
 
 
 def is_mixprec_mode(mode) -> bool:
@@ -182,7 +201,7 @@ class PrecisionContext:
             if self._eager_block():
                 with self._block():
                     return self._with_modes(self.mode_targets, fn, args, kwargs)
-            return self._with_modes(self.targets, fn, args, kwargs)
+            return self._with_modes(self.targets, fn, args, kwargs, traced=self.autocast)
 
     def _eager_block(self) -> bool:
         # eager code casts the kernels' ops at the dispatcher and intercepts only the others in
@@ -193,11 +212,12 @@ class PrecisionContext:
     def _block(self) -> kernels.active:
         return kernels.active(self.device_type, self.kernels, self.mode_targets)
 
-    def _with_modes(self, targets: dict, fn, args, kwargs):
-        if targets and self.emulate:  # the op lists innermost: they see each call first
+    def _with_modes(self, targets: dict, fn, args, kwargs, traced: bool = False):
+        # traced: a mode even without targets, which passes calls past enclosing blocks' modes
+        if (targets or traced) and self.emulate:  # the op lists innermost: they see each
             with Fp16EmulationMode(self.device_type), _OpListMode(self.device_type, targets):
-                return fn(*args, **kwargs)
-        if targets:
+                return fn(*args, **kwargs)  # call first
+        if targets or traced:
             with _OpListMode(self.device_type, targets):
                 return fn(*args, **kwargs)
         if self.emulate:
@@ -214,7 +234,7 @@ class PrecisionContext:
             targets = self.mode_targets
         if self.emulate:
             stack.enter_context(Fp16EmulationMode(self.device_type))
-        if targets:
+        if targets or (self.autocast and not self._eager_block()):  # (see _with_modes)
             stack.enter_context(_OpListMode(self.device_type, targets))
 
     def _autocast(self) -> torch.autocast:

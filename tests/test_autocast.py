@@ -169,6 +169,35 @@ def test_the_innermost_block_s_lists_apply_as_torch_autocast_s_do():
         assert torch.equal(net(x), alone)
 
 
+def test_the_innermost_block_s_lists_apply_under_torch_compile_too():
+    """Traced, the enclosing block's mode still saw what an inner block (or a prepared model's
+    forward) left to autocast and cast it to its own targets: linear in fp32 inside a default
+    inner block, layer_norm in fp32 inside torch's exact lists. Compiled as eager."""
+    x, w = _x(2, 4), _x(3, 4)
+    cpu = {"device_type": "cpu"}
+    net = mp.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)), level="O1", dtype="bf16")
+    outer = mp.autocast("bf16", **cpu, fp32_ops=["linear", "gelu"])
+    inner = mp.autocast("bf16", **cpu)
+    exact = mp.autocast("bf16", **cpu, extend_defaults=False)
+
+    def f(x):
+        with outer:
+            a = F.linear(x, w)
+            with inner:
+                b, g = F.linear(x, w), F.gelu(x.bfloat16())
+            with exact:
+                n = F.layer_norm(x.bfloat16(), (4,))
+            return a, b, g, n, net(x)
+
+    eager = f(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager")(x)
+    assert [t.dtype for t in eager] == [FP32, BF16, BF16, BF16, FP32]
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager]
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
 def test_a_moved_op_called_with_out_writes_the_callers_tensor():
     """As torch.autocast leaves an out= call: the result goes into ``out`` (it went into a cast
     copy, and ``out`` kept its old values)."""

@@ -15,6 +15,10 @@ reuse few such combinations to keep compile time down.
 """
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -134,6 +138,60 @@ def test_scheduler_changes_lr_without_recompiling():
     assert opts[1].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 5)
     assert counters["stats"]["unique_graphs"] == graphs
     assert_same_training_state(opts[0], models[0], opts[1], models[1])
+
+
+def test_a_scheduler_cycling_the_momentum_turns_the_compiled_step_off_once(caplog):
+    """OneCycleLR cycles SGD's momentum (AdamW's beta1) every step; each new value recompiled
+    the master step (about a second each) until torch's recompile limit, after which it ran
+    eagerly without a word. After two changes the optimizer steps with torch's fused kernel,
+    said once; its numbers stay those of the eager step."""
+    from mixprec.optim.steps import HYPER_CHANGES
+    counters = torch._dynamo.utils.counters
+    models = [model_of(DTYPE_MIXES["bf16"]) for _ in range(2)]
+    opts = [wrapped(m, "sgd_momentum_wd_nesterov", f) for m, f in zip(models, (False, "compile"))]
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in opts]
+    seq = grad_sequence(models[0], steps=8)
+    with caplog.at_level("WARNING", logger="mixprec"):
+        for i, grads in enumerate(seq):
+            for model, opt, sched in zip(models, opts, scheds):
+                set_grads(model, grads)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+            if i == HYPER_CHANGES + 1:
+                graphs = counters["stats"]["unique_graphs"]
+    assert opts[1].fused == "auto"
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after it
+    said = [r.getMessage() for r in caplog.records if "cycle_momentum" in r.getMessage()]
+    assert len(said) == 1 and "fused='auto'" in said[0]
+    assert_same_training_state(opts[0], models[0], opts[1], models[1])
+
+
+def test_a_one_element_master_steps_eagerly_and_adds_no_graph(tmp_path):
+    """A learned scalar (CLIP's logit_scale) first in the groups: compiled, size 1 was
+    specialised, and the next size's guard failed inside torch: three graphs, not one (counted
+    in a fresh process: compiled kernels are shared by the process)."""
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from mixprec.optim import MasterWeightOptimizer
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.scale = nn.Parameter(torch.tensor(1.5))
+        model.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        model = model.to(torch.bfloat16)
+        opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    fused="compile")
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+        print(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "1", out.stdout + out.stderr
 
 
 def test_no_loss_scaler_step_reads_model_grads_without_syncing():

@@ -24,7 +24,10 @@ State keys and layouts are torch's own (``momentum_buffer``; ``step``, ``exp_avg
 ``exp_avg_sq``), so state dicts move freely between the paths. The compiled kernels take flat
 views and dynamic shapes (one compile per gradient dtype, not per tensor), the learning rate and
 the gradient's inverse scale as 0-d tensors (a scheduler or a changing loss scale recompiles
-nothing); a change of another hyper-parameter (momentum, betas, weight decay) recompiles.
+nothing); a change of another hyper-parameter (momentum, betas, weight decay) recompiles, and
+where they keep changing (a scheduler cycling the momentum, as ``OneCycleLR`` and ``CyclicLR``
+do by default) the optimizer steps with torch's fused kernel instead
+(:func:`.steps.keeps_compiling`). A one-element master steps eagerly.
 """
 
 from __future__ import annotations
@@ -323,7 +326,11 @@ def _adam_group(optimizer, group: dict, items: list, inv: PerDevice) -> None:
 
 def _run(kernel: GuardedKernel, *args):
     """``kernel(*args)``, inside the warning filter :func:`compiled_step` sets once for all its
-    calls (a filter per call costs more than a small tensor's update)."""
+    calls (a filter per call costs more than a small tensor's update). A one-element master (a
+    learned scalar) steps eagerly: compiled, size 1 is specialised (a graph of its own, and the
+    next size's guard failed inside torch: three graphs where one serves)."""
+    if args[0].numel() < 2:
+        return kernel.fn(*args)
     return kernel.compiled()(*args) if kernel.trusted(*args) else kernel.fn(*args)
 
 

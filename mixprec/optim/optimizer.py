@@ -389,7 +389,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
                                "is True (torch's fused kernel for every tensor, fp32 moments, "
                                "no step hooks, optimizer state made); read the flag and skip")
         self._check_fp16_changes()
-        if self._fused == "compile" and again is None:
+        if self._fused == "compile" and again is None and steps.keeps_compiling(self):
             steps.compiled_step(self, grad_scale)
         else:
             steps.bucketed_step(self, grad_scale, found_inf, again)

@@ -23,6 +23,7 @@ overflow flag (``found_inf``: the kernel skips on the device and takes back its 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -33,8 +34,10 @@ from . import hooks, kernels, master_lists, states
 from .master_lists import step_grad
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
-__all__ = ["bucketed_step", "compiled_step", "skips_on_device", "folds_scale",
+__all__ = ["bucketed_step", "compiled_step", "keeps_compiling", "skips_on_device", "folds_scale",
            "settle_grads", "amp_arguments"]
+
+_LOG = logging.getLogger("mixprec")
 
 
 def device_plan(opt, fused=None) -> tuple[bool, bool]:
@@ -238,6 +241,36 @@ def amp_arguments(inner, grad_scale, found_inf):
         yield
     finally:
         del inner.grad_scale, inner.found_inf
+
+
+_HYPER = ("momentum", "dampening", "nesterov", "weight_decay", "betas", "eps",
+          "decoupled_weight_decay")
+#: Changes of the compiled step's hyper-parameters (each recompiles) after which a master
+#: optimizer steps with torch's fused kernel instead: a scheduler drives them.
+HYPER_CHANGES = 2
+
+
+def keeps_compiling(opt) -> bool:
+    """Whether ``fused="compile"`` still compiles ``opt``'s step: its hyper-parameters other
+    than the learning rate are constants of the compiled kernel, so each new value recompiles
+    (about a second on a CPU), and after :data:`HYPER_CHANGES` changes (a scheduler cycling
+    the momentum or betas every step: ``OneCycleLR``'s and ``CyclicLR``'s ``cycle_momentum``)
+    torch's compiler would recompile every step until its limit, then run eagerly without a
+    word. The optimizer is set to ``fused="auto"`` instead, logged once (logger
+    ``"mixprec"``)."""
+    now = [tuple(repr(g.get(k)) for k in _HYPER) for g in opt.inner.param_groups]
+    seen = opt.__dict__.setdefault("_compiled_hyper", [now, 0])
+    if seen[0] != now:
+        seen[0], seen[1] = now, seen[1] + 1
+        if seen[1] > HYPER_CHANGES:
+            opt.fused = "auto"
+            _LOG.warning("mixprec: fused='compile' recompiles the master step for each new "
+                         "momentum, betas or weight decay, and these changed on %d steps (a "
+                         "scheduler cycling them, as OneCycleLR's and CyclicLR's "
+                         "cycle_momentum do): this optimizer steps with torch's fused kernel "
+                         "(fused='auto') from now on", seen[1])
+            return False
+    return True
 
 
 def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:
