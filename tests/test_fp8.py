@@ -396,3 +396,34 @@ def test_a_callable_that_picks_nothing_warns_and_an_explicit_empty_list_does_not
                    fp8_modules=lambda mod, name: False)
     model = mp.prepare(net(), level="O1", dtype="bf16", fp8="tensorwise", fp8_modules=[])
     assert mp.fp8_modules(model) == []  # what was asked for: nothing to say
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise", "mxfp8"])
+def test_a_layer_registered_under_two_names_computes_in_fp8_under_both(fp8):
+    """torchao swaps a module under its first name only: a Linear registered twice (one layer,
+    listed once by mp.fp8_modules) was split, the second copy computing in bf16 without a
+    word. It stays one layer, FP8 under both names."""
+    shared = nn.Linear(64, 64)
+    seq = nn.Sequential(nn.Linear(32, 64), shared, nn.Linear(64, 64), shared, nn.Linear(64, 16))
+    seq = mp.prepare(seq, level="O2", dtype="bf16", fp8=fp8)
+    assert mp.fp8_modules(seq) == ["1", "2"] and seq[1] is seq[3]
+    stats = mp.debug.fp8_stats(seq)
+    seq(torch.randn(32, 32)).float().sum().backward()
+    assert stats.to_dict()["1"]["input"]["calls"] == 2
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise", "rowwise_gw_hp"])
+def test_inference_mode_computes_as_no_grad(fp8):
+    """torchao's rowwise casts failed on inference tensors (an AssertionError: "aten.reshape
+    with axiswise scaling is not supported yet"); under torch.inference_mode an FP8 layer
+    computes as under torch.no_grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64),
+                          nn.Linear(64, 16))
+    model = mp.prepare(model, level="O2", dtype="bf16", fp8=fp8)
+    x = torch.randn(32, 32)
+    with torch.no_grad():
+        expected = model(x)
+    with torch.inference_mode():
+        got = model(x)
+    assert torch.equal(got, expected)

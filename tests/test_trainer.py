@@ -619,11 +619,9 @@ def test_loss_monitor_takes_a_step_count_only(value):
         mp.LossMonitor(value)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_the_loss_is_computed_in_fp32_at_o3_as_mindspores_model_computes_it(dtype):
-    """At O3 the loss function got the 16-bit logits (a cross-entropy ran its log-softmax in
-    16 bits); MindSpore's Model computes the loss in fp32 at O3. The logits reach it widened,
-    exactly: the loss equals the fp32 loss of the 16-bit logits."""
+def test_an_fp32_output_policy_at_o3_computes_the_loss_in_fp32_as_mindspores_model():
+    """MindSpore's Model computes the loss in fp32 at O3; mixprec's O3 returns 16-bit outputs
+    (apex's O3), and the documented policy gives the loss fp32 outputs of 16-bit compute."""
     seen = []
 
     def loss_fn(out, y):
@@ -633,15 +631,9 @@ def test_the_loss_is_computed_in_fp32_at_o3_as_mindspores_model_computes_it(dtyp
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
     data = TensorDataset(torch.randn(32, 8), torch.randint(0, 5, (32,)))
+    policy = mp.Policy.from_level("O3", "fp16").replace(output_dtype="fp32")
     trainer = Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.01),
-                      level="O3", dtype=dtype, progress=False)
+                      policy=policy, progress=False)
     trainer.fit(DataLoader(data, batch_size=8))
-    assert seen and set(seen) == {torch.float32}
-    x, y = data.tensors
-    with torch.no_grad():
-        logits = trainer.model(x[:8])
-        assert logits.dtype == mp.dtypes.to_dtype(dtype)  # the model's own outputs stay 16-bit
-        expected = F.cross_entropy(logits.float(), y[:8])
-    seen.clear()
-    result = trainer.evaluate(DataLoader(TensorDataset(x[:8], y[:8]), batch_size=8))
-    assert seen == [torch.float32] and result["loss"] == expected.item()
+    assert set(seen) == {torch.float32}
+    assert trainer.model[0].weight.dtype == torch.float16

@@ -86,6 +86,11 @@ class FP8Forward(ForwardWrapper):
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         m = self.module
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            # torchao's rowwise (axiswise) casts fail on inference tensors ("aten.reshape.
+            # default with axiswise scaling is not supported yet"): computed as under no_grad
+            with torch.inference_mode(False), torch.no_grad():
+                return self(input)
         return fp8_linear(input, m.weight.t(), m.bias, m.linear_mm_config, m.config,
                           stats.stats_of(m))
 
@@ -137,6 +142,9 @@ def convert(model: nn.Module, names: tuple[str, ...], fmt) -> None:
     config = fmt.config()
     modules = dict(model.named_modules())
     linears = {n for n in names if not is_conv1d(modules[n])}
+    aliases: dict[int, list[str]] = {}  # a layer registered under several names is one layer
+    for alias, mod in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(mod), []).append(alias)
     # torchao's entry point: it swaps the named Linears (keeping their parameters) and applies
     # torchao's compile-time settings for FP8 kernels
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in linears,
@@ -153,6 +161,10 @@ def convert(model: nn.Module, names: tuple[str, ...], fmt) -> None:
         else:
             layer.forward = FP8Forward(layer)
         setattr(layer, FP8_ATTR, fmt)
+        for alias in aliases[id(modules[name])]:  # torchao swapped it under its first name
+            if alias != name:                    # only: the others kept the 16-bit layer
+                owner, _, attr = alias.rpartition(".")
+                setattr(model.get_submodule(owner), attr, layer)
 
 
 def cast_weights_for_all_gather(model: nn.Module, names, config) -> list[str]:

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_map
 
 __all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss", "windows"]
 
@@ -98,14 +97,6 @@ def _promoted(output, target):
     return output, target
 
 
-def _widened(output):
-    """``output`` with its 16-bit floating tensors in fp32 (exact): the loss is computed in
-    fp32 at every level, as MindSpore's ``Model`` computes it at O3 (a cross-entropy over 16-bit
-    logits ran its log-softmax in 16 bits)."""
-    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor)
-                    and t.dtype in (torch.float16, torch.bfloat16) else t, output)
-
-
 def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor:
     """``loss_fn(logits or output, target)``, or the output's own ``loss`` when it is None.
 
@@ -122,7 +113,7 @@ def compute_loss(output, batch: Batch, loss_fn: Callable | None) -> torch.Tensor
                 f"models return when the batch holds 'labels'), but this "
                 f"{type(output).__name__} has none: give the batch labels, or pass a loss_fn")
     else:
-        loss = loss_fn(*_promoted(_widened(logits_of(output)), batch.target))
+        loss = loss_fn(*_promoted(logits_of(output), batch.target))
     if not isinstance(loss, torch.Tensor):
         raise ValueError(f"the loss must be a floating scalar (0-d) tensor; got a "
                          f"{type(loss).__name__}: return the loss tensor itself from loss_fn")
