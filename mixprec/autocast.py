@@ -20,7 +20,6 @@ import torch
 from torch.overrides import (
     TorchFunctionMode,
     _get_current_function_mode_stack,
-    _pop_mode_temporarily,
 )
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -66,9 +65,12 @@ class _OpListMode(TorchFunctionMode):
         super().__init__()
         self.device_type = device_type
         self.targets = targets
+        self.passing = 0  # > 0: an inner block's call passes through (_past_outer_lists)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.passing:
+            return func(*args, **kwargs)
         try:
             target = self.targets.get(func)
         except TypeError:  # an unhashable callable is never one of ours
@@ -95,16 +97,20 @@ class _OpListMode(TorchFunctionMode):
 
 
 def _past_outer_lists(func, args, kwargs):
-    """``func(*args, **kwargs)`` with the enclosing blocks' op-list modes off the mode stack:
-    in traced code (``torch.compile``) a block's lists apply to what it runs, as in eager code
+    """``func(*args, **kwargs)`` with the enclosing blocks' op-list modes passing it on: in
+    traced code (``torch.compile``) a block's lists apply to what it runs, as in eager code
     (where :func:`mixprec.oplists.kernels.block_in_force`, which a trace cannot read, names
     the innermost block); an enclosing mode that saw the call cast it to its own targets
-    (``fp32_ops=["linear"]`` outside reached a prepared model's forward inside)."""
-    with contextlib.ExitStack() as stack:
-        while (modes := _get_current_function_mode_stack()) and isinstance(modes[-1],
-                                                                             _OpListMode):
-            stack.enter_context(_pop_mode_temporarily())
+    (``fp32_ops=["linear"]`` outside reached a prepared model's forward inside). Other modes
+    on the stack (fp16 emulation, the user's own) still see it."""
+    outer = [m for m in _get_current_function_mode_stack() if isinstance(m, _OpListMode)]
+    for mode in outer:
+        mode.passing += 1
+    try:
         return func(*args, **kwargs)
+    finally:
+        for mode in outer:
+            mode.passing -= 1
 
 
 def is_mixprec_mode(mode) -> bool:

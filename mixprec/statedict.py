@@ -32,7 +32,7 @@ from .distenv import is_fsdp, unwrap
 from .dtypes import is_low_precision, to_dtype
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
 from .optim.wrapper import owner_of
-from .optim.writes import check_resized
+from .optim.writes import check_resized, rounds_to
 from .regions import Entry
 
 __all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict",
@@ -123,7 +123,10 @@ class Companions:
                 if _version(shadow) != sv and _version(param) == pv:
                     param.copy_(shadow)
                 elif _version(param) != pv and _version(shadow) == sv:
-                    shadow.copy_(param)
+                    # the parameter's value where the shadow no longer rounds to it (a write
+                    # of the values it held, a sub-module's own state dict loaded back, keeps
+                    # the shadow: as a live master follows a direct write, optim.writes)
+                    shadow.copy_(torch.where(rounds_to(shadow, param), shadow, param))
         self._record()
 
     def _record(self) -> None:
@@ -194,8 +197,10 @@ class _SubLoad:
     """load_state_dict pre-hook of a prepared model's sub-modules: a load started at one
     (``model.backbone.load_state_dict(pretrained)``) sets the companions exactly, as a load
     through the model does (without it, torch rounded the values into the 16-bit weights and
-    the masters took that rounding). A load through the model (the sub-module's keys then
-    carry a prefix) is the model's hook's. The model is held weakly: a copy of the model gets a
+    the masters took that rounding). Only values wider than 16 bits set them: a sub-module's
+    own ``state_dict()`` holds its 16-bit weights, and loading it back leaves the masters as
+    they were. A load through the model (the sub-module's keys then carry a prefix) is the
+    model's hook's. The model is held weakly: a copy of the model gets a
     hook of the copy (``copy.deepcopy``), a copy of a sub-module alone or a pickle an inert
     one (a copy's fp32 values are its own shadows, set when it is loaded whole)."""
 
@@ -204,8 +209,8 @@ class _SubLoad:
 
     def __call__(self, module, state_dict, prefix, *rest) -> None:
         model = None if self.model is None else self.model()
-        if not prefix and model is not None:
-            _load_into(companions_of(model), module, state_dict, prefix)
+        if not prefix and model is not None:  # (its own state_dict() is 16-bit: a round
+            _load_into(companions_of(model), module, state_dict, prefix, wide_only=True)
 
     def __deepcopy__(self, memo) -> "_SubLoad":
         model = None if self.model is None else self.model()
@@ -282,7 +287,11 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
     _load_into(companions_of(module), module, state_dict, prefix)
 
 
-def _load_into(link: Companions | None, module, state_dict, prefix) -> None:
+def _load_into(link: Companions | None, module, state_dict, prefix,
+               wide_only: bool = False) -> None:
+    """The companions of ``module``'s parameters take the loaded values exactly (``wide_only``:
+    only values wider than 16 bits; a 16-bit value is written as a weight written directly is,
+    :mod:`mixprec.optim.writes`: the companion changes only where its rounding disagrees)."""
     pairs = link.pairs() if link is not None else {}
     if not pairs:
         return
@@ -295,7 +304,8 @@ def _load_into(link: Companions | None, module, state_dict, prefix) -> None:
         for key, value in state_dict.items():
             param = tensors.get(key)
             comp = pairs.get(param)
-            if comp is not None and torch.is_tensor(value) and value.shape == comp.shape:
+            if (comp is not None and torch.is_tensor(value) and value.shape == comp.shape
+                    and not (wide_only and is_low_precision(value))):
                 # (torch's load_state_dict hands its hooks its own copy of the dict)
                 state_dict[key] = link.load(param, comp, value)
 

@@ -3,6 +3,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import mixprec as mp
 from mixprec import oplists
@@ -189,13 +190,25 @@ def test_the_innermost_block_s_lists_apply_under_torch_compile_too():
                 n = F.layer_norm(x.bfloat16(), (4,))
             return a, b, g, n, net(x)
 
-    eager = f(x)
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager")(x)
-    assert [t.dtype for t in eager] == [FP32, BF16, BF16, BF16, FP32]
-    assert [t.dtype for t in compiled] == [t.dtype for t in eager]
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+    class Own(TorchFunctionMode):  # a mode of the user's own between the blocks
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    emulating = mp.autocast("fp16", **cpu, emulate_fp16=True)  # its own mode under its lists
+
+    def g(x):
+        with outer, Own():
+            with emulating:
+                return F.gelu(x.half()), F.linear(x, w)
+
+    for fn, dtypes in ((f, [FP32, BF16, BF16, BF16, FP32]), (g, [torch.float16] * 2)):
+        eager = fn(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="aot_eager")(x)
+        assert [t.dtype for t in eager] == dtypes
+        assert [t.dtype for t in compiled] == dtypes
+        for a, b in zip(eager, compiled):
+            assert torch.equal(a, b)
 
 
 def test_a_moved_op_called_with_out_writes_the_callers_tensor():

@@ -167,6 +167,32 @@ def test_a_scheduler_cycling_the_momentum_turns_the_compiled_step_off_once(caplo
     assert_same_training_state(opts[0], models[0], opts[1], models[1])
 
 
+def test_only_changes_on_steps_in_a_row_turn_the_compiled_step_off():
+    """Three groups added (layers unfrozen one at a time) turned the compiled step off, saying
+    a scheduler cycled the momentum; so did any three changes over a run, and setting
+    ``fused="compile"`` again lasted one change. Only changes on steps in a row count, a new
+    group is no change, and setting the option again starts afresh."""
+    from mixprec.optim.steps import HYPER_CHANGES, keeps_compiling
+    model = model_of(DTYPE_MIXES["bf16"] * 4)
+    params = list(model.parameters())
+    opt = MasterWeightOptimizer(torch.optim.SGD(params[:2], lr=0.1, momentum=0.9),
+                                fused="compile")
+    assert keeps_compiling(opt)
+    for i in range(3):  # layers unfrozen one at a time
+        opt.add_param_group({"params": params[2 + 2 * i: 4 + 2 * i]})
+        assert keeps_compiling(opt)
+    for _ in range(3):  # a change now and then: each followed by a step without one
+        opt.param_groups[0]["momentum"] -= 0.01
+        assert keeps_compiling(opt) and keeps_compiling(opt)
+    for _ in range(HYPER_CHANGES + 1):  # changes on steps in a row
+        opt.param_groups[0]["momentum"] -= 0.01
+        result = keeps_compiling(opt)
+    assert not result and opt.fused == "auto"
+    opt.fused = "compile"
+    opt.param_groups[0]["momentum"] -= 0.01
+    assert keeps_compiling(opt) and opt.fused == "compile"
+
+
 def test_a_one_element_master_steps_eagerly_and_adds_no_graph(tmp_path):
     """A learned scalar (CLIP's logit_scale) first in the groups: compiled, size 1 was
     specialised, and the next size's guard failed inside torch: three graphs, not one (counted

@@ -247,6 +247,9 @@ def test_a_load_into_a_sub_module_sets_its_masters_exactly(master):
     assert torch.equal(copied.state_dict()["0.weight"], mlp(0)[0].weight)
     copied[0].load_state_dict(pretrained[0].state_dict())
     assert torch.equal(copied.state_dict()["0.weight"], pretrained[0].weight)
+    for keep_vars in (False, True):  # its own (16-bit) state dict back: the masters as they were
+        copied[0].load_state_dict(copied[0].state_dict(keep_vars=keep_vars))
+        assert torch.equal(copied.state_dict()["0.weight"], pretrained[0].weight)
 
 
 def test_custom_op_lists_through_prepare():

@@ -245,7 +245,7 @@ def amp_arguments(inner, grad_scale, found_inf):
 
 _HYPER = ("momentum", "dampening", "nesterov", "weight_decay", "betas", "eps",
           "decoupled_weight_decay")
-#: Changes of the compiled step's hyper-parameters (each recompiles) after which a master
+#: Steps in a row whose hyper-parameters changed (each change recompiles) after which a master
 #: optimizer steps with torch's fused kernel instead: a scheduler drives them.
 HYPER_CHANGES = 2
 
@@ -253,23 +253,28 @@ HYPER_CHANGES = 2
 def keeps_compiling(opt) -> bool:
     """Whether ``fused="compile"`` still compiles ``opt``'s step: its hyper-parameters other
     than the learning rate are constants of the compiled kernel, so each new value recompiles
-    (about a second on a CPU), and after :data:`HYPER_CHANGES` changes (a scheduler cycling
-    the momentum or betas every step: ``OneCycleLR``'s and ``CyclicLR``'s ``cycle_momentum``)
-    torch's compiler would recompile every step until its limit, then run eagerly without a
-    word. The optimizer is set to ``fused="auto"`` instead, logged once (logger
-    ``"mixprec"``)."""
+    (about a second on a CPU), and where they changed on more than :data:`HYPER_CHANGES` steps
+    in a row (a scheduler cycling the momentum or betas every step: ``OneCycleLR``'s and
+    ``CyclicLR``'s ``cycle_momentum``) torch's compiler would recompile every step until its
+    limit, then run eagerly without a word. The optimizer is set to ``fused="auto"`` instead,
+    logged once (logger ``"mixprec"``). A group added since the last step is no change; setting
+    ``fused="compile"`` again starts the count afresh."""
     now = [tuple(repr(g.get(k)) for k in _HYPER) for g in opt.inner.param_groups]
-    seen = opt.__dict__.setdefault("_compiled_hyper", [now, 0])
-    if seen[0] != now:
-        seen[0], seen[1] = now, seen[1] + 1
-        if seen[1] > HYPER_CHANGES:
-            opt.fused = "auto"
-            _LOG.warning("mixprec: fused='compile' recompiles the master step for each new "
-                         "momentum, betas or weight decay, and these changed on %d steps (a "
-                         "scheduler cycling them, as OneCycleLR's and CyclicLR's "
-                         "cycle_momentum do): this optimizer steps with torch's fused kernel "
-                         "(fused='auto') from now on", seen[1])
-            return False
+    seen = opt.__dict__.get("_compiled_hyper")
+    if seen is None:
+        opt._compiled_hyper = [now, 0]
+        return True
+    before, seen[0] = seen[0], now
+    changed = any(a != b for a, b in zip(before, now))
+    seen[1] = seen[1] + 1 if changed else 0
+    if seen[1] > HYPER_CHANGES:
+        opt.fused = "auto"
+        _LOG.warning("mixprec: fused='compile' recompiles the master step for each new "
+                     "momentum, betas or weight decay, and these changed on %d steps in a row "
+                     "(a scheduler cycling them, as OneCycleLR's and CyclicLR's cycle_momentum "
+                     "do): this optimizer steps with torch's fused kernel (fused='auto') from "
+                     "now on", seen[1])
+        return False
     return True
 
 
