@@ -231,9 +231,12 @@ class PrecisionContext:
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    def enter(self, stack: contextlib.ExitStack) -> None:
-        """Enter this context on ``stack`` (for code that is not one function call)."""
-        stack.enter_context(self._autocast())
+    def enter(self, stack: contextlib.ExitStack, autocast: bool = True) -> None:
+        """Enter this context on ``stack`` (for code that is not one function call);
+        ``autocast=False``: its lists and modes only, the autocast state left as it is (a
+        recomputation, where torch's checkpoint restored the state of its call)."""
+        if autocast:
+            stack.enter_context(self._autocast())
         targets = self.targets
         if self._eager_block():
             stack.enter_context(self._block())

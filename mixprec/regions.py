@@ -276,11 +276,18 @@ class RegionWrapper(ForwardWrapper):
         return self._call(args, kwargs)
 
     def _call(self, args, kwargs):
-        if self._restore and not torch.compiler.is_compiling() and not context_active():
-            with contextlib.ExitStack() as entered:
-                self._region.context.enter(entered)
+        if self._restore and not context_active():  # (traced too: torch.compile traces a
+            with contextlib.ExitStack() as entered:  # checkpointed call in a subgraph of its own)
+                # in a backward (a recomputation) torch's checkpoint restored the autocast
+                # state of its call (off inside a torch.autocast(enabled=False) block): kept
+                self._region.context.enter(entered, autocast=not _in_backward())
                 return self.call_inner(*args, **kwargs)
         return self.call_inner(*args, **kwargs)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (eager code)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _region_wrapper(module: nn.Module) -> RegionWrapper | None:
