@@ -197,20 +197,21 @@ class _SubLoad:
     """load_state_dict pre-hook of a prepared model's sub-modules: a load started at one
     (``model.backbone.load_state_dict(pretrained)``) sets the companions exactly, as a load
     through the model does (without it, torch rounded the values into the 16-bit weights and
-    the masters took that rounding). Only values wider than 16 bits set them: a sub-module's
-    own ``state_dict()`` holds its 16-bit weights, and loading it back leaves the masters as
-    they were. A load through the model (the sub-module's keys then carry a prefix) is the
-    model's hook's. The model is held weakly: a copy of the model gets a
-    hook of the copy (``copy.deepcopy``), a copy of a sub-module alone or a pickle an inert
-    one (a copy's fp32 values are its own shadows, set when it is loaded whole)."""
+    the masters took that rounding). Values of the weights' own dtype do not set them: a
+    sub-module's own ``state_dict()`` holds its 16-bit weights, and loading it back leaves the
+    masters as they were (fp16 values into bf16 weights set them exactly). A load through the
+    model (the sub-module's keys then carry a prefix) is the model's hook's. The model is held
+    weakly: a copy of the model gets a hook of the copy (``copy.deepcopy``), a copy of a
+    sub-module alone or a pickle an inert one (a copy's fp32 values are its own shadows, set
+    when it is loaded whole)."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self.model = None if model is None else weakref.ref(model)
 
     def __call__(self, module, state_dict, prefix, *rest) -> None:
         model = None if self.model is None else self.model()
-        if not prefix and model is not None:  # (its own state_dict() is 16-bit: a round
-            _load_into(companions_of(model), module, state_dict, prefix, wide_only=True)
+        if not prefix and model is not None:
+            _load_into(companions_of(model), module, state_dict, prefix, not_own=True)
 
     def __deepcopy__(self, memo) -> "_SubLoad":
         model = None if self.model is None else self.model()
@@ -288,10 +289,11 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
 
 
 def _load_into(link: Companions | None, module, state_dict, prefix,
-               wide_only: bool = False) -> None:
-    """The companions of ``module``'s parameters take the loaded values exactly (``wide_only``:
-    only values wider than 16 bits; a 16-bit value is written as a weight written directly is,
-    :mod:`mixprec.optim.writes`: the companion changes only where its rounding disagrees)."""
+               not_own: bool = False) -> None:
+    """The companions of ``module``'s parameters take the loaded values exactly (``not_own``:
+    only values of another dtype than the parameter's storage; one of its own dtype is written
+    as a weight written directly is, :mod:`mixprec.optim.writes`: the companion changes only
+    where its rounding disagrees)."""
     pairs = link.pairs() if link is not None else {}
     if not pairs:
         return
@@ -305,7 +307,7 @@ def _load_into(link: Companions | None, module, state_dict, prefix,
             param = tensors.get(key)
             comp = pairs.get(param)
             if (comp is not None and torch.is_tensor(value) and value.shape == comp.shape
-                    and not (wide_only and is_low_precision(value))):
+                    and not (not_own and value.dtype == param.dtype)):
                 # (torch's load_state_dict hands its hooks its own copy of the dict)
                 state_dict[key] = link.load(param, comp, value)
 

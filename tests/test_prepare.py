@@ -250,6 +250,9 @@ def test_a_load_into_a_sub_module_sets_its_masters_exactly(master):
     for keep_vars in (False, True):  # its own (16-bit) state dict back: the masters as they were
         copied[0].load_state_dict(copied[0].state_dict(keep_vars=keep_vars))
         assert torch.equal(copied.state_dict()["0.weight"], pretrained[0].weight)
+    half = {k: v.half() for k, v in pretrained[0].state_dict().items()}  # an fp16 checkpoint:
+    copied[0].load_state_dict(half)                                      # exact in the masters
+    assert torch.equal(copied.state_dict()["0.weight"], half["weight"].float())
 
 
 def test_custom_op_lists_through_prepare():
