@@ -218,6 +218,7 @@ class MixprecPrecision(Precision):
         else:
             optimizers = self._setup(module, list(optimizers))
         _check_finetuning(module, optimizers)
+        checkpoints.register(module, optimizers)
         self._context = _entry_context(module)
         _log_to_loggers(self.engine.monitor, module)
         configs = [self._skip_aware(config, optimizers) for config in lr_schedulers]

@@ -15,9 +15,9 @@ one writes each rank's shards. Two things would keep such a resume from being bi
   loading the optimizer's state, steps the optimizer once with zero gradients and a zero
   learning rate so that its state exists (torch's ``set_optimizer_state_dict``). That step
   adds each weight's compensation to it: a compensation left from before the load (the
-  initial weights') would move the loaded weight. A prepared model's sub-modules set their
-  pairs from the loaded values when loaded alone (``mixprec.statedict``), as the model does
-  when loaded whole: nothing Lightning-specific is needed either.
+  initial weights') would move the loaded weight. So each module holding a Kahan weight gets a
+  load pre-hook that sets the pair from the loaded value (a sharded model has no fp32
+  companions linked to it, which the prepared model's own load hooks set).
 
 The plugin's own state carries every rank's RNG states (:func:`rank_rng_states`): Lightning
 saves none, and a model with dropout resumes exactly only when each rank continues from its own.
@@ -30,12 +30,35 @@ them).
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import distenv as env
+from ..optim.states import COMPENSATION_KEY
+from ..shards import is_dtensor
+from ..statedict import companions_of
 from ..training.state import capture_rng, restore_rng
+from . import lightning_strategies as strategies
 
-__all__ = ["rank_rng_states", "restore_rank_rng"]
+__all__ = ["register", "rank_rng_states", "restore_rank_rng"]
+
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose hooks are registered
+
+
+def register(module: nn.Module, optimizers: list) -> None:
+    """Register the hooks above on each compact master optimizer of ``module``'s run (once)."""
+    sharded = strategies.kind_of(strategies.strategy_of(module)) == "fsdp2"
+    if companions_of(module) is not None:  # the prepared model's own load hooks set the pairs
+        return
+    for optimizer in optimizers:
+        key = getattr(optimizer, "_buffer_key", None)
+        if key != COMPENSATION_KEY or not sharded or optimizer in _HOOKED:
+            continue
+        _HOOKED.add(optimizer)
+        _compensations_follow_loads(module, optimizer)
 
 
 def rank_rng_states() -> list[dict]:
@@ -60,3 +83,24 @@ def restore_rank_rng(states: list[dict]) -> None:
         raise ValueError(f"the plugin's RNG states are a list of one dict per rank; got "
                          f"{type(states).__name__}")
     restore_rng(states[env.rank() % len(states)])
+
+
+def _compensations_follow_loads(model: nn.Module, optimizer) -> None:
+    """A load_state_dict pre-hook on each module holding a Kahan weight of ``optimizer``: the
+    pair takes the loaded fp32 value (the weight rounded to nearest, the compensation the rest),
+    also where the module is loaded alone, as Lightning loads FSDP2 models."""
+    ref = weakref.ref(optimizer)
+
+    def load(module, state_dict, prefix, *args) -> None:
+        opt = ref()
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if (opt is not None and torch.is_tensor(value) and value.shape == param.shape
+                    and is_dtensor(value) == is_dtensor(param)
+                    and opt.compensation(param) is not None):
+                opt.load_fp32_(param, value)
+
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in model.modules():
+        if any(id(p) in held for p in module.parameters(recurse=False)):
+            module.register_load_state_dict_pre_hook(load)
