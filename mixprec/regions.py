@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -286,8 +287,17 @@ class RegionWrapper(ForwardWrapper):
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (eager code)."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    """Whether this is torch's checkpoint recomputing (eager code): a backward pass runs on this
+    thread and ``torch.utils.checkpoint`` is on the stack. Not any backward: a forward called
+    from a custom ``autograd.Function``'s backward gets the region's autocast as anywhere."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _region_wrapper(module: nn.Module) -> RegionWrapper | None:

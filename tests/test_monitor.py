@@ -463,3 +463,28 @@ def test_the_report_counts_closed_and_resumed_runs_and_reads_an_overflow(tmp_pat
     few = {"mixprec/loss": [(0, 1.0), (49, 1.0)], "mixprec/steps": [(49, 50.0)],
            "mixprec/skipped_steps": [(49, 2.0)]}
     assert any(a.startswith("2 of 50 steps were skipped") for a in _report(few)[1])
+
+
+def test_a_monitor_used_again_after_close_averages_the_new_window_only():
+    """close() reset the window's step count but not its loss sum: the next record averaged
+    the closed window's losses over the new window's steps (2.25 for losses of 2.0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    monitor = mp.PrecisionMonitor(every=5)
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", monitor=monitor)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    x = torch.ones(2, 4)
+
+    def step(value):
+        amp.backward(model(x).float().sum() * 0 + value)
+        amp.step(opt)
+        opt.zero_grad()
+
+    for _ in range(7):  # steps 0-6: a record at 5, step 6 in the open window
+        step(1.0)
+    monitor.close()
+    for _ in range(4):  # steps 7-10: a record at 10
+        step(2.0)
+    monitor.close()
+    last = monitor.records[-1]
+    assert last["step"] == 10 and last["mixprec/loss"] == 2.0

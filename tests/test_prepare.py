@@ -255,6 +255,51 @@ def test_a_load_into_a_sub_module_sets_its_masters_exactly(master):
     assert torch.equal(copied.state_dict()["0.weight"], half["weight"].float())
 
 
+@pytest.mark.parametrize("how", ["sub-module", "model"])
+def test_kahan_pairs_hold_loaded_fp16_values_exactly(how):
+    """A Kahan pair kept a stale compensation where the loaded 16-bit value minus it was a bf16
+    number; the weight was then no nearest rounding of the pair, the step's check took it as
+    a direct write and dropped the compensation: values up to 100% off (6.5e-5 read back as
+    -1.7e-6). fp16 values (11 bits) fit a pair (about 16): held exactly, through a step."""
+    torch.manual_seed(7)
+    values = {k: v.half() for k, v in nn.Linear(64, 64).state_dict().items()}
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64))
+    model, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0), level="O2",
+                            dtype="bf16", master="kahan")
+    if how == "sub-module":
+        model[0].load_state_dict(values)
+    else:
+        model.load_state_dict({"0." + k: v for k, v in values.items()})
+    model(torch.randn(2, 64)).float().sum().backward()
+    opt.step()  # lr 0
+    assert torch.equal(model.state_dict()["0.weight"], values["weight"].float())
+
+
+def test_a_sub_module_called_in_a_custom_backward_computes_in_its_dtype():
+    """Outside torch's checkpoint, a prepared sub-module called from a custom autograd
+    Function's backward gets its region's autocast (the recomputation rule kept the state of
+    the backward's call: fp32 at O1, a dtype error at O2)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))
+    model, _ = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
+                          dtype="bf16", fp32_ops=["softmax"])
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(model[0](g).dtype)
+            return g
+
+    Probe.apply(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert seen == [torch.bfloat16]
+
+
 def test_custom_op_lists_through_prepare():
     model, x, _ = make("mlp")
     mp.prepare(model, level="O1", dtype="bf16", fp32_ops=["linear"])

@@ -30,7 +30,7 @@ import torch
 
 from ..shards import is_dtensor, local
 from .base import MasterMethod, register
-from .rounding import noise_lists, round_fp16_with, round_into_lists
+from .rounding import noise_lists, round_fp16_with, round_into_lists, rounds_to
 
 __all__ = ["Kahan", "COMPENSATION_KEY", "keep_pair"]
 
@@ -118,7 +118,10 @@ class Kahan(MasterMethod):
         weight, comp, value = (local(t) for t in (weight.detach(), comp, value))  # FSDP2 shards
         target = value - comp.float()
         exact = target.to(weight.dtype)
-        kept = exact.float() == target
+        # kept where the weight it gives is a nearest rounding of the value: a pair whose
+        # weight is not (a stale compensation of a loaded 16-bit value) is a direct write to
+        # the step's check (optim.writes), which dropped the compensation: up to 100% off
+        kept = (exact.float() == target) & rounds_to(value, exact)
         rounded = value.to(weight.dtype)
         weight.copy_(torch.where(kept, exact, rounded))
         comp.copy_(torch.where(kept, comp, (value - rounded.float()).to(comp.dtype)))

@@ -42,9 +42,10 @@ import sys
 
 import torch
 
+from ..dtypes import is_low_precision
 from ..shards import is_dtensor
 
-__all__ = ["RoundingGenerator", "noise16", "noise_at", "noise_table", "noise_lists",
+__all__ = ["rounds_to", "RoundingGenerator", "noise16", "noise_at", "noise_table", "noise_lists",
            "stochastic_round", "round_fp16_with", "round_into_lists", "shard_key",
            "DEFAULT_SEED", "TABLE_SIZE", "KEY_STRIDE", "BF16_NAN"]
 
@@ -307,3 +308,24 @@ class RoundingGenerator:
         if not (torch.is_tensor(state) and state.dtype == torch.uint8):
             raise TypeError(f"a rounding generator state is a uint8 tensor; got {state!r}")
         self.generator.set_state(state.cpu())
+
+
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
+    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
+    Kahan weight + compensation can sit exactly half an ulp from its weight). Where that half
+    gap is below ``low``'s dtype's smallest subnormal (fp16 weights under 2^-13), up to that
+    subnormal: a Kahan compensation of the weight's dtype can't hold less, so it holds a whole
+    ulp there. A parameter stored in fp32 or wider (a prepared model cast with ``.float()``)
+    must equal ``value``."""
+    if not is_low_precision(low):
+        return value.to(low.dtype) == low
+    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(torch.float32)
+    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(torch.float32)
+    mid = low.to(torch.float32)
+    info = torch.finfo(low.dtype)
+    tiny = info.smallest_normal * info.eps  # the smallest subnormal
+    # the midpoints of two adjacent 16-bit values are exact in fp32
+    inside = ((value <= torch.maximum((mid + up) / 2, mid + tiny))
+              & (value >= torch.minimum((mid + down) / 2, mid - tiny)))
+    return inside | (value.to(low.dtype) == low)  # == also covers inf

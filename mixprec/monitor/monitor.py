@@ -224,8 +224,8 @@ class PrecisionMonitor(EngineObserver):
                        "mixprec/skipped_steps": float(self._engine.scaler.skipped_steps)}
             for w in self.writers:
                 w.write(self.step - 1, closing)
-        self._window = 0
-        for w in self.writers:
+        self._loss, self._window = None, 0  # (the loss too: a monitor used again averaged the
+        for w in self.writers:              # closed window's sum over the new window's steps)
             w.close()
 
     # -- recording -------------------------------------------------------------------------------

@@ -20,34 +20,12 @@ import operator
 
 import torch
 
-from ..dtypes import is_low_precision
+from ..masters.rounding import rounds_to
 from ..shards import local
 
 __all__ = ["rounds_to", "versions", "Record", "follow_masters", "follow_pairs", "check_resized"]
 
-_FP32 = torch.float32
 _VERSION = operator.attrgetter("_version")
-
-
-def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Where ``low`` (low precision) is a nearest rounding of ``value`` (fp32): ``value`` lies
-    within half the gap to ``low``'s neighbour on its side. A tie rounds to either neighbour (a
-    Kahan weight + compensation can sit exactly half an ulp from its weight). Where that half
-    gap is below ``low``'s dtype's smallest subnormal (fp16 weights under 2^-13), up to that
-    subnormal: a Kahan compensation of the weight's dtype can't hold less, so it holds a whole
-    ulp there. A parameter stored in fp32 or wider (a prepared model cast with ``.float()``)
-    must equal ``value``."""
-    if not is_low_precision(low):
-        return value.to(low.dtype) == low
-    up = torch.nextafter(low, torch.full_like(low, float("inf"))).to(_FP32)
-    down = torch.nextafter(low, torch.full_like(low, float("-inf"))).to(_FP32)
-    mid = low.to(_FP32)
-    info = torch.finfo(low.dtype)
-    tiny = info.smallest_normal * info.eps  # the smallest subnormal
-    # the midpoints of two adjacent 16-bit values are exact in fp32
-    inside = ((value <= torch.maximum((mid + up) / 2, mid + tiny))
-              & (value >= torch.minimum((mid + down) / 2, mid - tiny)))
-    return inside | (value.to(low.dtype) == low)  # == also covers inf
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int]:
