@@ -281,12 +281,12 @@ class RegionWrapper(ForwardWrapper):
             with contextlib.ExitStack() as entered:  # checkpointed call in a subgraph of its own)
                 # in a backward (a recomputation) torch's checkpoint restored the autocast
                 # state of its call (off inside a torch.autocast(enabled=False) block): kept
-                self._region.context.enter(entered, autocast=not _in_backward())
+                self._region.context.enter(entered, autocast=not _recomputing())
                 return self.call_inner(*args, **kwargs)
         return self.call_inner(*args, **kwargs)
 
 
-def _in_backward() -> bool:
+def _recomputing() -> bool:
     """Whether this is torch's checkpoint recomputing (eager code): a backward pass runs on this
     thread and ``torch.utils.checkpoint`` is on the stack. Not any backward: a forward called
     from a custom ``autograd.Function``'s backward gets the region's autocast as anywhere."""

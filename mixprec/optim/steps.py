@@ -257,8 +257,8 @@ def keeps_compiling(opt) -> bool:
     in a row (a scheduler cycling the momentum or betas every step: ``OneCycleLR``'s and
     ``CyclicLR``'s ``cycle_momentum``) torch's compiler would recompile every step until its
     limit, then run eagerly without a word. The optimizer is set to ``fused="auto"`` instead,
-    logged once (logger ``"mixprec"``). A group added since the last step is no change; setting
-    ``fused="compile"`` again starts the count afresh."""
+    logged once (logger ``"mixprec"``), and the count dropped: setting ``fused="compile"``
+    again starts it afresh. A group added since the last step is no change."""
     now = [tuple(repr(g.get(k)) for k in _HYPER) for g in opt.inner.param_groups]
     seen = opt.__dict__.get("_compiled_hyper")
     if seen is None:
@@ -269,6 +269,7 @@ def keeps_compiling(opt) -> bool:
     seen[1] = seen[1] + 1 if changed else 0
     if seen[1] > HYPER_CHANGES:
         opt.fused = "auto"
+        del opt._compiled_hyper
         _LOG.warning("mixprec: fused='compile' recompiles the master step for each new "
                      "momentum, betas or weight decay, and these changed on %d steps in a row "
                      "(a scheduler cycling them, as OneCycleLR's and CyclicLR's cycle_momentum "

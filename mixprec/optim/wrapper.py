@@ -188,8 +188,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if not any(value is v or (isinstance(value, str) and value == v) for v in _FUSED):
             raise ValueError(f"fused must be 'auto', 'compile' or False; got {value!r}")
         self._check_fused(value)
-        self._fused = value  # (and steps.keeps_compiling counts afresh:)
-        self.__dict__.pop("_compiled_hyper", None)
+        self._fused = value
 
     def _check_fused(self, value) -> None:
         """Raise ValueError when ``value`` can't run this optimizer."""
