@@ -348,3 +348,61 @@ def test_scratch_for_a_view_into_a_larger_tensor_has_its_strides():
         [out] = Scratch().views([view])
         assert out.shape == view.shape and out.stride() == view.stride()
         assert out.dtype == torch.float32
+
+
+def _lists(kind, n, seed, momentum=True):
+    """Params, grads and state lists (per key) for ``n`` tensors of one device and dtype."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (7,), (2, 2, 4), (1,)][:n]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
+    if kind is torch.optim.SGD:
+        return params, grads, {"momentum_buffer": [torch.randn(s, generator=g) if momentum
+                                                   else None for s in shapes]}, []
+    state = {k: [torch.rand(s, generator=g) for s in shapes]
+             for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+    return params, grads, state, [torch.tensor(float(i + 3)) for i in range(len(shapes))]
+
+
+@pytest.mark.parametrize("kind, options", [
+    (torch.optim.SGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-2}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "maximize": True}),
+    (torch.optim.SGD, {"momentum": 0.0, "weight_decay": 1e-2}),
+    (torch.optim.Adam, {"weight_decay": 1e-2, "amsgrad": True}),
+    (torch.optim.AdamW, {"weight_decay": 0.1, "maximize": True}),
+    (torch.optim.AdamW, {"lr": torch.tensor(2e-3)}),
+])
+@pytest.mark.parametrize("scaled", ["none", "scale", "scale+inf", "scale+finite"])
+@pytest.mark.parametrize("first", [False, True])
+def test_a_call_over_one_device_and_dtype_is_torchs_functional_step_bit_for_bit(
+        kind, options, scaled, first):
+    """kernels.fused_call(uniform=True) skips torch's grouping by device and dtype: from the same
+    lists it gives torch's functional fused step's params, moments and step counts bitwise (an
+    SGD first step makes the same buffers into the list; a found_inf takes the counts back)."""
+    from mixprec.optim import kernels
+    if first and kind is not torch.optim.SGD:
+        pytest.skip("a first step is SGD's (Adam's state is made before its first step)")
+    lr = options.get("lr", 1e-2)
+    group = torch.optim.SGD([torch.zeros(1)], lr=lr) if kind is torch.optim.SGD else kind(
+        [torch.zeros(1)], lr=lr)
+    group = {**group.param_groups[0], **options}
+    kwargs = {}
+    if scaled != "none":
+        kwargs["grad_scale"] = torch.tensor(64.0)
+    if scaled.endswith("inf"):
+        kwargs["found_inf"] = torch.tensor(1.0)
+    elif scaled.endswith("finite"):
+        kwargs["found_inf"] = torch.tensor(0.0)
+    results = []
+    for uniform in (False, True):
+        params, grads, state, steps = _lists(kind, 4, seed=3, momentum=not first)
+        keys = kernels.functional_keys(kind, group)
+        call = kernels.fused_call(kind, group, params, grads, {k: state[k] for k in keys},
+                                  steps, uniform)
+        call(**kwargs)
+        kept = [] if first and scaled.endswith("inf") else [t for k in keys for t in state[k]]
+        results.append(params + steps + kept)  # (torch's skipped first SGD step leaves its
+        # buffers empty_like: a master optimizer never skips a first step on the device)
+    assert len(results[0]) == len(results[1]) > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a, b)

@@ -111,7 +111,7 @@ class _Piece:
         for w in self.wide:
             torch._foreach_copy_(w.views, w.regions)
         for g, params, grads, moments, steps in self.calls:
-            kernels.fused_call(kind, groups[g], params, grads, moments, steps)(
+            kernels.fused_call(kind, groups[g], params, grads, moments, steps, True)(
                 grad_scale=grad_scale, found_inf=found_inf)
         method.store_lists(self.values, self.weights, self.bufs,
                            keys[self.rows, 0] + self.shift if method.draws_bits else None,

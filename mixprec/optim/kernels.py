@@ -170,13 +170,14 @@ def torch_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["fused"], group["foreach"] = fused, foreach
 
 
-def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list, grads: list
-                     ) -> Callable:
+def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list, grads: list,
+                     uniform: bool = False) -> Callable:
     """What ``optimizer.step()`` runs for ``group`` with ``fused=True``, over ``params`` and
     ``grads``: torch's functional SGD or Adam/AdamW (:data:`TORCH_FUSED_TYPES`) with the
-    group's options and the state the inner step made, as a call ``(grad_scale, found_inf)``.
-    SGD's first step with momentum (no buffer yet) makes the buffers into the call's list
-    (``call.args[2]``), as torch's makes them for its ``step`` to keep.
+    group's options and the state the inner step made, as a call ``(grad_scale, found_inf)``
+    (``uniform``: see :func:`fused_call`). SGD's first step with momentum (no buffer yet) makes
+    the buffers into the call's list (``call.args[2]``), as torch's makes them for its ``step``
+    to keep.
 
     Raises:
         KeyError: some of that state is not made yet (a first step makes it).
@@ -188,7 +189,7 @@ def torch_functional(optimizer: torch.optim.Optimizer, group: dict, params: list
     if any(b is None for b in bufs) and not all(b is None for b in bufs):
         raise KeyError("momentum_buffer")  # torch's first step makes all of them or none
     steps = [s["step"] for s in held] if type(optimizer) is not torch.optim.SGD else []
-    return fused_call(type(optimizer), group, params, grads, moments, steps)
+    return fused_call(type(optimizer), group, params, grads, moments, steps, uniform)
 
 
 def functional_keys(kind: type, group: dict) -> tuple[str, ...]:
@@ -200,25 +201,77 @@ def functional_keys(kind: type, group: dict) -> tuple[str, ...]:
 
 
 def fused_call(kind: type, group: dict, params: list, grads: list, moments: Mapping,
-               steps: list) -> Callable:
+               steps: list, uniform: bool = False) -> Callable:
     """torch's functional SGD or Adam/AdamW (``kind``) with ``fused=True`` and ``group``'s
     options over the lists given (``moments``: :func:`functional_keys` -> a list per key;
-    ``steps``: Adam's step tensors), as a call ``(grad_scale, found_inf)``."""
+    ``steps``: Adam's step tensors), as a call ``(grad_scale, found_inf)``. ``uniform``: every
+    tensor of ``params`` is of one device and dtype (a piece's, a bucket's group known so): the
+    call is what torch's functional step runs for its one device and dtype (:func:`_sgd_on` and
+    :func:`_adam_on`: the step counts, the kernel, the counts taken back on ``found_inf``),
+    without torch's grouping of the lists by device and dtype, which on a few hundred small
+    tensors takes longer than the kernel."""
     if kind is torch.optim.SGD:
         momentum = group["momentum"]
         bufs = moments["momentum_buffer"] if momentum else [None] * len(params)
         return functools.partial(
-            torch_sgd.sgd, params, grads, bufs, fused=True, weight_decay=group["weight_decay"],
-            momentum=momentum, lr=group["lr"], dampening=group["dampening"],
-            nesterov=group["nesterov"], maximize=group["maximize"])
+            _sgd_on if uniform else torch_sgd.sgd, params, grads, bufs, fused=True,
+            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"])
     amsgrad = group["amsgrad"]
     beta1, beta2 = group["betas"]
+    plain = uniform and not any(isinstance(b, torch.Tensor) for b in (beta1, beta2))
     return functools.partial(
-        torch_adam.adam, params, grads, moments["exp_avg"], moments["exp_avg_sq"],
-        moments["max_exp_avg_sq"] if amsgrad else [], steps, fused=True,
+        _adam_on if plain else torch_adam.adam, params, grads, moments["exp_avg"],
+        moments["exp_avg_sq"], moments["max_exp_avg_sq"] if amsgrad else [], steps, fused=True,
         decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1,
         beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
         maximize=group["maximize"])
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``tensor`` on ``device``, as torch's fused steps move a scale, flag or learning rate."""
+    if tensor is None or tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=True)
+
+
+def _sgd_on(params, grads, bufs, *, fused, weight_decay, momentum, lr, dampening, nesterov,
+            maximize, grad_scale=None, found_inf=None) -> None:
+    """torch's fused SGD over tensors of one device and dtype (what its functional ``sgd``
+    with ``fused=True`` runs for each): a first step with momentum makes the buffers into
+    ``bufs``."""
+    if not params:
+        return
+    first = momentum != 0 and all(b is None for b in bufs)
+    if first:
+        bufs[:] = [torch.empty_like(g) for g in grads]
+    device = params[0].device
+    torch._fused_sgd_(params, grads, [] if momentum == 0 else bufs, weight_decay=weight_decay,
+                      momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                      maximize=maximize, is_first_step=first,
+                      grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device))
+
+
+def _adam_on(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, fused,
+             decoupled_weight_decay, amsgrad, beta1, beta2, lr, weight_decay, eps, maximize,
+             grad_scale=None, found_inf=None) -> None:
+    """torch's fused Adam/AdamW over tensors of one device and dtype (what its functional
+    ``adam`` with ``fused=True`` runs for each): the step counts up by one, the kernel, and the
+    counts back down by ``found_inf``."""
+    if not params:
+        return
+    device = params[0].device
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        lr = _on(lr, device)
+    found_inf = _on(found_inf, device)
+    torch._foreach_add_(steps, 1)
+    (torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_)(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=amsgrad, lr=lr,
+        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize,
+        grad_scale=_on(grad_scale, device), found_inf=found_inf)
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 # -- the compiled step: torch's own arithmetic, compiled ----------------------------------------

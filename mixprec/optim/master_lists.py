@@ -38,7 +38,8 @@ def step_grad(t: torch.Tensor) -> torch.Tensor | None:
 class Piece:
     """One bucket's lists for torch's fused kernel, made once per change of the param groups:
     per param group (by index: its options are read at each step), its masters (a span of
-    ``masters``) and its fp32 tensors (``own``); the masters' model parameters. ``ready`` once
+    ``masters``), its fp32 tensors (``own``) and whether all are of one device and dtype; the
+    masters' model parameters. ``ready`` once
     a step through the inner optimizer made the bucket's state (and put Adam's ``step`` on the
     parameters' device)."""
 
@@ -64,7 +65,8 @@ def plan(opt) -> list[Piece | None]:
         for index, ts in enumerate(bucket):  # by index: load_state_dict makes new group dicts
             ms = [t for t in ts if is_master(t)]
             groups.append((index, len(masters), len(masters) + len(ms),
-                           [t for t in ts if not is_master(t)]))
+                           [t for t in ts if not is_master(t)],
+                           len({(t.device, t.dtype) for t in ts}) == 1))  # (kernels.fused_call)
             masters += ms
         pieces.append(Piece(i, groups, masters))
     return pieces
@@ -127,7 +129,7 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
         return sliced
     grads = ([step_grad(m) for m in piece.masters] if opt.held_grads()
              else [p.grad for p in piece.model])
-    own = [[t.grad for t in ts] for *_, ts in piece.groups]
+    own = [[t.grad for t in ts] for *_, ts, _ in piece.groups]
     whole = True
     for g in itertools.chain(grads, *own):
         if g is None:
@@ -145,7 +147,7 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
         return False
     calls = []
     try:
-        for (index, start, end, ts), own_grads in zip(piece.groups, own):
+        for (index, start, end, ts, uniform), own_grads in zip(piece.groups, own):
             group = opt.param_groups[index]
             tensors = piece.masters[start:end] + ts
             step_grads = views[start:end] + own_grads
@@ -153,7 +155,8 @@ def fused_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool:
                 have = grads[start:end] + own_grads
                 tensors, step_grads = _having(have, tensors), _having(have, step_grads)
             if tensors:
-                calls.append(kernels.torch_functional(opt.inner, group, tensors, step_grads))
+                calls.append(kernels.torch_functional(opt.inner, group, tensors, step_grads,
+                                                      uniform))
         if opt.state_dtype != torch.float32 and not _all_fp32(calls):  # a moment not in the
             raise KeyError("moment")  # widened runs (a strided one: none was, wide is [])
     except KeyError:  # state not made yet
@@ -256,7 +259,7 @@ def _sliced_bucket(opt, piece: Piece, grad_scale, found_inf, inv) -> bool | None
                 torch._foreach_copy_(held, parts)
             steps = [step.clone()] if adam else []
             kernels.fused_call(type(inner), group, [master.view(-1)[start:stop]], [g],
-                               {k: [h] for k, h in zip(names, held)}, steps)(
+                               {k: [h] for k, h in zip(names, held)}, steps, True)(
                 grad_scale=grad_scale, found_inf=found_inf)
             param.view(-1)[start:stop].copy_(master.view(-1)[start:stop])
             for k, h, part in zip(names, held, parts) if wide else ():
@@ -290,8 +293,8 @@ def _first_sgd_slices(opt, master, param, grad, limit: int, group: dict, grad_sc
                 unscale_([g], inv)
             made = [None]
             kernels.fused_call(torch.optim.SGD, group, [master.view(-1)[start:stop]], [g],
-                               {"momentum_buffer": made}, [])(grad_scale=grad_scale,
-                                                              found_inf=None)
+                               {"momentum_buffer": made}, [], True)(grad_scale=grad_scale,
+                                                                    found_inf=None)
             param.view(-1)[start:stop].copy_(master.view(-1)[start:stop])
             if key is None:
                 full.view(-1)[start:stop].copy_(made[0])
