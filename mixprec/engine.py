@@ -12,7 +12,9 @@ compatibility layer, the Lightning and Hugging Face integrations):
    every optimizer stepped (a scheduler steps only then).
 
 ``state_dict()`` carries the policy and the scaler, so a checkpoint restores the run exactly and
-a checkpoint made under another policy is refused.
+a checkpoint made under another policy is refused. Inside a function compiled with
+``torch.compile``, the steps, unscales and clips run eagerly (``torch._disable_dynamo``, as
+torch's own ``Optimizer.zero_grad`` and ``state_dict``): the same bits as the function run eagerly.
 
 Example:
     >>> import torch, mixprec as mp
@@ -263,6 +265,7 @@ class MixedPrecision:
                 raise
             raise hinted from error
 
+    @torch._disable_dynamo
     def unscale_(self, optimizer) -> None:
         """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for
         inf/NaN (at most once per optimizer per step; see :meth:`LossScaler.unscale_`)."""
@@ -274,6 +277,7 @@ class MixedPrecision:
         clip is folded into the step: :meth:`unscale_` must not run again)."""
         return self._ready().stage_of(optimizer) in ("unscaled", "folded")
 
+    @torch._disable_dynamo
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0):
         """Clip the true gradients ``optimizer`` will step with; returns their total norm.
 
@@ -291,6 +295,7 @@ class MixedPrecision:
             self.monitor.clipped(optimizer, total)           # the clip, not the clipped one
         return total
 
+    @torch._disable_dynamo
     def clip_grad_value_(self, optimizer, clip_value: float) -> None:
         """Clamp each true gradient ``optimizer`` will step with to ``[-clip_value, clip_value]``.
 
@@ -333,6 +338,7 @@ class MixedPrecision:
             show_master_grads(optimizer.param_groups)
             show_held(optimizer)
 
+    @torch._disable_dynamo
     def grad_norm(self, optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of the true gradients ``optimizer`` will step with, as they stand (what
         ``torch.nn.utils.clip_grad_norm_(..., max_norm=inf)`` reports on fp32 gradients); no
@@ -352,6 +358,7 @@ class MixedPrecision:
             total = total / carried.to(total.device)
         return total
 
+    @torch._disable_dynamo
     def step(self, *optimizers, max_grad_norm: float | None = None, **kwargs) -> bool:
         """Step every optimizer unless its gradients overflowed; update the scale once.
 

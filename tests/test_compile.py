@@ -184,3 +184,42 @@ def test_fp8_statistics_record_inside_the_compiled_graph():
             # gradients accumulate over the steps (no zero_grad): the same values either way
             assert got[name][role]["amax_max"] == pytest.approx(want[name][role]["amax_max"],
                                                                 rel=1e-2)
+
+
+def _compiled_loop_run(method, how, compiled):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    amp = mp.MixedPrecision(level="O2", dtype="bf16", master=method)
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def step(loss):
+        if how == "amp":
+            amp.backward(loss)
+            amp.clip_grad_norm_(opt, 0.1)
+            amp.step(opt)
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+
+    step = torch.compile(step) if compiled else step
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        step(model(x).float().pow(2).mean())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("method", [None, "split"])
+@pytest.mark.parametrize("how", ["opt", "amp"])
+def test_a_compiled_function_that_steps_gives_the_eager_steps_bits(method, how):
+    """``torch.compile`` of the user's step function (torch's own recipe for compiling an
+    optimizer step): the master optimizer's step, zero_grad and the engine's clip and step run
+    eagerly inside it (torch._dynamo recursed into a master's ``.grad`` and raised
+    RecursionError), with the eager loop's bits."""
+    torch._dynamo.reset()
+    eager = _compiled_loop_run(method, how, compiled=False)
+    compiled = _compiled_loop_run(method, how, compiled=True)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)

@@ -327,6 +327,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 and steps.skips_on_device(self))
 
     # -- the step ------------------------------------------------------------------------------
+    @torch._disable_dynamo  # runs eagerly inside a compiled function (see .wrapper)
     def step(self, closure: Callable[[], Any] | None = None, *,
              grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
              **kwargs: Any) -> Any:

@@ -332,6 +332,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """Whether ``step(found_inf=f)`` can skip on the device (:func:`.steps.skips_on_device`)."""
         return steps.skips_on_device(self)
 
+    @torch._disable_dynamo  # runs eagerly inside a compiled function (see .wrapper)
     def step(self, closure: Callable[[], Any] | None = None, *,
              grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
              **kwargs: Any) -> Any:

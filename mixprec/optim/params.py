@@ -124,6 +124,7 @@ class MasterParameter(nn.Parameter):
         return self
 
     @property
+    @torch._disable_dynamo  # read eagerly inside a compiled function (dynamo recursed into it)
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         """The model parameter's gradient in fp32 (see the module docstring)."""
         cached = valid_grad(self)

@@ -352,6 +352,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def drop_master_grads(self) -> None:
         """Drop the fp32 gradients made for the step (a scaler that skips a step calls this)."""
 
+    @torch._disable_dynamo  # as torch's own zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients and drop the fp32 ones made from them.
 

@@ -11,6 +11,9 @@ Two kinds of optimizer are driven:
   the protocol in :mod:`mixprec.scaling.protocol`): the scaler checks the gradients it reads
   and passes the factor they still carry as ``step(grad_scale=...)`` (and, where it skips on
   the device, the overflow flag as ``found_inf``); ``unscale_`` asks for fp32 gradients.
+
+``unscale_``, ``clip_grad_norm_``, ``step`` and ``update`` run eagerly inside a function compiled
+with ``torch.compile`` (``torch._disable_dynamo``): the same bits as the function run eagerly.
 """
 
 from __future__ import annotations
@@ -146,6 +149,7 @@ class LossScaler(GradScalerInterface):
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
+    @torch._disable_dynamo
     def unscale_(self, optimizer) -> None:
         """Divide this optimizer's gradients by the scale and record inf/NaN; no host sync.
 
@@ -174,6 +178,7 @@ class LossScaler(GradScalerInterface):
                                                                 inv_scale, self._state.device))
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
 
+    @torch._disable_dynamo
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true (unscaled) gradients the step will use to ``max_norm``; return their norm.
 
@@ -216,6 +221,7 @@ class LossScaler(GradScalerInterface):
             return passes.clip_norm_([p.grad for p in params], max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
+    @torch._disable_dynamo
     def step(self, optimizer, *args, **kwargs) -> bool:
         """Step the optimizer with the unscaled gradients, unless they hold inf/NaN.
 
@@ -313,6 +319,7 @@ class LossScaler(GradScalerInterface):
         if queued.owner:
             opt.drop_master_grads()
 
+    @torch._disable_dynamo
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the scale from the steps since the last update() and start a new iteration.
 
