@@ -21,7 +21,7 @@ from torch.overrides import (
     TorchFunctionMode,
     _get_current_function_mode_stack,
 )
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, _get_node_type, tree_flatten
 
 from . import oplists
 from .dtypes import CASTABLE_DTYPES
@@ -37,25 +37,38 @@ _PROMOTE = "promote"  # marker: "the widest floating dtype among the inputs"
 
 def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
     """Cast every tensor of a castable dtype (fp32/fp16/bf16, see :mod:`mixprec.dtypes`) in a
-    pytree to ``dtype``, and in the fields of a plain ``@dataclass`` within it (a model's output
-    class: not a pytree node, it would pass as it is); fp64, fp8 and integer tensors are left
-    untouched."""
-    def cast(t):
-        if isinstance(t, torch.Tensor):
-            if (t.dtype in CASTABLE_DTYPES and t.dtype != dtype
-                    and (device_type is None or t.device.type == device_type)):
-                return t.to(dtype)
-            return t
-        if dataclasses.is_dataclass(t) and not isinstance(t, type):
-            changes = {}
-            for f in dataclasses.fields(t):
-                value = getattr(t, f.name) if f.init else None
-                cast_value = cast_floating(value, dtype, device_type)
-                if cast_value is not value:
-                    changes[f.name] = cast_value
-            return dataclasses.replace(t, **changes) if changes else t
-        return t
-    return tree_map(cast, tree)
+    pytree to ``dtype``, and in the fields of a ``@dataclass`` within it (a model's output
+    class: not a pytree node, it would pass as it is; a shallow copy with the cast fields, so
+    fields set after ``__init__`` stay); fp64, fp8 and integer tensors are left untouched. A
+    container (list, dict, tuple, ...) with nothing to cast is returned as it is, not rebuilt:
+    a forward that appends to a list argument or sets a key of a dict argument writes into the
+    caller's (one holding a tensor that is cast is a new container, as the tensor is new)."""
+    if isinstance(tree, torch.Tensor):
+        if (tree.dtype in CASTABLE_DTYPES and tree.dtype != dtype
+                and (device_type is None or tree.device.type == device_type)):
+            return tree.to(dtype)
+        return tree
+    node = SUPPORTED_NODES.get(_get_node_type(tree))
+    if node is not None:
+        children, context = node.flatten_fn(tree)
+        cast = [cast_floating(c, dtype, device_type) for c in children]
+        if all(a is b for a, b in zip(cast, children)):
+            return tree
+        return node.unflatten_fn(cast, context)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {}
+        for f in dataclasses.fields(tree):
+            value = getattr(tree, f.name, None)
+            cast_value = cast_floating(value, dtype, device_type)
+            if cast_value is not value:
+                changes[f.name] = cast_value
+        if not changes:
+            return tree
+        out = copy.copy(tree)  # (no __init__ or __post_init__ run again; frozen ones too)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)
+        return out
+    return tree
 
 
 class _OpListMode(TorchFunctionMode):

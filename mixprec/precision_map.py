@@ -172,6 +172,14 @@ class PrecisionMap:
         """Raise ``ValueError`` for name entries that match no module of ``model``."""
         names = {n for n, _ in model.named_modules()}
         unknown = [k for k in self.names() if k not in names]
+        first = {id(m): n for n, m in model.named_modules()}
+        aliases = {n: first[id(m)] for n, m in model.named_modules(remove_duplicate=False)
+                   if n not in names}
+        if any(k in aliases for k in unknown):  # a shared module, listed once by torch
+            k = next(k for k in unknown if k in aliases)
+            raise ValueError(f"{what} names {k!r}, a module also registered as {aliases[k]!r}; "
+                             f"named_modules() lists a shared module once, under its first "
+                             f"name: use {aliases[k]!r}")
         if unknown:
             hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(
                 k, names - {""}, n=1)) else "") for k in unknown]

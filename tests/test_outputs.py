@@ -95,3 +95,32 @@ def test_a_plain_dataclass_output_is_cast_to_the_output_dtype(level):
             assert out.hidden[0].dtype == torch.float32 and out.hidden[1] == 3
             assert out.note == "kept"
     assert cast_floating(_Out(torch.ones(1), ()), torch.bfloat16).logits.dtype == torch.bfloat16
+
+
+@dataclasses.dataclass
+class _Late:
+    logits: torch.Tensor
+    aux: torch.Tensor | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self):
+        self.made = getattr(self, "made", 0) + 1
+
+
+def test_a_dataclass_field_set_after_init_is_cast_not_dropped():
+    """A field declared ``init=False`` and set by the forward came back as its default (None):
+    the cast rebuilt the object through ``__init__``; it is a shallow copy with cast fields now,
+    ``__post_init__`` not run again."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            out = _Late(self.lin(x))
+            out.aux = out.logits.sum()
+            return out
+
+    out = mp.prepare(Net(), level="O2", dtype="bf16")(torch.randn(2, 4))
+    assert out.logits.dtype == out.aux.dtype == torch.float32
+    assert torch.allclose(out.aux, out.logits.sum(), rtol=1e-2, atol=1e-2)  # (bf16's sum)
+    assert out.made == 1

@@ -344,3 +344,19 @@ def test_a_map_entry_at_O2_matches_the_hand_written_reference(entry):
         exported = mp.fp32_state_dict(model, opt)
         for (name, got), want in zip(exported.items(), masters):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_second_name_of_a_shared_module_is_refused_naming_the_first():
+    """``keep_fp32=["block.0"]`` for a Linear also registered as ``proj`` said no module had
+    that name and suggested the ReLU 'block.1'."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.block = nn.Sequential(self.proj, nn.ReLU())
+
+    with pytest.raises(ValueError, match=r"names 'block.0', a module also registered as "
+                                         r"'proj'.*use 'proj'"):
+        mp.prepare(Net(), level="O2", dtype="bf16", keep_fp32=["block.0"])
+    model = mp.prepare(Net(), level="O2", dtype="bf16", keep_fp32=["proj"])
+    assert model.block[0].weight.dtype == torch.float32
