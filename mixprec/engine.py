@@ -315,6 +315,8 @@ class MixedPrecision:
                                "clip was folded into the step; clip by value or by norm")
         if stage == "ready":
             self.unscale_(optimizer)
+        else:
+            self._ready().recheck_(optimizer, "clip_grad_value_()")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         ids = {id(p) for p in params}
         step = optimizer.grads_for_step() if owns_gradients(optimizer) else []

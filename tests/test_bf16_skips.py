@@ -335,3 +335,58 @@ def second_skip_raises(amp, match: str) -> None:
     backward(amp, model, 1, poison=True)
     with pytest.raises(mp.NonFiniteGradientsError, match=match):
         amp.step(opt)
+
+
+@pytest.mark.parametrize("level,master", [("O1", None), ("O2", "fp32"), ("O2", "split")])
+@pytest.mark.parametrize("clip", ["norm", "value", "unscale"])
+def test_a_micro_batch_after_a_clip_is_checked_too(level, master, clip):
+    """Clipping (or unscale_) after each micro-batch: the inf/NaN check was made at the first
+    clip, and a NaN gradient of a later micro-batch was stepped into every weight."""
+    amp, model, opt = engine_and_model(level, master)
+    before = snapshot(model, opt)
+    for i in range(2):
+        backward(amp, model, i, poison=i == 1)
+        if clip == "norm":
+            amp.clip_grad_norm_(opt, 0.5)
+        elif clip == "value":
+            amp.clip_grad_value_(opt, 0.01)
+        elif i == 0:
+            amp.unscale_(opt)
+    with pytest.warns(RuntimeWarning, match="skipped a step"):
+        assert amp.step(opt) is False
+    opt.zero_grad()
+    after = snapshot(model, opt)
+    assert same({k: v for k, v in after.items() if "running" not in k and "num_b" not in k},
+                {k: v for k, v in before.items() if "running" not in k and "num_b" not in k})
+
+
+def test_split_clipped_after_each_micro_batch_steps_as_fp32_masters():
+    """bf16 split clipped the sum of a later micro-batch in bf16 (its fp32 copies were of the
+    first): its update differed from fp32 masters' by 2.3e-4; now their masters agree bit for
+    bit, as for one clip per step."""
+    runs = {}
+    for master in ("fp32", "split"):
+        amp, model, opt = engine_and_model("O2", master)
+        for i in range(2):
+            backward(amp, model, i)
+            amp.clip_grad_norm_(opt, 0.05)
+        assert amp.step(opt)
+        runs[master] = mp.fp32_state_dict(model)
+    assert same(runs["fp32"], runs["split"])
+
+
+def test_a_backward_after_a_clip_folded_into_the_step_is_refused_in_bf16_too():
+    """The scaler's own clip_grad_norm_ folds the clip into the step (applied when it runs): a
+    backward after it would be clipped with the earlier gradients' factor."""
+    model = net()
+    opt = mp.MasterWeightOptimizer(torch.optim.SGD(model.to(torch.bfloat16).parameters(),
+                                                   lr=0.1))
+    scaler = mp.make_loss_scaler(None, dtype="bf16")
+    for i in range(2):
+        x, y = batch(i)
+        scaler.scale(F.mse_loss(model(x.bfloat16()).float(), y)).backward()
+        if i == 0:
+            scaler.clip_grad_norm_(opt, 0.5)
+    with pytest.raises(RuntimeError, match="step\\(\\) after a backward that followed unscale_"
+                                           "\\(\\) or clip_grad_norm_\\(\\).*folded into the step"):
+        scaler.step(opt)

@@ -141,7 +141,8 @@ class LossScaler(GradScalerInterface):
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
                             f"them; got {checks.describe(loss)}")
-        if not self._scales:
+        if not self._scales:  # (counted still: a backward after unscale_ or a clip)
+            self._scaled += 1
             return loss
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
@@ -206,7 +207,7 @@ class LossScaler(GradScalerInterface):
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
-            self._check_no_backward_since(record, "clip_grad_norm_()")
+            self._check_no_backward_since(record, "clip_grad_norm_()", optimizer)
         elif owner and not _has_pre_hooks(optimizer):  # (a pre-hook reads true gradients)
             return self._fold_clip(optimizer, max_norm, norm_type)
         else:
@@ -262,7 +263,7 @@ class LossScaler(GradScalerInterface):
         if record is None or record.stage is Stage.READY:
             record = self._prepare_step(optimizer, owner)
         else:
-            self._check_no_backward_since(record, "step()")
+            self._check_no_backward_since(record, "step()", optimizer)
         record.stage = Stage.STEPPED
         queued = QueuedStep(optimizer, record, owner)
         flag = record.found_inf if self._checks else None
@@ -461,16 +462,37 @@ class LossScaler(GradScalerInterface):
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
         return total
 
-    def _check_no_backward_since(self, record: OptimizerRecord, what: str) -> None:
-        """Refuse ``what`` when a loss was scaled (a backward) after this optimizer's gradients
-        were unscaled or a clip folded: scaled gradients were added to unscaled ones."""
-        if self._scales and record.stage is Stage.UNSCALED and record.scaled != self._scaled:
+    def _check_no_backward_since(self, record: OptimizerRecord, what: str, optimizer) -> None:
+        """A loss scaled (a backward) after this optimizer's gradients were unscaled or a clip
+        applied: with a loss scale the sum is neither scaled nor true, and a clip folded into
+        the step would clip it with the earlier gradients' factor: refused. Without (bf16), the
+        sum is the true gradients: checked for inf/NaN again, an owner's fp32 gradients made of
+        it (else the step took the sum unchecked, and a compact optimizer clipped it in bf16)."""
+        if record.stage is not Stage.UNSCALED or record.scaled == self._scaled:
+            return
+        if self._scales or record.grad_scale is not None:
+            why = ("the new gradients carry the loss scale, the earlier ones do not, and their "
+                   "sum is neither" if self._scales else "the clip was folded into the step, "
+                   "with the factor of the gradients before that backward")
             raise RuntimeError(
                 f"{what} after a backward that followed unscale_() or clip_grad_norm_() on this "
-                "optimizer: the new gradients carry the loss scale, the earlier ones do not, and "
-                "their sum is neither. Unscale or clip once per iteration, after the last "
+                f"optimizer: {why}. Unscale or clip once per iteration, after the last "
                 "backward (with gradient accumulation: after the last micro-batch, e.g. when "
                 f"accelerator.sync_gradients is True); {SEQUENCE}")
+        if owns_gradients(optimizer):
+            found = optimizer.unscale_grads_(None)
+        else:
+            found = passes.unscale_and_check_(optimizer.param_groups, None, self._state.device)
+        if self._checks and record.found_inf is not None:
+            record.found_inf = torch.maximum(record.found_inf,
+                                             _local(found).to(record.found_inf.device))
+        record.scaled = self._scaled
+
+    def recheck_(self, optimizer, what: str) -> None:
+        """:meth:`_check_no_backward_since` for ``optimizer`` (the engine's value clip)."""
+        record = self._stages.get(optimizer)
+        if record is not None:
+            self._check_no_backward_since(record, what, optimizer)
 
     def _reduced(self, found: torch.Tensor) -> torch.Tensor:
         """The overflow flag of every rank (max over ``process_group``; no host read)."""
