@@ -43,32 +43,37 @@ def cast_floating(tree, dtype: torch.dtype, device_type: str | None = None):
     container (list, dict, tuple, ...) with nothing to cast is returned as it is, not rebuilt:
     a forward that appends to a list argument or sets a key of a dict argument writes into the
     caller's (one holding a tensor that is cast is a new container, as the tensor is new)."""
+    return _cast(tree, dtype, device_type)[0]
+
+
+def _cast(tree, dtype: torch.dtype, device_type: str | None) -> tuple:
+    """``(cast tree, whether anything was cast)``: told by dtypes, never by comparing objects,
+    which ``torch.compile`` cannot trace for containers."""
     if isinstance(tree, torch.Tensor):
         if (tree.dtype in CASTABLE_DTYPES and tree.dtype != dtype
                 and (device_type is None or tree.device.type == device_type)):
-            return tree.to(dtype)
-        return tree
+            return tree.to(dtype), True
+        return tree, False
     node = SUPPORTED_NODES.get(_get_node_type(tree))
     if node is not None:
         children, context = node.flatten_fn(tree)
-        cast = [cast_floating(c, dtype, device_type) for c in children]
-        if all(a is b for a, b in zip(cast, children)):
-            return tree
-        return node.unflatten_fn(cast, context)
+        cast = [_cast(c, dtype, device_type) for c in children]
+        if not any(changed for _, changed in cast):
+            return tree, False
+        return node.unflatten_fn([c for c, _ in cast], context), True
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         changes = {}
         for f in dataclasses.fields(tree):
-            value = getattr(tree, f.name, None)
-            cast_value = cast_floating(value, dtype, device_type)
-            if cast_value is not value:
-                changes[f.name] = cast_value
+            value, changed = _cast(getattr(tree, f.name, None), dtype, device_type)
+            if changed:
+                changes[f.name] = value
         if not changes:
-            return tree
+            return tree, False
         out = copy.copy(tree)  # (no __init__ or __post_init__ run again; frozen ones too)
         for name, value in changes.items():
             object.__setattr__(out, name, value)
-        return out
-    return tree
+        return out, True
+    return tree, False
 
 
 class _OpListMode(TorchFunctionMode):

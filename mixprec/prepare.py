@@ -81,10 +81,6 @@ def policy_of(model: nn.Module) -> Policy | None:
     return getattr(model, _POLICY_ATTR, None)
 
 
-def _holds_16_bit(module: nn.Module) -> bool:
-    return any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
-
-
 def _module_dtype(policy: Policy):
     """(module, qualified name) -> the dtype ``policy.modules`` gives it, or None."""
     return policy.module_dtype
@@ -266,14 +262,6 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     if policy_of(model) is not None:
         raise RuntimeError(f"this model was already prepared ({policy_of(model)}); prepare it "
                            f"once, from a fresh fp32 model")
-    inside = next((n for n, m in model.named_modules() if getattr(m, PREPARED_ATTR, False)
-                   and (policy.param_dtype != _FP32 or _holds_16_bit(m))), None)
-    if inside is not None:  # its masters and state_dict hooks belong to the first prepare (a
-        # prepare that casts no parameters may wrap one that cast none: apex's O1 tests do)
-        where = ("this module is part of a prepared model" if inside == "" else
-                 f"its sub-module {inside!r} was prepared already")
-        raise RuntimeError(f"{where}; prepare the whole model once, from fresh fp32 parts (with "
-                           "keep_fp32= or mp.to_float for the parts that need another precision)")
     check_materialised(model)
     policy = _recorded(model, policy)  # to_float marks: entries of the map from here on
     checks.check_names(model, policy)
@@ -281,6 +269,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     for optimizer in optimizers:
         checks.check_optimizer(model, optimizer)
         checks.check_fp16_state(optimizer, policy)
+    checks.check_prepared_parts(model, optimizers, policy.param_dtype != _FP32)
     policy = fp8_choice.with_modules(policy, model, fp8_filter)  # names, recorded below
     convert_fp8(model, policy)
     device_type = module_device(model).type

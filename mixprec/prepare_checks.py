@@ -14,12 +14,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import vocabulary
+from .casting import PREPARED_ATTR
 from .emulation import check_mode
 from .formats import get as float_format
 from .oplists import validate_custom_lists
 from .optim import is_master_optimizer
 from .optim.hooks import INTERNAL, STEPPED_BY_WRAPPER
-from .optim.wrapper import WrappedOptimizer
+from .optim.wrapper import WrappedOptimizer, owner_of
 from .policy import Policy
 from .precision_map import keep_fp32_entries
 
@@ -64,6 +65,33 @@ def check_keywords(keep_fp32=None, low_precision_ops=(), fp32_ops=(),
 def check_names(model: nn.Module, policy: Policy) -> None:
     policy.modules.check_names(model, "the policy's modules map (keep_fp32=, overrides=, "
                                       "fp8_modules=, to_float)")
+
+
+def check_prepared_parts(model: nn.Module, optimizers, casts: bool) -> None:
+    """Refuse to prepare a part of a prepared model (when either prepare casts parameters; two
+    O1 prepares may nest, as apex's O1 tests do), or a model whose prepared part has parameters
+    that a live master optimizer steps and that one of ``optimizers`` holds too: new masters of
+    its 16-bit weights would start from their rounding (the fp32 values are the first
+    optimizer's), and its ``state_dict`` would read the first one's masters. (A part shared by
+    models prepared with one optimizer, apex's ``initialize([m1, m2], opt)``, is taken.)
+
+    Raises:
+        RuntimeError: one of these.
+    """
+    if getattr(model, PREPARED_ATTR, False) and (casts or any(
+            p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())):
+        raise RuntimeError("this module is part of a prepared model; prepare the whole model "
+                           "once, from fresh fp32 parts (with keep_fp32= or mp.to_float for the "
+                           "parts that need another precision)")
+    held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    for name, module in model.named_modules():
+        if getattr(module, PREPARED_ATTR, False) and any(
+                id(p) in held and owner_of(p) is not None for p in module.parameters()):
+            raise RuntimeError(
+                f"sub-module {name!r} was prepared already, with an optimizer that keeps its "
+                "masters: new masters would start from its 16-bit weights and its state_dict "
+                "would read the first optimizer's. Prepare the whole model once, from fresh fp32 "
+                "parts, with one optimizer over it (param groups for the parts)")
 
 
 def check_optimizer(model: nn.Module, optimizer) -> None:

@@ -173,24 +173,13 @@ class Island(ForwardWrapper):
                 if p is not None and p.is_floating_point() and p.dtype != torch.float64]
 
     def __call__(self, *args, **kwargs):
-        widen = self.widen
-        if widen is None and self.outer is not None:  # placed in code of its own dtype: a
-            widen = _wider_input((args, kwargs), self.dtype)  # wider input says its caller
-        if self.cast_inputs:  # computes wider (a module shared with plain fp32 code)
+        if self.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), self.dtype)
         slots = [(m, n, m._parameters[n]) for m, n in self._param_slots()]
         slots = [(m, n, p) for m, n, p in slots if p is not None and p.dtype != self.dtype]
         out = _with_params_cast(slots, self.dtype, self.context.run, self.call_inner, args,
                                 kwargs)
-        return out if widen is None else cast_floating(out, widen)
-
-
-def _wider_input(tree, dtype: torch.dtype) -> torch.dtype | None:
-    """The widest training dtype among the tensors of ``tree`` when it is wider than ``dtype``."""
-    bits = torch.finfo(dtype).bits
-    wider = [t.dtype for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
-             and t.dtype in TRAINING_DTYPES and torch.finfo(t.dtype).bits > bits]
-    return max(wider, key=lambda d: torch.finfo(d).bits) if wider else None
+        return out if self.widen is None else cast_floating(out, self.widen)
 
 
 _casts = threading.local()  # .active: the (slots, dtype) of the calls casting parameters now

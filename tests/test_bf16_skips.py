@@ -390,3 +390,30 @@ def test_a_backward_after_a_clip_folded_into_the_step_is_refused_in_bf16_too():
     with pytest.raises(RuntimeError, match="step\\(\\) after a backward that followed unscale_"
                                            "\\(\\) or clip_grad_norm_\\(\\).*folded into the step"):
         scaler.step(opt)
+
+
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_a_loss_scaled_without_a_backward_after_a_clip_changes_nothing(master):
+    """A logged ``amp.scale(loss)`` (no backward) between a clip and the step: counted as a
+    backward, it made the fp32 gradients again from the model's bf16 ones (7.6e-7 off) or, after
+    the scaler's own folded clip, refused the step."""
+    runs = []
+    for extra in (False, True):
+        amp, model, opt = engine_and_model("O2", master)
+        backward(amp, model, 0)
+        amp.clip_grad_norm_(opt, 1e-3)
+        if extra:
+            amp.scale(torch.tensor(0.5))  # a logged value
+        assert amp.step(opt)
+        runs.append(mp.fp32_state_dict(model))
+    assert same(*runs)
+    model = net()
+    opt = mp.MasterWeightOptimizer(torch.optim.SGD(model.to(torch.bfloat16).parameters(),
+                                                   lr=0.1))
+    scaler = mp.make_loss_scaler(None, dtype="bf16")
+    x, y = batch(0)
+    loss = F.mse_loss(model(x.bfloat16()).float(), y)
+    scaler.scale(loss).backward()
+    scaler.clip_grad_norm_(opt, 0.5)
+    scaler.scale(loss.detach())
+    assert scaler.step(opt)

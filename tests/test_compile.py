@@ -223,3 +223,24 @@ def test_a_compiled_function_that_steps_gives_the_eager_steps_bits(method, how):
     compiled = _compiled_loop_run(method, how, compiled=True)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_floating_inputs_in_containers_trace_to_one_graph(level):
+    """fp32 inputs in a list and a dict (the entry casts them, rebuilding only what holds a
+    cast tensor) compile to one graph with ``fullgraph=True`` (an identity test of the rebuilt
+    containers broke the graph at O2 and O3)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+        def forward(self, xs, extra):
+            return self.norm(self.lin(xs[0]) + extra["bias"])
+
+    torch.manual_seed(0)
+    model = mp.prepare(Net(), level=level, dtype="bf16")
+    xs, extra = [torch.randn(2, 8)], {"bias": torch.randn(8), "name": "b"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(xs, extra), model(xs, extra))

@@ -406,3 +406,34 @@ def test_a_call_over_one_device_and_dtype_is_torchs_functional_step_bit_for_bit(
     assert len(results[0]) == len(results[1]) > 0
     for a, b in zip(*results):
         assert torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["fp32", "split", "kahan"])
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_an_fp64_parameter_beside_16_bit_ones_steps_as_torchs_adam_steps_it(kind, method,
+                                                                            state_dtype):
+    """An fp64 parameter held with bf16 ones: its Adam moments were made in the state dtype
+    (fp32), and torch's fused kernel refused the first step ("expected scalar type Double but
+    found Float"). Its moments are fp64, as torch makes them, and it steps as torch's fused Adam
+    steps an fp64 parameter, bit for bit."""
+    from mixprec.optim import CompactMasterOptimizer
+    torch.manual_seed(0)
+    low, wide = nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4).double()
+    ref = [p.detach().clone().requires_grad_() for p in wide.parameters()]
+    inner = kind(list(low.parameters()) + list(wide.parameters()), lr=0.1, weight_decay=0.01)
+    opt = (MasterWeightOptimizer(inner, state_dtype=state_dtype) if method == "fp32" else
+           CompactMasterOptimizer(inner, method, state_dtype=state_dtype))
+    ref_opt = kind(ref, lr=0.1, weight_decay=0.01, fused=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in low.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        for p, r in zip(wide.parameters(), ref):
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(wide.parameters(), ref):
+        assert torch.equal(p, r)
+        assert opt.state[p]["exp_avg"].dtype == torch.float64

@@ -501,8 +501,8 @@ def test_preparing_a_model_around_a_prepared_one_is_refused():
     child_opt = torch.optim.SGD(child.parameters(), lr=0.1)
     mp.prepare(child, child_opt, level="O2", dtype="bf16")
     parent = nn.Sequential(nn.Linear(4, 4), child)
-    with pytest.raises(RuntimeError, match=r"sub-module '1' was prepared already; prepare the "
-                                           r"whole model once"):
+    with pytest.raises(RuntimeError, match=r"sub-module '1' was prepared already, with an "
+                                           r"optimizer that keeps its masters"):
         mp.prepare(parent, torch.optim.SGD(parent.parameters(), lr=0.1), level="O2",
                    dtype="bf16")
     model = mp.prepare(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), level="O3", dtype="bf16")
@@ -512,3 +512,10 @@ def test_preparing_a_model_around_a_prepared_one_is_refused():
     inner = mp.prepare(nn.Linear(4, 4), level="O1", dtype="bf16")
     outer = mp.prepare(nn.Sequential(inner), level="O1", dtype="bf16")
     assert outer(torch.randn(2, 4)).dtype == torch.float32
+    # models sharing a part, prepared with one optimizer (apex's initialize([m1, m2], opt))
+    from mixprec.compat import apex_amp
+    shared = nn.Linear(4, 4)
+    m1, m2 = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    opt = torch.optim.SGD(list(m1.parameters()) + list(m2[1].parameters()), lr=0.1)
+    (m1, m2), opt = apex_amp.initialize([m1, m2], opt, opt_level="O2", verbosity=0)
+    assert m2(torch.randn(2, 4)).shape == (2, 3)

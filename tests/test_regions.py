@@ -583,34 +583,6 @@ def test_a_forward_that_writes_or_replaces_a_cast_parameter_keeps_the_change():
         assert check(model.w) and model.w.dtype == FP32, cls.__name__
 
 
-def test_a_shared_island_widens_for_the_plain_code_that_calls_it_too():
-    """A ``to_float("bf16")`` module used inside a bf16 ``to_float`` region and again from
-    plain fp32 code kept the one placement it was given last (the region's): its bf16 output
-    reached an fp32 Linear (a dtype error), in either marking order."""
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.shared = nn.Linear(8, 8)
-            self.region = nn.Sequential(nn.Linear(8, 8), self.shared)
-            self.after = nn.Linear(8, 8)
-
-        def forward(self, x):
-            inner = self.region(x)
-            return self.after(self.shared(inner)), inner
-
-    x = torch.randn(2, 8)
-    for order in (("shared", "region"), ("region", "shared")):
-        net = Net()
-        want = F.linear(net.shared(net.region(x).to(BF16).float()).to(BF16).float(),
-                        net.after.weight, net.after.bias)  # (bf16 compute, rounded as bf16)
-        for name in order:
-            mp.to_float(getattr(net, name), "bf16")
-        out, inner = net(x)
-        assert out.dtype == inner.dtype == FP32
-        assert torch.allclose(out, want, atol=5e-2)
-
-
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_a_forward_writes_into_its_list_and_dict_arguments_as_in_fp32(level):
     """The entry cast of O2/O3 (and an island's) rebuilt every list and dict argument: a forward

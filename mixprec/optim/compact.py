@@ -306,6 +306,19 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self._grads32 = {p: (copy, _source_key(p.grad)) for p, copy in low}
         return found
 
+    def refresh_grads_(self) -> None:
+        """fp32 copies of the 16-bit gradients a backward changed (or made) since
+        :meth:`unscale_grads_` made the copies, which the step and a clip then read (a loss
+        scaler calls this in bf16); the current copies are kept."""
+        with torch.no_grad():
+            for p in self._model_params:
+                held = self._grads32.get(p)
+                if (p.grad is not None and is_low_precision(p.grad)
+                        and (held is None or not _is_current(held[1], p.grad))):
+                    wide = p.grad.float()
+                    self._grads32[p] = (wide.coalesce() if wide.is_sparse else wide,
+                                        _source_key(p.grad))
+
     def drop_master_grads(self) -> None:
         """Drop the fp32 gradient copies made by :meth:`unscale_grads_`."""
         self._grads32 = {}

@@ -86,11 +86,11 @@ def _plain(value) -> bool:
 
 def is_moment(key, value, param: torch.Tensor) -> bool:
     """True for a floating, dense state tensor shaped as ``param`` (not ``step``, not
-    compensation). A sparse one (torch's SGD momentum of a sparse gradient) is kept as torch
-    makes it."""
+    compensation). A sparse one (torch's SGD momentum of a sparse gradient) and an fp64
+    parameter's (stepped in fp64) are kept as torch makes them."""
     return (key != "step" and key not in OWN_KEYS and _plain(value)
             and value.is_floating_point() and not value.is_sparse
-            and value.shape == param.shape)
+            and value.shape == param.shape and param.dtype != torch.float64)
 
 
 def cast_moments(state: dict, param: torch.Tensor, dtype: torch.dtype,
@@ -121,8 +121,9 @@ def make_adam_state(inner: torch.optim.Optimizer, group: Mapping,
     """Adam's or AdamW's state for the ``tensors`` of ``group`` that have none yet, as torch's
     fused step makes it (``step`` a float32 zero on the tensor's device, then zero ``exp_avg``,
     ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``, laid out as the tensor), in
-    ``dtype``: a first step then makes no moment as an fp32 temporary of the whole tensor to be
-    rounded into a new one. For a step that runs torch's fused kernel. True when it made some."""
+    ``dtype`` (an fp64 tensor's in fp64, as torch makes them: the kernel steps it in fp64): a
+    first step then makes no moment as an fp32 temporary of the whole tensor to be rounded into
+    a new one. For a step that runs torch's fused kernel. True when it made some."""
     keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
     made = False
     for t in tensors:
@@ -131,8 +132,9 @@ def make_adam_state(inner: torch.optim.Optimizer, group: Mapping,
             continue
         entry = inner.state[t]
         entry["step"] = torch.zeros((), dtype=torch.float32, device=local(t).device)
+        like = t.dtype if t.dtype == torch.float64 else dtype
         for key in keys:
-            entry[key] = torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format)
+            entry[key] = torch.zeros_like(t, dtype=like, memory_format=torch.preserve_format)
         made = True
     return made
 

@@ -460,6 +460,7 @@ class LossScaler(GradScalerInterface):
         if self._checks:
             record.found_inf = (~torch.isfinite(total)).float()
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
+        record.folded_on = None if self._scales else _versions(grads)
         return total
 
     def _check_no_backward_since(self, record: OptimizerRecord, what: str, optimizer) -> None:
@@ -470,6 +471,10 @@ class LossScaler(GradScalerInterface):
         it (else the step took the sum unchecked, and a compact optimizer clipped it in bf16)."""
         if record.stage is not Stage.UNSCALED or record.scaled == self._scaled:
             return
+        owner = owns_gradients(optimizer)
+        if not self._scales and record.grad_scale is not None and record.folded_on == _versions(
+                [g for _, g in optimizer.grads_for_step()]):
+            return  # (a loss scaled with no backward: a logged value)
         if self._scales or record.grad_scale is not None:
             why = ("the new gradients carry the loss scale, the earlier ones do not, and their "
                    "sum is neither" if self._scales else "the clip was folded into the step, "
@@ -479,13 +484,15 @@ class LossScaler(GradScalerInterface):
                 f"optimizer: {why}. Unscale or clip once per iteration, after the last "
                 "backward (with gradient accumulation: after the last micro-batch, e.g. when "
                 f"accelerator.sync_gradients is True); {SEQUENCE}")
-        if owns_gradients(optimizer):
-            found = optimizer.unscale_grads_(None)
-        else:
-            found = passes.unscale_and_check_(optimizer.param_groups, None, self._state.device)
+        refresh = getattr(optimizer, "refresh_grads_", None) if owner else None
+        if callable(refresh):  # (a compact optimizer's fp32 copies of the changed gradients)
+            refresh()
         if self._checks and record.found_inf is not None:
-            record.found_inf = torch.maximum(record.found_inf,
-                                             _local(found).to(record.found_inf.device))
+            grads = ([g for _, g in optimizer.grads_for_step()] if owner else
+                     [p.grad for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None])
+            found = _local(passes.found_nonfinite(grads, self._state.device))
+            record.found_inf = torch.maximum(record.found_inf, found.to(record.found_inf.device))
         record.scaled = self._scaled
 
     def recheck_(self, optimizer, what: str) -> None:
@@ -500,6 +507,10 @@ class LossScaler(GradScalerInterface):
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
         return found
+
+
+def _versions(grads) -> list:
+    return [(id(g), g._version) for g in grads]
 
 
 def _has_pre_hooks(optimizer) -> bool:

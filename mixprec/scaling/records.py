@@ -41,6 +41,8 @@ class OptimizerRecord:
             folded): one more since means scaled gradients were added to unscaled ones.
         bad_params: names of the parameters with non-finite gradients, set when this step
             reached the dynamic scaler's min-scale limit.
+        folded_on: with a clip folded (no loss scale), the (id, version) of each gradient it
+            measured: a backward since changes them.
     """
 
     stage: Stage = Stage.READY
@@ -48,6 +50,7 @@ class OptimizerRecord:
     grad_scale: torch.Tensor | None = None
     bad_params: list[str] | None = None
     scaled: int = 0  # the scaler's count of scaled losses when it was unscaled or clipped
+    folded_on: list | None = None
 
 
 @dataclasses.dataclass
