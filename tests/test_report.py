@@ -79,9 +79,11 @@ def test_advice_on_a_collapsing_loss_scale_skips_underflow_and_headroom():
 
 @pytest.mark.parametrize("scale, cure", [
     (1.0, "No loss scale was in use, so no scale setting avoids them"),
-    (1024.0, "A scale that backs off more slowly (hysteresis=) or bf16 avoids them")])
+    (1024.0, "A longer growth_interval= makes the growth attempts that overflow (each a "
+             "skipped step) rarer; bf16 (no loss scale) has none.")])
 def test_skip_advice_fits_whether_the_loss_was_scaled(scale, cure):
-    """A bf16 run (no loss scale) with a NaN loss was told to set hysteresis= or use bf16."""
+    """A bf16 run (no loss scale) with a NaN loss was told to set hysteresis= or use bf16; an
+    fp16 run was told hysteresis= avoids skips, which makes them more frequent."""
     steps = list(range(10))
     run = Run({"mixprec/loss_scale": [(s, scale) for s in steps],
                "mixprec/skipped_steps": [(s, float(s >= 3)) for s in steps],
@@ -218,3 +220,16 @@ def test_report_names_a_file_that_is_not_text(tmp_path, capsys):
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
     assert cli.main(["report", str(path)]) == 2
     assert f"{path}:1 is not a JSON object with a 'step'" in capsys.readouterr().err
+
+
+def test_skips_on_the_scale_s_way_down_are_told_to_start_lower():
+    """A dynamic scale that started far above where it settled skipped a step per halving:
+    the advice names the scale to start at."""
+    steps = list(range(0, 40, 4))
+    scale = [2.0 ** 24 / 2 ** min(s, 10) for s in steps]
+    run = Run({"mixprec/loss_scale": list(zip(steps, scale)),
+               "mixprec/skipped_steps": [(s, float(min(s, 10))) for s in steps],
+               "mixprec/steps": [(36, 40.0)]})
+    [line] = [a for a in advice(run) if "steps were skipped" in a]
+    assert ("The scale started at 1.67772e+07 and settled near 16384: init_scale=16384 starts "
+            "there, without the skips on the way down.") in line

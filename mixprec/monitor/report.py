@@ -12,6 +12,7 @@ import html
 import math
 import os
 import pathlib
+import statistics
 
 from .plots import fp8_plot, heatmap, loss_plot, norm_plot
 from .run import Run
@@ -44,7 +45,7 @@ def advice(run: Run) -> list[str]:
 
 def _scale_advice(run: Run) -> list[str]:
     out = []
-    scale = [(s, v) for s, v in run.get("loss_scale") if math.isfinite(v)]
+    scale = [(s, v) for s, v in run.get("loss_scale") if math.isfinite(v) and v > 0]
     skips = run.get("skipped_steps")
     if scale:
         peak_step, peak = max(scale, key=lambda p: p[1])
@@ -64,15 +65,22 @@ def _scale_advice(run: Run) -> list[str]:
 
 
 def _skip_cure(run: Run, scale: list[tuple[int, float]]) -> str:
-    """What avoids skipped steps: a gentler scale where the loss was scaled; where it was not
-    (bf16 or fp32: no scale above 1 recorded), the inf/NaN came from the loss, the inputs or
-    the forward, which no scale setting changes."""
+    """What avoids skipped steps where the loss was scaled: starting at the scale the run
+    settled at (a dynamic scale skips each step on its way down), fewer growth attempts (each
+    that overflows is a skip), bf16; where it was not (bf16 or fp32: no scale above 1
+    recorded), the inf/NaN came from the loss, the inputs or the forward, which no scale
+    setting changes."""
     if not any(v > 1.0 for _, v in scale):
         return ("No loss scale was in use, so no scale setting avoids them: the inf/NaN came "
                 "from the loss, the inputs or the forward pass; find the first op that made "
                 "one with mp.debug.trace_nonfinite.")
-    cure = "A scale that backs off more slowly (hysteresis=)"
-    return cure + (" avoids them." if run.format_name() == "bf16" else " or bf16 avoids them.")
+    first, settled = scale[0][1], statistics.median(v for _, v in scale[len(scale) // 2:])
+    start = (f"The scale started at {first:g} and settled near {settled:g}: init_scale="
+             f"{settled:g} starts there, without the skips on the way down. "
+             if first >= 4 * settled else "")
+    return (start + "A longer growth_interval= makes the growth attempts that overflow (each a "
+            "skipped step) rarer" + ("; bf16 (no loss scale) has none." if
+                                     run.format_name() != "bf16" else "."))
 
 
 def _steps_text(run: Run) -> str:
@@ -269,6 +277,15 @@ def _mixprec_names(series) -> list[str]:
     return [name for name in series if name.startswith("mixprec/")]
 
 
+def _unprefixed(series: dict) -> dict:
+    """A run logged through the Hugging Face Trainer's ``report_to`` (its TensorBoard callback
+    writes ``train/<name>``): its ``train/mixprec/...`` scalars under their own names."""
+    if _mixprec_names(series):
+        return series
+    return {name[len("train/"):] if name.startswith("train/mixprec/") else name: points
+            for name, points in series.items()}
+
+
 def read_record(run_path) -> dict[str, list[tuple[int, float]]]:
     """:func:`mixprec.monitor.read_run`, refusing a run with no mixprec scalars.
 
@@ -276,7 +293,7 @@ def read_record(run_path) -> dict[str, list[tuple[int, float]]]:
         FileNotFoundError, ValueError: what :func:`mixprec.monitor.read_run` refuses; a run
             with no ``mixprec/...`` scalars (the names it holds are listed).
     """
-    series = read_run(run_path)
+    series = _unprefixed(read_run(run_path))
     if not _mixprec_names(series):
         names = sorted(series)
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

@@ -87,7 +87,8 @@ class Run:
         for layer in self.layers:
             amax, room = dict(self.layer(layer, "act_amax")), self.layer(layer, "act_headroom")
             for s, h in room:
-                if s in amax and amax[s] > 0 and math.isfinite(h):
-                    fmax = amax[s] * 2.0 ** h
-                    return min(_FORMAT_MAX, key=lambda k: abs(math.log2(_FORMAT_MAX[k] / fmax)))
+                if s in amax and 0 < amax[s] < math.inf and math.isfinite(h):
+                    log_max = math.log2(amax[s]) + h  # (log2 of the format's largest value)
+                    return min(_FORMAT_MAX,
+                               key=lambda k: abs(math.log2(_FORMAT_MAX[k]) - log_max))
         return None

@@ -187,10 +187,14 @@ def read_run(path) -> dict[str, list[tuple[int, float]]]:
         path: a JSONL file (:class:`JSONLWriter`) or a TensorBoard folder (read with
             TensorBoard's own ``EventAccumulator``).
 
+    A JSONL file whose steps go back (or repeat) holds a run resumed from a checkpoint
+    (``JSONLWriter(path, mode="a")``): the records after the resume replace those of the same
+    steps and later before it, so the series are the ones the uninterrupted run would have.
+
     Warns:
-        RuntimeWarning: a JSONL file whose steps go back (or repeat): it holds more than one
-            run (written with ``mode="a"``, or by an older mixprec, which appended); the
-            warning names the file and line, the series hold the points of every run.
+        RuntimeWarning: the last line is cut short (a run still writing, or killed while it
+            wrote): the lines before it are read. Steps that go back to the first record's or
+            before it: a new run appended, read as the later one (file and line named).
 
     Raises:
         FileNotFoundError: no such file or folder.
@@ -203,35 +207,55 @@ def read_run(path) -> dict[str, list[tuple[int, float]]]:
                                 f"a TensorBoard log folder")
     series = _read_tensorboard(path) if path.is_dir() else _read_jsonl(path)
     if not series:
-        raise ValueError(f"{path} holds no scalars")
-    return {name: sorted(points) for name, points in sorted(series.items())}
+        runs = sorted({str(e.parent) for e in path.glob("*/**/events.out.tfevents*")}
+                      if path.is_dir() else ())
+        raise ValueError(f"{path} holds no scalars" + (
+            f"; the runs are in its folders: give one of them, e.g. {runs[0]}" if runs else ""))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in sorted(series.items())}
 
 
 def _read_jsonl(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
-    last, warned = None, False  # (step, line) of the previous row
+    first = last = None  # the steps of the first and the previous row
+    warned = False
     with open(path, encoding="utf-8", errors="replace") as f:  # (a binary file: its first
-        for number, line in enumerate(f, 1):                  # line is named below)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                step = int(row.pop("step"))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise ValueError(f"{path}:{number} is not a JSON object with a 'step': "
-                                 f"{line.strip()[:80]!r}") from None
-            closing = set(row) <= _CLOSING  # (a closing count at the last record's step)
-            if (last is not None and (step < last[0] or step == last[0] and not closing)
-                    and not warned):  # one warning per file
-                warnings.warn(f"{path}:{number}: step {step} follows step {last[0]} (line "
-                              f"{last[1]}): the file holds more than one run, read as one "
-                              f"(JSONLWriter(path, mode='a') appends; the default starts the "
-                              f"file afresh)", RuntimeWarning, stacklevel=3)
+        lines = f.readlines()                                  # line is named below)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = _step(row.pop("step"))
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+            if number == len(lines) and not line.endswith("\n") and series:
+                warnings.warn(f"{path}:{number} is cut short (a run still writing, or killed "
+                              f"while it wrote): read up to line {number - 1}", RuntimeWarning,
+                              stacklevel=3)
+                break
+            raise ValueError(f"{path}:{number} is not a JSON object with a 'step' (a whole "
+                             f"number >= 0): {line.strip()[:80]!r}") from None
+        if last is not None and (step < last or step == last and not set(row) <= _CLOSING):
+            if step <= first and not warned:  # (not a resume from a checkpoint: a new run)
+                warnings.warn(f"{path}:{number}: step {step} follows step {last}: the run "
+                              f"starts again, read as the later run (JSONLWriter(path, "
+                              f"mode='a') appends, for a run resumed from a checkpoint; the "
+                              f"default starts the file afresh)", RuntimeWarning, stacklevel=3)
                 warned = True
-            last = (step, number)
-            for name, value in row.items():
-                series.setdefault(name, []).append((step, _number(value, path, number, name)))
+            for points in series.values():  # a run resumed at ``step`` (JSONLWriter's
+                points[:] = [p for p in points if p[0] < step]  # mode="a"): its records
+        first = step if last is None else first  # replace the earlier run's from that step
+        last = step  # on (a closing count repeats the last record's step)
+        for name, value in row.items():
+            series.setdefault(name, []).append((step, _number(value, path, number, name)))
     return series
+
+
+def _step(value) -> int:
+    """A record's step: a whole number >= 0 (a JSON integer, or a float holding one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)
 
 
 def _number(value, path, number: int, name: str) -> float:
