@@ -171,6 +171,10 @@ def test_the_advise_command(capsys):
     assert "modules=[2:fp32,3:fp32]" in capsys.readouterr().out
     assert cli.main(["advise", "--formats", "int8"]) == 2
     assert "--formats takes" in capsys.readouterr().err
+    # a planted case is built at its own size: a size flag was ignored without a word
+    assert cli.main(["advise", "--model", "planted-overflow", "--width", "16"]) == 2
+    assert "planted-overflow is built at its own size: --width applies to the bench models" \
+        in capsys.readouterr().err
 
 
 def _fp8_net_advice():

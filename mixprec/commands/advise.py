@@ -56,6 +56,10 @@ def run_advise(model: str = "transformer", formats=("bf16", "fp16", "fp8_e4m3"),
         raise ValueError(f"unknown model {model!r}; choose one of "
                          f"{', '.join([*benchmodels.MODELS, *CASES])}")
     if model in CASES:
+        if sizes:
+            raise ValueError(f"{model} is built at its own size: --"
+                             f"{', --'.join(k.replace('_', '-') for k in sizes)} applies to the "
+                             f"bench models ({', '.join(benchmodels.MODELS)})")
         net, batch, loss_fn = CASES[model]()
         return advise(net, batch, loss_fn, formats=formats, ablation=ablation,
                       fp8=fp8, seed=seed), None
