@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-__all__ = ["local", "replicated", "is_dtensor", "dtensor_class", "like_shard"]
+__all__ = ["local", "replicated", "is_dtensor", "dtensor_class", "like_shard", "grad_version"]
 
 _DTENSOR = "torch.distributed.tensor"
 
@@ -37,6 +37,12 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor's local shard (the tensor itself otherwise)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def grad_version(grad: torch.Tensor) -> int:
+    """A gradient's version counter; an FSDP2 shard's local tensor's (FSDP adds a micro-batch's
+    gradient into it in place, which leaves the DTensor's own counter as it was)."""
+    return getattr(grad, "_local_tensor", grad)._version
 
 
 def replicated(value: torch.Tensor) -> torch.Tensor:

@@ -58,3 +58,39 @@ def test_fsdp_resume_from_a_dcp_directory_is_bitwise(ranks, master, state_dtype)
         got = r[("resume", "fsdp", master)]
         assert got["stopped_at"] == 6 and got["steps"] == 8
         assert got["equal"] and got["loss_equal"]
+
+
+def _clip_then_accumulate(rank, out):
+    """bf16 O2 under FSDP2: micro-batch 1, a clip, micro-batch 2 with a NaN on rank 1."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import mixprec as mp
+    results = {}
+    for master in (None, "split", "kahan"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+        amp = mp.MixedPrecision(level="O2", dtype="bf16", master=master)
+        model, opt = mp.parallel.fsdp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                      mixed_precision=amp)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 8, generator=g) * 3, torch.randint(0, 3, (8,), generator=g)
+        amp.backward(F.cross_entropy(model(x[rank * 2:rank * 2 + 2]), y[rank * 2:rank * 2 + 2]))
+        amp.clip_grad_norm_(opt, 0.3)
+        amp.backward(F.cross_entropy(model(x[4 + rank * 2:6 + rank * 2]),
+                                     y[4 + rank * 2:6 + rank * 2]))
+        if rank == 1:
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
+        norm = amp.clip_grad_norm_(opt, 1e9)
+        results[master] = (float(norm), amp.step(opt))
+    return results
+
+
+def test_a_micro_batch_after_a_clip_reaches_the_step_under_fsdp2(tmp_path):
+    """FSDP2 adds a micro-batch's gradient into the shard's local tensor in place, which left the
+    DTensor's version counter as it was: split and Kahan kept the clipped first micro-batch's
+    fp32 copies, the second micro-batch never reached the step and its NaN went unseen."""
+    for r in launch(_clip_then_accumulate, tmp_path, timeout=240.0):
+        for master, (norm, applied) in r.items():
+            assert norm != norm and applied is False, master  # the NaN seen: skipped

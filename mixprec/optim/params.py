@@ -26,6 +26,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from ..shards import grad_version
+
 __all__ = ["MasterParameter", "MasterState", "GradCarry", "is_master", "valid_grad", "is_stale",
            "held_grad", "set_grad", "drop_grad", "derive_grad", "show_master_grads"]
 
@@ -73,7 +75,7 @@ class GradCarry:
 
 
 def _source_key(grad: torch.Tensor | None) -> tuple:
-    return _NO_SOURCE if grad is None else (weakref.ref(grad), grad._version)
+    return _NO_SOURCE if grad is None else (weakref.ref(grad), grad_version(grad))
 
 
 def _is_current(key: tuple | None, grad: torch.Tensor | None) -> bool:
@@ -81,7 +83,7 @@ def _is_current(key: tuple | None, grad: torch.Tensor | None) -> bool:
         return False
     if grad is None:
         return key == _NO_SOURCE
-    return key[0] is not None and key[0]() is grad and key[1] == grad._version
+    return key[0] is not None and key[0]() is grad and key[1] == grad_version(grad)
 
 
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the tensor's own flag

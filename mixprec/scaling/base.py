@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..dtypes import is_low_precision
+from ..shards import grad_version
 from ..shards import local as _local
 from ..shards import replicated as _replicated
 from . import args as checks
@@ -510,7 +511,7 @@ class LossScaler(GradScalerInterface):
 
 
 def _versions(grads) -> list:
-    return [(id(g), g._version) for g in grads]
+    return [(id(g), grad_version(g)) for g in grads]
 
 
 def _has_pre_hooks(optimizer) -> bool:
