@@ -637,3 +637,83 @@ def test_an_fp32_output_policy_at_o3_computes_the_loss_in_fp32_as_mindspores_mod
     trainer.fit(DataLoader(data, batch_size=8))
     assert set(seen) == {torch.float32}
     assert trainer.model[0].weight.dtype == torch.float16
+
+
+def test_a_scheduler_of_another_optimizer_and_loose_flags_are_refused():
+    """A scheduler made over another optimizer was taken (the LR never changed), optimizer=None
+    failed inside prepare with an AttributeError, scheduler=3 failed after the first update,
+    compile="no" compiled, and ModelCheckpoint took every_n_steps=True."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler was made for another optimizer"):
+        Trainer(model, F.cross_entropy, opt,
+                scheduler=torch.optim.lr_scheduler.StepLR(other, 1, 0.5))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer.*NoneType"):
+        Trainer(model, F.cross_entropy, None)
+    with pytest.raises(TypeError, match="scheduler must be an LR scheduler .* got 3"):
+        Trainer(model, F.cross_entropy, opt, scheduler=3)
+    for name in ("compile", "diagnose_overflow", "progress"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False; got 'no'"):
+            Trainer(model, F.cross_entropy, opt, **{name: "no"})
+    with pytest.raises(ValueError, match="every_n_steps must be None or an integer >= 1"):
+        ModelCheckpoint("ckpt", every_n_steps=True)
+
+
+def _interrupting(after: int):
+    calls = [0]
+
+    def loss_fn(output, target):
+        calls[0] += 1
+        if calls[0] == after:
+            raise KeyboardInterrupt
+        return F.cross_entropy(output, target)
+    return loss_fn, calls
+
+
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_a_fit_interrupted_inside_an_accumulation_window_goes_on_exactly(digits, level,
+                                                                          tmp_path):
+    """KeyboardInterrupt on a window's second micro-batch: fit() again started a new window at
+    that batch with the first micro-batch's gradients still held (9.4e-3 off), and save() wrote
+    a checkpoint without them (1.8e-2 off once resumed). fit() again finishes the window, bit for
+    bit the uninterrupted run; save() inside the window is refused."""
+    batches = [digits[0][i:i + 16] for i in range(0, 96, 16)]  # 6 micro-batches, 2 steps
+    runs = []
+    for stop in (None, 2, 3, 5):
+        loss_fn, calls = _interrupting(stop or 0)
+        torch.manual_seed(0)
+        model = mlp()
+        trainer = Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                          level=level, dtype="bf16", grad_accum_steps=3, progress=False)
+        if stop is not None:
+            with pytest.raises(KeyboardInterrupt):
+                trainer.fit(batches, epochs=2)
+            with pytest.raises(RuntimeError, match="save\\(\\) inside an accumulation window"):
+                trainer.save(tmp_path / "mid.pt")
+            calls[0] = -100
+        trainer.fit(batches, epochs=2)
+        runs.append((params(trainer), trainer.history.loss))
+    for weights, losses in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights, runs[0][0]))
+        assert losses == runs[0][1]
+
+
+def test_accuracy_of_a_hugging_face_causal_lm_scores_the_next_token():
+    """metrics="accuracy" with loss_fn=None on a causal language model compared the logits at
+    t (the next token's scores) with the label at t: 0.0 for a model 100% right."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=16, n_layer=1,
+                                     n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.arange(8).repeat(4, 1) % 16
+    data = [{"input_ids": ids, "labels": ids}]
+    trainer = Trainer(model, None, torch.optim.AdamW(model.parameters(), lr=3e-2),
+                      level="O0", metrics="accuracy", progress=False)
+    trainer.fit(data, epochs=30)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    want = (logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean().item()
+    assert want == 1.0
+    assert trainer.evaluate(data)["accuracy"] == want

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss", "windows"]
+__all__ = ["Batch", "split_batch", "to_device", "logits_of", "compute_loss", "windows",
+           "shifts_labels"]
 
 LABEL_KEYS = ("labels", "label")
 
@@ -84,6 +85,18 @@ def logits_of(output):
         return output["logits"]
     logits = getattr(output, "logits", None)
     return output if logits is None else logits
+
+
+def shifts_labels(model) -> bool:
+    """A Hugging Face causal language model: its logits at position t score the token at t + 1,
+    and it shifts its ``labels`` for its own loss (``labels=input_ids``)."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - another transformers layout
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _promoted(output, target):

@@ -96,7 +96,8 @@ class ModelCheckpoint(Callback):
     def __init__(self, directory, every_n_steps: int | None = None, every_epoch: bool = True,
                  keep_last: int | None = None, prefix: str = "ckpt"):
         for name, value in (("every_n_steps", every_n_steps), ("keep_last", keep_last)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}")
         self.directory = Path(directory)
         self.every_n_steps = every_n_steps

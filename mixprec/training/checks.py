@@ -11,7 +11,8 @@ from ..engine_checks import check_max_norm
 __all__ = ["check_options", "check_device", "check_reiterable", "length"]
 
 
-def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None) -> None:
+def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None, optimizer=None,
+                  **flags) -> None:
     if (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int)
             or grad_accum_steps < 1):
         raise ValueError(f"grad_accum_steps must be an integer >= 1; got {grad_accum_steps!r}")
@@ -19,6 +20,20 @@ def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None) -> N
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar, or None to use the "
                         f"model output's .loss; got {loss_fn!r}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"Trainer's optimizer must be a torch.optim.Optimizer over the model's "
+                        f"parameters, e.g. torch.optim.AdamW(model.parameters()); got "
+                        f"{type(optimizer).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False; got {value!r}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"scheduler must be an LR scheduler over the optimizer (with a step() "
+                        f"method), or None; got {scheduler!r}")
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler was made for another optimizer than the Trainer's: make it "
+                         "over the optimizer you pass, e.g. StepLR(opt, ...) with "
+                         "Trainer(model, loss_fn, opt, scheduler=...)")
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
             "scheduler=ReduceLROnPlateau steps on a metric, and the Trainer steps its scheduler "

@@ -24,7 +24,7 @@ from ..optim import compile_master_step
 from ..policy import Policy
 from ..prepare import policy_of
 from . import state as ts
-from .batches import compute_loss, logits_of, split_batch, to_device, windows
+from .batches import compute_loss, logits_of, shifts_labels, split_batch, to_device, windows
 from .callbacks import Callback, ProgressBar
 from .checks import check_device, check_options, check_reiterable, length
 from .choose import make_strategy
@@ -117,7 +117,8 @@ class Trainer:
         if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
             raise TypeError(f"callbacks must be a list of mixprec.Callback instances; got "
                             f"{type(callbacks).__name__} {callbacks!r}")
-        check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler)
+        check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler, optimizer,
+                      compile=compile, diagnose_overflow=diagnose_overflow, progress=progress)
         self.engine = engine_for(
             type(self), mixed_precision, level=level, dtype=dtype, policy=policy,
             loss_scale=vocabulary.alias(loss_scale, loss_scaler=loss_scaler), keep_fp32=keep_fp32,
@@ -138,6 +139,7 @@ class Trainer:
         self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = self.engine.scaler
         self.loss_fn, self.scheduler = loss_fn, scheduler
+        self._shift_labels = loss_fn is None and shifts_labels(self.strategy.unwrap(self.model))
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
@@ -176,9 +178,11 @@ class Trainer:
         if batch.target is None:
             raise ValueError("metrics need the batch's labels: a tuple (inputs..., target) or a "
                              "dict with 'labels'")
-        logits = logits_of(output)
+        logits, target = logits_of(output), batch.target
+        if self._shift_labels:  # (a causal language model's logits, as its own loss shifts)
+            logits, target = logits[:, :-1], target[:, 1:]
         for m in metrics:
-            m.update(logits.detach(), batch.target)
+            m.update(logits.detach(), target)
 
     def _tick(self, phase: str, start: float) -> float:
         now = time.perf_counter()
@@ -321,6 +325,9 @@ class Trainer:
             for m in self.metrics:
                 m.reset()
         window, window_loss, divisor = 0, None, accum
+        held = self.__dict__.pop("_open_window", None)  # left open by an interrupted fit: its
+        if held is not None and held[0] == (self.epoch, self.state.batch_in_epoch):  # gradients
+            window, window_loss, divisor = held[1]  # are held, and the window goes on
         # without len(): each window read ahead, so a short last one divides by its own size
         for batch, size in (windows(it, accum) if n is None else ((b, None) for b in it)):
             if window == 0:
@@ -331,7 +338,10 @@ class Trainer:
             window_loss = loss if window_loss is None else window_loss + loss
             self.state.batch_in_epoch += 1
             window += 1
+            self._open_window = ((self.epoch, self.state.batch_in_epoch),
+                                 (window, window_loss, divisor))
             if window == divisor:
+                self._open_window = None
                 self._end_window(window_loss / divisor, callbacks)
                 window, window_loss = 0, None
                 if self.stop_training:
@@ -389,7 +399,17 @@ class Trainer:
 
         Raises:
             ValueError: ``path`` is a directory (a file under fsdp).
+            RuntimeError: a fit was interrupted inside an accumulation window (its gradients
+                are not saved): call fit() again to finish it, or save between steps.
         """
+        held = self.__dict__.get("_open_window")
+        if held is not None and held[0] == (self.epoch, self.state.batch_in_epoch):
+            raise RuntimeError(
+                f"save() inside an accumulation window: the interrupted fit trained micro-batch "
+                f"{held[1][0]} of {held[1][2]} of the next step, whose gradients a checkpoint "
+                f"does not hold, so a resumed run could not continue it. Call fit() again on "
+                f"this trainer (it finishes the window), or save between steps "
+                f"(mp.training.ModelCheckpoint, a callback's on_step_end)")
         self.strategy.save(self, path)
 
     def load(self, path, *, verify: bool = True) -> None:
@@ -414,3 +434,4 @@ class Trainer:
                 unchanged.
         """
         self.strategy.load(self, path, verify=verify)
+        self._open_window = None  # (the loaded run's gradients are not this trainer's)
