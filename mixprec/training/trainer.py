@@ -326,8 +326,9 @@ class Trainer:
                 m.reset()
         window, window_loss, divisor = 0, None, accum
         held = self.__dict__.pop("_open_window", None)  # left open by an interrupted fit: its
-        if held is not None and held[0] == (self.epoch, self.state.batch_in_epoch):  # gradients
-            window, window_loss, divisor = held[1]  # are held, and the window goes on
+        if n is not None and held is not None and held[0] == (
+                self.epoch, self.state.batch_in_epoch):  # gradients are held: the window goes
+            window, window_loss, divisor = held[1]  # on (data without len(): windows of their own)
         # without len(): each window read ahead, so a short last one divides by its own size
         for batch, size in (windows(it, accum) if n is None else ((b, None) for b in it)):
             if window == 0:
