@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import torch
 
 from ..engine_checks import check_max_norm
+from .metrics import Accuracy
 
-__all__ = ["check_options", "check_device", "check_reiterable", "length"]
+__all__ = ["check_options", "check_device", "check_reiterable", "length", "check_next_token"]
 
 
 def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None, optimizer=None,
@@ -40,6 +41,19 @@ def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None, opti
             "after every applied update with no argument. Pass scheduler=None and step it from "
             "a callback: class Plateau(mp.training.Callback): def on_epoch_end(self, trainer, "
             "epoch, logs): sched.step(logs['val_loss'])  (with eval_data; or logs['loss'])")
+
+
+def check_next_token(metrics, model_name: str) -> None:
+    """A Hugging Face causal language model (``model_name``) with ``loss_fn=None``: refuse an
+    accuracy that does not say how its scores align with the labels (most such models score the
+    next token at each position and shift the labels for their loss; some do not)."""
+    if any(isinstance(m, Accuracy) and m.next_token is None for m in metrics):
+        raise ValueError(
+            f"metrics has an accuracy, and {model_name} is a causal language model: its scores "
+            f"at a position are most often those of the next token (GPT-2, Llama: the model "
+            f"shifts its labels for its loss), and accuracy against the labels at the same "
+            f"position reads near 0. Say which: metrics=[mp.Accuracy(next_token=True)] (or "
+            f"next_token=False where the model's loss does not shift)")
 
 
 def check_device(device) -> torch.device:

@@ -67,14 +67,23 @@ class Accuracy(Metric):
         ignore_index: a target value that is not counted (as ``F.cross_entropy`` ignores it:
             -100, Hugging Face's label for padding and for the tokens after the first of a
             word), or None to count every target.
+        next_token: the scores at position t are of the token at t + 1 (a causal language
+            model given ``labels=input_ids``, which shifts them for its own loss: GPT-2, Llama):
+            each position's scores are compared with the next target. False: with the target
+            at the same position; None (default): False, and a :class:`mixprec.Trainer` with
+            ``loss_fn=None`` on a Hugging Face causal language model asks for one of the two.
     """
 
     name = "accuracy"
     sum_state = ("correct", "total")
 
-    def __init__(self, class_dim: int | None = None, ignore_index: int | None = -100):
+    def __init__(self, class_dim: int | None = None, ignore_index: int | None = -100,
+                 next_token: bool | None = None):
         if class_dim not in (None, 1, -1):
             raise ValueError(f"class_dim must be None, 1 or -1; got {class_dim!r}")
+        if next_token not in (None, True, False):
+            raise ValueError(f"next_token must be None, True or False; got {next_token!r}")
+        self.next_token = next_token
         if ignore_index is not None and (isinstance(ignore_index, bool)
                                          or not isinstance(ignore_index, int)):
             raise ValueError(f"ignore_index must be an integer or None; got {ignore_index!r}")
@@ -86,6 +95,12 @@ class Accuracy(Metric):
         self.total = 0
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        if self.next_token:
+            if output.dim() != 3 or target.dim() != 2:
+                raise ValueError(f"Accuracy(next_token=True) takes token scores (N, T, C) and "
+                                 f"targets (N, T); got output {tuple(output.shape)} and target "
+                                 f"{tuple(target.shape)}")
+            output, target = output[:, :-1], target[:, 1:]
         if target.shape == output.shape and target.is_floating_point():
             target = target.argmax(dim=1 if self.class_dim is None else self.class_dim)
         fits = [d for d in (1, -1) if self.class_dim in (None, d) and output.dim() >= 2

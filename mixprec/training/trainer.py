@@ -26,7 +26,7 @@ from ..prepare import policy_of
 from . import state as ts
 from .batches import compute_loss, logits_of, shifts_labels, split_batch, to_device, windows
 from .callbacks import Callback, ProgressBar
-from .checks import check_device, check_options, check_reiterable, length
+from .checks import check_device, check_next_token, check_options, check_reiterable, length
 from .choose import make_strategy
 from .diagnose import diagnose_overflow
 from .evaluate import evaluate
@@ -130,6 +130,8 @@ class Trainer:
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
             raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
         self.metrics = make_metrics(metrics)
+        if loss_fn is None and shifts_labels(model):
+            check_next_token(self.metrics, type(model).__name__)
         self.device = check_device(device) if device is not None else self.strategy.device(model)
         model.to(self.device)
         self.model, self.optimizer = self.strategy.setup(
@@ -139,7 +141,6 @@ class Trainer:
         self.policy = policy_of(self.strategy.unwrap(self.model))
         self.scaler = self.engine.scaler
         self.loss_fn, self.scheduler = loss_fn, scheduler
-        self._shift_labels = loss_fn is None and shifts_labels(self.strategy.unwrap(self.model))
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.diagnose_overflow, self.progress = diagnose_overflow, progress
         self._forward_loss_fn = torch.compile(self.forward_loss) if compile else self.forward_loss
@@ -178,11 +179,9 @@ class Trainer:
         if batch.target is None:
             raise ValueError("metrics need the batch's labels: a tuple (inputs..., target) or a "
                              "dict with 'labels'")
-        logits, target = logits_of(output), batch.target
-        if self._shift_labels:  # (a causal language model's logits, as its own loss shifts)
-            logits, target = logits[:, :-1], target[:, 1:]
+        logits = logits_of(output)
         for m in metrics:
-            m.update(logits.detach(), target)
+            m.update(logits.detach(), batch.target)
 
     def _tick(self, phase: str, start: float) -> float:
         now = time.perf_counter()
@@ -204,7 +203,9 @@ class Trainer:
         loss, output = self._forward_loss_fn(batch)
         self.update_metrics(self.metrics, output, batch)
         t = self._tick("forward", t)
+        self._in_backward = True  # (an exception in it leaves partial gradients: _reopened)
         self.engine.backward(loss / divisor if divisor > 1 else loss)
+        self._in_backward = False
         self._tick("backward", t)
         self.last_batch = batch
         return loss.detach()
@@ -316,6 +317,7 @@ class Trainer:
     def _run_epoch(self, data, callbacks) -> bool:
         """Train one (rest of an) epoch; False when a callback stopped training mid-epoch."""
         n, accum = length(data), self.grad_accum_steps
+        window, window_loss, divisor = self._reopened(n) or (0, None, accum)
         self.strategy.begin_epoch(data, self.epoch)
         it = ts.epoch_iterator(self.state, data)
         for cb in callbacks:
@@ -324,16 +326,12 @@ class Trainer:
         if self.state.batch_in_epoch == 0:  # (mid-epoch, resumed: what the saved part counted)
             for m in self.metrics:
                 m.reset()
-        window, window_loss, divisor = 0, None, accum
-        held = self.__dict__.pop("_open_window", None)  # left open by an interrupted fit: its
-        if n is not None and held is not None and held[0] == (
-                self.epoch, self.state.batch_in_epoch):  # gradients are held: the window goes
-            window, window_loss, divisor = held[1]  # on (data without len(): windows of their own)
         # without len(): each window read ahead, so a short last one divides by its own size
         for batch, size in (windows(it, accum) if n is None else ((b, None) for b in it)):
             if window == 0:
                 start = self.state.batch_in_epoch
                 divisor = size if n is None else min(accum, n - start)
+                self._window_start = (self.epoch, start, [m.state_dict() for m in self.metrics])
             last = n is None or window + 1 == divisor  # without len(): reduce every micro-batch
             loss = self._micro_step(batch, divisor, last)
             window_loss = loss if window_loss is None else window_loss + loss
@@ -352,6 +350,28 @@ class Trainer:
         if self.state.batch_in_epoch == 0:
             raise ValueError("train_data yielded no batches")
         return True
+
+    def _reopened(self, n: int | None) -> tuple | None:
+        """The window an exception left open (a fit stopped inside an accumulation window):
+        ``(window, loss, divisor)`` to go on with where it came between micro-batches of data
+        with ``len()`` (the window's gradients are held). Where it came inside a backward (the
+        gradients partial), or the data has no ``len()`` (its windows are read ahead from where
+        an epoch resumes), the window starts again: gradients dropped, the position and the
+        metrics as at its start (its dropout masks and BatchNorm statistics drawn and updated
+        again). None: nothing to go on with."""
+        held = self.__dict__.pop("_open_window", None)
+        start = self.__dict__.pop("_window_start", None)
+        broken = self.__dict__.pop("_in_backward", False)
+        if held is None and not broken:
+            return None
+        if not broken and n is not None and held[0] == (self.epoch, self.state.batch_in_epoch):
+            return held[1]
+        self.optimizer.zero_grad(set_to_none=True)
+        if start is not None and start[0] == self.epoch:
+            self.state.batch_in_epoch = start[1]
+            for m, state in zip(self.metrics, start[2]):
+                m.load_state_dict(state)
+        return None
 
     def _end_window(self, loss: torch.Tensor, callbacks) -> None:
         logs = self._finish_step(loss, math.ceil(self.state.batch_in_epoch /
@@ -404,13 +424,14 @@ class Trainer:
                 are not saved): call fit() again to finish it, or save between steps.
         """
         held = self.__dict__.get("_open_window")
-        if held is not None and held[0] == (self.epoch, self.state.batch_in_epoch):
+        if self.__dict__.get("_in_backward") or (
+                held is not None and held[0] == (self.epoch, self.state.batch_in_epoch)):
             raise RuntimeError(
-                f"save() inside an accumulation window: the interrupted fit trained micro-batch "
-                f"{held[1][0]} of {held[1][2]} of the next step, whose gradients a checkpoint "
-                f"does not hold, so a resumed run could not continue it. Call fit() again on "
-                f"this trainer (it finishes the window), or save between steps "
-                f"(mp.training.ModelCheckpoint, a callback's on_step_end)")
+                "save() inside an accumulation window: the interrupted fit holds gradients of "
+                "the next step's micro-batches, which a checkpoint does not hold, so a resumed "
+                "run could not continue it. Call fit() again on this trainer (it finishes the "
+                "window, or starts it again where a backward was cut short), or save between "
+                "steps (mp.training.ModelCheckpoint, a callback's on_step_end)")
         self.strategy.save(self, path)
 
     def load(self, path, *, verify: bool = True) -> None:
@@ -435,4 +456,6 @@ class Trainer:
                 unchanged.
         """
         self.strategy.load(self, path, verify=verify)
-        self._open_window = None  # (the loaded run's gradients are not this trainer's)
+        for name in ("_open_window", "_window_start", "_in_backward"):  # (an interrupted
+            self.__dict__.pop(name, None)  # window's: the loaded run steps from a step's end
+        self.optimizer.zero_grad(set_to_none=True)
