@@ -64,18 +64,33 @@ class Companions:
         if owners and None not in owners.values():
             self._refs = [weakref.ref(o) for o in owners.values()]
             self._shadows, self._versions = {}, {}
+            for opt in owners.values():  # (told when it is collected, as the original's)
+                opt.__dict__.setdefault("_companions", []).append(self)
 
     def pairs(self) -> dict[torch.Tensor, torch.Tensor]:
         """Low-precision parameter -> its fp32 companion."""
         self.relink()
         if self._refs:
-            pairs: dict[torch.Tensor, torch.Tensor] = {}
+            pairs: dict[torch.Tensor, torch.Tensor] = dict(self._shadows)
             for ref in self._refs:
                 opt = ref()
                 if opt is not None:
                     pairs.update(opt.masters_by_param())
             return pairs
         return self._shadows
+
+    def orphaned(self, opt) -> None:
+        """``opt`` (one of the optimizers whose masters these are) is being collected: its
+        fp32 values stay with the model as shadows, as a copy's (the model's ``state_dict()``
+        held the 16-bit weights upcast once the optimizer was gone)."""
+        live = [ref for ref in self._refs if ref() is not None and ref() is not opt]
+        if len(live) == len(self._refs):  # (the collector clears the weak references to an
+            return                         # object before its finalizer runs)
+        with torch.no_grad():
+            values = {p: v.detach() for p, v in opt.masters_by_param().items()}
+        self._refs = live
+        self._shadows.update(values)
+        self._record()
 
     def optimizers(self) -> list:
         """The live optimizers whose masters these are (none for a copy)."""
@@ -115,7 +130,7 @@ class Companions:
     def follow_writes(self) -> None:
         """In a copy: round a shadow written in place into its parameter; take a parameter
         written in place into its shadow (cheap: version counters only)."""
-        if not self.is_copy:
+        if not self._shadows:
             return
         with torch.no_grad():
             for param, shadow in self._shadows.items():
@@ -130,7 +145,7 @@ class Companions:
         self._record()
 
     def _record(self) -> None:
-        if self.is_copy:
+        if self._shadows:
             self._versions = {p: (_version(p), _version(s)) for p, s in self._shadows.items()}
 
     def __getstate__(self) -> dict:
@@ -153,8 +168,12 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def link_masters(model: nn.Module, optimizers: list) -> None:
-    """Make the ``optimizers``' masters the fp32 companions of ``model``'s parameters."""
-    setattr(model, _LINK_ATTR, Companions(optimizers))
+    """Make the ``optimizers``' masters the fp32 companions of ``model``'s parameters (each
+    optimizer tells them when it is collected: :meth:`Companions.orphaned`)."""
+    link = Companions(optimizers)
+    setattr(model, _LINK_ATTR, link)
+    for opt in optimizers:
+        opt.__dict__.setdefault("_companions", []).append(link)
 
 
 def companions_of(model: nn.Module) -> Companions | None:
@@ -363,9 +382,11 @@ def fp32_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
             raise ValueError("optimizer holds none of this model's parameters; pass the "
                              "optimizer that was built over this model")
-    else:
-        link = companions_of(model)
-        masters = link.settle() if link is not None else {}
+    else:  # (a prepared model inside another module: its own companions)
+        masters = {}
+        for sub in model.modules():
+            link = companions_of(sub)
+            masters.update(link.settle() if link is not None else {})
     out = _copy(source, masters, gather=is_fsdp(model))
     if save != torch.float32:
         for name, value in out.items():

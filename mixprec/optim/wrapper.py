@@ -168,6 +168,14 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._fused: bool | str = False
         self.fused = fused
 
+    def __del__(self) -> None:
+        # the model's state_dict() keeps this optimizer's fp32 values (mixprec.statedict)
+        try:
+            for link in self.__dict__.get("_companions", ()):
+                link.orphaned(self)
+        except Exception:  # (interpreter shutdown: nothing left to keep)
+            pass
+
     def follow_reassigned(self) -> None:
         """``optimizer.state = defaultdict(dict)`` (a reset of the moments) or
         ``optimizer.param_groups = [...]`` assigned on this optimizer: the inner one, which
@@ -207,7 +215,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # no per-instance ``step`` (an LR scheduler's wrapper bound to this optimizer, which
         # torch's pickling drops too), nor the step's scratch and its views (released storage)
-        state = {k: v for k, v in self.__dict__.items() if k not in ("step", "lists")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("step", "lists", "_companions")}
         if "scratch" in state:
             state["scratch"] = type(state["scratch"])()
         return state
