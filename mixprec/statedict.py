@@ -230,6 +230,7 @@ class _SubLoad:
     def __call__(self, module, state_dict, prefix, *rest) -> None:
         model = None if self.model is None else self.model()
         if not prefix and model is not None:
+            _refuse_assign(companions_of(model), rest[0] if rest else None)
             _load_into(companions_of(model), module, state_dict, prefix, not_own=True)
 
     def __deepcopy__(self, memo) -> "_SubLoad":
@@ -304,7 +305,18 @@ def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, mi
                           unexpected_keys, error_msgs) -> None:
     """load_state_dict pre-hook: the companions take the loaded values exactly (torch then
     rounds them into the low-precision parameters)."""
+    _refuse_assign(companions_of(module), local_metadata)
     _load_into(companions_of(module), module, state_dict, prefix)
+
+
+def _refuse_assign(link: Companions | None, local_metadata) -> None:
+    """``load_state_dict(assign=True)`` would replace the parameters the masters belong to."""
+    if link is not None and link.pairs() and (local_metadata or {}).get(
+            "assign_to_params_buffers"):
+        raise RuntimeError(
+            "load_state_dict(assign=True) into a prepared model replaces its 16-bit parameters "
+            "with the loaded tensors, which its masters and optimizer do not know: load without "
+            "assign= (the values are copied in, the masters set exactly)")
 
 
 def _load_into(link: Companions | None, module, state_dict, prefix,

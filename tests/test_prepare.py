@@ -554,3 +554,22 @@ def test_the_model_keeps_its_fp32_values_when_the_optimizer_is_collected(master)
     for m in (model, twin):
         assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
         assert all(torch.equal(v, want[k]) for k, v in mp.fp32_state_dict(m).items())
+
+
+@pytest.mark.parametrize("master", ["fp32", "split"])
+def test_a_load_with_assign_is_refused_on_a_prepared_model(master):
+    """assign=True replaced the parameters: fp32 ones with fp32 masters (the optimizer then
+    stepped tensors no longer in the model), split's kept bf16 but unlinked (the loaded fp32
+    precision dropped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2",
+                          dtype="bf16", master=master)
+    for target, values in ((model, sd), (model[0], {k[2:]: v for k, v in sd.items()
+                                                    if k.startswith("0.")})):
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\) into a "
+                                               r"prepared model"):
+            target.load_state_dict(values, assign=True)
+    model.load_state_dict(sd)  # without assign=: exact
+    assert torch.equal(model.state_dict()["0.weight"], sd["0.weight"])
