@@ -30,6 +30,7 @@ def test_doctor_json_reports_dtypes_throughput_and_auto(capsys):
 def test_doctor_text_and_bad_shape(capsys):
     code, out, _ = run(capsys, "doctor", "--no-measure")
     assert code == 0 and "dtype='auto' ->" in out
+    assert "(matmul: not measured, --no-measure)" in out and "median of" not in out
     code, _, err = run(capsys, "doctor", "--shape", "1,2")
     assert code == 2 and "--shape must be three positive integers" in err
 

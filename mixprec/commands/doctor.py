@@ -258,8 +258,11 @@ def _print(rep: dict) -> None:
         print(f"{name:<6} {'yes' if row['supported'] else 'no':<10} "
               f"{'yes' if row['fast'] else 'no':<5} {_gflops_text(row):>16} {row['why']}")
     small = any(not row.get("matmul_full_size", True) for row in rep["dtypes"].values())
-    print(f"\n(matmul: median of ({m}x{k}) @ ({k}x{n}) products after warm-up"
-          + ("; *: a smaller shape, see below)" if small else ")"))
+    if any(row.get("matmul_gflops") is not None for row in rep["dtypes"].values()):
+        print(f"\n(matmul: median of ({m}x{k}) @ ({k}x{n}) products after warm-up"
+              + ("; *: a smaller shape, see below)" if small else ")"))
+    else:
+        print("\n(matmul: not measured, --no-measure)")
     for name, row in rep["dtypes"].items():
         if row.get("matmul_note"):
             print(f"* {name}: {row['matmul_note']}")
