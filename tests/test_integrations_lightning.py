@@ -252,7 +252,14 @@ def test_manual_optimization_steps_through_the_engine():
     assert plugin.scaler.skipped_steps == 1
 
 
-def test_validation_after_fit_reuses_the_prepared_model_and_a_second_fit_is_refused():
+class _Starts(L.Callback):
+    def on_train_start(self, trainer, module):
+        self.values = copy.deepcopy(mp.fp32_state_dict(module))
+
+
+def test_validation_after_fit_reuses_the_prepared_model_and_a_second_fit_goes_on():
+    """A second fit (Lightning's Tuner.lr_find and then fit do this) was refused: its new
+    optimizer's masters start from the fp32 values the model keeps, exactly."""
     batches = data(2, overflow_at=None)
     module = Regressor()
     plugin = MixprecPrecision(level="O2", dtype="bf16")
@@ -262,8 +269,27 @@ def test_validation_after_fit_reuses_the_prepared_model_and_a_second_fit_is_refu
     module.validation_step = module.training_step
     fit.validate(module, loader(batches), verbose=False)
     assert all(torch.equal(v, before[k]) for k, v in mp.fp32_state_dict(module).items())
-    with pytest.raises(RuntimeError, match="prepared by an earlier run"):
-        trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(module, loader(batches))
+    starts = _Starts()
+    again = trainer(MixprecPrecision(level="O2", dtype="bf16"), callbacks=[starts])
+    again.fit(module, loader(batches))
+    assert all(torch.equal(v, before[k]) for k, v in starts.values.items())
+    assert not all(torch.equal(v, before[k]) for k, v in mp.fp32_state_dict(module).items())
+
+
+def test_lr_find_then_fit_trains_as_fit_alone(tmp_path):
+    """Lightning's tuner workflow at O2: lr_find restores the weights exactly, and the fit
+    after it was refused ("prepared by an earlier run")."""
+    from lightning.pytorch.tuner import Tuner
+    batches = data(4, overflow_at=None)
+    runs = []
+    for tune in (False, True):
+        module = Regressor()
+        fit = trainer(MixprecPrecision(level="O2", dtype="bf16"), default_root_dir=tmp_path)
+        if tune:
+            Tuner(fit).lr_find(module, loader(batches), num_training=3, update_attr=False)
+        fit.fit(module, loader(batches))
+        runs.append(mp.fp32_state_dict(module))
+    assert all(torch.equal(v, runs[0][k]) for k, v in runs[1].items())
 
 
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")

@@ -59,8 +59,9 @@ from ..monitor import CallbackWriter
 from ..optim import is_master_optimizer
 from ..optim.wrapper import is_wrapped
 from ..policy import Policy
-from ..prepare import policy_of
+from ..prepare import policy_of, wrap_late
 from ..regions import Entry
+from ..statedict import companions_of
 from . import lightning_checkpoints as checkpoints
 from . import lightning_strategies as strategies
 
@@ -234,13 +235,24 @@ class MixprecPrecision(Precision):
         if model not in self.engine.models:  # prepared by another run (adopt checks the policy)
             self.engine.adopt(model)
         fresh = [o for o in optimizers if not is_wrapped(o)]
-        if fresh and policy_of(model).master_weights:
+        if not fresh or not policy_of(model).master_weights:
+            return optimizers
+        # an earlier run's (Lightning's Tuner.lr_find, a first fit): its fp32 values, held by
+        # the model as companions, start the new optimizer's masters
+        link = companions_of(model)
+        values = link.settle() if link is not None else {}
+        low = [p for o in fresh for g in o.param_groups for p in g["params"]
+               if p.dtype in (torch.float16, torch.bfloat16)]
+        if any(p not in values for p in low):
             raise RuntimeError(
                 "this model was prepared by an earlier run and its weights are now stored in "
                 "low precision: a new optimizer over it would start its fp32 masters from "
                 "rounded weights. Fit a fresh model, or load its fp32 state_dict into one "
                 "(fit(ckpt_path=...) does)")
-        return optimizers
+        with torch.no_grad():
+            start = {p: values[p].detach().clone() for p in low}
+        wrapped = iter(wrap_late(model, fresh, start, policy_of(model)))
+        return [next(wrapped) if not is_wrapped(o) else o for o in optimizers]
 
     def _skip_aware(self, config, optimizers: list):
         if config.interval != "step" or isinstance(config.scheduler, SkipAwareScheduler):
