@@ -447,3 +447,45 @@ def test_a_sharded_remainder_is_saved_as_int32_and_the_live_one_stays_int16(tmp_
                    if "remainder" in s)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_prepared_scheduler_waits_on_its_own_optimizer_only():
+    """At O2 Accelerate matched a scheduler to its optimizer by identity with the master
+    optimizer around it, failed, and bound it to every optimizer: a skipped step of another
+    optimizer held this one's schedule back (O1 was right)."""
+    acc = MixprecAccelerator(level="O2", dtype="bf16", cpu=True)
+    torch.manual_seed(0)
+    enc, head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+    o1 = torch.optim.SGD(enc.parameters(), lr=1.0)
+    o2 = torch.optim.SGD(head.parameters(), lr=1.0)
+    s1 = torch.optim.lr_scheduler.LambdaLR(o1, lambda s: 0.5 ** s)
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.5 ** s)
+    enc, head, o1, o2, s1, s2 = acc.prepare(enc, head, o1, o2, s1, s2)
+    assert len(s1.optimizers) == len(s2.optimizers) == 1
+    acc.backward(F.mse_loss(head(enc(torch.randn(8, 8))).float(), torch.randn(8, 1)))
+    next(head.parameters()).grad[0, 0] = float("nan")  # only the head's step is skipped
+    with pytest.warns(RuntimeWarning, match="skipped a step"):
+        o1.step()
+        o2.step()
+    s1.step()
+    s2.step()
+    assert (o1.step_was_skipped, o2.step_was_skipped) == (False, True)
+    assert (s1.get_last_lr(), s2.get_last_lr()) == ([0.5], [1.0])
+
+
+def test_save_state_with_total_limit_keeps_what_it_just_wrote(tmp_path):
+    """With automatic naming and total_limit, a save whose number sorted below older
+    directories (a run resumed with load_state, which resets the count, as Accelerate's own
+    does) deleted the checkpoint it had just written."""
+    from accelerate.utils import ProjectConfiguration
+    for n in (3, 4):
+        (tmp_path / "checkpoints" / f"checkpoint_{n}").mkdir(parents=True)
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True,
+                                  total_limit=2)
+    acc = MixprecAccelerator(level="O2", dtype="bf16", cpu=True, project_config=config)
+    model, opt = net_and_opt()
+    model, opt = acc.prepare(model, opt)
+    for want in ("checkpoint_0", "checkpoint_1"):
+        path = acc.save_state()
+        assert os.path.isdir(path) and path.endswith(want)
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [want, "checkpoint_4"]

@@ -217,6 +217,22 @@ class MixprecAccelerator(accelerate.Accelerator):
         out = list(out) if isinstance(out, tuple) else [out]
         return out[0] if len(out) == 1 else tuple(out)
 
+    def prepare_scheduler(self, scheduler):
+        """``Accelerator.prepare_scheduler``, the scheduler tied to its own optimizer: Accelerate
+        finds it by identity with the optimizer it wraps, which at a master-weight policy is the
+        master optimizer around the one the scheduler was built over (it then waited on every
+        optimizer: one skipped step held back the schedule of the others)."""
+        target = getattr(scheduler, "optimizer", None)
+        owner = next((o for o in self._optimizers
+                      if getattr(o.optimizer, "inner", None) is target), None)
+        if owner is None:
+            return super().prepare_scheduler(scheduler)
+        every, self._optimizers = self._optimizers, [owner]
+        try:
+            return super().prepare_scheduler(scheduler)
+        finally:
+            self._optimizers = every
+
     def _owner(self, optimizer, models: list[nn.Module]):
         """The model among ``models`` whose parameters ``optimizer`` holds (None: a model
         prepared earlier, refused at a master-weight policy)."""
@@ -291,9 +307,10 @@ class MixprecAccelerator(accelerate.Accelerator):
         except BaseException:
             config.iteration = iteration
             raise
-        if auto and main and config.total_limit is not None:
-            for old in _numbered(path.parent)[:-config.total_limit]:
-                shutil.rmtree(old)
+        if auto and main and config.total_limit is not None:  # the others, oldest first (by
+            others = [p for p in _numbered(path.parent) if p != path]  # number, as Accelerate
+            for old in others[:max(0, len(others) - max(config.total_limit - 1, 0))]:  # orders
+                shutil.rmtree(old)  # them): never the one just written
         return str(path)
 
     def load_state(self, input_dir=None, *, verify: bool = True, **kwargs):

@@ -105,9 +105,9 @@ def stale_fp16_error(count: int, shape, groups_hold_fp32: bool = True) -> Runtim
         "clip_grad_norm_(model.parameters(), ...). Unscaled in fp16, gradients below "
         f"{float_format('fp16').min_normal:.2g} (its smallest normal) lose precision or vanish, "
         "so the step can't take that change exactly. Clip with "
-        f"scaler.clip_grad_norm_(optimizer, max_norm), or {where} (in Lightning: the Trainer's "
-        "gradient_clip_val= or self.clip_gradients(...)); in bf16 clipping the model's "
-        "parameters works")
+        f"scaler.clip_grad_norm_(optimizer, max_norm), or {where} (Lightning: gradient_clip_val="
+        " or self.clip_gradients; Accelerate: accelerator.clip_grad_norm_; the Hugging Face "
+        "Trainer: max_grad_norm=); in bf16 clipping the model's parameters works")
 
 
 def reevaluating(closure: Callable[[], Any], loss: Any, before: Callable[[], Any],
