@@ -49,10 +49,11 @@ class Companions:
     optimizer alive). A copy: fp32 shadows, one per parameter, owned by the copy.
     """
 
-    def __init__(self, optimizers=()):
+    def __init__(self, optimizers=(), model: nn.Module | None = None):
         self._refs = [weakref.ref(opt) for opt in optimizers]
         self._shadows: dict[torch.Tensor, torch.Tensor] = {}
         self._versions: dict[torch.Tensor, tuple[int, int]] = {}
+        self._model = None if model is None else weakref.ref(model)  # (whose values to keep)
 
     def relink(self) -> None:
         """A copy made together with its optimizer (``copy.deepcopy((model, opt))``, pickle, a
@@ -79,6 +80,12 @@ class Companions:
             return pairs
         return self._shadows
 
+    def keep(self, values: dict) -> None:
+        """Hold ``values`` (parameter -> fp32 value) as shadows: parameters no live optimizer
+        here steps (a later fit that trains part of the model)."""
+        self._shadows.update(values)
+        self._record()
+
     def orphaned(self, opt) -> None:
         """``opt`` (one of the optimizers whose masters these are) is being collected: its
         fp32 values stay with the model as shadows, as a copy's (the model's ``state_dict()``
@@ -86,8 +93,11 @@ class Companions:
         live = [ref for ref in self._refs if ref() is not None and ref() is not opt]
         if len(live) == len(self._refs):  # (the collector clears the weak references to an
             return                         # object before its finalizer runs)
-        with torch.no_grad():
-            values = {p: v.detach() for p, v in opt.masters_by_param().items()}
+        model = None if self.__dict__.get("_model") is None else self._model()
+        own = None if model is None else {id(p) for p in model.parameters()}
+        with torch.no_grad():  # (an optimizer may step several models: apex's initialize)
+            values = {p: v.detach() for p, v in opt.masters_by_param().items()
+                      if own is None or id(p) in own}
         self._refs = live
         self._shadows.update(values)
         self._record()
@@ -170,7 +180,7 @@ def _version(t: torch.Tensor) -> int | None:
 def link_masters(model: nn.Module, optimizers: list) -> None:
     """Make the ``optimizers``' masters the fp32 companions of ``model``'s parameters (each
     optimizer tells them when it is collected: :meth:`Companions.orphaned`)."""
-    link = Companions(optimizers)
+    link = Companions(optimizers, model)
     setattr(model, _LINK_ATTR, link)
     for opt in optimizers:
         opt.__dict__.setdefault("_companions", []).append(link)

@@ -367,3 +367,26 @@ def test_a_finetuning_callback_trains_with_split_and_is_refused_beside_fp32_mast
     else:
         fit(module, loader(data(2, overflow_at=None)))
         assert module.trainer.current_epoch == 2
+
+
+class _HeadOnly(Regressor):
+    only_head = False
+
+    def configure_optimizers(self):
+        params = self.net[-1].parameters() if self.only_head else self.parameters()
+        return torch.optim.AdamW(params, lr=1e-2)
+
+
+def test_a_second_fit_of_part_of_the_module_keeps_the_rest_s_fp32_values():
+    """A second fit training the head alone (the body frozen): the body's fp32 values of the
+    first fit were dropped, its state_dict() the bf16 weights upcast (9.7e-4 off)."""
+    batches = data(2, overflow_at=None)
+    module = _HeadOnly()
+    trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(module, loader(batches))
+    before = copy.deepcopy(module.state_dict())
+    module.only_head = True
+    module.net[0].requires_grad_(False)
+    trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(module, loader(batches))
+    after = module.state_dict()
+    assert torch.equal(after["net.0.weight"], before["net.0.weight"])
+    assert not torch.equal(after["net.3.weight"], before["net.3.weight"])  # (trained)

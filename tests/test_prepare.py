@@ -573,3 +573,21 @@ def test_a_load_with_assign_is_refused_on_a_prepared_model(master):
             target.load_state_dict(values, assign=True)
     model.load_state_dict(sd)  # without assign=: exact
     assert torch.equal(model.state_dict()["0.weight"], sd["0.weight"])
+
+
+def test_an_optimizer_of_several_models_leaves_each_its_own_values():
+    """apex's initialize([A, B], [oa, ob]) links every model to every optimizer: when B's
+    optimizer was collected, A's companions took B's masters too (a full fp32 copy of B held
+    for as long as A lived)."""
+    import gc
+
+    from mixprec.compat import apex_amp
+    from mixprec.statedict import companions_of
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b))
+    (a, b), (oa, ob) = apex_amp.initialize([a, b], [oa, ob], opt_level="O2", verbosity=0)
+    del ob
+    gc.collect()
+    own = {id(p) for p in a.parameters()}
+    assert all(id(p) in own for p in companions_of(a).pairs())

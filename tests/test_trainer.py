@@ -771,3 +771,19 @@ class _Unsized:
 
     def __iter__(self):
         return iter(self.batches)
+
+
+def test_an_exception_in_train_step_s_backward_leaves_save_to_the_loop(digits, tmp_path):
+    """An exception inside the backward of train_step (a custom loop) left fit()'s window flag
+    set: save() then refused, saying to call fit() again."""
+    torch.manual_seed(0)
+    model = mlp()
+    trainer = Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                      progress=False)
+    hook = _RaisingHook(model[0].weight, 1)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_step([digits[0][:16]])
+    hook.at = -1
+    trainer.optimizer.zero_grad()
+    trainer.save(tmp_path / "ok.pt")
+    trainer.train_step([digits[0][:16]])

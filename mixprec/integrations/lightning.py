@@ -251,7 +251,9 @@ class MixprecPrecision(Precision):
                 "(fit(ckpt_path=...) does)")
         with torch.no_grad():
             start = {p: values[p].detach().clone() for p in low}
+            kept = {p: v.detach().clone() for p, v in values.items() if p not in start}
         wrapped = iter(wrap_late(model, fresh, start, policy_of(model)))
+        companions_of(model).keep(kept)  # the parameters this fit does not train keep theirs
         return [next(wrapped) if not is_wrapped(o) else o for o in optimizers]
 
     def _skip_aware(self, config, optimizers: list):

@@ -231,7 +231,11 @@ class Trainer:
             raise ValueError("train_step needs at least one micro-batch; got an empty list")
         self.model.train()
         n = len(micro_batches)
-        loss = sum(self._micro_step(b, n, i == n - 1) for i, b in enumerate(micro_batches)) / n
+        try:
+            loss = sum(self._micro_step(b, n, i == n - 1)
+                       for i, b in enumerate(micro_batches)) / n
+        finally:  # (a custom loop handles what an exception left: fit's window does not apply)
+            self.__dict__.pop("_in_backward", None)
         return self._finish_step(loss, epoch_step=None)
 
     def _finish_step(self, window_loss: torch.Tensor, epoch_step: int | None) -> dict:
