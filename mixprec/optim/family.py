@@ -192,8 +192,8 @@ class _Run:
         for i, (s, entry) in enumerate(zip(self.slices, entries)):
             held = state[s.param] if entry else {}  # no empty entry left behind
             for key, value in entry.items():
-                if self.given[i].get(key) is value:
-                    continue
+                if key in self.given[i] and self.given[i][key] is value:  # (None is a value
+                    continue  # too: optimi keeps "kahan_comp": None, and re-makes what lacks it)
                 if _moment(key, value, self.params[i]):  # made by this step: state dtype
                     bits = None if self.keys is None else self.keys[i, column(i, key)].view(1)
                     self._adopt(s, held, key, local(value), bits)

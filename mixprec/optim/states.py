@@ -253,8 +253,18 @@ def _restore(optimizer) -> None:
                 if (torch.is_tensor(now) and _plain(value) and key != "step"
                         and now.dtype != value.dtype):
                     state[key] = value.to(device=now.device)
+                elif isinstance(now, list) and isinstance(value, list):  # (LBFGS's history)
+                    state[key] = _saved_dtypes(now, value)
             # moments saved in another state dtype: stored in this optimizer's
             cast_moments(state, param, optimizer.state_dtype, optimizer.rounding)
+
+
+def _saved_dtypes(now: list, saved: list) -> list:
+    """A list of state tensors as saved (torch's load cast them, nested ones too, to the
+    parameter's dtype: a compact optimizer's 16-bit weight), on the device torch's load put
+    them."""
+    return [v.to(device=n.device) if torch.is_tensor(n) and torch.is_tensor(v) and _plain(v)
+            and n.dtype != v.dtype else n for n, v in zip(now, saved)]
 
 
 # -- the rounding generator in the state ---------------------------------------------------------
