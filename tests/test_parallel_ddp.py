@@ -224,3 +224,44 @@ def test_ranks_start_from_rank_zeros_weights_and_masters(ranks):
         masters = r["seeds"]["masters"]
         assert all(torch.equal(masters[k], rank0_init[k]) for k in rank0_init)
         assert "parameters differ across ranks" in r["seeds"]["error"]
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.aux = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)  # aux: never used
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _unused_and_hooks(rank, out):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(3)]
+    model = _WithUnused()
+    trainer = mp.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                         level="O2", dtype="bf16", strategy="ddp", progress=False,
+                         ddp_kwargs={"find_unused_parameters": True})
+    trainer.fit(data)
+    wrapped = mp.parallel.ddp(mp.prepare(_WithUnused(), level="O2", dtype="bf16"))
+    try:
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        refusal = None
+    except RuntimeError as exc:
+        refusal = str(exc)
+    return {"steps": trainer.global_step, "refusal": refusal}
+
+
+def test_ddp_options_reach_ddp_and_a_second_hook_is_refused_saying_why(tmp_path):
+    """Trainer(strategy="ddp") had no way to pass find_unused_parameters (a model with a
+    parameter its forward does not use failed at the second step, in torch's words); a hook of
+    one's own after mp.parallel.ddp at O2 got torch's bare "can only be called once"."""
+    for r in launch(_unused_and_hooks, tmp_path, timeout=240.0):
+        assert r["steps"] == 3
+        assert r["refusal"].startswith("mp.parallel.ddp registered its own communication hook")
+    with pytest.raises(ValueError, match="ddp_kwargs are DistributedDataParallel's options"):
+        mp.Trainer(torch.nn.Linear(2, 2), F.mse_loss, torch.optim.SGD(
+            torch.nn.Linear(2, 2).parameters(), lr=0.1), strategy="single",
+            ddp_kwargs={"find_unused_parameters": True})

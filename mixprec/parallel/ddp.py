@@ -162,4 +162,13 @@ def ddp(model: nn.Module, *, reduce_dtype: Any = "fp32", **ddp_kwargs) -> Distri
     wrapped = DistributedDataParallel(model, **ddp_kwargs)
     if dtype != torch.float32 or _has_low_precision(model):  # else DDP's own fp32 all-reduce
         wrapped.register_comm_hook(group, _comm_hook(dtype, group))
+        wrapped.register_comm_hook = _hook_taken  # torch allows one: say whose it is
     return wrapped
+
+
+def _hook_taken(*args, **kwargs):
+    raise RuntimeError(
+        "mp.parallel.ddp registered its own communication hook on this model (it averages the "
+        "16-bit gradients in reduce_dtype, and torch takes one hook per model): choose the "
+        "dtype with mp.parallel.ddp(model, reduce_dtype='bf16' or 'fp16'), or wrap the model in "
+        "torch's DistributedDataParallel yourself and register your hook on it")

@@ -37,15 +37,28 @@ def resolve_strategy(strategy: str) -> str:
     return "ddp" if env.launched_by_torchrun() and env.world_size() > 1 else "single"
 
 
-def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32") -> "Strategy":
-    """The :class:`Strategy` for a Trainer's ``strategy`` and ``reduce_dtype`` arguments
-    (``"single"`` in a run of several processes warns: :func:`warn_single_of_many`).
+def make_strategy(strategy: str = "auto", reduce_dtype: Any = "fp32",
+                  ddp_kwargs: dict | None = None) -> "Strategy":
+    """The :class:`Strategy` for a Trainer's ``strategy``, ``reduce_dtype`` and ``ddp_kwargs``
+    arguments (``"single"`` in a run of several processes warns: :func:`warn_single_of_many`).
 
     Raises:
-        ValueError: an unknown strategy or reduce dtype.
+        ValueError: an unknown strategy or reduce dtype; ``ddp_kwargs`` for a strategy that is
+            not DDP.
+        TypeError: ``ddp_kwargs`` is not a dict.
     """
     reduce = reduce_dtype_of(reduce_dtype)
     name = resolve_strategy(strategy)
+    if ddp_kwargs is not None:
+        if not isinstance(ddp_kwargs, dict):
+            raise TypeError(f"ddp_kwargs must be a dict of DistributedDataParallel's options, "
+                            f"e.g. {{'find_unused_parameters': True}}; got {ddp_kwargs!r}")
+        if name != "ddp":
+            raise ValueError(f"ddp_kwargs are DistributedDataParallel's options; this Trainer's "
+                             f"strategy is {name!r}: pass strategy='ddp' (under torchrun)")
+        ddp = DDPStrategy(reduce)
+        ddp.ddp_kwargs = dict(ddp_kwargs)
+        return ddp
     if name == "single":
         warn_single_of_many()
         return Strategy(reduce)

@@ -281,6 +281,7 @@ class DDPStrategy(DistributedStrategy):
     """
 
     name = "ddp"
+    ddp_kwargs: dict = {}  # DistributedDataParallel's options (Trainer's ``ddp_kwargs=``)
 
     def setup(self, model: nn.Module, optimizer, policy: Policy, ops: dict | None = None):
         env.require_group("Trainer(strategy='ddp')")
@@ -288,7 +289,7 @@ class DDPStrategy(DistributedStrategy):
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
         model, (optimizer,) = prepare_many(model, [optimizer], policy, **(ops or {}))
-        return ddp(model, reduce_dtype=self.reduce_dtype), optimizer
+        return ddp(model, reduce_dtype=self.reduce_dtype, **self.ddp_kwargs), optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)

@@ -73,6 +73,9 @@ class Trainer:
             ``DistributedSampler`` (``batch_size`` per rank), the logged loss, metrics and
             :meth:`evaluate` are averaged over the ranks, and rank 0 alone prints. See
             :mod:`mixprec.training.strategy`.
+        ddp_kwargs: options for ``DistributedDataParallel`` under ``strategy="ddp"`` (e.g.
+            ``{"find_unused_parameters": True}`` for a model with parameters its forward does
+            not use on every step), passed to :func:`mixprec.parallel.ddp`.
         mixed_precision: a ready :class:`mixprec.MixedPrecision` instead of the precision
             keywords, ``loss_scale``, ``monitor`` and ``emulate_fp16``.
 
@@ -111,7 +114,8 @@ class Trainer:
                  reduce_dtype: Any = "fp32", policy: Policy | None = None, keep_fp32=None,
                  low_precision_ops=(), fp32_ops=(), master=None, state_dtype=None, fp8=None,
                  fp8_modules=None, monitor=None, emulate_fp16="auto", mixed_precision=None,
-                 max_consecutive_skips: int | None = 8, loss_scaler: Any = vocabulary.UNSET):
+                 max_consecutive_skips: int | None = 8, loss_scaler: Any = vocabulary.UNSET,
+                 ddp_kwargs: dict | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer's model must be an nn.Module; got {type(model).__name__}")
         if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
@@ -125,7 +129,7 @@ class Trainer:
             low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, master=master,
             state_dtype=state_dtype, fp8=fp8, fp8_modules=fp8_modules, monitor=monitor,
             emulate_fp16=emulate_fp16, max_consecutive_skips=max_consecutive_skips)
-        self.strategy = make_strategy(strategy, reduce_dtype)
+        self.strategy = make_strategy(strategy, reduce_dtype, ddp_kwargs)
         self.callbacks = list(callbacks)
         if not all(isinstance(cb, Callback) for cb in self.callbacks):
             raise TypeError(f"callbacks must be mixprec.Callback instances; got {self.callbacks!r}")
