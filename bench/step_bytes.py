@@ -27,7 +27,7 @@ so no compiled kernel hides an op). Rows:
   (``fused="compile"``: torch's single-tensor AdamW between the widening of the gradient and the
   cast, compiled by inductor into one C++ kernel per parameter). The counter does not see into a
   compiled kernel (under a dispatch mode dynamo runs the function eagerly), so each kernel call
-  (``mixprec.optim.kernels._run``) runs outside it and is counted by hand from its arguments
+  (``mixprec.optim.compiled._run``) runs outside it and is counted by hand from its arguments
   (:class:`KernelCount`): every tensor argument read once except the 16-bit weight (only the
   destination of the cast), and every argument whose version counter the call moved written
   once; what the step runs around the kernels is counted as usual. (This matches the kernel
@@ -157,7 +157,7 @@ def fused_only_row(layers: int, width: int, x: torch.Tensor) -> Row:
 
 
 class KernelCount:
-    """Stands in for ``mixprec.optim.kernels._run`` (every call of a compiled master kernel):
+    """Stands in for ``mixprec.optim.compiled._run`` (every call of a compiled master kernel):
     runs the kernel outside the byte counter (so it runs compiled) and, while ``counting``,
     counts its traffic by hand (see the module docstring) into ``traffic`` (one launch per
     call)."""
@@ -189,8 +189,8 @@ def measure_compiled(layers: int, width: int, x: torch.Tensor) -> dict[str, Traf
     """O2 with fp32 masters and ``fused="compile"`` (dynamo switched on for it): two steps
     (they compile), then one counted, its kernels' traffic (:class:`KernelCount`) added to the
     step's."""
-    from mixprec.optim import kernels
-    count = kernels._run = KernelCount(kernels._run)
+    from mixprec.optim import compiled
+    count = compiled._run = KernelCount(compiled._run)
     try:
         with torch._dynamo.config.patch(disable=False):
             row = mixprec_row(layers, width, x, None, fused="compile")
@@ -198,7 +198,7 @@ def measure_compiled(layers: int, width: int, x: torch.Tensor) -> dict[str, Traf
             count.counting = True
             got = measure(row, steps=1)
     finally:
-        kernels._run = count.run
+        compiled._run = count.run
     step, kernel = got["step"], count.traffic
     step.read, step.written = step.read + kernel.read, step.written + kernel.written
     step.launches += kernel.launches

@@ -18,7 +18,7 @@ import torch
 import mixprec as mp
 from mixprec.commands import bench
 from mixprec.lowbit.blocks import round_e2m1
-from mixprec.optim.wrapper import stale_fp16_error
+from mixprec.optim.refusals import stale_fp16_error
 from mixprec.prepare_checks import adam_state_underflow
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.SlowDtypeWarning")

@@ -479,12 +479,12 @@ def test_the_first_compiled_step_raises_no_deprecation_warning_under_W_error():
     code = textwrap.dedent("""
         import torch
         from torch import nn
-        from mixprec.optim import MasterWeightOptimizer, kernels
+        from mixprec.optim import MasterWeightOptimizer, compiled
         w = nn.Parameter(torch.randn(64).bfloat16())
         opt = MasterWeightOptimizer(torch.optim.AdamW([w], lr=1e-3), fused="compile")
         calls = []
-        run = kernels._run
-        kernels._run = lambda *a: calls.append(1) or run(*a)
+        run = compiled._run
+        compiled._run = lambda *a: calls.append(1) or run(*a)
         for _ in range(2):
             w.grad = torch.randn(64).bfloat16()
             opt.step()

@@ -5,10 +5,12 @@
 
 This package sits above :mod:`mixprec.masters` (the methods) and imports it; nothing there
 imports this package. Besides the optimizers (:mod:`.optimizer`, :mod:`.compact`), their shared
-base (:mod:`.wrapper`) and their step paths (:mod:`.steps`, :mod:`.kernels`, :mod:`.family`):
+base (:mod:`.wrapper`) and their step paths (:mod:`.steps`, :mod:`.kernels`, :mod:`.compiled`,
+:mod:`.family`):
 :mod:`.params` (the master parameter), :mod:`.buckets`, :mod:`.hooks` (torch's optimizer hooks
 run once a step), :mod:`.states` (bf16 moments), :mod:`.checkpoint`, :mod:`.compact_state` and
-:mod:`.loadcheck` (state dicts), :mod:`.guard` (compiled kernels checked against eager ones).
+:mod:`.loadcheck` (state dicts), :mod:`.guard` (compiled kernels checked against eager ones),
+:mod:`.refusals` (argument checks and the step's refusals).
 """
 
 from .build import compile_master_step, wrap_optimizer

@@ -58,12 +58,10 @@ from . import compact_lists, compact_state, family, pieces, states, steps, write
 from .buckets import Scratch, is_per_parameter
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
+from .refusals import check_bucket_mb, check_grad_scale, stale_fp16_error
 from .wrapper import (
     WrappedOptimizer,
-    check_bucket_mb,
-    check_grad_scale,
     check_inner,
-    stale_fp16_error,
 )
 from .writes import Record, versions
 

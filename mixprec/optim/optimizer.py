@@ -48,14 +48,11 @@ from .params import (
     set_grad,
     valid_grad,
 )
+from .refusals import check_bucket_mb, check_grad_scale, not_ours, stale_fp16_error
 from .wrapper import (
     WrappedOptimizer,
-    check_bucket_mb,
-    check_grad_scale,
     check_inner,
-    not_ours,
     reevaluating,
-    stale_fp16_error,
 )
 from .writes import Record, versions
 

@@ -30,7 +30,7 @@ import torch
 from .. import kernel_table
 from ..scaling.unscale import divide_, unscale_
 from ..shards import is_dtensor
-from . import hooks, kernels, master_lists, states
+from . import compiled, hooks, kernels, master_lists, states
 from .master_lists import step_grad
 from .params import derive_grad, drop_grad, is_master, set_grad, valid_grad
 
@@ -280,7 +280,7 @@ def keeps_compiling(opt) -> bool:
 
 
 def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:
-    """One compiled pass per master (see :func:`mixprec.optim.kernels.compiled_step`)."""
+    """One compiled pass per master (see :func:`mixprec.optim.compiled.compiled_step`)."""
     inv = None if grad_scale is None else grad_scale.reciprocal()
     masters = [t for g in opt.param_groups for t in g["params"] if is_master(t)]
     model_of = {t: t.model_param for t in masters}
@@ -289,7 +289,7 @@ def compiled_step(opt, grad_scale: torch.Tensor | None) -> None:
         grad = valid_grad(master)
         return grad if grad is not None else master.model_param.grad
 
-    rest = kernels.compiled_step(opt.inner, model_of, grad_of, inv)
+    rest = compiled.compiled_step(opt.inner, model_of, grad_of, inv)
     scaled = [t.grad for ts in rest for t in ts if t.grad is not None]
     if inv is not None:
         with torch.no_grad():
