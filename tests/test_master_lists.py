@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from testmodels import KernelOps
 from torch import nn
 
 from mixprec import kernel_table
@@ -133,22 +134,6 @@ def test_gradients_read_and_clipped_through_param_groups_are_what_the_step_uses(
         assert_bitwise(model, opt, ref)
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that launch work: not views, allocations or profiler marks."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if not (func.is_view or name.startswith(("profiler::", "aten::empty"))
-                or name in ("aten::detach", "aten::lift_fresh", "aten::unbind",
-                            "aten::split_with_sizes")):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_bf16_moments_are_widened_and_rounded_a_list_at_a_time():
     """With ``state_dtype="bf16"`` the moments are widened into fp32 and rounded back
     stochastically a list at a time: a step over 16 tensors runs no more ops than over 4, and
@@ -162,7 +147,7 @@ def test_bf16_moments_are_widened_and_rounded_a_list_at_a_time():
         for step in range(3):
             for p in model.parameters():
                 p.grad = torch.randn(p.shape).to(torch.bfloat16)
-            counter = _Ops()
+            counter = KernelOps()
             with counter:
                 opt.step()
         ops[layers] = counter.count

@@ -1,4 +1,5 @@
-"""Small models shared by the tests: MLPs, a CNN with BatchNorm, a transformer block."""
+"""Small models shared by the tests: MLPs, a CNN with BatchNorm, a transformer block; an op
+counter."""
 
 import torch
 from torch import nn
@@ -62,3 +63,20 @@ def make(name):
         return (TinyTransformer(), torch.randint(0, 32, (4, 6), generator=g),
                 torch.randint(0, 4, (4,), generator=g))
     raise ValueError(name)
+
+
+class KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops inside the block that launch work (not views, allocations or profiler
+    marks): what a GPU pays per launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if not (func.is_view or name.startswith(("profiler::", "aten::empty"))
+                or name in ("aten::detach", "aten::lift_fresh", "aten::unbind",
+                            "aten::split_with_sizes")):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

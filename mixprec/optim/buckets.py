@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from .. import kernel_table
+from ..shards import local
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "is_per_parameter", "make_buckets", "Scratch",
-           "fill_storages", "empty_storages", "dense_layout"]
+           "fill_storages", "empty_storages", "dense_layout", "widened"]
 
 #: torch optimizers whose update of each parameter reads only that parameter's gradient and state
 #: (exact types: a subclass may add a global statistic, so it is stepped in one call).
@@ -100,6 +101,24 @@ def _views(like: list[torch.Tensor], buffer_of) -> list[torch.Tensor]:
             out[i] = buffer.as_strided(t.shape, t.stride(), start)
             start += t.numel()
     return out  # type: ignore[return-value]
+
+
+def widened(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of ``tensors`` (``t.float()`` each, a sparse one coalesced: repeated rows
+    summed in fp32), the dense ones copied by one ``_foreach_copy_`` per device and dtype, not
+    a copy per tensor (an FSDP2 shard through its local tensor: DTensor has no foreach copy)."""
+    out, groups = [], {}
+    for t in tensors:
+        if t.is_sparse:
+            out.append(t.float().coalesce())
+            continue
+        out.append(torch.empty_like(t, dtype=torch.float32, memory_format=torch.preserve_format))
+        dst, src = groups.setdefault((t.device, t.dtype), ([], []))
+        dst.append(local(out[-1]))
+        src.append(local(t))
+    for dst, src in groups.values():
+        torch._foreach_copy_(dst, src)
+    return out
 
 
 def fill_storages(buffers) -> None:

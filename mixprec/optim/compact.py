@@ -55,7 +55,7 @@ from ..masters.rounding import DEFAULT_SEED, RoundingGenerator
 from ..scaling.unscale import check_and_unscale_, divide_
 from ..shards import like_shard, local
 from . import compact_lists, compact_state, family, pieces, states, steps, writes
-from .buckets import Scratch, is_per_parameter
+from .buckets import Scratch, is_per_parameter, widened
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
 from .refusals import check_bucket_mb, check_grad_scale, stale_fp16_error
@@ -284,13 +284,13 @@ class CompactMasterOptimizer(WrappedOptimizer):
                 if p.grad is None:
                     continue
                 if is_low_precision(p.grad):  # (sparse: repeated rows summed in fp32, as
-                    wide = p.grad.float()      # fp32 masters sum them)
-                    low.append((p, wide.coalesce() if wide.is_sparse else wide))
-                    grads.append(low[-1][1])
+                    low.append(p)              # fp32 masters sum them)
                 else:
                     if p.grad.is_sparse:
                         p.grad = p.grad.coalesce()
                     grads.append(p.grad)
+            low = list(zip(low, widened([p.grad for p in low])))
+            grads += [copy for _, copy in low]
             found = check_and_unscale_(grads, None if divide else factor)
             if divide:
                 divide_(grads, factor)
@@ -309,13 +309,11 @@ class CompactMasterOptimizer(WrappedOptimizer):
         :meth:`unscale_grads_` made the copies, which the step and a clip then read (a loss
         scaler calls this in bf16); the current copies are kept."""
         with torch.no_grad():
-            for p in self._model_params:
-                held = self._grads32.get(p)
-                if (p.grad is not None and is_low_precision(p.grad)
-                        and (held is None or not _is_current(held[1], p.grad))):
-                    wide = p.grad.float()
-                    self._grads32[p] = (wide.coalesce() if wide.is_sparse else wide,
-                                        _source_key(p.grad))
+            changed = [p for p in self._model_params
+                       if p.grad is not None and is_low_precision(p.grad)
+                       and not _is_current((self._grads32.get(p) or (None, None))[1], p.grad)]
+            for p, wide in zip(changed, widened([p.grad for p in changed])):
+                self._grads32[p] = (wide, _source_key(p.grad))
 
     def drop_master_grads(self) -> None:
         """Drop the fp32 gradient copies made by :meth:`unscale_grads_`."""

@@ -41,7 +41,7 @@ from .params import (
     GradCarry,
     MasterParameter,
     MasterState,
-    derive_grad,
+    derive_grads,
     drop_grad,
     is_master,
     is_stale,
@@ -302,18 +302,17 @@ class MasterWeightOptimizer(WrappedOptimizer):
             A 0-d float32 flag, 1 when a gradient held inf/NaN, on the first gradient's device.
         """
         self._carry.inv = None
-        made, fp32 = [], []
+        masters, fp32 = [], []
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
                     if is_master(p):
-                        grad = derive_grad(p, None)
-                        if grad is not None:
-                            made.append((p, grad))
+                        masters.append(p)
                     elif p.grad is not None:
                         if p.grad.is_sparse:
                             p.grad = p.grad.coalesce()
                         fp32.append(p.grad)
+            made = derive_grads(masters)
             found = check_and_unscale_([g for _, g in made] + fp32, inv_scale)
             if inv_scale is not None:  # the model's gradients read as the true ones too
                 unscale_([p.model_param.grad for p, _ in made], inv_scale)

@@ -26,10 +26,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..shards import grad_version
+from ..shards import grad_version, local
 
 __all__ = ["MasterParameter", "MasterState", "GradCarry", "is_master", "valid_grad", "is_stale",
-           "held_grad", "set_grad", "drop_grad", "derive_grad", "show_master_grads"]
+           "held_grad", "set_grad", "drop_grad", "derive_grad", "derive_grads", "show_master_grads"]
 
 _GRAD = torch.Tensor.grad  # torch's own .grad slot (a C-level descriptor)
 _NO_SOURCE = (None, -1)
@@ -228,6 +228,31 @@ def derive_grad(master: MasterParameter, inv: torch.Tensor | None) -> torch.Tens
                 grad.mul_(inv)
     set_grad(master, grad)
     return grad
+
+
+def derive_grads(masters: list[MasterParameter]) -> list[tuple[MasterParameter, torch.Tensor]]:
+    """:func:`derive_grad` (no factor) for ``masters`` at once: the dense copies in one
+    ``_foreach_copy_`` per device and pair of dtypes, not a copy per tensor. Returns the
+    ``(master, fp32 gradient)`` pairs made (masters whose model gradient is None drop theirs)."""
+    made, groups = [], defaultdict(lambda: ([], []))
+    with torch.no_grad():
+        for master in masters:
+            source = master._mp_param.grad
+            if source is None or source.is_sparse:
+                grad = derive_grad(master, None)
+                if grad is not None:
+                    made.append((master, grad))
+                continue
+            grad = torch.empty_like(master, memory_format=torch.preserve_format)
+            dst, src = groups[(source.device, source.dtype, grad.dtype)]
+            dst.append(local(grad))  # (an FSDP2 shard: its local tensor; DTensor has no
+            src.append(local(source))  # foreach copy)
+            made.append((master, grad))
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
+    for master, grad in made:
+        set_grad(master, grad)
+    return made
 
 
 def show_master_grads(param_groups) -> None:

@@ -140,7 +140,8 @@ def found_nonfinite(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
 
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0, device=None) -> torch.Tensor:
     """The ``norm_type``-norm of all values of ``tensors`` together, accumulated in float32 (a
-    sparse tensor's coalesced: an index given twice is one value).
+    sparse tensor's coalesced: an index given twice is one value), one ``_foreach_norm`` per
+    device and dtype (each tensor's norm as ``torch.linalg.vector_norm``'s).
 
     Inf or NaN in any tensor makes it inf or NaN. A 0-d float32 tensor on ``device`` (default:
     the first tensor's; the CPU when there are none).
@@ -148,9 +149,8 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0, device=None)
     norm_type = float(norm_type)
     per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     coalesced = [t.coalesce() if t.is_sparse else t for t in tensors]  # duplicates summed first
-    for (dev, _), group in _by_device_dtype(coalesced).items():
-        per_device[dev] += [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
-                            for t in group]
+    for (dev, _), group in _by_device_dtype(coalesced).items():  # one launch per group
+        per_device[dev] += torch._foreach_norm(group, norm_type, dtype=torch.float32)
     if not per_device:
         return torch.zeros((), dtype=torch.float32, device=device)
     if device is None:
