@@ -79,9 +79,14 @@ def test_the_loop_takes_the_engines_steps_exactly():
     assert acc.unwrap_model(model).state_dict()["head.weight"].dtype == torch.float32
 
 
-def test_an_overflow_skips_the_step_and_the_scheduler():
-    acc = MixprecAccelerator(level="O2", dtype="fp16", cpu=True)
+@pytest.mark.parametrize("level,fused", [("O2", False), ("O1", True)])
+def test_an_overflow_skips_the_step_and_the_scheduler(level, fused):
+    """Accelerate tells a skipped step by the optimizer's ``step()`` not being called: at O1 a
+    torch optimizer built with ``fused=True`` (which could skip on the device) is not stepped
+    on an overflow either."""
+    acc = MixprecAccelerator(level=level, dtype="fp16", cpu=True)
     model, opt = net_and_opt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused else opt
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     model, opt, sched = acc.prepare(model, opt, sched)
     skipped = []
@@ -96,6 +101,7 @@ def test_an_overflow_skips_the_step_and_the_scheduler():
         if skipped[-1]:
             after = mp.fp32_state_dict(model, opt.optimizer)
             assert all(torch.equal(before[k], after[k]) for k in before)
+            assert opt.optimizer.state[next(model.parameters())]["step"] == 1
     assert skipped == [False, True, False]
     assert sched.scheduler.last_epoch == 2  # stepped after the applied updates only
     assert acc.engine.scaler.skipped_steps == 1

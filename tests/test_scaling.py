@@ -173,9 +173,10 @@ def test_call_order_is_enforced(kind):
         scaler.update()
 
 
-@pytest.mark.parametrize("kind", SCALERS)
+@pytest.mark.parametrize("kind", ["dynamic", "static", "checking"])
 def test_closures_are_rejected(kind):
-    scaler, model = SCALERS[kind](), make_model()
+    scaler = (mp.NoLossScaler(skip_nonfinite=True) if kind == "checking" else SCALERS[kind]())
+    model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(compute_loss(model, 0)).backward()
     closure = lambda: compute_loss(model, 0)  # noqa: E731
@@ -183,6 +184,30 @@ def test_closures_are_rejected(kind):
         scaler.step(opt, closure)
     with pytest.raises(TypeError, match="does not take a closure"):
         scaler.step(opt, closure=closure)
+
+
+@pytest.mark.parametrize("scaler", [mp.NoLossScaler, lambda: mp.DynamicLossScaler(enabled=False)],
+                         ids=["none", "disabled"])
+def test_a_scaler_that_neither_scales_nor_checks_steps_with_a_closure(scaler):
+    """As a disabled ``torch.amp.GradScaler``: the closure runs inside the optimizer's step
+    (LBFGS calls it again), and the step is the optimizer's own."""
+    model, ref = make_model(), make_model()
+    ref.load_state_dict(model.state_dict())
+    start = [p.detach().clone() for p in model.parameters()]
+    scaler = scaler()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.1, max_iter=4)
+
+    def closure(m, o):
+        o.zero_grad()
+        loss = compute_loss(m, 0)
+        loss.backward()
+        return loss
+    assert scaler.step(opt, lambda: closure(model, opt)) is True
+    scaler.update()
+    ref_opt.step(lambda: closure(ref, ref_opt))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), start))
 
 
 def test_step_passes_closure_none_and_extra_arguments_through():

@@ -385,3 +385,73 @@ def test_split_skipping_on_the_device_steps_as_skipping_on_the_host(dropped):
             opt.zero_grad()
         runs.append(snapshot(model, opt))
     assert_same(*runs)
+
+
+def _torch_fused(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True)
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](params, lr=1e-2,
+                                                                         fused=True)
+
+
+
+def _torch_state(opt):
+    return [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("level,dtype", [("O1", "fp16"), ("O1", "bf16"), ("O3", "bf16")])
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_a_torch_fused_optimizer_skips_on_the_device_as_under_gradscaler(level, dtype, kind):
+    """O1/O3 keep the user's optimizer: one built with ``fused=True`` gets the overflow flag with
+    its step (``optimizer.found_inf``, as ``torch.amp.GradScaler`` hands it): no read before
+    the kernel; weights and state (step counts included) bitwise untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    amp = mp.MixedPrecision(level=level, dtype=dtype, emulate_fp16=False)
+    model, opt = amp.setup(model, _torch_fused(kind, model.parameters()))
+    for i in range(2):
+        backward(amp, model, i)
+        assert amp.step(opt) is True
+        opt.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = _torch_state(opt)
+    backward(amp, model, 2, overflow=True)
+    with warnings.catch_warnings(), OpOrder() as order:
+        warnings.simplefilter("ignore", RuntimeWarning)  # (bf16's first skip warns)
+        assert amp.step(opt) is False
+    kernel = next(i for i, op in enumerate(order.ops) if op.startswith("aten._fused_"))
+    reads = [i for i, op in enumerate(order.ops) if op == "aten._local_scalar_dense"]
+    assert reads and reads[0] > kernel  # (a skip reads once more: the skip-limit check)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+               for a, b in zip(state, _torch_state(opt)))
+    assert not hasattr(opt, "found_inf")
+    opt.zero_grad()
+    backward(amp, model, 3)
+    assert amp.step(opt) is True
+    assert not all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_a_torch_fused_optimizer_reads_first_before_its_state_or_with_hooks():
+    """A first step (fused SGD would start its momentum buffers as ``empty_like``), or a step
+    hook (it must not run on a skipped step): the flag is read before the step, as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    amp = mp.MixedPrecision(level="O1", dtype="fp16", emulate_fp16=False)
+    model, opt = amp.setup(model, _torch_fused("sgd", model.parameters()))
+    backward(amp, model, 0, overflow=True)
+    with OpOrder() as order:
+        assert amp.step(opt) is False
+    assert "aten._fused_sgd_" not in order.ops and not any(opt.state.values())
+    amp.update() if hasattr(amp, "update") else None
+    opt.zero_grad()
+    backward(amp, model, 1)
+    assert amp.step(opt) is True
+    opt.zero_grad()
+    ran = []
+    handle = opt.register_step_post_hook(lambda *a: ran.append(1))
+    backward(amp, model, 2, overflow=True)
+    with OpOrder() as order:
+        assert amp.step(opt) is False
+    assert "aten._fused_sgd_" not in order.ops and ran == []
+    handle.remove()

@@ -252,6 +252,36 @@ def test_skipped_step_leaves_parameters_unchanged(digits):
     assert all(torch.equal(a, b) for a, b in zip(before, params(trainer)))
 
 
+class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The order of the optimizer kernels and the host reads inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name.startswith("aten._fused_") or name == "aten._local_scalar_dense":
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@slow_fp16
+def test_an_fp16_step_reads_nothing_before_its_update(digits):
+    """The scale a step logs is read after the step is queued (it was a read before it): O2 fp16
+    on torch's fused kernel reads the host only after the kernel, as ``amp.step`` does."""
+    torch.manual_seed(0)
+    model = mlp()
+    trainer = Trainer(model, F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                      level="O2", dtype="fp16", progress=False)
+    x, y = digits[0][:32]
+    scales = [trainer.train_step([(x, y)])["loss_scale"] for _ in range(2)]
+    with _Reads() as reads:
+        log = trainer.train_step([(x, y)])
+    assert reads.ops[0] == "aten._fused_adamw_" and "aten._local_scalar_dense" in reads.ops
+    assert scales == [65536.0, 65536.0] and log["loss_scale"] == 65536.0
+
+
 # ----------------------------------------------------------------- accumulation and clipping
 class _Stream(IterableDataset):
     """A dataset without ``len()`` (streamed)."""

@@ -43,10 +43,10 @@ class EngineGradScaler:
         if closure is not None:
             raise TypeError("a closure would recompute scaled gradients after the overflow "
                             "check; mixprec's engine steps without one")
-        if hasattr(optimizer, "skips_on_device"):
-            # accelerate tells a skipped step by the optimizer's step() not being called: the
-            # flag is read before the update, which then runs only when applied
-            optimizer.skip_on_device = False
+        # accelerate tells a skipped step by the optimizer's step() not being called: the flag
+        # is read before the update, which then runs only when applied (a master optimizer, or
+        # a torch one built with fused=True, would otherwise skip on the device)
+        optimizer.skip_on_device = False
         return self.engine.step(optimizer)
 
     def update(self, new_scale=None) -> None:

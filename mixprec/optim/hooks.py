@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ..scaling.protocol import INTERNAL
+
 __all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks",
            "has_step_hooks", "mark_stepped"]
 
@@ -77,10 +79,6 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True
 
-
-#: Set on mixprec's own global step pre-hook (a refusal that passes every master optimizer by):
-#: it does not count as a user's hook in :func:`has_step_pre_hooks`.
-INTERNAL = "_mixprec_internal"
 
 #: Set on an inner optimizer while its wrapper steps it (see :func:`raw_step`).
 STEPPED_BY_WRAPPER = "_mixprec_stepped_by_wrapper"

@@ -6,12 +6,18 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
-from .protocol import owns_gradients
+from .protocol import INTERNAL, owns_gradients
 from .state import positive_scale
 
 __all__ = ["check_clip_args", "as_number", "check_optimizer", "describe", "param_names",
-           "grad_pairs", "skips_on_device"]
+           "grad_pairs", "skips_on_device", "torch_skips_on_device"]
+
+#: torch optimizers whose fused kernel takes ``found_inf`` (and skips on it) when built with
+#: ``fused=True``, for every floating dtype (exact types: a subclass may step otherwise; fused
+#: Adagrad refuses a float32 flag beside bf16 parameters).
+_FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def check_clip_args(max_norm, norm_type) -> None:
@@ -75,3 +81,35 @@ def grad_pairs(optimizer, owner: bool) -> list[tuple[torch.Tensor, torch.Tensor]
         return optimizer.grads_for_step()
     return [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
             if p.grad is not None]
+
+
+def torch_skips_on_device(optimizer) -> bool:
+    """Whether a torch optimizer (not a master optimizer) can take the overflow flag with its
+    step, as ``torch.amp.GradScaler`` hands it to a fused optimizer (``optimizer.found_inf``):
+    torch's fused kernel for every group (Adam, AdamW, SGD built with ``fused=True``),
+    dense gradients, state made for every parameter with a gradient (a first step makes it, on a
+    skipped step too: fused SGD's momentum buffers start as ``empty_like``), and no step hooks
+    (they must not run on a skipped step), and no caller that tells a skipped step by
+    ``step()`` not being called (``optimizer.skip_on_device = False``, set by the Accelerate
+    seam). Its kernel then skips on the device and takes back
+    its step count: parameters and state stay bitwise as they were, with no host read before."""
+    if (type(optimizer) not in _FUSED_TYPES
+            or not getattr(optimizer, "_step_supports_amp_scaling", False)
+            or not getattr(optimizer, "skip_on_device", True)  # (the Accelerate seam: see below)
+            or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+            or torch_optimizer._global_optimizer_post_hooks
+            or any(not getattr(h, INTERNAL, False)
+                   for h in torch_optimizer._global_optimizer_pre_hooks.values())):
+        return False
+    state, sgd = optimizer.state, type(optimizer) is torch.optim.SGD
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            return False
+        key = ("momentum_buffer" if group["momentum"] else None) if sgd else "step"
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse or (key is not None and key not in state.get(p, ())):
+                return False
+    return True

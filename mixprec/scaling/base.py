@@ -232,16 +232,20 @@ class LossScaler(GradScalerInterface):
         and all optimizer state untouched. Extra arguments go to ``optimizer.step``.
 
         Host syncs: none when this scaler does not check. An optimizer that skips on the device
-        (``skips_on_device()``: a master optimizer on torch's fused kernels) gets the flag with
-        its step, as ``torch.amp.GradScaler`` hands it to a fused optimizer, and the flag is read
-        once, after the step is queued; any other optimizer reads it before its step. One more
-        read on a step that overflowed.
+        (``skips_on_device()``: a master optimizer on torch's fused kernels; a torch optimizer
+        built with ``fused=True``, its state made, no step hooks:
+        :func:`~mixprec.scaling.args.torch_skips_on_device`) gets the flag with its step, as
+        ``torch.amp.GradScaler`` hands it to a fused optimizer, and the flag is read once, after
+        the step is queued; any other optimizer reads it before its step. One more read on a
+        step that overflowed.
 
         Returns:
             True when the optimizer stepped, False when the step was skipped.
 
         Raises:
-            TypeError: a closure was passed (it would recompute scaled gradients after the check).
+            TypeError: a closure was passed to a scaler that scales or checks (it would
+                recompute gradients after the check; one that does neither, ``NoLossScaler()``
+                or ``enabled=False``, steps with it, as a disabled ``torch.amp.GradScaler``).
             RuntimeError: step() was already called on this optimizer since the last update().
         """
         return self.read_step(self.queue_step(optimizer, *args, **kwargs), updated=False)
@@ -249,7 +253,8 @@ class LossScaler(GradScalerInterface):
     def queue_step(self, optimizer, *args, **kwargs) -> QueuedStep:
         """:meth:`step` up to the read of the flag; :meth:`read_step` reads it (after
         :meth:`update`, the scale update is queued before the read too: ``MixedPrecision.step``)."""
-        if kwargs.get("closure") is not None or any(callable(a) for a in args):
+        if (self._scales or self._checks) and (kwargs.get("closure") is not None
+                                               or any(callable(a) for a in args)):
             raise TypeError("step() does not take a closure: it would recompute scaled gradients "
                             "after the inf/NaN check. Compute the loss, call "
                             "scaler.scale(loss).backward(), then scaler.step(optimizer); call "
@@ -272,6 +277,14 @@ class LossScaler(GradScalerInterface):
             flag = record.found_inf = self._reduced(flag)
             if owner and checks.skips_on_device(optimizer):  # no read: the kernels skip
                 optimizer.step(*args, grad_scale=record.grad_scale, found_inf=flag, **kwargs)
+                queued.flag = flag
+                return queued
+            if not owner and checks.torch_skips_on_device(optimizer):  # (GradScaler's way)
+                optimizer.found_inf = flag  # (the gradients are unscaled: no grad_scale)
+                try:
+                    optimizer.step(*args, **kwargs)
+                finally:
+                    del optimizer.found_inf
                 queued.flag = flag
                 return queued
             if bool(flag.item()):

@@ -37,7 +37,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["OwnsGradients", "owns_gradients"]
+__all__ = ["OwnsGradients", "owns_gradients", "INTERNAL"]
+
+#: Set on mixprec's own global step pre-hook (a refusal that passes every master optimizer by):
+#: it does not count as a user's hook (:func:`mixprec.optim.hooks.has_step_pre_hooks`,
+#: :func:`mixprec.scaling.args.torch_skips_on_device`).
+INTERNAL = "_mixprec_internal"
 
 
 @runtime_checkable

@@ -217,14 +217,14 @@ class Trainer:
     def _apply_update(self) -> tuple[bool, float]:
         """The engine's step (check, clip, step or skip, update the scale), then the
         scheduler when the update was applied."""
-        t = time.perf_counter()
-        scale = self.scaler.get_scale()
+        t = time.perf_counter()  # (the scale this step used, read after it: no sync before)
+        scale = self.scaler.scale_tensor.clone() if self.scaler.is_enabled() else None
         applied = self.engine.step(self.optimizer, max_grad_norm=self.max_grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         if applied and self.scheduler is not None:
             self.scheduler.step()
         self._tick("update", t)
-        return applied, scale
+        return applied, 1.0 if scale is None else float(scale)
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over ``micro_batches`` (a list of batches); returns the step's logs.
