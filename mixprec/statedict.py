@@ -276,6 +276,14 @@ def _where(t: torch.Tensor) -> tuple | None:
         return None
 
 
+def _replaced(value: torch.Tensor, own: torch.Tensor) -> bool:
+    """True when ``value`` is not where ``own`` lies (torch's ``own.detach()``): a hook put
+    another tensor there. Tensors without a storage to compare (DTensor shards) count as
+    torch's."""
+    where, own_where = _where(value), _where(own)
+    return where is not None and own_where is not None and where != own_where
+
+
 def _by_storage(module: nn.Module) -> dict[tuple, torch.Tensor]:
     """``module``'s low-precision tensors by where they lie: a value whose key a state-dict
     hook renamed (torch's ``checkpoint_wrapper`` drops its ``_checkpoint_wrapped_module.``)
@@ -301,6 +309,9 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
         if own is None or value is own or not torch.is_tensor(value) \
                 or not is_low_precision(value):
             continue  # not ours, keep_vars=True (the tensor itself), or already fp32
+        if _replaced(value, own):  # a sub-module's state-dict hook (or an earlier one of the
+            state_dict[key] = value.to(_FP32)  # model's) put it there: its value, in fp32
+            continue
         comp = pairs.get(own)
         if comp is None:
             upcast = upcasts.get(id(own))

@@ -294,6 +294,28 @@ def test_state_dict_and_load_state_dict_hooks(master):
     torch.testing.assert_close(mp.fp32_state_dict(model), other, rtol=tol[0], atol=tol[1])
 
 
+@pytest.mark.parametrize("master", MASTERS)
+def test_what_a_state_dict_hook_puts_in_is_kept(master):
+    """A sub-module's state-dict post-hook that replaces or drops its entries, and one of the
+    model registered before ``prepare``: their values are kept (in fp32), as torch keeps them
+    (the masters were written over them); the other keys hold the masters."""
+    model, opt = trained(master)
+    exact = mp.fp32_state_dict(model)
+
+    def edit(module, sd, prefix, local):
+        sd[prefix + "weight"] = torch.full_like(sd[prefix + "weight"], 3.0)
+
+    def drop(module, sd, prefix, local):
+        del sd[prefix + "bias"]
+    model[-1].register_state_dict_post_hook(edit)
+    model[0].register_state_dict_post_hook(drop)
+    sd = model.state_dict()
+    last = f"{len(model) - 1}.weight"
+    assert "0.bias" not in sd and sd[last].dtype == torch.float32
+    assert torch.equal(sd[last], torch.full_like(exact[last], 3.0))
+    assert all(torch.equal(v, exact[k]) for k, v in sd.items() if k != last)
+
+
 @pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
 def test_state_dict_keys_renamed_by_a_sub_module_hook_keep_the_masters(master):
     """torch's activation-checkpoint wrapper renames its module's keys (its state-dict hooks

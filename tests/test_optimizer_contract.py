@@ -1144,6 +1144,59 @@ def test_state_set_deleted_or_popped_by_the_model_parameter():
     opt.state_dict()
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_state_is_a_mapping_by_the_model_parameter(kind):
+    """``p in opt.state``, ``get``, ``setdefault`` and ``update`` by a model parameter read and
+    write its entry, as on a torch optimizer (with fp32 masters, ``in`` was False, ``get``
+    None, ``setdefault`` made a stray entry that broke ``state_dict()`` with a bare
+    ``KeyError``, and ``update`` a moment reset that the step never saw)."""
+    model, opt, _ = make(kind)
+    train(model, opt, steps=1)
+    w = model[0].weight
+    assert w in opt.state and opt.state.get(w) is opt.state[w]
+    assert opt.state.setdefault(w, {}) is opt.state[w]
+    assert len(opt.state) == 6
+    opt.state.update({w: {k: torch.zeros_like(v) if k.startswith("exp_avg") else v
+                          for k, v in opt.state[w].items()}})
+    assert float(opt.state[w]["exp_avg"].abs().sum()) == 0.0 and len(opt.state) == 6
+    opt.state_dict()
+    train(model, opt, steps=1, start=1)
+    assert opt.state[w]["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", STATE_KINDS, ids=STATE_KIND_IDS)
+def test_a_load_pre_hook_registered_after_prepare_may_return_a_new_state_dict(kind):
+    """torch loads the state dict a pre-hook returns: mixprec's own pre-hooks read that one
+    (they ran before a hook registered after ``prepare`` and restored the moments it had
+    replaced)."""
+    model, opt, _ = make(kind)
+    train(model, opt, steps=2)
+    sd = opt.state_dict()
+
+    def zero_moments(optimizer, state_dict):
+        new = copy.deepcopy(state_dict)
+        for entry in new["state"].values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = torch.zeros_like(entry[key])
+        return new
+    fresh_model, fresh, _ = make(kind)
+    fresh.register_load_state_dict_pre_hook(zero_moments)
+    fresh.load_state_dict(sd)
+    for p in fresh_model.parameters():
+        assert float(fresh.state[p]["exp_avg"].abs().sum()) == 0.0
+        assert float(fresh.state[p]["exp_avg_sq"].abs().sum()) == 0.0
+    assert float(sd["state"][0]["exp_avg"].abs().sum()) > 0  # the caller's dict is untouched
+
+
+def test_zero_grad_is_named_in_a_profile_as_torch_names_it():
+    model, opt, _ = make(("fp32", "fp32"))
+    loss_of(model).backward()
+    with torch.profiler.profile() as prof:
+        opt.zero_grad()
+    names = {e.name for e in prof.events()}
+    assert "Optimizer.zero_grad#MasterWeightOptimizer.zero_grad" in names
+
+
 def test_a_prepared_model_loads_under_torchs_swap_tensors_mode():
     """With ``set_swap_module_params_on_conversion(True)`` a load swaps each parameter, which
     torch refuses for a tensor with a weak reference: the owner table held one per parameter."""

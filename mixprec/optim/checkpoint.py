@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import states
+from . import hooks, states
 from .params import is_master
 
 __all__ = ["MASTERS_KEY", "register", "indexed_masters"]
@@ -43,7 +43,7 @@ def indexed_masters(optimizer) -> dict[int, torch.Tensor]:
 def register(optimizer) -> None:
     """Install the hooks on a ``MasterWeightOptimizer``."""
     optimizer.register_state_dict_post_hook(_save_masters)
-    optimizer.register_load_state_dict_pre_hook(_take_masters)
+    optimizer.register_load_state_dict_pre_hook(hooks.own(_take_masters))
     optimizer.register_load_state_dict_post_hook(_restore_masters)
 
 

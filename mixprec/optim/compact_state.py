@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..shards import local
-from . import states
+from . import hooks, states
 from .params import _is_current, _source_key
 
 __all__ = ["save_pending", "load_generator", "share_with_inner", "hold_unstepped", "register",
@@ -147,7 +147,7 @@ def register(optimizer) -> None:
     (after :func:`save_pending`), :func:`narrow_wide` (first of the load pre-hooks) and
     :func:`hold_unstepped` (last of the load post-hooks)."""
     optimizer.register_state_dict_post_hook(widen_int16)
-    optimizer.register_load_state_dict_pre_hook(narrow_wide, prepend=True)
+    optimizer.register_load_state_dict_pre_hook(hooks.own(narrow_wide), prepend=True)
     optimizer.register_load_state_dict_post_hook(hold_unstepped)
 
 

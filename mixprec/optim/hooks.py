@@ -27,7 +27,7 @@ from torch.optim import optimizer as torch_optimizer
 from ..scaling.protocol import INTERNAL
 
 __all__ = ["HOOK_DICTS", "share_hooks", "reshare_hooks", "raw_step", "has_step_pre_hooks",
-           "has_step_hooks", "mark_stepped"]
+           "has_step_hooks", "mark_stepped", "own", "own_load_hooks_last"]
 
 #: The per-instance hook dicts of ``torch.optim.Optimizer``.
 HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -100,3 +100,18 @@ def has_step_hooks(wrapper) -> bool:
     it steps)."""
     return (has_step_pre_hooks(wrapper) or bool(wrapper._optimizer_step_post_hooks)
             or bool(getattr(torch_optimizer, "_global_optimizer_post_hooks", None)))
+
+
+def own(hook):
+    """Mark ``hook`` as mixprec's own (see :func:`own_load_hooks_last`); returns it."""
+    setattr(hook, INTERNAL, True)
+    return hook
+
+
+def own_load_hooks_last(optimizer) -> None:
+    """Move mixprec's own ``load_state_dict`` pre-hooks (marked by :func:`own`) behind the
+    user's, in their order: a user's hook registered after ``prepare`` may return a new state
+    dict (torch's contract), and mixprec's read the one torch then loads."""
+    hooks = optimizer._optimizer_load_state_dict_pre_hooks
+    for key in [k for k, hook in hooks.items() if getattr(hook, INTERNAL, False)]:
+        hooks.move_to_end(key)

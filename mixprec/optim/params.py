@@ -276,9 +276,10 @@ class MasterState(defaultdict):
     """torch's optimizer ``state`` (tensor -> its state) where a model parameter stands for its
     master: ``optimizer.state[model_param]`` is its master's entry, as on a torch optimizer
     stepping the model parameter itself (a lookup made an empty entry keyed by the model
-    parameter, which ``state_dict()`` then failed on). Only indexing maps: ``in`` and ``get``
-    see the masters' keys as they are. Pickles and copies as torch's plain ``defaultdict``
-    (the optimizer maps it again when rebuilt).
+    parameter, which ``state_dict()`` then failed on): indexing, ``in``, ``get``,
+    ``setdefault``, ``update``, ``pop`` and ``del``. Iteration shows the masters' keys (the
+    optimizer's parameters). Pickles and copies as torch's plain ``defaultdict`` (the optimizer
+    maps it again when rebuilt).
 
     ``masters``: model parameter -> master, the optimizer's own (live) mapping.
     """
@@ -304,6 +305,19 @@ class MasterState(defaultdict):
 
     def pop(self, key, *default):
         return super().pop(self._key(key), *default)
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key, default=None):
+        return super().get(self._key(key), default)
+
+    def setdefault(self, key, default=None):
+        return super().setdefault(self._key(key), default)
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
     def __reduce__(self):
         return (defaultdict, (dict,), None, None, iter(self.items()))

@@ -45,6 +45,7 @@ from ..masters.rounding import (
 )
 from ..masters.split import REMAINDER_KEY
 from ..shards import dtensor_class, is_dtensor, like_shard, local
+from . import hooks
 
 __all__ = ["STATE_DTYPES", "COMPENSATION_KEY", "REMAINDER_KEY", "BUFFER_KEYS", "GENERATOR_KEY",
            "OWN_KEYS", "check_state_dtype",
@@ -225,7 +226,7 @@ def _narrow_runs(state: Mapping, runs: list, rounding: RoundingGenerator,
 # -- state_dict: moments keep the dtype they were saved in ---------------------------------------
 def register(optimizer) -> None:
     """Install the load hooks that keep saved moments (and compensation) in their saved dtype."""
-    optimizer.register_load_state_dict_pre_hook(_stash)
+    optimizer.register_load_state_dict_pre_hook(hooks.own(_stash))
     optimizer.register_load_state_dict_post_hook(_restore)
 
 

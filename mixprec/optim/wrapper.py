@@ -117,7 +117,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._set_up = True
         hooks.share_hooks(self, optimizer)  # the user's hooks run once per step (see .hooks)
         self.param_names: dict[int, str] = {}
-        self.register_load_state_dict_pre_hook(loadcheck.check_before_load)
+        self.register_load_state_dict_pre_hook(hooks.own(loadcheck.check_before_load))
         self.register_state_dict_pre_hook(writes.check_resized)  # state that fits no weight
         self._bucket_mb = bucket_mb
         self._rebuild()
@@ -324,20 +324,30 @@ class WrappedOptimizer(torch.optim.Optimizer):
         Args:
             set_to_none: set the model's ``.grad`` to None (default) instead of zeroing it.
         """
-        self.drop_master_grads()
-        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in self._model_params:
-            g = p.grad
-            if g is None:
-                continue
-            if set_to_none:
-                p.grad = None
-                continue
-            g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
-            grads.setdefault((g.device, g.dtype), []).append(g)
-        with torch.no_grad():
-            for same in grads.values():
-                torch._foreach_zero_(same)
+        if not hasattr(self, "_zero_grad_profile_name"):
+            self._patch_step_function()
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            self.drop_master_grads()  # (named in a profile as torch names its own)
+            grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in self._model_params:
+                g = p.grad
+                if g is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    continue
+                g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
+                grads.setdefault((g.device, g.dtype), []).append(g)
+            with torch.no_grad():
+                for same in grads.values():
+                    torch._foreach_zero_(same)
+
+    @torch._disable_dynamo  # as torch's own
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; mixprec's own pre-hooks run after the user's, which may
+        return a new state dict (:func:`.hooks.own_load_hooks_last`)."""
+        hooks.own_load_hooks_last(self)
+        super().load_state_dict(state_dict)
 
     def _check_new_group(self, param_group) -> tuple[dict, list]:
         """Validate a param group for :meth:`add_param_group`; return it (a copy) and its
