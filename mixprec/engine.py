@@ -240,6 +240,7 @@ class MixedPrecision:
         return policy if model is None else with_modules(policy, model, self._fp8_filter)
 
     # -- the step --------------------------------------------------------------------------------
+    @torch._disable_dynamo  # eager inside a compiled function, as GradScaler.scale (it counts)
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (no host sync)."""
         if self.monitor is not None:

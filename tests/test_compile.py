@@ -244,3 +244,57 @@ def test_floating_inputs_in_containers_trace_to_one_graph(level):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(xs, extra), model(xs, extra))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_eager_forward_or_another_thread_does_not_recompile_the_compiled_model(level):
+    """A prepared model compiled, called eagerly once (an evaluation, ``mp.Trainer``'s between
+    epochs), then compiled again, and called from a new thread: one frame, as under
+    ``torch.autocast`` (the trace guarded on a per-thread attribute an eager forward made)."""
+    import threading
+
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch.manual_seed(0)
+    model = mp.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)),
+                       level=level, dtype="bf16")
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 8)
+    compiled(x)
+    model(x)
+    compiled(x)
+    thread = threading.Thread(target=compiled, args=(x,))
+    thread.start()
+    thread.join(timeout=60)
+    compiled(x)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_compiled_fp16_step_function_compiles_once():
+    """``amp.backward`` inside a compiled step function at fp16: the scale runs eagerly, as
+    ``GradScaler.scale`` (dynamo traced it, guarding on the engine's backward counter, and
+    compiled it again at the second step)."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", emulate_fp16=False)
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(x):
+        amp.backward(model(x).float().square().mean())
+        amp.step(opt)
+        opt.zero_grad()
+
+    compiled = torch.compile(step, backend=counter)
+    x = torch.randn(4, 8)
+    compiled(x)
+    frames = counter.frame_count
+    for _ in range(3):
+        compiled(x)
+    assert counter.frame_count == frames

@@ -54,18 +54,27 @@ def split(device_type: str, ops: tuple) -> tuple[tuple, tuple]:
     return here, tuple((n, t) for n, t in ops if (n, t) not in here)
 
 
-_state = threading.local()  # .stack: the blocks entered (their targets: {op name: target})
+class _Blocks(threading.local):
+    """Per thread, ``stack``: the blocks entered (their targets: {op name: target}), made with
+    the thread's first look (a compiled forward reads it: an attribute made only by an eager
+    one's first block made its guard fail, and the model compile again)."""
+
+    def __init__(self) -> None:
+        self.stack: list[active] = []
+
+
+_state = _Blocks()
 
 
 def targets_in_force() -> dict | None:
     """The targets of the innermost block entered on this thread, or None."""
-    stack = getattr(_state, "stack", None)
+    stack = _state.stack
     return stack[-1].targets if stack else None
 
 
 def block_in_force() -> active | None:
     """The innermost :class:`active` block entered on this thread, or None."""
-    stack = getattr(_state, "stack", None)
+    stack = _state.stack
     return stack[-1] if stack else None
 
 
@@ -145,10 +154,7 @@ class active:
 
     def __enter__(self):
         _registry.acquire(self.device_type, self.targets)
-        stack = getattr(_state, "stack", None)
-        if stack is None:
-            stack = _state.stack = []
-        stack.append(self)
+        _state.stack.append(self)
         return self
 
     def __exit__(self, *exc):
