@@ -53,6 +53,8 @@ from .policy import Policy
 from .prepare import module_device, policy_of, prepare_many, resolve_policy
 from .recompute import recompute_hint
 from .scaling import LossScaler, make_loss_scaler, owns_gradients
+from .scaling.args import check_clip_args, check_optimizer
+from .scaling.direct import watch as refuse_direct_steps
 from .scaling.gradscaler import TORCH_KEYS
 from .scaling.state import skip_limit
 from .scaling.unscale import clip_value_, total_norm
@@ -195,6 +197,8 @@ class MixedPrecision:
         model, opts = prepare_many(model, list(optimizers), policy, fp8_filter=self._fp8_filter,
                                    **self._ops)
         self.adopt(model)
+        for opt in opts:  # a direct opt.step() on scaled gradients is refused
+            refuse_direct_steps(opt, self.scaler)
         return model if not opts else (model, *opts)
 
     def adopt(self, model: nn.Module) -> None:
@@ -348,8 +352,10 @@ class MixedPrecision:
         host sync.
 
         Raises:
+            ValueError: a ``norm_type`` that is not positive (or ``float("inf")``).
             RuntimeError: :meth:`clip_grad_norm_` already ran this step (it returned the norm).
         """
+        check_clip_args(1.0, norm_type)  # (the norm types clip_grad_norm_ takes)
         scaler = self._ready()
         stage = scaler.stage_of(optimizer)
         if stage == "folded":
@@ -383,6 +389,7 @@ class MixedPrecision:
 
         Raises:
             ValueError: no optimizer, or a bad ``max_grad_norm``.
+            TypeError: something other than an optimizer (a model, say).
             RuntimeError: a step that would train on wrong numbers, with what to write instead:
                 under a loss scale, no :meth:`backward` since the optimizer's last step
                 (``loss.backward()`` instead); a second step on the same gradients; at a
@@ -394,6 +401,8 @@ class MixedPrecision:
         """
         if not optimizers:
             raise ValueError("step() needs the optimizer(s) to step, e.g. amp.step(optimizer)")
+        for opt in optimizers:
+            check_optimizer(opt)
         check_max_norm(max_grad_norm)
         scaler = self._ready()
         watch = self.monitor is not None and self.monitor.recording

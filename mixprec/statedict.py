@@ -277,11 +277,15 @@ def _where(t: torch.Tensor) -> tuple | None:
 
 
 def _replaced(value: torch.Tensor, own: torch.Tensor) -> bool:
-    """True when ``value`` is not where ``own`` lies (torch's ``own.detach()``): a hook put
-    another tensor there. Tensors without a storage to compare (DTensor shards) count as
-    torch's."""
+    """True when a hook put another value there: ``value`` is not where ``own`` lies (torch's
+    ``own.detach()``) and differs from it (a copy, ``.clone()`` or ``.cpu()``, is ``own``'s
+    value: it takes the fp32 one). Tensors without a storage to compare (DTensor shards) count
+    as torch's."""
     where, own_where = _where(value), _where(own)
-    return where is not None and own_where is not None and where != own_where
+    if where is None or own_where is None or where == own_where:
+        return False
+    return (value.shape != own.shape or value.dtype != own.dtype
+            or not torch.equal(value, own.detach().to(value.device)))
 
 
 def _by_storage(module: nn.Module) -> dict[tuple, torch.Tensor]:
@@ -318,8 +322,8 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
             if upcast is None:
                 upcast = upcasts[id(own)] = value.to(_FP32)
             state_dict[key] = upcast
-        else:  # the companion itself (in-place writes reach it), on the model's device
-            state_dict[key] = comp.detach().to(own.device)
+        else:  # the companion itself (in-place writes reach it), where the value is (the
+            state_dict[key] = comp.detach().to(value.device)  # model's device, or a hook's)
 
 
 def _load_companions_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,

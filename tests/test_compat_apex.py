@@ -150,6 +150,10 @@ def test_bad_models_and_optimizers():
         amp.initialize(nn.Linear(2, 2).half(), opt_level="O2", verbosity=0)
     with pytest.raises(RuntimeError, match="twice"):
         amp.initialize([model, model], verbosity=0)
+    other = nn.Linear(2, 2)  # an optimizer over another model: the model would never train
+    with pytest.raises(ValueError, match="not parameters of the models passed to initialize"):
+        amp.initialize(nn.Linear(2, 2), torch.optim.SGD(other.parameters(), lr=1),
+                       opt_level="O2", verbosity=0)
 
 
 def test_optimizer_and_model_initialized_once():

@@ -117,6 +117,9 @@ def test_bad_input_is_refused_clearly():
     model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="needs the optimizer"):
         amp.step()
+    for wrong in (model, None, "opt"):  # (an AttributeError deep inside the step)
+        with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
+            amp.step(wrong)
     with pytest.raises(ValueError, match="max_grad_norm must be None or a positive finite"):
         amp.step(opt, max_grad_norm=-1)
     with pytest.raises(RuntimeError, match="already prepared"):

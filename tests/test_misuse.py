@@ -86,6 +86,36 @@ def test_a_second_step_on_the_same_gradients_is_refused(dtype, backward):
     assert same(weights(model, opt), after_one)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_direct_step_on_scaled_gradients_is_refused(level):
+    """``amp.backward(loss); opt.step()`` (``amp.step`` left out) applied an update 65536 times
+    too large at fp16 (``torch.amp.GradScaler`` lets it through too): refused, the weights
+    untouched, saying to step through the engine or unscale first; a clip folded into the step
+    is refused alike; after ``amp.unscale_`` (or the engine's clip) the step is taken, as torch
+    takes it; bf16 carries no scale."""
+    amp, model, opt = setup("fp16", level)
+    amp.backward(loss_of(model))
+    amp.step(opt)
+    opt.zero_grad()
+    before = weights(model, opt)
+    amp.backward(loss_of(model, 1))
+    with pytest.raises(RuntimeError, match=r"still carry the loss scale \(x65536\).*amp\.step"):
+        opt.step()
+    if level == "O2":  # the scaler's own clip folds into the step (the engine's settles it)
+        amp.scaler.clip_grad_norm_(opt, 1.0)
+        with pytest.raises(RuntimeError, match="still carry the loss scale"):
+            opt.step()
+    assert same(before, weights(model, opt))
+    amp.step(opt)  # (then the iteration goes on as usual)
+    opt.zero_grad()
+    amp.backward(loss_of(model, 2))
+    amp.unscale_(opt)
+    opt.step()
+    bf16, model, opt = setup("bf16", level)
+    bf16.backward(loss_of(model))
+    opt.step()
+
+
 def test_two_optimizers_stepped_apart_after_one_backward_are_fine():
     amp = mp.MixedPrecision(level="O2", dtype="fp16")
     model = net()

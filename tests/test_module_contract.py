@@ -298,15 +298,17 @@ def test_state_dict_and_load_state_dict_hooks(master):
 def test_what_a_state_dict_hook_puts_in_is_kept(master):
     """A sub-module's state-dict post-hook that replaces or drops its entries, and one of the
     model registered before ``prepare``: their values are kept (in fp32), as torch keeps them
-    (the masters were written over them); the other keys hold the masters."""
+    (the masters were written over them); the other keys, and a copy a hook made of its
+    value, hold the masters."""
     model, opt = trained(master)
     exact = mp.fp32_state_dict(model)
 
     def edit(module, sd, prefix, local):
         sd[prefix + "weight"] = torch.full_like(sd[prefix + "weight"], 3.0)
 
-    def drop(module, sd, prefix, local):
+    def drop(module, sd, prefix, local):  # (and a copy of the weight: its value, the master)
         del sd[prefix + "bias"]
+        sd[prefix + "weight"] = sd[prefix + "weight"].clone()
     model[-1].register_state_dict_post_hook(edit)
     model[0].register_state_dict_post_hook(drop)
     sd = model.state_dict()

@@ -556,6 +556,49 @@ def test_the_model_keeps_its_fp32_values_when_the_optimizer_is_collected(master)
         assert all(torch.equal(v, want[k]) for k, v in mp.fp32_state_dict(m).items())
 
 
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_an_optimizer_collected_inside_a_trace_records_nothing_there(master):
+    """The collector may finalize an optimizer while someone else traces (``torch.export``'s
+    modes, a dispatch mode): handing its fp32 values to the model ran ops and a grad-mode
+    change that the trace recorded (``torch.export`` failed with ``KeyError:
+    _set_grad_enabled``); now the trace sees nothing, and the model keeps the values."""
+    import gc
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Functions(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            level="O2", dtype="bf16", master=master)
+    model(torch.randn(4, 8)).float().square().mean().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with Functions() as functions, Ops() as ops:
+        del opt
+        gc.collect()
+    assert functions.calls == [] and ops.calls == []
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("master", ["fp32", "split"])
 def test_a_load_with_assign_is_refused_on_a_prepared_model(master):
     """assign=True replaced the parameters: fp32 ones with fp32 masters (the optimizer then

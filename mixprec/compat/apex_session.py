@@ -131,12 +131,13 @@ def open_session(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
     Raises:
         RuntimeError: a model or optimizer apex refused (see :func:`check_models`), or an
             optimizer passed to ``initialize`` before.
-        ValueError: bad loss-scale bounds.
+        ValueError: bad loss-scale bounds; an optimizer over tensors that are not the models'
+            parameters.
     """
     scalers = [ApexLossScaler(props.loss_scale, min_loss_scale, max_loss_scale)
                for _ in range(num_losses)]
     check_models(models)
-    _check_optimizers(optimizers)
+    _check_optimizers(optimizers, models)
     if verbosity > 0:
         _print_rank0(f"mixprec apex_amp: opt_level {props.brief()}\n{props.table()}")
     originals = fp32_originals(models) if props.master_weights else None
@@ -155,7 +156,8 @@ def open_session(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
     return AmpSession(True, props, engine, scalers, verbosity), amp_opts
 
 
-def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+def _check_optimizers(optimizers: list[torch.optim.Optimizer], models: list) -> None:
+    owned = {id(p) for model in models for p in model.parameters()}
     for opt in optimizers:
         if isinstance(opt, AmpOptimizer) or opt in AMP.initialized:
             raise RuntimeError("a given optimizer should be passed through amp.initialize only "
@@ -163,6 +165,12 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
         if owns_gradients(opt):
             raise RuntimeError("pass the plain torch optimizer: amp.initialize adds fp32 master "
                                "weights itself (master_weights=True, the O2 default)")
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in owned]
+        if foreign:  # (mp.prepare refuses it too: the models would not train)
+            raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
+                             f"parameters of the models passed to initialize (shapes "
+                             f"{', '.join(str(tuple(p.shape)) for p in foreign[:3])}); build "
+                             f"it from model.parameters() of the models you pass")
 
 
 def _amp_optimizers(optimizers) -> list[AmpOptimizer]:

@@ -332,6 +332,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         skips on the flag and takes back its step count), with their state made. (Where a step
         finds the lists no longer hold, a parameter left without a gradient say, it reads the
         flag instead.)"""
+        self.follow_reassigned()  # (the layout the step will see)
         return (not self.master.draws_bits and self.lists is not None
                 and steps.skips_on_device(self))
 

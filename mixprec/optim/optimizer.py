@@ -124,8 +124,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             with torch.no_grad():  # the weights as the masters round (torch's cast)
                 torch._foreach_copy_(given, [self._master_of[p] for p in given])
         self._initial = {}
-        checkpoint.register(self)
-        states.register(self)
+        states.register(self)  # (first: moments converted at a load draw rounding bits,
+        checkpoint.register(self)  # then the saved generator state is restored)
         self._record_writes()  # the masters made from the weights
 
     def _check_fused(self, value) -> None:
@@ -172,10 +172,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
         master = MasterParameter(value, requires_grad=param.requires_grad)._link(param,
                                                                                  self._carry)
         self._master_of[param] = master
-        state = self.inner.state
-        if param in state:  # state made before wrapping: move it to the master, in fp32
+        state = self.inner.state  # (the raw keys: a MasterState maps param to master now)
+        if dict.__contains__(state, param):  # state made before wrapping (or keyed by the
+            # model parameter since): move it to the master, in fp32
             state[master] = {k: v.float() if torch.is_tensor(v) and v.dtype == param.dtype else v
-                             for k, v in state.pop(param).items()}
+                             for k, v in dict.pop(state, param).items()}
         return master
 
     def _rebuild(self) -> None:
@@ -326,6 +327,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     def skips_on_device(self) -> bool:
         """Whether ``step(found_inf=f)`` can skip on the device (:func:`.steps.skips_on_device`)."""
+        self.follow_reassigned()  # (the layout the step will see)
         return steps.skips_on_device(self)
 
     @torch._disable_dynamo  # runs eagerly inside a compiled function (see .wrapper)

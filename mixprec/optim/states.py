@@ -235,7 +235,8 @@ _INCOMING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _stash(optimizer, state_dict: Mapping) -> None:
-    _INCOMING[optimizer] = (state_dict.get("state"), state_dict.get("param_groups"))
+    if isinstance(state_dict, Mapping):  # (not a dict: refused by the hooks after this one)
+        _INCOMING[optimizer] = (state_dict.get("state"), state_dict.get("param_groups"))
 
 
 def _restore(optimizer) -> None:

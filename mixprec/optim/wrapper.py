@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..shards import local
 from . import hooks, loadcheck, writes
@@ -34,6 +35,12 @@ _FUSED = ("auto", "compile", False)
 # loading refuses): a copy of a prepared model made together with its optimizer finds the
 # copied one among them (mixprec.statedict)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _groups_of(param_groups: list[dict]) -> tuple:
+    """What :meth:`WrappedOptimizer.follow_reassigned` compares: each group's params list and
+    its length."""
+    return tuple((id(g["params"]), len(g["params"])) for g in param_groups)
 
 
 def owner_of(param: torch.Tensor):
@@ -125,20 +132,29 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.fused = fused
 
     def __del__(self) -> None:
-        # the model's state_dict() keeps this optimizer's fp32 values (mixprec.statedict)
+        # the model's state_dict() keeps this optimizer's fp32 values (mixprec.statedict); the
+        # collector runs this whenever it runs, inside someone else's trace too (torch.export,
+        # a dispatch mode): its ops and grad-mode changes stay out of what they record
         try:
-            for link in self.__dict__.get("_companions", ()):
-                link.orphaned(self)
+            links = self.__dict__.get("_companions", ())
+            if links:
+                with _disable_current_modes(), torch._C.DisableTorchFunction():
+                    for link in links:
+                        link.orphaned(self)
         except Exception:  # (interpreter shutdown: nothing left to keep)
             pass
 
     def follow_reassigned(self) -> None:
         """``optimizer.state = defaultdict(dict)`` (a reset of the moments) or
         ``optimizer.param_groups = [...]`` assigned on this optimizer: the inner one, which
-        steps them, takes them too (each step checks, two identity tests)."""
+        steps them, takes them too; a group's ``params`` list edited in place (a parameter
+        removed, as on a torch optimizer) is followed (each step checks two identities and
+        each group's list and its length)."""
         inner = self.inner
         if self.state is not inner.state or self.param_groups is not inner.param_groups:
             inner.state, inner.param_groups = self.state, self.param_groups
+            self._rebuild()
+        elif self._groups_seen != _groups_of(self.param_groups):
             self._rebuild()
 
     # -- configuration -------------------------------------------------------------------------
@@ -199,6 +215,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def _rebuild(self) -> None:
         """Recompute what depends on the param groups (subclasses add to it)."""
         self.layout_version = self.__dict__.get("layout_version", 0) + 1
+        self._groups_seen = _groups_of(self.param_groups)
         held = [p for g in self.param_groups for p in g["params"]]
         self._held = {id(p) for p in held}
         self._model_params = list({id(m): m for m in (self._model_side(p)

@@ -58,6 +58,8 @@ class LossScaler(GradScalerInterface):
         self._state = ScaleState.initial(1.0)
         self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
+        self._scaled_at_update = 0  # ... at the last update() (a direct step: .direct)
+        self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
         self._stages = StageBook()
@@ -276,13 +278,14 @@ class LossScaler(GradScalerInterface):
         if flag is not None:
             flag = record.found_inf = self._reduced(flag)
             if owner and checks.skips_on_device(optimizer):  # no read: the kernels skip
-                optimizer.step(*args, grad_scale=record.grad_scale, found_inf=flag, **kwargs)
+                self._step(optimizer, args, dict(kwargs, grad_scale=record.grad_scale,
+                                                 found_inf=flag))
                 queued.flag = flag
                 return queued
             if not owner and checks.torch_skips_on_device(optimizer):  # (GradScaler's way)
                 optimizer.found_inf = flag  # (the gradients are unscaled: no grad_scale)
                 try:
-                    optimizer.step(*args, **kwargs)
+                    self._step(optimizer, args, kwargs)
                 finally:
                     del optimizer.found_inf
                 queued.flag = flag
@@ -291,13 +294,29 @@ class LossScaler(GradScalerInterface):
                 self._count_skip(queued, updated=False)
                 queued.stepped = False
                 return queued
-        if owner:
-            optimizer.step(*args, grad_scale=record.grad_scale, **kwargs)
-        else:
-            optimizer.step(*args, **kwargs)
+        self._step(optimizer, args,
+                   dict(kwargs, grad_scale=record.grad_scale) if owner else kwargs)
         self._counters.applied_steps += 1
         queued.stepped = True
         return queued
+
+    def _step(self, optimizer, args: tuple, kwargs: dict) -> None:
+        self._stepping = optimizer  # (not a direct step: .direct)
+        try:
+            optimizer.step(*args, **kwargs)
+        finally:
+            self._stepping = None
+
+    def carries_scale(self, optimizer) -> bool:
+        """Whether ``optimizer``'s gradients carry this scaler's loss scale right now, outside
+        its own ``step``: a loss was scaled since the last :meth:`update` and the optimizer's
+        gradients were not unscaled since, or a clip was folded into its step (no host sync)."""
+        if (not self._scales or optimizer is self._stepping
+                or self._scaled == self._scaled_at_update):
+            return False
+        record = self._stages.get(optimizer)
+        return (record is None or record.stage is Stage.READY
+                or (record.stage is Stage.UNSCALED and record.grad_scale is not None))
 
     def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
         """Whether the step ``queued`` (from :meth:`queue_step`) was applied; reads the flag when
@@ -361,6 +380,7 @@ class LossScaler(GradScalerInterface):
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{SEQUENCE}")
         self._stages.clear()
+        self._scaled_at_update = self._scaled
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1

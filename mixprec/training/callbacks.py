@@ -66,6 +66,9 @@ class LossMonitor(Callback):
         if (isinstance(per_print_times, bool) or not isinstance(per_print_times, int)
                 or per_print_times < 0):
             raise ValueError(f"per_print_times must be an integer >= 0; got {per_print_times!r}")
+        if not callable(print_fn):
+            raise TypeError(f"print_fn must be callable (print, a logger's info); got "
+                            f"{type(print_fn).__name__} {print_fn!r}")
         self.per_print_times = per_print_times
         self.print_fn = print_fn
 
@@ -99,6 +102,14 @@ class ModelCheckpoint(Callback):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}")
+        if not isinstance(every_epoch, bool):
+            raise TypeError(f"every_epoch must be True or False; got {every_epoch!r}")
+        if every_n_steps is None and not every_epoch:
+            raise ValueError("this ModelCheckpoint would never save: give every_n_steps, or "
+                             "keep every_epoch=True")
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "/\\"):
+            raise ValueError(f"prefix must be a non-empty file name prefix (no path "
+                             f"separator: the folder is directory=); got {prefix!r}")
         self.directory = Path(directory)
         self.every_n_steps = every_n_steps
         self.every_epoch = every_epoch
@@ -194,7 +205,8 @@ class FP8Monitor(Callback):
 
     def __init__(self, every_n_steps: int = 100, max_saturated: float = 1e-4,
                  max_underflow: float = 0.01):
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+        if (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be an integer >= 1; got {every_n_steps!r}")
         for name, value in (("max_saturated", max_saturated), ("max_underflow", max_underflow)):
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):
