@@ -567,23 +567,14 @@ def test_an_optimizer_collected_inside_a_trace_records_nothing_there(master):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Functions(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+    def recorder(base, hook: str):
+        """A ``base`` mode that records every call it sees (its ``hook`` method)."""
+        def record(self, func, types, args=(), kwargs=None):
             self.calls.append(func)
             return func(*args, **(kwargs or {}))
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func)
-            return func(*args, **(kwargs or {}))
+        mode = type("Recorder", (base,), {hook: record})()
+        mode.calls = []
+        return mode
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -592,7 +583,9 @@ def test_an_optimizer_collected_inside_a_trace_records_nothing_there(master):
     model(torch.randn(4, 8)).float().square().mean().backward()
     opt.step()
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    with Functions() as functions, Ops() as ops:
+    functions = recorder(TorchFunctionMode, "__torch_function__")
+    ops = recorder(TorchDispatchMode, "__torch_dispatch__")
+    with functions, ops:
         del opt
         gc.collect()
     assert functions.calls == [] and ops.calls == []
