@@ -151,9 +151,12 @@ def test_bad_models_and_optimizers():
     with pytest.raises(RuntimeError, match="twice"):
         amp.initialize([model, model], verbosity=0)
     other = nn.Linear(2, 2)  # an optimizer over another model: the model would never train
-    with pytest.raises(ValueError, match="not parameters of the models passed to initialize"):
+    with pytest.raises(ValueError, match="none of the parameters of the models passed"):
         amp.initialize(nn.Linear(2, 2), torch.optim.SGD(other.parameters(), lr=1),
                        opt_level="O2", verbosity=0)
+    own = nn.Linear(2, 2)  # (a tensor of its own beside the model's, a temperature: taken)
+    amp.initialize(own, torch.optim.SGD([*own.parameters(), nn.Parameter(torch.ones(()))],
+                                        lr=1), opt_level="O2", verbosity=0)
 
 
 def test_optimizer_and_model_initialized_once():

@@ -116,6 +116,43 @@ def test_a_direct_step_on_scaled_gradients_is_refused(level):
     opt.step()
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_direct_step_after_the_engines_or_of_another_optimizer_is_refused(level):
+    """Review holes of the refusal above, each a 65536x update (or one applied twice): the
+    second of two optimizers stepped directly after ``amp.step`` of the first (the scale
+    update hid it), a direct step after ``amp.step`` on the same gradients, and after
+    ``unscale_`` a backward then a direct step (O1). An optimizer whose gradients are all None
+    (a frozen part) steps directly as before (it does nothing)."""
+    amp = mp.MixedPrecision(level=level, dtype="fp16")
+    model = net()
+    head, body = list(model[-1].parameters()), list(model[0].parameters())
+    model, o1, o2 = amp.setup(model, torch.optim.SGD(head, lr=0.1),
+                              torch.optim.SGD(body, lr=0.1))
+    amp.backward(loss_of(model))
+    amp.step(o1)
+    with pytest.raises(RuntimeError, match="still carry the loss scale"):
+        o2.step()
+    with pytest.raises(RuntimeError, match="on the same gradients: the update would be applied"):
+        o1.step()
+    amp.step(o2)
+    o1.zero_grad()
+    o2.zero_grad()
+    amp.backward(loss_of(model, 1))
+    amp.unscale_(o1)
+    amp.backward(loss_of(model, 2))
+    with pytest.raises(RuntimeError, match="still carry the loss scale"):
+        o1.step()
+    o1.zero_grad()
+    o2.zero_grad()
+    model.requires_grad_(False)
+    for p in head:
+        p.requires_grad_(True)
+    amp.backward(loss_of(model, 3))
+    before = weights(model, o2) if level == "O2" else None
+    o2.step()  # no gradient: nothing to refuse
+    assert level == "O1" or same(before, weights(model, o2))
+
+
 def test_two_optimizers_stepped_apart_after_one_backward_are_fine():
     amp = mp.MixedPrecision(level="O2", dtype="fp16")
     model = net()

@@ -403,3 +403,28 @@ def test_a_compact_optimizer_s_clip_after_unscale_runs_on_fsdp2_shards(tmp_path,
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+def test_a_direct_step_of_an_fsdp2_optimizer_on_scaled_gradients_is_refused(tmp_path):
+    """``mp.parallel.fsdp(model, opt, mixed_precision=amp)`` is ``setup``'s FSDP2 form: its
+    optimizer is watched as ``setup``'s are (``amp.backward`` then ``opt.step()`` at fp16
+    applied a 65536x update)."""
+    import gc
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        amp = mp.MixedPrecision(level="O2", dtype="fp16", emulate_fp16=False)
+        net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        model, opt = mp.parallel.fsdp(net, torch.optim.AdamW(net.parameters(), lr=1e-2),
+                                      mixed_precision=amp)
+        amp.backward(model(torch.randn(4, 8)).float().square().mean())
+        with pytest.raises(RuntimeError, match="still carry the loss scale"):
+            opt.step()
+        assert amp.step(opt) is True
+        del model, opt
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -131,8 +131,7 @@ def open_session(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
     Raises:
         RuntimeError: a model or optimizer apex refused (see :func:`check_models`), or an
             optimizer passed to ``initialize`` before.
-        ValueError: bad loss-scale bounds; an optimizer over tensors that are not the models'
-            parameters.
+        ValueError: bad loss-scale bounds; an optimizer over none of the models' parameters.
     """
     scalers = [ApexLossScaler(props.loss_scale, min_loss_scale, max_loss_scale)
                for _ in range(num_losses)]
@@ -165,12 +164,14 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer], models: list) -> 
         if owns_gradients(opt):
             raise RuntimeError("pass the plain torch optimizer: amp.initialize adds fp32 master "
                                "weights itself (master_weights=True, the O2 default)")
-        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in owned]
-        if foreign:  # (mp.prepare refuses it too: the models would not train)
-            raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
-                             f"parameters of the models passed to initialize (shapes "
-                             f"{', '.join(str(tuple(p.shape)) for p in foreign[:3])}); build "
-                             f"it from model.parameters() of the models you pass")
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if params and not any(id(p) in owned for p in params):  # (apex takes a few tensors
+            raise ValueError(                                      # of their own beside them)
+                f"the optimizer holds none of the parameters of the models passed to "
+                f"initialize (its {len(params)} tensors have shapes "
+                f"{', '.join(str(tuple(p.shape)) for p in params[:3])}"
+                f"{', ...' if len(params) > 3 else ''}): the models would not train; build it "
+                f"from model.parameters() of the models you pass")
 
 
 def _amp_optimizers(optimizers) -> list[AmpOptimizer]:

@@ -52,6 +52,7 @@ from ..optim import build, is_master_optimizer
 from ..optim.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
+from ..scaling.direct import watch
 from .ddp import reduce_dtype_of
 
 __all__ = ["fsdp", "default_units", "wrap_sharded_optimizer", "broadcast_from_first_rank"]
@@ -258,7 +259,10 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     if optimizer is None:
         return model
     _rebind_optimizer(optimizer, names, model)
-    return model, _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
+    optimizer = _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
+    if mixed_precision is not None and mixed_precision.scaler is not None:
+        watch(optimizer, mixed_precision.scaler)  # (a direct step on scaled gradients: refused)
+    return model, optimizer
 
 
 def wrap_sharded_optimizer(model: nn.Module, optimizer, originals: dict):

@@ -58,7 +58,8 @@ class LossScaler(GradScalerInterface):
         self._state = ScaleState.initial(1.0)
         self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
-        self._scaled_at_update = 0  # ... at the last update() (a direct step: .direct)
+        self._handled: dict[int, tuple[int, bool]] = {}  # id(optimizer) -> (losses scaled
+        # when this scaler last unscaled or stepped its gradients, stepped): see .direct
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
@@ -117,6 +118,7 @@ class LossScaler(GradScalerInterface):
             else:
                 optimizer.unscale_grads_(record.grad_scale.reciprocal())
             record.grad_scale = None
+            self._handled[id(optimizer)] = (self._scaled, False)
 
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
@@ -181,6 +183,7 @@ class LossScaler(GradScalerInterface):
             record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
                                                                 inv_scale, self._state.device))
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
+        self._handled[id(optimizer)] = (self._scaled, False)
 
     @torch._disable_dynamo
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -273,6 +276,7 @@ class LossScaler(GradScalerInterface):
         else:
             self._check_no_backward_since(record, "step()", optimizer)
         record.stage = Stage.STEPPED
+        self._handled[id(optimizer)] = (self._scaled, True)
         queued = QueuedStep(optimizer, record, owner)
         flag = record.found_inf if self._checks else None
         if flag is not None:
@@ -307,16 +311,19 @@ class LossScaler(GradScalerInterface):
         finally:
             self._stepping = None
 
-    def carries_scale(self, optimizer) -> bool:
-        """Whether ``optimizer``'s gradients carry this scaler's loss scale right now, outside
-        its own ``step``: a loss was scaled since the last :meth:`update` and the optimizer's
-        gradients were not unscaled since, or a clip was folded into its step (no host sync)."""
-        if (not self._scales or optimizer is self._stepping
-                or self._scaled == self._scaled_at_update):
-            return False
-        record = self._stages.get(optimizer)
-        return (record is None or record.stage is Stage.READY
-                or (record.stage is Stage.UNSCALED and record.grad_scale is not None))
+    def direct_step_problem(self, optimizer) -> str | None:
+        """What is wrong with ``optimizer.step()`` called now, not through this scaler (None:
+        nothing, as far as it knows; no host sync): ``"scaled"``, a loss was scaled since this
+        scaler last unscaled or stepped its gradients (a clip folded into the step unscales
+        nothing), so they carry the scale; ``"again"``, this scaler stepped them and no loss was
+        scaled since. Only under a loss scale, where every backward is scaled (bf16 takes a
+        plain ``loss.backward()``, which this scaler does not see)."""
+        if not self._scales or optimizer is self._stepping:
+            return None
+        scaled, stepped = self._handled.get(id(optimizer), (0, False))
+        if self._scaled > scaled:
+            return "scaled"
+        return "again" if stepped else None
 
     def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
         """Whether the step ``queued`` (from :meth:`queue_step`) was applied; reads the flag when
@@ -380,7 +387,6 @@ class LossScaler(GradScalerInterface):
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{SEQUENCE}")
         self._stages.clear()
-        self._scaled_at_update = self._scaled
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1

@@ -107,9 +107,8 @@ class ModelCheckpoint(Callback):
         if every_n_steps is None and not every_epoch:
             raise ValueError("this ModelCheckpoint would never save: give every_n_steps, or "
                              "keep every_epoch=True")
-        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "/\\"):
-            raise ValueError(f"prefix must be a non-empty file name prefix (no path "
-                             f"separator: the folder is directory=); got {prefix!r}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string; got {prefix!r}")
         self.directory = Path(directory)
         self.every_n_steps = every_n_steps
         self.every_epoch = every_epoch
