@@ -961,6 +961,13 @@ def test_a_scale_float32_cannot_hold_or_invert_is_refused(make):
     assert mp.StaticLossScaler(2.0 ** -126).get_scale() == 2.0 ** -126
 
 
+def test_a_scale_above_float32s_largest_says_the_bound_exactly():
+    """2^128 read as 'got 3.4028e+38' against a bound printed as 3.403e+38: the bound is shown
+    whole now."""
+    with pytest.raises(ValueError, match=r"3\.4028234663852886e\+38\] \(float32's largest"):
+        mp.DynamicLossScaler(max_scale=2.0 ** 128)
+
+
 def test_grad_norm_after_another_optimizers_step_reads_the_carried_scale():
     """Two optimizers over one model, one backward: after ``amp.step(o1)`` grew the scale,
     ``amp.grad_norm(o2)`` divided by the new scale (half the true norm)."""

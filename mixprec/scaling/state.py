@@ -190,7 +190,8 @@ def positive_scale(name: str, value) -> float:
     v = _finite_number(name, value)
     if not _FP32_TINY <= v <= _FP32_MAX:
         raise ValueError(f"{name} must be positive, a float32 normal number in [2^-126, "
-                         f"{_FP32_MAX:.4g}] (its reciprocal finite); got {value!r}")
+                         f"{_FP32_MAX!r}] (float32's largest; its reciprocal finite); got "
+                         f"{value!r}")
     return v
 
 
