@@ -94,7 +94,7 @@ def state_ready(opt, bucket: list[list[torch.Tensor]]) -> bool:
     fused first step makes them): the bucket can step on its lists as the inner step would."""
     inner = opt.inner
     if type(inner) is torch.optim.SGD:  # buffers for every stepped tensor of a group, or none
-        return all(len({"momentum_buffer" in inner.state.get(t, ()) for t in tensors
+        return all(len({"momentum_buffer" in dict.get(inner.state, t, ()) for t in tensors
                         if step_grad(t) is not None}) <= 1
                    for group, tensors in zip(inner.param_groups, bucket) if group["momentum"])
     for group, tensors in zip(inner.param_groups, bucket):
@@ -102,8 +102,8 @@ def state_ready(opt, bucket: list[list[torch.Tensor]]) -> bool:
         for t in tensors:
             if step_grad(t) is None:
                 continue
-            entry = inner.state.get(t)
-            step = entry.get("step") if entry else None
+            entry = dict.get(inner.state, t)  # (its own keys: not MasterState's mapping,
+            step = entry.get("step") if entry else None  # a Python call per tensor)
             if (not torch.is_tensor(step) or step.dtype != torch.float32
                     or step.device != t.device or any(k not in entry for k in names)):
                 return False

@@ -68,7 +68,8 @@ def device_plan(opt, fused=None) -> tuple[bool, bool]:
                 continue
             if grad.is_sparse:
                 return False, False
-            if ready and key is not None and key not in state.get(t, ()):
+            if ready and key is not None and key not in dict.get(state, t, ()):  # (its own
+                # keys: not MasterState's mapping, a Python call per tensor per step)
                 ready = False
     return True, ready
 
