@@ -265,6 +265,7 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     check_materialised(model)
     policy = _recorded(model, policy)  # to_float marks: entries of the map from here on
     checks.check_names(model, policy)
+    checks.check_float64_model(model, policy)
     _check_marks(model, policy)
     for optimizer in optimizers:
         checks.check_optimizer(model, optimizer)

@@ -112,6 +112,22 @@ def check_optimizer(model: nn.Module, optimizer) -> None:
                          f"build it from model.parameters() of the model you prepare")
 
 
+def check_float64_model(model: nn.Module, policy: Policy) -> None:
+    """A policy that stores 16-bit weights casts the fp32 ones (fp64 ones are kept, as
+    ``torch.autocast`` leaves fp64 ops alone): a model whose floating parameters are all fp64
+    (``model.double()``) would keep them, its policy saying 16 bits, and fail later at a matmul
+    of its 16-bit inputs with its fp64 weights. Refused, saying what to write."""
+    if policy.param_dtype == torch.float32:
+        return
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if floating and all(p.dtype == torch.float64 for p in floating):
+        raise ValueError(
+            f"every floating parameter of this model is float64 ({len(floating)} of them): "
+            f"{policy} stores fp32 weights in {str(policy.param_dtype).split('.')[-1]} and "
+            f"keeps fp64 ones as they are, so nothing would be cast. Call model.float() before "
+            f"prepare (or use level='O0' or 'O1' to keep fp64)")
+
+
 def check_fp16_state(optimizer, policy: Policy) -> None:
     """Without masters, an fp16 model's Adam-style state is fp16 too: (1 - beta2) * g^2
     underflows for small gradients. With an eps below fp16's smallest normal the update then

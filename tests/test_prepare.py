@@ -492,6 +492,22 @@ def test_checkpoint_sequential_inside_a_forward_computes_as_the_plain_forward(le
     assert all(torch.equal(g, h) for g, h in zip(ga, gb))
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_an_fp64_model_at_a_16_bit_level_is_refused(level):
+    """``model.double()`` prepared at O2/O3 kept every weight fp64 (fp64 is left alone, as by
+    torch.autocast) while its policy said 16 bits, and failed at the first matmul of its
+    16-bit inputs ("mat1 and mat2 must have the same dtype"); refused up front. O1 keeps it,
+    and an fp64 parameter beside fp32 ones stays fp64 at O2."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    with pytest.raises(ValueError, match=r"every floating parameter .* float64 \(4 of them\)"
+                       r".*model\.float\(\)"):
+        mp.prepare(model, level=level, dtype="bf16")
+    assert mp.prepare(model, level="O1", dtype="bf16")[0].weight.dtype == torch.float64
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
+    mixed = mp.prepare(mixed, level="O2", dtype="bf16")
+    assert mixed[0].weight.dtype == torch.bfloat16 and mixed[1].weight.dtype == torch.float64
+
+
 def test_preparing_a_model_around_a_prepared_one_is_refused():
     """A model holding a sub-module prepared at O2 (or a sub-module of a prepared model) was
     accepted: its masters started from the bf16 rounding and its state_dict came from the first
