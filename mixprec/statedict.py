@@ -364,6 +364,12 @@ def _load_into(link: Companions | None, module, state_dict, prefix,
             comp = pairs.get(param)
             if (comp is not None and torch.is_tensor(value) and value.shape == comp.shape
                     and not (not_own and value.dtype == param.dtype)):
+                if value.is_meta or value.layout != torch.strided:  # (named, as torch does)
+                    raise RuntimeError(
+                        f'While copying the parameter named "{key}": ' + (
+                            "a meta tensor holds no values to load" if value.is_meta else
+                            f"a {value.layout} tensor does not copy into a dense parameter "
+                            f"(load value.to_dense())"))
                 # (torch's load_state_dict hands its hooks its own copy of the dict)
                 state_dict[key] = link.load(param, comp, value)
 

@@ -318,6 +318,19 @@ def test_what_a_state_dict_hook_puts_in_is_kept(master):
     assert all(torch.equal(v, exact[k]) for k, v in sd.items() if k != last)
 
 
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_a_value_without_dense_data_is_refused_naming_its_key(kind):
+    """A meta or sparse tensor in the loaded dict: torch names the parameter; mixprec's copy
+    into the masters raised "Cannot copy out of meta tensor" (a NotImplementedError) or a
+    dense/sparse copy error without the key."""
+    model, _ = trained("fp32", steps=1)
+    sd = model.state_dict()
+    sd["0.weight"] = (torch.zeros(sd["0.weight"].shape, device="meta") if kind == "meta"
+                      else torch.zeros(sd["0.weight"].shape).to_sparse())
+    with pytest.raises(RuntimeError, match='While copying the parameter named "0.weight"'):
+        model.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("master", ["fp32", "split", "kahan"])
 def test_state_dict_keys_renamed_by_a_sub_module_hook_keep_the_masters(master):
     """torch's activation-checkpoint wrapper renames its module's keys (its state-dict hooks
