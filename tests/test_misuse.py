@@ -99,11 +99,11 @@ def test_a_direct_step_on_scaled_gradients_is_refused(level):
     opt.zero_grad()
     before = weights(model, opt)
     amp.backward(loss_of(model, 1))
-    with pytest.raises(RuntimeError, match=r"still carry the loss scale \(x65536\).*amp\.step"):
+    with pytest.raises(RuntimeError, match=r"a loss was scaled \(x65536\).*amp\.step"):
         opt.step()
     if level == "O2":  # the scaler's own clip folds into the step (the engine's settles it)
         amp.scaler.clip_grad_norm_(opt, 1.0)
-        with pytest.raises(RuntimeError, match="still carry the loss scale"):
+        with pytest.raises(RuntimeError, match="a loss was scaled"):
             opt.step()
     assert same(before, weights(model, opt))
     amp.step(opt)  # (then the iteration goes on as usual)
@@ -117,10 +117,9 @@ def test_a_direct_step_on_scaled_gradients_is_refused(level):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_direct_step_after_the_engines_or_of_another_optimizer_is_refused(level):
-    """Review holes of the refusal above, each a 65536x update (or one applied twice): the
-    second of two optimizers stepped directly after ``amp.step`` of the first (the scale
-    update hid it), a direct step after ``amp.step`` on the same gradients, and after
+def test_a_direct_step_of_another_optimizer_or_after_a_new_backward_is_refused(level):
+    """Review holes of the refusal above, each a 65536x update: the second of two optimizers
+    stepped directly after ``amp.step`` of the first (the scale update hid it), and after
     ``unscale_`` a backward then a direct step (O1). An optimizer whose gradients are all None
     (a frozen part) steps directly as before (it does nothing)."""
     amp = mp.MixedPrecision(level=level, dtype="fp16")
@@ -130,17 +129,15 @@ def test_a_direct_step_after_the_engines_or_of_another_optimizer_is_refused(leve
                               torch.optim.SGD(body, lr=0.1))
     amp.backward(loss_of(model))
     amp.step(o1)
-    with pytest.raises(RuntimeError, match="still carry the loss scale"):
+    with pytest.raises(RuntimeError, match="a loss was scaled"):
         o2.step()
-    with pytest.raises(RuntimeError, match="on the same gradients: the update would be applied"):
-        o1.step()
     amp.step(o2)
     o1.zero_grad()
     o2.zero_grad()
     amp.backward(loss_of(model, 1))
     amp.unscale_(o1)
     amp.backward(loss_of(model, 2))
-    with pytest.raises(RuntimeError, match="still carry the loss scale"):
+    with pytest.raises(RuntimeError, match="a loss was scaled"):
         o1.step()
     o1.zero_grad()
     o2.zero_grad()
@@ -151,6 +148,33 @@ def test_a_direct_step_after_the_engines_or_of_another_optimizer_is_refused(leve
     before = weights(model, o2) if level == "O2" else None
     o2.step()  # no gradient: nothing to refuse
     assert level == "O1" or same(before, weights(model, o2))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_closure_that_scales_a_loss_is_refused_before_the_step(level):
+    """``opt.step(closure)`` whose closure calls ``amp.backward``: every step trained on
+    gradients carrying the loss scale (weights NaN in three steps); refused as the closure
+    returns, before the optimizer reads them, the weights untouched. A closure with a plain
+    ``loss.backward()`` steps."""
+    amp, model, opt = setup("fp16", level)
+    before = weights(model, opt)
+
+    def scaled():
+        opt.zero_grad()
+        loss = loss_of(model)
+        amp.backward(loss)
+        return loss
+    with pytest.raises(RuntimeError, match=r"closure scaled a loss \(amp\.backward\)"):
+        opt.step(scaled)
+    assert same(before, weights(model, opt))
+
+    def plain():
+        opt.zero_grad()
+        loss = loss_of(model)
+        loss.backward()
+        return loss
+    opt.step(plain)
+    assert not same(before, weights(model, opt))
 
 
 def test_two_optimizers_stepped_apart_after_one_backward_are_fine():

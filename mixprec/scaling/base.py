@@ -58,8 +58,8 @@ class LossScaler(GradScalerInterface):
         self._state = ScaleState.initial(1.0)
         self._carried: torch.Tensor | None = None  # the scale the last scaled loss carried
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
-        self._handled: dict[int, tuple[int, bool]] = {}  # id(optimizer) -> (losses scaled
-        # when this scaler last unscaled or stepped its gradients, stepped): see .direct
+        self._handled: dict[int, int] = {}  # id(optimizer) -> losses scaled when this scaler
+        # last unscaled or stepped its gradients: see .direct
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
@@ -118,7 +118,7 @@ class LossScaler(GradScalerInterface):
             else:
                 optimizer.unscale_grads_(record.grad_scale.reciprocal())
             record.grad_scale = None
-            self._handled[id(optimizer)] = (self._scaled, False)
+            self._handled[id(optimizer)] = self._scaled
 
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
@@ -183,7 +183,7 @@ class LossScaler(GradScalerInterface):
             record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
                                                                 inv_scale, self._state.device))
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
-        self._handled[id(optimizer)] = (self._scaled, False)
+        self._handled[id(optimizer)] = self._scaled
 
     @torch._disable_dynamo
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -276,7 +276,7 @@ class LossScaler(GradScalerInterface):
         else:
             self._check_no_backward_since(record, "step()", optimizer)
         record.stage = Stage.STEPPED
-        self._handled[id(optimizer)] = (self._scaled, True)
+        self._handled[id(optimizer)] = self._scaled
         queued = QueuedStep(optimizer, record, owner)
         flag = record.found_inf if self._checks else None
         if flag is not None:
@@ -311,19 +311,19 @@ class LossScaler(GradScalerInterface):
         finally:
             self._stepping = None
 
-    def direct_step_problem(self, optimizer) -> str | None:
-        """What is wrong with ``optimizer.step()`` called now, not through this scaler (None:
-        nothing, as far as it knows; no host sync): ``"scaled"``, a loss was scaled since this
-        scaler last unscaled or stepped its gradients (a clip folded into the step unscales
-        nothing), so they carry the scale; ``"again"``, this scaler stepped them and no loss was
-        scaled since. Only under a loss scale, where every backward is scaled (bf16 takes a
-        plain ``loss.backward()``, which this scaler does not see)."""
+    def direct_step_problem(self, optimizer) -> bool:
+        """Whether ``optimizer.step()`` called now, not through this scaler, would read
+        gradients that carry the loss scale (no host sync): a loss was scaled since this scaler
+        last unscaled or stepped them (a clip folded into the step unscales nothing). Only
+        under a loss scale (bf16 has none)."""
         if not self._scales or optimizer is self._stepping:
-            return None
-        scaled, stepped = self._handled.get(id(optimizer), (0, False))
-        if self._scaled > scaled:
-            return "scaled"
-        return "again" if stepped else None
+            return False
+        return self._scaled > self._handled.get(id(optimizer), 0)
+
+    @property
+    def losses_scaled(self) -> int:
+        """How many losses :meth:`scale` has scaled (a backward each, as a rule)."""
+        return self._scaled
 
     def read_step(self, queued: QueuedStep, updated: bool = True) -> bool:
         """Whether the step ``queued`` (from :meth:`queue_step`) was applied; reads the flag when

@@ -1,17 +1,16 @@
-"""A direct ``optimizer.step()`` on gradients that carry the loss scale, or that the scaler
-stepped already: refused.
+"""A direct ``optimizer.step()`` on gradients that carry the loss scale: refused.
 
 ``scaler.scale(loss).backward(); optimizer.step()`` (the scaler's ``step`` left out) applies an
-update ``scale`` times too large (x65536 by default), and a direct step after the scaler's, on
-the same gradients, applies the update twice (at O2, from gradients that still carry the
-scale); ``torch.amp.GradScaler`` lets both through. An optimizer :class:`mixprec.MixedPrecision`
-sets up (or ``mp.parallel.fsdp`` with it) is watched by its scaler: torch's global step
-pre-hook (installed once, mixprec's own: it does not count as a user's hook) refuses its
-``step()`` when it does not come from the scaler and
-:meth:`~mixprec.scaling.base.LossScaler.direct_step_problem` names a problem, unless the
-optimizer holds no gradient (a frozen part: the step does nothing) or the step takes a closure
-(which makes its own gradients). After ``unscale_`` (or the engine's clip) a direct step is
-taken, as torch takes it. Under a loss scale only: bf16 has none.
+update ``scale`` times too large (x65536 by default); ``torch.amp.GradScaler`` lets it through.
+An optimizer :class:`mixprec.MixedPrecision` sets up (or ``mp.parallel.fsdp`` with it) is
+watched by its scaler: torch's global step pre-hook (installed once, mixprec's own: it does not
+count as a user's hook) refuses its ``step()`` when it does not come from the scaler and a loss
+was scaled since the scaler last unscaled or stepped its gradients
+(:meth:`~mixprec.scaling.base.LossScaler.direct_step_problem`), unless the optimizer holds no
+gradient (a frozen part: the step does nothing). A step with a closure makes its own gradients:
+the closure is wrapped, and one that scales a loss is refused before the optimizer reads them.
+After ``unscale_`` (or the engine's clip) a direct step is taken, as torch takes it. Under a
+loss scale only: bf16 has none.
 """
 
 from __future__ import annotations
@@ -37,27 +36,45 @@ def watch(optimizer, scaler) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse_direct_step))
 
 
-def _refuse_direct_step(optimizer, args, kwargs) -> None:
+def _refuse_direct_step(optimizer, args, kwargs):
     ref = _WATCHED.get(optimizer)
     scaler = ref() if ref is not None else None
-    if scaler is None or kwargs.get("closure") is not None or any(map(callable, args[1:])):
-        return  # (torch's hook gets (self, *args): a closure makes its own gradients)
-    problem = scaler.direct_step_problem(optimizer)
-    if problem is None or not _holds_gradients(optimizer):
-        return
-    name = type(optimizer).__name__
-    if problem == "scaled":
+    if scaler is None:
+        return None
+    closure = kwargs.get("closure")
+    at = next((i for i, a in enumerate(args[1:], 1) if callable(a)), None)  # (self, *args)
+    if closure is not None or at is not None:  # it makes its own gradients: checked as it runs
+        return _checked_closure(scaler, optimizer, args, kwargs, at)
+    if scaler.direct_step_problem(optimizer) and _holds_gradients(optimizer):
         raise RuntimeError(
-            f"{name}.step() called directly after a scaled backward: the gradients still carry "
-            f"the loss scale (x{scaler.get_scale():g}), and the step would apply an update that "
-            f"many times too large. Step through the engine, amp.step(opt) (it unscales, skips "
-            f"a step whose gradients hold inf/NaN and updates the scale), or scaler.step(opt) "
+            f"{type(optimizer).__name__}.step() called directly after a scaled backward: a "
+            f"loss was scaled (x{scaler.get_scale():g}) since the scaler last unscaled or "
+            f"stepped this optimizer's gradients, and the step would apply an update that many "
+            f"times too large. Step through the engine, amp.step(opt) (it unscales, skips a "
+            f"step whose gradients hold inf/NaN and updates the scale), or scaler.step(opt) "
             f"then scaler.update(); or call amp.unscale_(opt) first")
-    raise RuntimeError(
-        f"{name}.step() called directly after amp.step(opt) (or scaler.step(opt)) on the same "
-        f"gradients: the update would be applied twice (at O2 from gradients that still carry "
-        f"the loss scale). Per iteration: amp.backward(loss), then amp.step(opt), then "
-        f"opt.zero_grad()")
+    return None
+
+
+def _checked_closure(scaler, optimizer, args, kwargs, at):
+    """``(args, kwargs)`` with the closure wrapped: one that scales a loss (``amp.backward``)
+    is refused before the optimizer reads its gradients (GradScaler refuses closures too)."""
+    closure = kwargs["closure"] if at is None else args[at]
+
+    def checked():
+        before = scaler.losses_scaled
+        loss = closure()
+        if scaler.is_enabled() and scaler.losses_scaled != before:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(closure) whose closure scaled a loss "
+                f"(amp.backward): the optimizer would step on gradients that carry the loss "
+                f"scale. A step that re-evaluates the loss (LBFGS) cannot run under a loss "
+                f"scale, as torch.amp.GradScaler refuses a closure: train in bf16 (no loss "
+                f"scale), or call loss.backward() in the closure at O0/O1 without scaling")
+        return loss
+    if at is None:
+        return args, {**kwargs, "closure": checked}
+    return (*args[:at], checked, *args[at + 1:]), kwargs
 
 
 def _holds_gradients(optimizer) -> bool:
