@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from .callsite import user_stacklevel
 from .dtypes import TRAINING_DTYPES, dtype_name
 
 __all__ = ["device_capabilities", "cpu_flags", "cpu_model", "is_fast", "warn_if_slow",
@@ -251,7 +252,7 @@ def warn_if_slow(dtype: torch.dtype, device=None) -> None:
         hint = (" mixprec emulates fp16 matmul/conv with fp32 arithmetic on fp16-rounded values "
                 "here (see mixprec.emulation), so numerics are fp16's but speed is fp32's.")
     warnings.warn(f"{name} is not fast on {caps['name']}: {info['why']}.{hint}",
-                  SlowDtypeWarning, stacklevel=3)
+                  SlowDtypeWarning, stacklevel=user_stacklevel())
 
 
 class SlowDtypeWarning(UserWarning):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import hardware, lowbit, masters
+from .callsite import user_stacklevel
 from .dtypes import TRAINING_DTYPES, dtype_name, to_dtype
 from .norms import NORM_LAYERS, NormLayer, is_norm_layer
 from .precision import Precision, type_from_path, type_path
@@ -45,7 +46,7 @@ def resolve_dtype(dtype: Any = "auto", device=None, *, warn: bool = True) -> tor
         if resolved == torch.float32 and warn:
             warnings.warn(f"dtype='auto' resolved to fp32 on {caps['device']}: "
                           f"{caps['auto_reason']}",
-                          hardware.SlowDtypeWarning, stacklevel=3)
+                          hardware.SlowDtypeWarning, stacklevel=user_stacklevel())
         return resolved
     try:
         resolved = to_dtype(dtype)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import vocabulary
+from .callsite import user_stacklevel
 from .casting import PREPARED_ATTR
 from .emulation import check_mode
 from .formats import get as float_format
@@ -152,7 +153,7 @@ def check_fp16_state(optimizer, policy: Policy) -> None:
                 f"{_FP16.min_normal:.2g}")
         warnings.warn(f"{what}: Adam's normalisation is lost for those gradients. Level 'O2' "
                       f"(fp32 masters and state) or dtype='bf16' keep it", UserWarning,
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
 
 
 def check_one_of(policy, level, dtype) -> None:

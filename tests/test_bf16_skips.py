@@ -417,3 +417,19 @@ def test_a_loss_scaled_without_a_backward_after_a_clip_changes_nothing(master):
     scaler.clip_grad_norm_(opt, 0.5)
     scaler.scale(loss.detach())
     assert scaler.step(opt)
+
+
+def test_the_first_skip_warning_points_at_the_users_line():
+    """It pointed at ``torch/_dynamo/eval_frame.py`` (the step runs eagerly under dynamo's
+    wrapper): the warning names the line of this file that called ``amp.step`` or
+    ``scaler.step``."""
+    model = net()
+    amp = mp.MixedPrecision(level="O2", dtype="bf16")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, _ = batch(0)
+    amp.backward(model(x).float().sum() * float("inf"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp.step(opt)
+    skips = [w for w in caught if "skipped a step" in str(w.message)]
+    assert len(skips) == 1 and skips[0].filename == __file__

@@ -34,6 +34,7 @@ DOC = ROOT / "docs" / "internals.md"
 #: bottom first: a room may import its own layer and the layers below
 LAYERS = (
     ("foundations", ("dtypes", "hardware", "formats", "components", "kernel_table", "shards",
+                     "callsite",
                      "norms", "forwards", "distenv", "oplists", "emulation", "modulecasts",
                      "hfsave", "benchmodels", "integrity")),
     ("master methods", ("masters",)),

@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..callsite import user_stacklevel
 from ..dtypes import is_low_precision
 from ..shards import grad_version
 from ..shards import local as _local
@@ -356,7 +357,8 @@ class LossScaler(GradScalerInterface):
             if raises:
                 queued.record.bad_params = names
             elif first:
-                warnings.warn(self._first_skip_message(names), RuntimeWarning, stacklevel=4)
+                warnings.warn(self._first_skip_message(names), RuntimeWarning,
+                              stacklevel=user_stacklevel())
         if queued.owner:
             opt.drop_master_grads()
 
