@@ -274,7 +274,15 @@ class MixedPrecision:
     def unscale_(self, optimizer) -> None:
         """Make ``optimizer``'s gradients read as the true (unscaled) ones, and check them for
         inf/NaN (at most once per optimizer per step; see :meth:`LossScaler.unscale_`)."""
+        self._measure_as_left(optimizer)
         self._ready().unscale_(optimizer)
+
+    def _measure_as_left(self, optimizer) -> None:
+        """A recorded step's underflow counts, taken before an unscale or a clip changes the
+        gradients the backward stored."""
+        if (self.monitor is not None and self.monitor.recording
+                and self._ready().stage_of(optimizer) == "ready"):
+            self.monitor.measure_underflow(optimizer)
 
     def is_unscaled(self, optimizer) -> bool:
         """True when :meth:`unscale_`, :meth:`clip_grad_norm_` or :meth:`clip_grad_value_` ran on
@@ -294,6 +302,7 @@ class MixedPrecision:
         is the clipped, true gradient the step uses; that takes fp32 gradients until the step
         (``step(optimizer, max_grad_norm=...)`` clips inside the step with no fp32 copy).
         """
+        self._measure_as_left(optimizer)
         total = self._ready().clip_grad_norm_(optimizer, max_norm, norm_type)
         self._show_clipped(optimizer)
         if self.monitor is not None and norm_type == 2.0:  # the step's record: the norm before

@@ -200,13 +200,13 @@ class Policy:
 
     def _check_masters(self) -> None:
         object.__setattr__(self, "master", masters.resolve(self.master))
-        if self.param_dtype != _FP32:
-            self.master.check_dtype(self.param_dtype)
         asked = ([f"master={str(self.master)!r}"] if self.master.compact else []) + (
             [f"state_dtype={dtype_name(self.state_dtype)!r}"] if self.state_dtype != _FP32 else [])
-        if asked and not self.master_weights:
-            raise ValueError(no_masters_message(" and ".join(asked), self.level,
-                                                self.param_dtype))
+        if asked and not self.master_weights:  # (first: a method's dtype advice would send
+            raise ValueError(no_masters_message(" and ".join(asked), self.level,  # the user
+                                                self.param_dtype))  # to another refusal)
+        if self.param_dtype != _FP32:
+            self.master.check_dtype(self.param_dtype)
 
     # -- per-module precision (views of ``modules``) -------------------------------------------
     def module_dtype(self, module: nn.Module, name: str) -> torch.dtype | None:

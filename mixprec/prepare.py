@@ -279,6 +279,10 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     originals = _cast_model(model, policy, device_type, _trained(optimizers, policy))
     if policy.master_weights and optimizers:
         optimizers = wrap_late(model, optimizers, originals, policy)
+    elif policy.param_dtype != _FP32:  # O3: state made before (Adagrad's sums, a step taken)
+        for optimizer in optimizers:  # in the 16-bit parameters' dtype, as torch's load
+            if optimizer is not None and optimizer.state:  # casts it
+                optimizer.load_state_dict(optimizer.state_dict())
     if (policy.is_mixed or policy.autocast or policy.cast_inputs
             or policy.output_dtype not in (None, _FP32)):  # (an fp32 policy's outputs cast)
         in_dtype = policy.compute_dtype if policy.cast_inputs else None

@@ -130,28 +130,32 @@ def check_float64_model(model: nn.Module, policy: Policy) -> None:
 
 
 def check_fp16_state(optimizer, policy: Policy) -> None:
-    """Without masters, an fp16 model's Adam-style state is fp16 too: (1 - beta2) * g^2
-    underflows for small gradients. With an eps below fp16's smallest normal the update then
-    divides by (almost) zero: refused. With a larger eps it stays finite but loses Adam's
-    normalisation there: said once, as a warning."""
+    """Without masters, an fp16 model's Adam- or RMSprop-style state is fp16 too:
+    (1 - beta2) * g^2 (RMSprop's (1 - alpha) * g^2) underflows for small gradients. With an
+    eps below fp16's smallest normal the update then divides by (almost) zero: refused. With a
+    larger eps it stays finite but loses the normalisation there: said once, as a warning."""
     if optimizer is None or policy.master_weights or policy.param_dtype != torch.float16:
         return
     for i, group in enumerate(optimizer.param_groups):
-        if not ("betas" in group and "eps" in group):
+        if "eps" not in group or not ("betas" in group or "alpha" in group):
             continue
-        beta2, eps = float(group["betas"][1]), float(group["eps"])
-        smallest = adam_state_underflow(beta2)
-        what = (f"{type(optimizer).__name__} (param_groups[{i}]: betas={tuple(group['betas'])}, "
-                f"eps={eps:g}) keeps its moment estimates in fp16 under {policy} (no master "
-                f"weights): (1 - beta2) * grad^2 rounds to 0 in fp16 for every |grad| <= "
-                f"{smallest:.2e}, and the update there is m / eps")
+        rate = ("betas", tuple(group["betas"])) if "betas" in group else ("alpha",
+                                                                          group["alpha"])
+        decay = float(group["betas"][1]) if "betas" in group else float(group["alpha"])
+        eps = float(group["eps"])
+        smallest = adam_state_underflow(decay)
+        what = (f"{type(optimizer).__name__} (param_groups[{i}]: {rate[0]}={rate[1]}, "
+                f"eps={eps:g}) keeps its second-moment estimates in fp16 under {policy} (no "
+                f"master weights): (1 - {'beta2' if rate[0] == 'betas' else 'alpha'}) * grad^2 "
+                f"rounds to 0 in fp16 for every |grad| <= {smallest:.2e}, and the update there "
+                f"is divided by eps")
         if eps < _FP16.min_normal:
             raise ValueError(
-                f"{what}, with an eps below fp16's smallest normal {_FP16.min_normal:.2g}: "
+                f"{what}, with an eps below fp16's smallest normal {_FP16.min_normal!r}: "
                 f"inf/NaN weights. Use level='O2' (fp32 masters and optimizer state), "
                 f"dtype='bf16' (fp32's exponent range), an SGD-style optimizer, or eps >= "
-                f"{_FP16.min_normal:.2g}")
-        warnings.warn(f"{what}: Adam's normalisation is lost for those gradients. Level 'O2' "
+                f"{_FP16.min_normal!r} (2^-14)")
+        warnings.warn(f"{what}: the normalisation is lost for those gradients. Level 'O2' "
                       f"(fp32 masters and state) or dtype='bf16' keep it", UserWarning,
                       stacklevel=user_stacklevel())
 

@@ -237,7 +237,7 @@ def run(level, dtype, scaling, layout, opt_name, clip, ckpt=None, device="cpu"):
     model = build(layout, ckpt, device)
     opt = make_optimizer(opt_name, model.parameters())
     if refused(level, dtype, opt_name):
-        with pytest.raises(ValueError, match="keeps its moment estimates in fp16"):
+        with pytest.raises(ValueError, match="keeps its second-moment estimates in fp16"):
             mp.prepare(model, opt, level=level, dtype=dtype)
         return None, None
     model, opt = mp.prepare(model, opt, level=level, dtype=dtype)

@@ -144,6 +144,29 @@ def test_grad_underflow_counts_values_below_the_smallest_normal_at_the_current_s
     assert record["mixprec/grad_norm"] == pytest.approx(float(true.norm()), rel=1e-3)
 
 
+@pytest.mark.parametrize("clip", [None, "folded", "engine", "unscale then torch"])
+def test_grad_underflow_is_the_backwards_and_a_clip_does_not_change_it(clip):
+    """A clip that acts changes no 16-bit gradient the backward stored: the fraction stays
+    8/32 (it read 1.0 when the clip's factor entered the threshold, folded or applied)."""
+    lin = nn.Linear(4, 8)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.zero_()
+    monitor = mp.PrecisionMonitor(every=1)
+    amp = mp.MixedPrecision("O2", "fp16", loss_scale=mp.StaticLossScaler(2.0 ** 10),
+                            monitor=monitor, emulate_fp16=False)
+    model, opt = amp.setup(nn.Sequential(lin), torch.optim.SGD(lin.parameters(), lr=0.0))
+    x = torch.tensor([[2.0 ** -14, 2.0 ** -6, 1.0, 4.0]])  # held weight-gradient columns:
+    amp.backward(model(x).float().sum() * 2.0 ** -22)  # 0, 2^-18 (subnormal), 2^-12, 2^-10
+    if clip == "engine":
+        amp.clip_grad_norm_(opt, 1e-7)
+    elif clip == "unscale then torch":
+        amp.unscale_(opt)  # (fp16: the optimizer's fp32 gradients, as documented)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1e-7)
+    amp.step(opt, max_grad_norm=1e-7 if clip == "folded" else None)
+    assert monitor.records[0]["mixprec/0/grad_underflow"] == pytest.approx(8 / 32)
+
+
 def test_activation_amax_and_headroom_are_the_largest_output_and_its_binades_to_fp16_max():
     monitor = mp.PrecisionMonitor(every=1, layers=["0"])
     amp = mp.MixedPrecision("O2", "fp16", monitor=monitor)

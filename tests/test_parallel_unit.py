@@ -228,12 +228,13 @@ def test_plan_counts_bytes_per_rank_for_each_strategy_and_level():
     assert plan(n, level="O2", dtype="fp32", strategy="single").masters == 0
 
 
-@pytest.mark.filterwarnings("ignore:Adam .* keeps its moment estimates in fp16")
+@pytest.mark.filterwarnings("ignore:Adam .* keeps its second-moment estimates in fp16")
 @pytest.mark.parametrize("level,dtype", [("O3", "bf16"), ("O3", "fp16"), ("O2", "bf16")])
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_the_planned_optimizer_state_is_what_a_prepared_optimizer_holds(optimizer, level, dtype):
-    """Adagrad makes its state when constructed, from the fp32 model: fp32 at O3 (the plan said
-    2 bytes where 4 were held); Adam makes its state at its first step, in the weights' dtype."""
+    """Adagrad makes its state when constructed, from the fp32 model: O3 casts it to the 16-bit
+    weights' dtype (it stayed fp32, and trained apart from the model cast by hand); Adam makes
+    its state at its first step, in the weights' dtype: the plan says what is held."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Linear(128, 64))
     kind = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[optimizer]
     model, opt = mp.prepare(model, kind(model.parameters(), lr=1e-3, **(

@@ -89,6 +89,10 @@ def test_the_other_master_refusals_name_what_was_passed():
     with pytest.raises(ValueError) as info:  # fp32 masters at O3: there are none
         mp.MixedPrecision(level="O3", dtype="bf16", master="fp32")
     assert str(info.value).startswith(f"master='fp32': {O2_ONLY}; level O3 has none")
+    for master in ("split", "stochastic"):  # (at O3 fp16 the fp16 advice came first, and
+        with pytest.raises(ValueError) as info:  # sent the user to master='kahan', refused)
+            mp.MixedPrecision(level="O3", dtype="fp16", master=master)
+        assert str(info.value).startswith(f"master='{master}': {O2_ONLY}; level O3 has none")
     with pytest.raises(ValueError) as info:
         mp.MixedPrecision(level="O1", dtype="bf16", state_dtype="bf16")
     assert str(info.value).startswith(f"state_dtype='bf16': {O2_ONLY}; level O1 has none")

@@ -237,6 +237,50 @@ def test_o3_fp16_with_adam_state_in_fp16_is_refused(make):
                level="O3", dtype="fp16")
 
 
+def test_o3_fp16_rmsprop_with_its_state_in_fp16_is_refused_too():
+    """RMSprop's (1 - alpha) * g^2 underflows the same way: at its defaults (eps 1e-8) every
+    weight went inf at the first step, accepted silently (then each step was skipped, blaming
+    the forward). The eps bound is printed whole (it read 'eps >= 6.1e-05' for a refused
+    6.1e-5)."""
+    model = five_linear()
+    with pytest.raises(ValueError, match=r"RMSprop .*alpha=0\.99.*\(1 - alpha\) \* grad\^2 "
+                                         r"rounds to 0.*eps >= 6\.103515625e-05 \(2\^-14\)"):
+        mp.prepare(model, torch.optim.RMSprop(model.parameters(), lr=1e-3), level="O3",
+                   dtype="fp16")
+    with pytest.raises(ValueError, match=r"eps >= 6\.103515625e-05"):
+        mp.prepare(model, torch.optim.AdamW(model.parameters(), eps=6.1e-5), level="O3",
+                   dtype="fp16")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # (its sums made in its constructor)
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2)])  # (stepped once in fp32 before prepare)
+def test_o3_casts_optimizer_state_made_before_prepare(make):
+    """O3 trains the 16-bit parameters with their optimizer as torch's would after a cast:
+    state made before ``prepare`` stayed fp32 (Adagrad trained 4.6e-2 apart from the model cast
+    by hand; an AdamW stepped before failed at its next step)."""
+    torch.manual_seed(0)
+    model = five_linear()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    x = torch.randn(4, 8)
+    for m, o in ((model, opt), (reference, ref_opt)):  # (a step in fp32 before the cast)
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    reference = reference.bfloat16()
+    ref_opt.load_state_dict(ref_opt.state_dict())  # (torch's load casts the state)
+    model, opt = mp.prepare(model, opt, level="O3", dtype="bf16")
+    for m, o in ((model, opt), (reference, ref_opt)):
+        for _ in range(3):
+            m(x.bfloat16()).float().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for k, v in s.items()
+               if torch.is_tensor(v) and k != "step")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 def test_custom_op_lists_pickle_by_name():
     """Tensor.__pow__ is a Python wrapper pickle can't look up: contexts pickle op names."""
     model = five_linear()

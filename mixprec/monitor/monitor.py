@@ -100,6 +100,7 @@ class PrecisionMonitor(EngineObserver):
         self._loss: torch.Tensor | None = None
         self._window = 0
         self._clipped: dict[int, torch.Tensor] = {}  # a hand clip's norm, until the step
+        self._measured: dict[int, dict] = {}  # underflow counts taken before an unscale/clip
         self._closed_at = 0  # the step count of the last closing record
         self._reset_step()
 
@@ -146,6 +147,30 @@ class PrecisionMonitor(EngineObserver):
         record reports (its gradients, clipped, no longer have it)."""
         self._clipped[id(optimizer)] = norm
 
+    def measure_underflow(self, optimizer) -> None:
+        """Count the gradients below the smallest normal now, as the backward left them, before
+        an unscale or a clip changes them (a recorded step only; the step's record takes these
+        counts)."""
+        self._measured[id(optimizer)] = self._underflow_of(optimizer, gradient_pairs(optimizer))
+
+    def _underflow_of(self, optimizer, grads: dict) -> dict:
+        """Per layer, ``[values below the smallest normal at the loss scale, nonzero values]``
+        of the gradients as held, at the scale they carry from the backward (a clip does not
+        enter: it changes no 16-bit gradient the backward stored)."""
+        scaler = self._engine.scaler
+        smallest = formats.get(self._engine.policy.compute_dtype).min_normal
+        scale = scaler.scale_tensor if scaler.is_enabled() else torch.ones(
+            (), device=scaler.scale_tensor.device)
+        carried = scaler.carried_scale(optimizer)
+        counts = {}
+        for name, held in self._params.items():
+            params = [p for p in held if p in grads]
+            if params:
+                counts[name] = underflow_counts(
+                    [grads[p] for p in params if not grads[p].is_sparse], carried, scale,
+                    smallest)
+        return counts
+
     def before_step(self, optimizer, norm: torch.Tensor | None) -> None:
         """Measure ``optimizer``'s gradients and step an fp32 probe (a recorded step only)."""
         if norm is None:
@@ -165,17 +190,11 @@ class PrecisionMonitor(EngineObserver):
             if carried is not None:
                 norm = norm / carried.to(norm.device)
             (self._shard_norm_sq if sharded else self._norm_sq).append(norm.float().pow(2))
-        smallest = formats.get(self._engine.policy.compute_dtype).min_normal
-        scale = scaler.scale_tensor if scaler.is_enabled() else torch.ones(
-            (), device=scaler.scale_tensor.device)
-        mine = {}
-        for name, held in self._params.items():
-            params = [p for p in held if p in grads]
-            if not params:
-                continue
-            mine[name] = params
-            counts = underflow_counts([grads[p] for p in params if not grads[p].is_sparse],
-                                      carried, scale, smallest)
+        mine = {name: [p for p in held if p in grads] for name, held in self._params.items()}
+        mine = {name: params for name, params in mine.items() if params}
+        measured = self._measured.pop(id(optimizer), None)
+        for name, counts in (measured if measured is not None
+                             else self._underflow_of(optimizer, grads)).items():
             self._underflow[name] = self._underflow.get(name, 0) + counts
         self._probes[id(optimizer)] = UpdateProbe(optimizer, mine, carried)
 

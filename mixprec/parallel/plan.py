@@ -12,8 +12,8 @@ The model counts what stays allocated through a training step, per rank:
   16-bit shard);
 * optimizer state: the optimizer's moments, in the dtype it steps in (fp32 at O0-O2, or the
   ``state_dtype`` given at O2; the 16-bit dtype at O3, where torch's optimizers keep state in the
-  parameters' dtype, except Adagrad's, made in fp32 when the optimizer is constructed, before
-  the model is cast: :data:`STATE_AT_CONSTRUCTION`).
+  parameters' dtype: state made before ``prepare``, as Adagrad makes its sums when constructed,
+  is cast to it there).
 
 Not counted: activations, the transient fp32 copies of 16-bit gradients a master step makes, and,
 under FSDP, the all-gathered parameters of the unit being computed.
@@ -44,9 +44,6 @@ __all__ = ["MemoryPlan", "plan", "plan_table", "parse_count", "OPTIMIZER_MOMENTS
 #: Moments (state tensors the size of the parameters) each optimizer keeps.
 OPTIMIZER_MOMENTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1, "lion": 1,
                      "adam": 2, "adamw": 2}
-#: Optimizers that make their state when they are constructed, over the fp32 model, before
-#: ``prepare`` casts it: fp32 at O3 too (a master optimizer casts it to its ``state_dtype``).
-STATE_AT_CONSTRUCTION = ("adagrad",)
 STRATEGIES = ("single", "ddp", "fsdp")
 #: (master, state_dtype) pairs of O2 that ``plan_table(compact=True)`` lists.
 COMPACT_OPTIONS = tuple((m, s) for m in masters.shorthands() for s in ("fp32", "bf16"))
@@ -223,7 +220,6 @@ def plan(params, *, level: str = vocabulary.Default("O2"), dtype=vocabulary.Defa
     if strategy == "fsdp" and policy.master_weights and not policy.master.compact:
         stored, kept = 4, 0                          # fp32 shards, gathered in the 16-bit dtype
     step_bytes = (policy.state_dtype.itemsize if policy.master_weights
-                  else 4 if opt in STATE_AT_CONSTRUCTION
                   else gather)                       # the optimizer state's dtype
     per_param = {"parameters": stored, "masters": kept, "gradients": stored,
                  "optimizer_state": OPTIMIZER_MOMENTS[opt] * step_bytes}

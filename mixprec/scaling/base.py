@@ -108,6 +108,14 @@ class LossScaler(GradScalerInterface):
             return self._grads_scale() if self._scales else None
         return record.grad_scale if record.stage is Stage.UNSCALED else None
 
+    def carried_scale(self, optimizer) -> torch.Tensor | None:
+        """The loss scale ``optimizer``'s gradients hold as the backward left them (no host
+        sync): the scale while ``"ready"`` or ``"folded"`` (a folded clip changes no gradient),
+        None once they were unscaled."""
+        if self.stage_of(optimizer) in ("ready", "folded") and self._scales:
+            return self._grads_scale()
+        return None
+
     def settle_(self, optimizer) -> None:
         """Apply a clip folded into an owner's step now, with the step's arithmetic: its fp32
         gradients (and the model's, rounded) read as the clipped true ones the step uses."""
