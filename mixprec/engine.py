@@ -461,7 +461,7 @@ class MixedPrecision:
         state = {"policy": None if self.policy is None else self.policy.state_dict(),
                  "scaler": self._ready().state_dict()}
         if self.monitor is not None:
-            state["monitor"] = {"step": self.monitor.step}
+            state["monitor"] = self.monitor.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -490,7 +490,7 @@ class MixedPrecision:
         check_policy(state["policy"], self.policy)
         self.scaler.load_state_dict(state["scaler"])
         if self.monitor is not None and state.get("monitor") is not None:
-            self.monitor.resume_at(state["monitor"]["step"])
+            self.monitor.load_state_dict(state["monitor"])
 
 
 def _grads(optimizer) -> Iterator[torch.Tensor]:

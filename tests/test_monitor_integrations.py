@@ -1,6 +1,7 @@
 """PrecisionMonitor inside Lightning (through the trainer's loggers) and the Hugging Face Trainer
 (through Trainer.log, so report_to reaches it): real runs on the real packages."""
 
+import copy
 import csv
 import warnings
 
@@ -122,30 +123,65 @@ def test_a_resumed_trainer_records_at_the_steps_the_uninterrupted_run_would(tmp_
     assert [s for s, _ in series["mixprec/loss_scale"]] == [0, 2, 4, 6, 8, 10]
 
 
+def _linear_run(every: int):
+    """An engine with a monitor recording every ``every`` steps, a Linear and its SGD."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    amp = mp.MixedPrecision("O2", "bf16", monitor=mp.PrecisionMonitor(every=every))
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return amp, model, opt
+
+
 def test_the_engine_state_carries_the_monitors_step():
     """What Lightning's and Accelerate's checkpoints hold of mixprec (the engine's state):
     a resumed run's monitor continues from the saved step (Lightning's restarted at 0)."""
     def run():
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        amp = mp.MixedPrecision("O2", "bf16", monitor=mp.PrecisionMonitor(every=2))
-        model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        return amp, model, opt
+        return _linear_run(2)
     amp, model, opt = run()
     for _ in range(3):
         amp.backward(model(torch.randn(2, 4)).float().sum())
         amp.step(opt)
         opt.zero_grad()
     state = amp.state_dict()
-    assert state["monitor"] == {"step": 3}
+    assert state["monitor"] == {"step": 3, "loss_steps": 0, "loss_sum": None}  # (2 recorded)
     amp2, model2, opt2 = run()
     amp2.load_state_dict(state)
     assert amp2.monitor.step == 3 and not amp2.monitor.recording
     plain = mp.MixedPrecision("O2", "bf16")
     plain.setup(nn.Linear(4, 2))
     plain.load_state_dict(state)  # a run without a monitor loads it, ignoring the count
+    amp2.load_state_dict({**state, "monitor": {"step": 3}})  # (written before the loss window)
+    assert amp2.monitor.step == 3
     with pytest.raises(ValueError, match="step must be an integer"):
         amp2.monitor.resume_at(-1)
+
+
+def test_a_resumed_runs_first_loss_record_averages_the_uninterrupted_runs_steps():
+    """A checkpoint between two records: the resumed run's first ``mixprec/loss`` averaged
+    only the steps after the resume (1.35 where the uninterrupted run recorded 1.21, the mean
+    of steps 4-6); the checkpoint keeps the loss summed since the last record."""
+    def run():
+        return _linear_run(3)
+
+    def steps(amp, model, opt, which):
+        for i in which:
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+            amp.backward(model(x).float().square().mean())
+            amp.step(opt)
+            opt.zero_grad()
+    amp, model, opt = run()
+    steps(amp, model, opt, range(7))
+    whole = [r["mixprec/loss"] for r in amp.monitor.records]
+    amp, model, opt = run()
+    steps(amp, model, opt, range(5))
+    saved = (copy.deepcopy(amp.state_dict()), copy.deepcopy(model.state_dict()),
+             copy.deepcopy(opt.state_dict()))
+    amp2, model2, opt2 = run()
+    amp2.load_state_dict(saved[0])
+    model2.load_state_dict(saved[1])
+    opt2.load_state_dict(saved[2])
+    steps(amp2, model2, opt2, range(5, 7))
+    assert [r["mixprec/loss"] for r in amp2.monitor.records] == [whole[-1]]
 
 
 def test_mixprec_trainer_logs_the_monitor_at_the_step_of_its_own_log(tmp_path):

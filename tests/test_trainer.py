@@ -688,6 +688,8 @@ def test_a_scheduler_of_another_optimizer_and_loose_flags_are_refused():
             Trainer(model, F.cross_entropy, opt, **{name: "no"})
     with pytest.raises(ValueError, match="every_n_steps must be None or an integer >= 1"):
         ModelCheckpoint("ckpt", every_n_steps=True)
+    with pytest.raises(TypeError, match="Trainer steps without a closure, and LBFGS"):
+        Trainer(model, F.cross_entropy, torch.optim.LBFGS(model.parameters()))
 
 
 def test_callbacks_refuse_what_they_would_misread():

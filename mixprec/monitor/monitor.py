@@ -99,6 +99,7 @@ class PrecisionMonitor(EngineObserver):
         self._hooks: list = []
         self._loss: torch.Tensor | None = None
         self._window = 0
+        self._loss_resumed: float | None = None  # a checkpoint's loss sum, until the next loss
         self._clipped: dict[int, torch.Tensor] = {}  # a hand clip's norm, until the step
         self._measured: dict[int, dict] = {}  # underflow counts taken before an unscale/clip
         self._closed_at = 0  # the step count of the last closing record
@@ -139,6 +140,10 @@ class PrecisionMonitor(EngineObserver):
         """Add a loss to the window's sum (on the device; no host sync)."""
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
             value = loss.detach().float().reshape(())
+            if self._loss is None and self._loss_resumed is not None:  # (on the loss's device)
+                self._loss = torch.tensor(self._loss_resumed, dtype=torch.float32,
+                                          device=value.device)
+                self._loss_resumed = None
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
     def clipped(self, optimizer, norm: torch.Tensor) -> None:
@@ -204,16 +209,33 @@ class PrecisionMonitor(EngineObserver):
         if probe is not None and stepped:
             self._lost.update(probe.sums())
 
-    def resume_at(self, step: int) -> None:
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (a host sync): the step count, and the loss summed over the
+        steps since the last record (``loss_sum``, ``loss_steps``), so that a resumed run's
+        first record averages what the uninterrupted run's does."""
+        return {"step": self.step, "loss_steps": self._window,
+                "loss_sum": (float(self._loss) if self._loss is not None
+                             else self._loss_resumed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (a checkpoint that holds ``step`` alone, as written
+        before the loss window was kept, resumes its count)."""
+        self.resume_at(state["step"], state.get("loss_sum"), state.get("loss_steps", 0))
+
+    def resume_at(self, step: int, loss_sum: float | None = None, loss_steps: int = 0) -> None:
         """Continue counting from ``step`` (a resumed run: the step its checkpoint was saved
-        at), so that it records at the steps the uninterrupted run records at.
+        at), so that it records at the steps the uninterrupted run records at; ``loss_sum``
+        over ``loss_steps`` steps since the last record carry on into the next one.
 
         Raises:
-            ValueError: ``step`` is not an integer >= 0.
+            ValueError: ``step`` or ``loss_steps`` is not an integer >= 0.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0; got {step!r}")
+        for name, value in (("step", step), ("loss_steps", loss_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         self.step = step
+        self._loss, self._window = None, loss_steps
+        self._loss_resumed = None if loss_sum is None else float(loss_sum)
         self._disarm()
         if self.recording:
             self._arm()
@@ -243,8 +265,10 @@ class PrecisionMonitor(EngineObserver):
                        "mixprec/skipped_steps": float(self._engine.scaler.skipped_steps)}
             for w in self.writers:
                 w.write(self.step - 1, closing)
-        self._loss, self._window = None, 0  # (the loss too: a monitor used again averaged the
-        for w in self.writers:              # closed window's sum over the new window's steps)
+        # the loss too: a monitor used again averaged the closed window's sum over the new
+        # window's steps
+        self._loss, self._window, self._loss_resumed = None, 0, None
+        for w in self.writers:
             w.close()
 
     # -- recording -------------------------------------------------------------------------------
@@ -295,7 +319,7 @@ class PrecisionMonitor(EngineObserver):
             plain = {k: v for k, v in scalars.items() if k != "step"}
             for w in self.writers:
                 w.write(self.step, plain)
-        self._loss, self._window = None, 0
+        self._loss, self._window, self._loss_resumed = None, 0, None
         self._reset_step()
 
     def _combine(self) -> dict:
@@ -303,8 +327,11 @@ class PrecisionMonitor(EngineObserver):
         (one collective; see :mod:`mixprec.monitor.ranks`), else this rank's own."""
         reduction = RankReduction.over(self._mesh)
         out = {}
-        if self._loss is not None:
-            out["loss"] = reduction.add(self._loss / self._window, "mean")
+        loss = self._loss
+        if loss is None and self._loss_resumed is not None:  # (no loss seen since a resume)
+            loss = torch.tensor(self._loss_resumed, dtype=torch.float32)
+        if loss is not None:
+            out["loss"] = reduction.add(loss / self._window, "mean")
         if self._norm_sq or self._shard_norm_sq:
             first = (self._norm_sq or self._shard_norm_sq)[0]
             whole = sum((n.double().to(first.device) for n in self._norm_sq),

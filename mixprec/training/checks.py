@@ -25,6 +25,11 @@ def check_options(grad_accum_steps, max_grad_norm, loss_fn, scheduler=None, opti
         raise TypeError(f"Trainer's optimizer must be a torch.optim.Optimizer over the model's "
                         f"parameters, e.g. torch.optim.AdamW(model.parameters()); got "
                         f"{type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):  # (torch's own TypeError at the first step)
+        raise TypeError("Trainer steps without a closure, and LBFGS re-evaluates the loss "
+                        "through one (torch.amp.GradScaler refuses closures too): step it "
+                        "yourself, model, opt = mp.prepare(model, opt, level=...) then "
+                        "opt.step(closure), at a level without a loss scale")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False; got {value!r}")

@@ -192,7 +192,7 @@ def trainer_meta(trainer) -> dict:
         "rng": capture_rng(trainer.state.data),
         "epoch_start_rng": trainer.state.epoch_start_rng,
         "metrics": metric_states(trainer),  # under ddp/fsdp: per rank, like the RNG states
-        "monitor": precision.get("monitor"),  # its step count
+        "monitor": precision.get("monitor"),  # its step count and loss window
     }
 
 
@@ -255,7 +255,7 @@ def restore_progress(trainer, ckpt: dict) -> None:
     trainer.state.load_state_dict(ckpt["counters"], ckpt["epoch_start_rng"], ckpt["rng"])
     monitor = trainer.engine.monitor
     if monitor is not None and ckpt.get("monitor") is not None:
-        monitor.resume_at(ckpt["monitor"]["step"])
+        monitor.load_state_dict(ckpt["monitor"])
     saved = ckpt.get("metrics") or {}  # (none in a checkpoint written before they were saved)
     for m in trainer.metrics:
         m.reset()
