@@ -420,6 +420,8 @@ class MixedPrecision:
             self._check_owned(opt)
             self._order.check(opt, functools.partial(_grads, opt), scaler)
         for opt in optimizers:
+            if max_grad_norm is not None:
+                self._measure_as_left(opt)  # (before the clip: a settled one changes them)
             norm = None if max_grad_norm is None else scaler.clip_grad_norm_(opt, max_grad_norm)
             if watch:
                 self.monitor.before_step(opt, norm)

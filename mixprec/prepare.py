@@ -280,9 +280,9 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     if policy.master_weights and optimizers:
         optimizers = wrap_late(model, optimizers, originals, policy)
     elif policy.param_dtype != _FP32:  # O3: state made before (Adagrad's sums, a step taken)
-        for optimizer in optimizers:  # in the 16-bit parameters' dtype, as torch's load
-            if optimizer is not None and optimizer.state:  # casts it
-                optimizer.load_state_dict(optimizer.state_dict())
+        for optimizer in optimizers:  # and gradients held, in the 16-bit parameters' dtype
+            if optimizer is not None:
+                _cast_state_and_grads(optimizer)
     if (policy.is_mixed or policy.autocast or policy.cast_inputs
             or policy.output_dtype not in (None, _FP32)):  # (an fp32 policy's outputs cast)
         in_dtype = policy.compute_dtype if policy.cast_inputs else None
@@ -351,6 +351,30 @@ def _root_region(model: nn.Module, policy: Policy, context) -> Region:
     other = stored or any(island_of(m) is not None and island_of(m).dtype != dtype
                           for m in model.modules() if m is not model)
     return Region(context, dtype if other else None)
+
+
+def _cast_state_and_grads(optimizer) -> None:
+    """What ``model.to(dtype)`` and torch's ``load_state_dict`` do to what an optimizer made
+    before the cast, in place (its groups, hooks and held objects untouched): each parameter with
+    state, its floating state (but ``step``; lists, LBFGS's, too) and its gradient in the
+    parameter's dtype."""
+    def cast(value, dtype):
+        if torch.is_tensor(value):
+            return value.to(dtype) if value.is_floating_point() else value
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v, dtype) for v in value)
+        return value
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not p.is_floating_point() or not state:  # (an optimizer keeping its state
+                    continue                                 # elsewhere, ZeRO's: as it was)
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    p.grad = p.grad.to(p.dtype)
+                for key, value in state.items():
+                    if key != "step":
+                        state[key] = cast(value, p.dtype)
 
 
 def _trained(optimizers: list, policy: Policy):

@@ -144,8 +144,9 @@ def test_grad_underflow_counts_values_below_the_smallest_normal_at_the_current_s
     assert record["mixprec/grad_norm"] == pytest.approx(float(true.norm()), rel=1e-3)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("clip", [None, "folded", "engine", "unscale then torch"])
-def test_grad_underflow_is_the_backwards_and_a_clip_does_not_change_it(clip):
+def test_grad_underflow_is_the_backwards_and_a_clip_does_not_change_it(clip, level):
     """A clip that acts changes no 16-bit gradient the backward stored: the fraction stays
     8/32 (it read 1.0 when the clip's factor entered the threshold, folded or applied)."""
     lin = nn.Linear(4, 8)
@@ -153,7 +154,7 @@ def test_grad_underflow_is_the_backwards_and_a_clip_does_not_change_it(clip):
         lin.weight.fill_(1.0)
         lin.bias.zero_()
     monitor = mp.PrecisionMonitor(every=1)
-    amp = mp.MixedPrecision("O2", "fp16", loss_scale=mp.StaticLossScaler(2.0 ** 10),
+    amp = mp.MixedPrecision(level, "fp16", loss_scale=mp.StaticLossScaler(2.0 ** 10),
                             monitor=monitor, emulate_fp16=False)
     model, opt = amp.setup(nn.Sequential(lin), torch.optim.SGD(lin.parameters(), lr=0.0))
     x = torch.tensor([[2.0 ** -14, 2.0 ** -6, 1.0, 4.0]])  # held weight-gradient columns:

@@ -258,7 +258,9 @@ def test_o3_fp16_rmsprop_with_its_state_in_fp16_is_refused_too():
 def test_o3_casts_optimizer_state_made_before_prepare(make):
     """O3 trains the 16-bit parameters with their optimizer as torch's would after a cast:
     state made before ``prepare`` stayed fp32 (Adagrad trained 4.6e-2 apart from the model cast
-    by hand; an AdamW stepped before failed at its next step)."""
+    by hand; an AdamW stepped before failed at its next step). Cast in place: the groups the
+    user holds stay the optimizer's (own, review: a load round trip replaced them), and
+    gradients zeroed in place (fp32) are cast with the state."""
     torch.manual_seed(0)
     model = five_linear()
     reference = copy.deepcopy(model)
@@ -267,10 +269,12 @@ def test_o3_casts_optimizer_state_made_before_prepare(make):
     for m, o in ((model, opt), (reference, ref_opt)):  # (a step in fp32 before the cast)
         m(x).sum().backward()
         o.step()
-        o.zero_grad()
+        o.zero_grad(set_to_none=False)
     reference = reference.bfloat16()
     ref_opt.load_state_dict(ref_opt.state_dict())  # (torch's load casts the state)
+    group = opt.param_groups[0]
     model, opt = mp.prepare(model, opt, level="O3", dtype="bf16")
+    assert opt.param_groups[0] is group
     for m, o in ((model, opt), (reference, ref_opt)):
         for _ in range(3):
             m(x.bfloat16()).float().sum().backward()
