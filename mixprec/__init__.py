@@ -19,6 +19,7 @@ from .emulation import emulate_fp16
 from .engine import MixedPrecision
 from .footprint import bytes_per_parameter
 from .fp8 import fp8_modules
+from .fp32export import fp32_state_dict
 from .hardware import SlowDtypeWarning, device_capabilities
 from .oplists import OpListWarning, op_lists
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
@@ -34,7 +35,6 @@ from .scaling import (
     StaticLossScaler,
     make_loss_scaler,
 )
-from .statedict import fp32_state_dict
 
 #: name -> (module, attribute or None for the module itself): loaded on first use (PEP 562)
 _LAZY = {

@@ -103,16 +103,20 @@ def _views(like: list[torch.Tensor], buffer_of) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def widened(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def widened(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
+            ) -> list[torch.Tensor]:
     """fp32 copies of ``tensors`` (``t.float()`` each, a sparse one coalesced: repeated rows
     summed in fp32), the dense ones copied by one ``_foreach_copy_`` per device and dtype, not
-    a copy per tensor (an FSDP2 shard through its local tensor: DTensor has no foreach copy)."""
+    a copy per tensor (an FSDP2 shard through its local tensor: DTensor has no foreach copy).
+    ``like``: for each tensor, the one whose layout its copy takes (a master's, for its
+    gradient), else its own."""
     out, groups = [], {}
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if t.is_sparse:
             out.append(t.float().coalesce())
             continue
-        out.append(torch.empty_like(t, dtype=torch.float32, memory_format=torch.preserve_format))
+        out.append(torch.empty_like(t if like is None else like[i], dtype=torch.float32,
+                                    memory_format=torch.preserve_format))
         dst, src = groups.setdefault((t.device, t.dtype), ([], []))
         dst.append(local(out[-1]))
         src.append(local(t))

@@ -26,7 +26,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..shards import grad_version, local
+from ..shards import grad_version
+from .buckets import widened
 
 __all__ = ["MasterParameter", "MasterState", "GradCarry", "is_master", "valid_grad", "is_stale",
            "held_grad", "set_grad", "drop_grad", "derive_grad", "derive_grads", "show_master_grads"]
@@ -231,25 +232,18 @@ def derive_grad(master: MasterParameter, inv: torch.Tensor | None) -> torch.Tens
 
 
 def derive_grads(masters: list[MasterParameter]) -> list[tuple[MasterParameter, torch.Tensor]]:
-    """:func:`derive_grad` (no factor) for ``masters`` at once: the dense copies in one
-    ``_foreach_copy_`` per device and pair of dtypes, not a copy per tensor. Returns the
-    ``(master, fp32 gradient)`` pairs made (masters whose model gradient is None drop theirs)."""
-    made, groups = [], defaultdict(lambda: ([], []))
+    """:func:`derive_grad` (no factor) for ``masters`` at once: the dense copies in the master's
+    layout by :func:`~mixprec.optim.buckets.widened` (one ``_foreach_copy_`` per device and
+    dtype), not a copy per tensor. Returns the ``(master, fp32 gradient)`` pairs made (masters
+    whose model gradient is None drop theirs)."""
     with torch.no_grad():
-        for master in masters:
-            source = master._mp_param.grad
-            if source is None or source.is_sparse:
-                grad = derive_grad(master, None)
-                if grad is not None:
-                    made.append((master, grad))
-                continue
-            grad = torch.empty_like(master, memory_format=torch.preserve_format)
-            dst, src = groups[(source.device, source.dtype, grad.dtype)]
-            dst.append(local(grad))  # (an FSDP2 shard: its local tensor; DTensor has no
-            src.append(local(source))  # foreach copy)
-            made.append((master, grad))
-        for dst, src in groups.values():
-            torch._foreach_copy_(dst, src)
+        dense = [m for m in masters if m._mp_param.grad is not None
+                 and not m._mp_param.grad.is_sparse]
+        copies = dict(zip(map(id, dense), widened([m._mp_param.grad for m in dense],
+                                                  like=dense)))
+        made = [(m, copies[id(m)] if id(m) in copies else derive_grad(m, None))
+                for m in masters]
+    made = [(m, g) for m, g in made if g is not None]
     for master, grad in made:
         set_grad(master, grad)
     return made

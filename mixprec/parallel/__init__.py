@@ -15,7 +15,7 @@ import importlib
 
 from .. import distenv as env
 from ..distenv import init_from_env, is_fsdp, is_main_process, local_rank, rank, unwrap, world_size
-from ..statedict import fp32_state_dict
+from ..fp32export import fp32_state_dict
 from .ddp import REDUCE_DTYPES, ddp, reduce_dtype_of
 from .plan import MemoryPlan, plan, plan_table
 

@@ -39,7 +39,7 @@ def watch(optimizer, scaler) -> None:
 def _refuse_direct_step(optimizer, args, kwargs):
     ref = _WATCHED.get(optimizer)
     scaler = ref() if ref is not None else None
-    if scaler is None:
+    if scaler is None or not scaler.is_enabled():  # (no loss scale: nothing to carry)
         return None
     closure = kwargs.get("closure")
     at = next((i for i, a in enumerate(args[1:], 1) if callable(a)), None)  # (self, *args)
@@ -64,7 +64,7 @@ def _checked_closure(scaler, optimizer, args, kwargs, at):
     def checked():
         before = scaler.losses_scaled
         loss = closure()
-        if scaler.is_enabled() and scaler.losses_scaled != before:
+        if scaler.losses_scaled != before:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(closure) whose closure scaled a loss "
                 f"(amp.backward): the optimizer would step on gradients that carry the loss "
