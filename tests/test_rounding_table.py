@@ -197,6 +197,41 @@ def test_a_run_rounded_nan_safe_gets_each_tensors_bits_for_every_kind_of_value()
         assert outs[0][:5].view(torch.int16).eq(0x7FC0).all()  # every NaN: the quiet one
 
 
+@pytest.mark.parametrize("nan", [None, 0x7FC0, 0x7FFF])
+def test_the_high_halves_copied_or_shifted_and_narrowed_give_the_same_bits(monkeypatch, nan):
+    """The rounded results leave the noisy words as a copy of their high halves' stride-2 view
+    (CUDA's choice, imposed here on the CPU) or as the words shifted right by 16 in place and
+    narrowed (the CPU's): the same bits for every kind of value, each NaN mode, the 0-d-key
+    rounding of one tensor too; and ``values`` overwritten either way."""
+    from mixprec import kernel_table
+    gen = torch.Generator().manual_seed(4)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (3000,), generator=gen, dtype=torch.int32)
+    edges = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, -1, 0x7F800000, -0x00800000,
+                          0x7F7FFFFF, 0, -2 ** 31, 1, 0x8000, 0x7F7F8000, 0x7FFF, -0x8000],
+                         dtype=torch.int32)
+    values = torch.cat([edges, bits]).view(torch.float32)
+    sizes = [(7,), (0,), (40, 25), (values.numel() - 1007,)]
+    shifted = torch.tensor([5, 9, L - 2, 100], dtype=torch.int32) - torch.tensor(
+        [0, 7, 7, 1007], dtype=torch.int32)
+
+    def run():
+        outs = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        given = values.clone()
+        round_into_lists(given, outs, shifted, nan)
+        return [o.view(torch.int16) for o in outs] + [
+            stochastic_round(values, key(L - 3)).view(torch.int16)], given
+
+    shifted_path, left = run()
+    assert not torch.equal(left.view(torch.int32), values.view(torch.int32))
+    monkeypatch.setattr(kernel_table, "TABLE", kernel_table.TABLE.imposing("cuda"))
+    assert kernel_table.TABLE.copies_high_halves("cpu", torch.bfloat16)
+    copied_path, _ = run()
+    for a, b in zip(shifted_path, copied_path):
+        assert torch.equal(a, b)
+    if nan is not None:
+        assert int(shifted_path[0][:5].eq(nan).sum()) == 4  # the four NaNs
+
+
 def test_a_shard_offset_key_gets_the_full_tensors_bits():
     """A shard starting ``off`` elements into its full tensor, keyed as shard_key keys a
     DTensor shard (offset_key): the full tensor's numbers from ``off`` on, whatever the key."""

@@ -42,6 +42,7 @@ import sys
 
 import torch
 
+from .. import kernel_table
 from ..dtypes import is_low_precision
 from ..shards import is_dtensor
 
@@ -196,12 +197,23 @@ def round_into_lists(values: torch.Tensor, outs: list[torch.Tensor], keys: torch
         values.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=-math.inf)
     elif nan is not None:
         bad = values.isnan()
-    _add_noise_(values.view(torch.int32), keys, [o.numel() for o in outs])
-    high = values.view(torch.int16)[1::2]
+    words = values.view(torch.int32)
+    _add_noise_(words, keys, [o.numel() for o in outs])
+    high = _high_halves(words, outs[0].dtype)
     if bad is not None:
         high.masked_fill_(bad, nan)
     unflatten = torch._C._nn.unflatten_dense_tensors
-    torch._foreach_copy_(outs, unflatten(high.view(outs[0].dtype), outs))
+    torch._foreach_copy_([o.view(torch.int16) for o in outs], unflatten(high, outs))
+
+
+def _high_halves(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The high 16 bits of the flat int32 ``words`` (a little-endian machine's layout), as
+    a flat tensor whose copy into int16 keeps them: their stride-2 int16 view, or (where the
+    kernel table says a strided copy is slow: the CPU) ``words`` shifted right by 16 in place
+    (arithmetic: the low halves are then the high ones; ``words`` is overwritten)."""
+    if kernel_table.TABLE.copies_high_halves(words.device.type, dtype):
+        return words.view(torch.int16)[1::2]
+    return words.bitwise_right_shift_(16)
 
 
 def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -215,7 +227,7 @@ def stochastic_round(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         words = words.view(torch.int32).reshape(-1)
         _add_noise_(words, key.reshape(1), [words.numel()])
         rounded = torch.empty(value.shape, dtype=torch.int16, device=value.device)
-        rounded.view(-1).copy_(words.view(torch.int16)[1::2])
+        rounded.view(-1).copy_(_high_halves(words, torch.bfloat16))
         return rounded.view(torch.bfloat16)
     # the high halves of the words plus the numbers (finite patterns never overflow int32, inf
     # stays inf); a NaN becomes bf16's quiet NaN
