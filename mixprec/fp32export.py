@@ -13,7 +13,7 @@ from torch import nn
 from .distenv import is_fsdp, unwrap
 from .dtypes import to_dtype
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
-from .statedict import companions_of
+from .statedict import companions_of, enclosing_companions
 
 __all__ = ["fp32_state_dict"]
 
@@ -26,8 +26,9 @@ def fp32_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
     * one process: floating parameters and buffers as fp32 copies, low-precision weights taken
       from the fp32 masters of ``optimizer`` (a :class:`mixprec.MasterWeightOptimizer`), else
-      from the companions the prepared model holds (its masters, or a copy's shadows), else
-      upcast; integer buffers copied unchanged;
+      from the companions the prepared model holds (its masters, or a copy's shadows: ``model``
+      prepared, inside a prepared model, or holding one), else upcast; integer buffers copied
+      unchanged;
     * DDP: the wrapped module's weights (no ``module.`` prefix), likewise;
     * FSDP2: every sharded tensor gathered into a full CPU tensor (the fp32 shards are the
       masters; with ``master="split"`` or ``"kahan"`` pass the optimizer
@@ -69,11 +70,12 @@ def fp32_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if masters and not any(torch.is_tensor(v) and v in masters for v in source.values()):
             raise ValueError("optimizer holds none of this model's parameters; pass the "
                              "optimizer that was built over this model")
-    else:  # (a prepared model inside another module: its own companions)
-        masters = {}
-        for sub in model.modules():
-            link = companions_of(sub)
-            masters.update(link.settle() if link is not None else {})
+    else:  # (a prepared model inside another module: its own companions; a sub-module of
+        masters = {}  # a prepared model: the model's)
+        links = [companions_of(sub) for sub in model.modules()]
+        links.append(enclosing_companions(model))
+        for link in {id(x): x for x in links if x is not None}.values():
+            masters.update(link.settle())
     out = _copy(source, masters, gather=is_fsdp(model))
     if save != torch.float32:
         for name, value in out.items():

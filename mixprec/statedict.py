@@ -33,7 +33,8 @@ from .optim.wrapper import owner_of
 from .optim.writes import check_resized, rounds_to
 from .regions import Entry
 
-__all__ = ["Companions", "companions_of", "link_masters", "register_fp32_state_dict"]
+__all__ = ["Companions", "companions_of", "enclosing_companions", "link_masters",
+           "register_fp32_state_dict"]
 
 _LINK_ATTR = "_mixprec_masters"
 _FP32 = torch.float32
@@ -186,6 +187,18 @@ def link_masters(model: nn.Module, optimizers: list) -> None:
 def companions_of(model: nn.Module) -> Companions | None:
     """The companions of a prepared model, or None."""
     return getattr(model, _LINK_ATTR, None)
+
+
+def enclosing_companions(module: nn.Module) -> Companions | None:
+    """The companions of the prepared model ``module`` is a sub-module of (read from the load
+    hook :func:`register_fp32_state_dict` gives its sub-modules), or None."""
+    for hook in module._load_state_dict_pre_hooks.values():
+        hook = getattr(hook, "hook", hook)  # (torch wraps it with its module)
+        if isinstance(hook, _SubLoad) and hook.model is not None:
+            model = hook.model()
+            if model is not None:
+                return companions_of(model)
+    return None
 
 
 def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:

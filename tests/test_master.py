@@ -554,6 +554,29 @@ def test_fp32_state_dict_takes_masters_and_casts_buffers():
     assert torch.equal(upcast["0.weight"], model[0].weight.float())
 
 
+@pytest.mark.parametrize("master", ["fp32", "split", "copy"])
+def test_fp32_state_dict_of_a_sub_module_takes_the_prepared_models_masters(master):
+    """A sub-module of a prepared model (a LightningModule's ``net``, a backbone) exports the
+    fp32 values its model holds for it, not its 16-bit weights upcast; a deep copy's shadows
+    too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0 ** -12)
+    model, opt = mp.prepare(model, opt, level="O2", dtype="bf16",
+                            master="fp32" if master == "copy" else master)
+    model(torch.randn(8, 4)).float().pow(2).mean().backward()
+    opt.step()  # tiny update: the fp32 values now differ from the bf16 weights
+    if master == "copy":
+        model = copy.deepcopy(model)
+    whole = mp.fp32_state_dict(model)
+    part = mp.fp32_state_dict(model[0])
+    assert list(part) == ["0.weight", "0.bias"]
+    for name, value in part.items():
+        assert torch.equal(value, whole["0." + name])
+    assert not torch.equal(part["0.weight"], model[0][0].weight.float())
+    assert torch.equal(mp.fp32_state_dict(model[0][0])["weight"], part["0.weight"])
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def test_rejects_what_is_not_a_plain_optimizer():
     model = Mixed([torch.bfloat16])
