@@ -304,6 +304,50 @@ def test_a_clip_folded_into_the_step_refuses_value_clipping_and_grad_norm():
         amp.clip_grad_value_(opt, float("inf"))
 
 
+@pytest.mark.parametrize("case", ["backoff", "growth", "new scale"])
+@pytest.mark.parametrize("level, master", [("O1", None), ("O2", "fp32"), ("O2", "kahan")])
+def test_an_accumulation_window_kept_open_across_a_scale_update_sums_true_gradients(
+        case, level, master):
+    """One engine, two optimizers: ``o1`` stepped every micro-batch (each step updates the
+    scale), ``o2`` accumulating over two. A scale update inside ``o2``'s window (a backoff from
+    an overflow in ``o1``'s part only, a growth, ``update(new_scale)``) rescales ``o2``'s
+    gradients to the new scale, so its step applies the sum of the true gradients (it unscaled
+    both micro-batches by the new scale: a backoff counted the first twice, 58% off)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        return model, torch.optim.SGD(model[0].parameters(), lr=0.0), torch.optim.SGD(
+            model[2].parameters(), lr=1.0)
+
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(2)]
+    reference, _, _ = make()
+    for x, y in batches:
+        (F.mse_loss(reference(x), y) / 2).backward()
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=1 if case == "growth"
+                                  else 2000)
+    model, o1, o2 = make()
+    amp = mp.MixedPrecision(level=level, dtype="fp16", loss_scale=scaler, master=master,
+                            emulate_fp16=False)
+    model, o1, o2 = amp.setup(model, o1, o2)
+    before = mp.fp32_state_dict(model, o2)["2.weight"]
+    for i, (x, y) in enumerate(batches):
+        amp.backward(F.mse_loss(model(x).float(), y) / 2)
+        if i == 0 and case == "backoff":
+            model[0].weight.grad[0, 0] = float("inf")  # an overflow in o1's part only
+        stepped = amp.step(o1)
+        o1.zero_grad()
+        if i == 0 and case == "new scale":
+            amp.scaler.update(3.0 * 2 ** 8)  # (not a power of two: rounded once)
+        assert stepped == (i > 0 or case != "backoff")
+    assert amp.scaler.get_scale() == {"backoff": 2.0 ** 9, "growth": 2.0 ** 12,
+                                      "new scale": 768.0}[case]
+    assert amp.step(o2)
+    applied = before - mp.fp32_state_dict(model, o2)["2.weight"]  # lr 1: the gradient
+    true = reference[2].weight.grad  # (fp16 arithmetic: 3e-4 of the largest off here)
+    assert (applied - true).abs().max() <= 2e-3 * true.abs().max()
+
+
 @pytest.mark.parametrize("case", ["growth", "one-sided overflow"])
 def test_two_optimizers_stepped_one_call_each_unscale_by_the_scale_the_gradients_carry(case):
     """``amp.step(o1); amp.step(o2)`` after one backward: the first call updates the scale, and

@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import io
 import math
+import pickle
 
 import pytest
 import torch
@@ -401,6 +402,21 @@ def test_clipping_after_unscale_sees_true_gradients():
     scaler.update()
     copt.step()
     assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
+
+
+def test_a_scaler_that_stepped_optimizers_pickles_and_copies_without_them():
+    """The optimizers a scaler knows (to rescale an accumulation window across an update) are
+    held weakly and left out of a pickle or a deep copy; the copy scales and steps."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(init_scale=8.0)
+    scaler.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+    assert scaler.step(opt)
+    scaler.update()
+    for copied in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert len(copied._known) == 0 and copied.get_scale() == 8.0
+        copied.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+        assert copied.step(opt)
 
 
 def test_several_losses_and_optimizers_only_the_overflowing_one_skips():

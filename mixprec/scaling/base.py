@@ -61,12 +61,22 @@ class LossScaler(GradScalerInterface):
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
         self._handled: dict[int, int] = {}  # id(optimizer) -> losses scaled when this scaler
         # last unscaled or stepped its gradients: see .direct
+        self._known = weakref.WeakSet()  # optimizers it handled or watches: see _rescale_open
+        self._rescaled: dict[int, torch.Tensor] = {}  # id(optimizer) -> the scale an update()
+        # inside its accumulation rescaled its gradients to (until the next scale())
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
         self._stages = StageBook()
         self._modules: list[weakref.ref] = []
         self.process_group = None
+
+    def __getstate__(self) -> dict:  # (a WeakSet does not pickle; optimizers are not its own)
+        return {**self.__dict__, "_known": None, "_rescaled": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._known = weakref.WeakSet()
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -105,7 +115,7 @@ class LossScaler(GradScalerInterface):
         coefficient once a clip is ``"folded"``; None when they read as the true ones."""
         record = self._stages.get(optimizer)
         if record is None or record.stage is Stage.READY:
-            return self._grads_scale() if self._scales else None
+            return self._grads_scale(optimizer) if self._scales else None
         return record.grad_scale if record.stage is Stage.UNSCALED else None
 
     def carried_scale(self, optimizer) -> torch.Tensor | None:
@@ -113,7 +123,7 @@ class LossScaler(GradScalerInterface):
         sync): the scale while ``"ready"`` or ``"folded"`` (a folded clip changes no gradient),
         None once they were unscaled."""
         if self.stage_of(optimizer) in ("ready", "folded") and self._scales:
-            return self._grads_scale()
+            return self._grads_scale(optimizer)
         return None
 
     def settle_(self, optimizer) -> None:
@@ -127,7 +137,7 @@ class LossScaler(GradScalerInterface):
             else:
                 optimizer.unscale_grads_(record.grad_scale.reciprocal())
             record.grad_scale = None
-            self._handled[id(optimizer)] = self._scaled
+            self._handled_now(optimizer)
 
     def is_enabled(self) -> bool:
         """True when this scaler multiplies the loss (torch.amp's ``GradScaler.is_enabled``)."""
@@ -161,6 +171,7 @@ class LossScaler(GradScalerInterface):
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
+        self._rescaled.clear()  # (what they were rescaled to is the scale now)
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
@@ -184,7 +195,7 @@ class LossScaler(GradScalerInterface):
         """
         self._check_scaled("unscale_()")  # (step() and clip_grad_norm_() check on entry)
         record = self._ready_record(optimizer, "unscale_()")
-        inv_scale = self._inv_scale() if self._scales else None
+        inv_scale = self._inv_scale(optimizer) if self._scales else None
         if owns_gradients(optimizer):
             found = optimizer.unscale_grads_(inv_scale)
             record.found_inf = _local(found).to(self._state.device) if self._checks else None
@@ -192,7 +203,7 @@ class LossScaler(GradScalerInterface):
             record.found_inf = _local(passes.unscale_and_check_(optimizer.param_groups,
                                                                 inv_scale, self._state.device))
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
-        self._handled[id(optimizer)] = self._scaled
+        self._handled_now(optimizer)
 
     @torch._disable_dynamo
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -285,7 +296,7 @@ class LossScaler(GradScalerInterface):
         else:
             self._check_no_backward_since(record, "step()", optimizer)
         record.stage = Stage.STEPPED
-        self._handled[id(optimizer)] = self._scaled
+        self._handled_now(optimizer)
         queued = QueuedStep(optimizer, record, owner)
         flag = record.found_inf if self._checks else None
         if flag is not None:
@@ -389,8 +400,11 @@ class LossScaler(GradScalerInterface):
                 ``max_skips_at_min`` steps in a row (dynamic scaling).
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
-            self._set_scale(checks.as_number(new_scale, "new_scale"))
+            value = checks.as_number(new_scale, "new_scale")
+            open_, carried = self._open_windows()
+            self._set_scale(value)
             self._stages.clear()
+            self._rescale_open(open_, carried)
             return
         stepped = self._stages.stepped()
         if not stepped:
@@ -401,7 +415,9 @@ class LossScaler(GradScalerInterface):
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1
                      else torch.stack([f.to(self._state.device) for f in flags]).amax())
+            open_, carried = self._open_windows()
             self._state = self._adjust(found)
+            self._rescale_open(open_, carried)
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
             names = list(dict.fromkeys(n for names in bad for n in names))
@@ -455,15 +471,53 @@ class LossScaler(GradScalerInterface):
                              f"takes only 1.0 here, got {new_scale!r}")
 
     # -- internals ---------------------------------------------------------------------------
-    def _grads_scale(self) -> torch.Tensor:
-        """The scale the gradients carry: the one the last scaled loss was multiplied by (two
+    def _grads_scale(self, optimizer=None) -> torch.Tensor:
+        """The scale ``optimizer``'s gradients carry: the one an update() rescaled them to
+        (:meth:`_rescale_open`), else the one the last scaled loss was multiplied by (two
         ``amp.step`` calls after one backward: the first call's update must not change what
         the second unscales by), else the current one."""
-        carried = self._carried
+        carried = self._rescaled.get(id(optimizer)) if self._rescaled else None
+        carried = self._carried if carried is None else carried
         return self._state.scale if carried is None else carried.to(self._state.device)
 
-    def _inv_scale(self) -> torch.Tensor:
-        return self._grads_scale().double().reciprocal().float()
+    def _inv_scale(self, optimizer=None) -> torch.Tensor:
+        return self._grads_scale(optimizer).double().reciprocal().float()
+
+    def _handled_now(self, optimizer) -> None:
+        """``optimizer``'s gradients were unscaled, stepped or settled: they carry no scale of
+        this scaler's any more (its accumulation window is closed)."""
+        self._handled[id(optimizer)] = self._scaled
+        self._rescaled.pop(id(optimizer), None)
+        self._known.add(optimizer)
+
+    def _open_windows(self) -> tuple[list, list]:
+        """The optimizers this scaler knows whose gradients hold a scaled loss's backward they
+        have not been stepped on (an accumulation window that stays open across this update:
+        a second optimizer stepped every other micro-batch), and the scale each carries."""
+        if not self._scales:
+            return [], []
+        open_ = [o for o in list(self._known) if self._handled.get(id(o), 0) < self._scaled]
+        return open_, [self._grads_scale(o) for o in open_]
+
+    def _rescale_open(self, open_: list, carried: list) -> None:
+        """Multiply the gradients of the open windows by the new scale over the one they carry
+        (on the device, no host read; a factor of 1 when the scale did not change), so that the
+        backward after this update adds gradients of the same scale: without it the window's
+        step unscaled its earlier micro-batches by the new scale (a back-off counted them
+        twice). A master optimizer's fp32 gradients made by a read of ``.grad`` are dropped
+        (made again from the model's when read)."""
+        scale = self._state.scale
+        for opt, old in zip(open_, carried):
+            if owns_gradients(opt):
+                opt.drop_master_grads()
+                grads = [g for _, g in opt.grads_for_step()]
+            else:
+                grads = [p.grad for group in opt.param_groups for p in group["params"]
+                         if p.grad is not None]
+            if grads:
+                factor = (scale.double() / old.to(scale.device).double()).float()
+                passes.unscale_(grads, factor)
+            self._rescaled[id(opt)] = scale
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
@@ -482,6 +536,7 @@ class LossScaler(GradScalerInterface):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._resumed = True
+        self._rescaled.clear()
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
         """A READY optimizer about to step: unscale (plain, or an owner whose step pre-hooks
@@ -495,7 +550,7 @@ class LossScaler(GradScalerInterface):
             grads = [g for _, g in optimizer.grads_for_step()]
             record.found_inf = _local(passes.found_nonfinite(grads, self._state.device))
         if self._scales:
-            record.grad_scale = self._grads_scale()
+            record.grad_scale = self._grads_scale(optimizer)
         return record
 
     def _fold_clip(self, optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -503,7 +558,7 @@ class LossScaler(GradScalerInterface):
         record = self._ready_record(optimizer, "clip_grad_norm_()")
         grads = [g for _, g in optimizer.grads_for_step()]
         total = _replicated(passes.total_norm(grads, norm_type, self._state.device))
-        carried = self._grads_scale() if self._scales else torch.ones_like(total)
+        carried = self._grads_scale(optimizer) if self._scales else torch.ones_like(total)
         total = total / carried
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         record.grad_scale = carried / coef
