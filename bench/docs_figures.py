@@ -48,6 +48,7 @@ FIGURES = [
     ("demo", "docs/benchmarks.md", [*MP, "demo", "--no-plot"], False),
     ("transformers-speed", "docs/benchmarks.md", [*PY, "bench/transformers_speed.py"], False),
     ("emulation", "docs/numerics.md", [*PY, "bench/bench_emulation.py"], False),
+    ("accumulation-error", "docs/numerics.md", [*PY, "bench/accumulation_error.py"], False),
     ("compact-states", "docs/low-bit.md", [*PY, "bench/compact_states.py"], False),
     ("precision-recipes", "docs/benchmarks.md",
      [*PY, "bench/precision_recipes.py", "--steps", "150"], False),
