@@ -45,6 +45,7 @@ from .hfsave import fp32_save_pretrained
 from .modulecasts import guard_casts
 from .oplists import warn_unreachable
 from .optim import is_master_optimizer, wrap_optimizer
+from .optim.refusals import check_listed_once
 from .optim.wrapper import WrappedOptimizer
 from .policy import Policy, no_masters_message
 from .precision_map import keep_fp32_entries
@@ -270,6 +271,9 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
     for optimizer in optimizers:
         checks.check_optimizer(model, optimizer)
         checks.check_fp16_state(optimizer, policy)
+        if policy.master_weights and policy.master.compact and optimizer is not None:
+            check_listed_once([p for g in optimizer.param_groups for p in g["params"]],
+                              policy.master)
     checks.check_prepared_parts(model, optimizers, policy.param_dtype != _FP32)
     policy = fp8_choice.with_modules(policy, model, fp8_filter)  # names, recorded below
     convert_fp8(model, policy)

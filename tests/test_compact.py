@@ -336,6 +336,31 @@ def test_any_torch_optimizer_runs_through_fp32_copies(master, name, state_dtype)
     assert (REMAINDER_KEY in opt.state[w]) == (master == "split")
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+@pytest.mark.parametrize("master", MASTERS)
+def test_a_parameter_listed_twice_is_refused_before_the_model_is_cast(master):
+    """torch's optimizer steps a parameter listed twice in its groups twice (and warns that
+    this will be an error); a compact method steps each weight once, so the two would differ
+    silently (half the update of a shared bias): refused, by prepare before it casts the
+    model, by the optimizer and by add_param_group."""
+    a, b = nn.Linear(4, 8), nn.Linear(8, 8)
+    b.bias = a.bias  # shared, and listed through both layers
+    model = nn.Sequential(a, b)
+    twice = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(8,\) is listed twice.*list each parameter "
+                                         r"once"):
+        mp.prepare(model, twice, level="O2", dtype="bf16", master=master)
+    assert a.weight.dtype == torch.float32 and mp.policy_of(model) is None
+    low = nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="listed twice"):
+        CompactMasterOptimizer(torch.optim.SGD([low.weight, low.bias, low.weight], lr=0.1),
+                               master=master)
+    opt = CompactMasterOptimizer(torch.optim.SGD([low.weight], lr=0.1), master=master)
+    with pytest.raises(ValueError, match="listed twice"):
+        opt.add_param_group({"params": [low.bias, low.bias]})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.filterwarnings("ignore::mixprec.hardware.SlowDtypeWarning")
 def test_fp16_kahan_with_loss_scaling_and_the_refusals():
     torch.manual_seed(0)

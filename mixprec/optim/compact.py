@@ -58,7 +58,7 @@ from . import compact_lists, compact_state, family, pieces, states, steps, write
 from .buckets import Scratch, is_per_parameter, widened
 from .compact_state import load_generator, save_pending, share_with_inner
 from .params import _is_current, _source_key
-from .refusals import check_bucket_mb, check_grad_scale, stale_fp16_error
+from .refusals import check_bucket_mb, check_grad_scale, check_listed_once, stale_fp16_error
 from .wrapper import (
     WrappedOptimizer,
     check_inner,
@@ -131,6 +131,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         self.lists: compact_lists.Plan | None = None
         self._seen = Record()  # the weights' versions after the last step (.writes)
         self._adopt(optimizer, bucket_mb, fused)
+        check_listed_once([p for g in self.param_groups for p in g["params"]], method)
         self._check_params(self._low)
         self._init_state(self._low, initial_values or {})
         self.register_load_state_dict_post_hook(share_with_inner)
@@ -427,6 +428,7 @@ class CompactMasterOptimizer(WrappedOptimizer):
         if not self._set_up:  # torch's Optimizer.__init__ registering the wrapped groups
             return super().add_param_group(param_group)
         group, params = self._check_new_group(param_group)
+        check_listed_once(params, self.master)
         self._check_params([p for p in params if is_low_precision(p)])
         self.inner.add_param_group(group)
         self._rebuild()

@@ -7,7 +7,8 @@ import torch
 
 from ..formats import get as float_format
 
-__all__ = ["check_bucket_mb", "check_grad_scale", "not_ours", "stale_fp16_error"]
+__all__ = ["check_bucket_mb", "check_grad_scale", "check_listed_once", "not_ours",
+           "stale_fp16_error"]
 
 
 def check_bucket_mb(bucket_mb) -> None:
@@ -23,6 +24,21 @@ def check_grad_scale(grad_scale) -> None:
             and grad_scale.is_floating_point()):
         raise TypeError(f"grad_scale must be a 0-d floating tensor (the factor the gradients "
                         f"carry) or None; got {grad_scale!r}")
+
+
+def check_listed_once(params, method) -> None:
+    """Raise ValueError where a parameter is listed twice in ``params`` (an optimizer's param
+    groups, flattened): torch's optimizer steps it twice (and warns that this will be an
+    error); a compact ``method`` steps each weight in place once, so it can't match that."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            raise ValueError(
+                f"a {p.dtype} parameter of shape {tuple(p.shape)} is listed twice in the "
+                f"optimizer's param groups; master={str(method)!r} steps each weight once, "
+                f"where torch's optimizer would step it twice: list each parameter once (a "
+                f"tied weight too)")
+        seen.add(id(p))
 
 
 def not_ours(tensor: torch.Tensor, owner: str) -> str:
