@@ -404,6 +404,73 @@ def test_clipping_after_unscale_sees_true_gradients():
     assert_tree_equal(list(model.parameters()), list(control.parameters()), **TOL)
 
 
+def _rel(applied, true) -> float:
+    return float((applied - true).abs().max() / true.abs().max())
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_an_open_window_is_rescaled_once_per_gradient_when_the_next_backward_comes(reload):
+    """Plain torch optimizers on a bare scaler, all stepped once (so the scaler knows them):
+    ``oa`` and ``ob`` share a weight and stay open across a backoff caused by ``o1``; the next
+    scaled backward rescales the shared gradient once (twice made the step half the true
+    sum), a state-dict round trip of the scaler in between changes nothing, and ``oa``'s step
+    applies both micro-batches."""
+    torch.manual_seed(0)
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
+    o1 = torch.optim.SGD(lin0.parameters(), lr=0.0)
+    oa = torch.optim.SGD([lin1.weight], lr=1.0)
+    ob = torch.optim.SGD([lin1.weight, lin1.bias], lr=0.0)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    scaler.scale(lin1(lin0(xs[0])).pow(2).mean()).backward()
+    for opt in (o1, oa, ob):
+        scaler.step(opt)
+    scaler.update()
+    for opt in (o1, oa, ob):
+        opt.zero_grad()
+    ref0, ref1 = copy.deepcopy(lin0), copy.deepcopy(lin1)
+    for x in xs[1:]:
+        ref1(ref0(x)).pow(2).mean().backward()
+    before = lin1.weight.detach().clone()
+    scaler.scale(lin1(lin0(xs[1])).pow(2).mean()).backward()
+    lin0.weight.grad[0, 0] = float("inf")
+    assert not scaler.step(o1)
+    scaler.update()
+    if reload:
+        scaler.load_state_dict(scaler.state_dict())
+    o1.zero_grad()
+    scaler.scale(lin1(lin0(xs[2])).pow(2).mean()).backward()
+    assert scaler.step(o1) and scaler.step(oa)
+    assert scaler.get_scale() == 2.0 ** 7
+    assert _rel(before - lin1.weight.detach(), ref1.weight.grad) < 1e-6
+
+
+def test_two_steps_after_one_backward_near_the_top_of_fp16_after_a_growth():
+    """``amp.step(o1); amp.step(o2)`` after one backward, o1's update growing the scale while
+    o2's fp16 gradients times the scale lie within 2x of fp16's largest: o2 unscales by the
+    scale they carry, untouched (a rescale to the grown scale made them inf and skipped o2)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        return (model, torch.optim.SGD(model[0].parameters(), lr=0.0),
+                torch.optim.SGD(model[1].parameters(), lr=1.0))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    reference, _, _ = make()
+    F.mse_loss(reference(x), y).backward()
+    true = reference[1].weight.grad
+    init = 2.0 ** math.ceil(math.log2(32752 / true.abs().max().item()))
+    model, o1, o2 = make()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16", emulate_fp16=False,
+                            loss_scale=mp.DynamicLossScaler(init_scale=init, growth_interval=1))
+    model, o1, o2 = amp.setup(model, o1, o2)
+    before = mp.fp32_state_dict(model, o2)["1.weight"]
+    amp.backward(F.mse_loss(model(x).float(), y))
+    assert amp.step(o1) and amp.step(o2)
+    assert _rel(before - mp.fp32_state_dict(model, o2)["1.weight"], true) < 2e-3
+
+
 def test_a_scaler_that_stepped_optimizers_pickles_and_copies_without_them():
     """The optimizers a scaler knows (to rescale an accumulation window across an update) are
     held weakly and left out of a pickle or a deep copy; the copy scales and steps."""

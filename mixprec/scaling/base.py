@@ -62,8 +62,8 @@ class LossScaler(GradScalerInterface):
         self._handled: dict[int, int] = {}  # id(optimizer) -> losses scaled when this scaler
         # last unscaled or stepped its gradients: see .direct
         self._known = weakref.WeakSet()  # optimizers it handled or watches: see _rescale_open
-        self._rescaled: dict[int, torch.Tensor] = {}  # id(optimizer) -> the scale an update()
-        # inside its accumulation rescaled its gradients to (until the next scale())
+        self._carried_of: dict[int, torch.Tensor] = {}  # id(optimizer) -> the scale its
+        # gradients carry, recorded by an update() inside its accumulation window
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
@@ -72,7 +72,7 @@ class LossScaler(GradScalerInterface):
         self.process_group = None
 
     def __getstate__(self) -> dict:  # (a WeakSet does not pickle; optimizers are not its own)
-        return {**self.__dict__, "_known": None, "_rescaled": {}}
+        return {**self.__dict__, "_known": None, "_carried_of": {}}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -170,8 +170,8 @@ class LossScaler(GradScalerInterface):
             return loss
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
+        self._rescale_open()  # (before this backward adds gradients of the current scale)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
-        self._rescaled.clear()  # (what they were rescaled to is the scale now)
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
 
@@ -401,10 +401,9 @@ class LossScaler(GradScalerInterface):
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
             value = checks.as_number(new_scale, "new_scale")
-            open_, carried = self._open_windows()
+            self._record_open()
             self._set_scale(value)
             self._stages.clear()
-            self._rescale_open(open_, carried)
             return
         stepped = self._stages.stepped()
         if not stepped:
@@ -415,9 +414,8 @@ class LossScaler(GradScalerInterface):
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1
                      else torch.stack([f.to(self._state.device) for f in flags]).amax())
-            open_, carried = self._open_windows()
+            self._record_open()
             self._state = self._adjust(found)
-            self._rescale_open(open_, carried)
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
             names = list(dict.fromkeys(n for names in bad for n in names))
@@ -472,11 +470,11 @@ class LossScaler(GradScalerInterface):
 
     # -- internals ---------------------------------------------------------------------------
     def _grads_scale(self, optimizer=None) -> torch.Tensor:
-        """The scale ``optimizer``'s gradients carry: the one an update() rescaled them to
-        (:meth:`_rescale_open`), else the one the last scaled loss was multiplied by (two
-        ``amp.step`` calls after one backward: the first call's update must not change what
-        the second unscales by), else the current one."""
-        carried = self._rescaled.get(id(optimizer)) if self._rescaled else None
+        """The scale ``optimizer``'s gradients carry: the one an update() inside its window
+        recorded (:meth:`_record_open`), else the one the last scaled loss was multiplied by
+        (two ``amp.step`` calls after one backward: the first call's update must not change
+        what the second unscales by), else the current one."""
+        carried = self._carried_of.get(id(optimizer)) if self._carried_of else None
         carried = self._carried if carried is None else carried
         return self._state.scale if carried is None else carried.to(self._state.device)
 
@@ -487,37 +485,47 @@ class LossScaler(GradScalerInterface):
         """``optimizer``'s gradients were unscaled, stepped or settled: they carry no scale of
         this scaler's any more (its accumulation window is closed)."""
         self._handled[id(optimizer)] = self._scaled
-        self._rescaled.pop(id(optimizer), None)
+        self._carried_of.pop(id(optimizer), None)
         self._known.add(optimizer)
 
-    def _open_windows(self) -> tuple[list, list]:
-        """The optimizers this scaler knows whose gradients hold a scaled loss's backward they
-        have not been stepped on (an accumulation window that stays open across this update:
-        a second optimizer stepped every other micro-batch), and the scale each carries."""
-        if not self._scales:
-            return [], []
-        open_ = [o for o in list(self._known) if self._handled.get(id(o), 0) < self._scaled]
-        return open_, [self._grads_scale(o) for o in open_]
+    def _record_open(self) -> None:
+        """Before an update changes the scale: record the scale the gradients of each open
+        accumulation window carry (an optimizer this scaler knows that was not stepped or
+        unscaled since a scaled backward: a second optimizer stepped every other micro-batch),
+        for its step and for :meth:`_rescale_open`."""
+        if self._scales:
+            for opt in list(self._known):
+                if self._handled.get(id(opt), 0) < self._scaled:
+                    self._carried_of[id(opt)] = self._grads_scale(opt)
 
-    def _rescale_open(self, open_: list, carried: list) -> None:
-        """Multiply the gradients of the open windows by the new scale over the one they carry
-        (on the device, no host read; a factor of 1 when the scale did not change), so that the
-        backward after this update adds gradients of the same scale: without it the window's
-        step unscaled its earlier micro-batches by the new scale (a back-off counted them
-        twice). A master optimizer's fp32 gradients made by a read of ``.grad`` are dropped
-        (made again from the model's when read)."""
-        scale = self._state.scale
-        for opt, old in zip(open_, carried):
+    def _rescale_open(self) -> None:
+        """Before a backward adds gradients of the current scale: multiply the gradients of the
+        open windows an update recorded by the current scale over the one they carry (on the
+        device, no host read; a factor of 1 where the scale did not change; each gradient
+        once, a parameter of two optimizers too), so the window's step unscales every
+        micro-batch by the scale it carries (unscaled by the new scale, a backoff counted the
+        earlier micro-batches twice). A window stepped before the next backward (two
+        ``amp.step`` calls after one) is not touched: its step reads the recorded scale. A
+        master optimizer's fp32 gradients made by a read of ``.grad`` are dropped (made again
+        from the model's when read)."""
+        if not self._carried_of:
+            return
+        scale, seen = self._state.scale, set()
+        for opt in list(self._known):
+            old = self._carried_of.get(id(opt))
+            if old is None:
+                continue
             if owns_gradients(opt):
                 opt.drop_master_grads()
                 grads = [g for _, g in opt.grads_for_step()]
             else:
                 grads = [p.grad for group in opt.param_groups for p in group["params"]
                          if p.grad is not None]
+            grads = [g for g in grads if id(g) not in seen and not seen.add(id(g))]
             if grads:
                 factor = (scale.double() / old.to(scale.device).double()).float()
                 passes.unscale_(grads, factor)
-            self._rescaled[id(opt)] = scale
+        self._carried_of.clear()
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
@@ -536,7 +544,6 @@ class LossScaler(GradScalerInterface):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._resumed = True
-        self._rescaled.clear()
 
     def _prepare_step(self, optimizer, owner: bool) -> OptimizerRecord:
         """A READY optimizer about to step: unscale (plain, or an owner whose step pre-hooks
