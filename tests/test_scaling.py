@@ -471,6 +471,49 @@ def test_two_steps_after_one_backward_near_the_top_of_fp16_after_a_growth():
     assert _rel(before - mp.fp32_state_dict(model, o2)["1.weight"], true) < 2e-3
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_step_after_an_update_that_dropped_its_clip_or_unscale_is_refused(dtype):
+    """``amp.clip_grad_norm_(o2); amp.step(o1); amp.step(o2)``: o1's step updates the scale and
+    ends the iteration, the clip folded into o2's step with it (o2 stepped unclipped, 13x the
+    clipped update); by hand ``scaler.unscale_(o2); step(o1); update(); step(o2)`` unscaled
+    o2's gradients twice (as ``torch.amp.GradScaler`` does). Refused, weights untouched, until
+    a backward makes new gradients (a plain one in bf16 too)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        return (model, torch.optim.SGD(model[0].parameters(), lr=0.1),
+                torch.optim.SGD(model[1].parameters(), lr=0.1))
+
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    model, o1, o2 = make()
+    amp = mp.MixedPrecision(level="O2", dtype=dtype, emulate_fp16=False)
+    model, o1, o2 = amp.setup(model, o1, o2)
+    amp.backward(F.mse_loss(model(x).float(), y))
+    amp.clip_grad_norm_(o2, 0.01)
+    assert amp.step(o1)
+    kept = model[1].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"unscaled or clipped before the last update\(\).*"
+                                           r"amp.step\(opt1, opt2\) in one call"):
+        amp.step(o2)
+    assert torch.equal(model[1].weight, kept)
+    model.zero_grad()
+    if dtype == "bf16":
+        F.mse_loss(model(x).float(), y).backward()  # (no loss scale: a plain backward)
+    else:
+        amp.backward(F.mse_loss(model(x).float(), y))
+    assert amp.step(o2)
+
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
+    p1, p2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin0, lin1))
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+    scaler.scale(lin1(lin0(torch.randn(8, 4))).pow(2).mean()).backward()
+    scaler.unscale_(p2)
+    scaler.step(p1)
+    scaler.update()
+    with pytest.raises(RuntimeError, match="unscaled or clipped before the last update"):
+        scaler.step(p2)
+
+
 def test_a_scaler_that_stepped_optimizers_pickles_and_copies_without_them():
     """The optimizers a scaler knows (to rescale an accumulation window across an update) are
     held weakly and left out of a pickle or a deep copy; the copy scales and steps."""

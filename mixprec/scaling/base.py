@@ -64,6 +64,9 @@ class LossScaler(GradScalerInterface):
         self._known = weakref.WeakSet()  # optimizers it handled or watches: see _rescale_open
         self._carried_of: dict[int, torch.Tensor] = {}  # id(optimizer) -> the scale its
         # gradients carry, recorded by an update() inside its accumulation window
+        self._dropped: dict[int, tuple] = {}  # id(optimizer) -> (losses scaled, gradient
+        # versions) when an update() ended the iteration of its unscale_ or clip before its
+        # step: see _check_not_dropped
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
@@ -72,7 +75,7 @@ class LossScaler(GradScalerInterface):
         self.process_group = None
 
     def __getstate__(self) -> dict:  # (a WeakSet does not pickle; optimizers are not its own)
-        return {**self.__dict__, "_known": None, "_carried_of": {}}
+        return {**self.__dict__, "_known": None, "_carried_of": {}, "_dropped": {}}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -171,6 +174,7 @@ class LossScaler(GradScalerInterface):
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
         self._rescale_open()  # (before this backward adds gradients of the current scale)
+        self._dropped.clear()  # (a new backward: a new iteration)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
@@ -194,6 +198,7 @@ class LossScaler(GradScalerInterface):
                 optimizer, or step() was, since the last update().
         """
         self._check_scaled("unscale_()")  # (step() and clip_grad_norm_() check on entry)
+        self._check_not_dropped(optimizer, "unscale_()")
         record = self._ready_record(optimizer, "unscale_()")
         inv_scale = self._inv_scale(optimizer) if self._scales else None
         if owns_gradients(optimizer):
@@ -230,6 +235,7 @@ class LossScaler(GradScalerInterface):
         """
         checks.check_clip_args(max_norm, norm_type)
         self._check_scaled("clip_grad_norm_()")
+        self._check_not_dropped(optimizer, "clip_grad_norm_()")
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
@@ -286,6 +292,7 @@ class LossScaler(GradScalerInterface):
                             "optimizer.step(closure) directly when not scaling")
         checks.check_optimizer(optimizer)
         self._check_scaled("step()")
+        self._check_not_dropped(optimizer, "step()")
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
@@ -403,13 +410,13 @@ class LossScaler(GradScalerInterface):
             value = checks.as_number(new_scale, "new_scale")
             self._record_open()
             self._set_scale(value)
-            self._stages.clear()
+            self._drop_unstepped()
             return
         stepped = self._stages.stepped()
         if not stepped:
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{SEQUENCE}")
-        self._stages.clear()
+        self._drop_unstepped()
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1
@@ -488,6 +495,34 @@ class LossScaler(GradScalerInterface):
         self._carried_of.pop(id(optimizer), None)
         self._known.add(optimizer)
 
+    def _drop_unstepped(self) -> None:
+        """End the iteration: the records go; an optimizer unscaled or clipped in it and not
+        stepped is remembered (:meth:`_check_not_dropped`)."""
+        unstepped = self._stages.unstepped()
+        for opt in list(self._known) if unstepped else ():  # (unscaled or clipped: known)
+            if id(opt) in unstepped:
+                if owns_gradients(opt):  # (its unscaled fp32 copies go with the iteration)
+                    opt.drop_master_grads()
+                self._dropped[id(opt)] = (self._scaled, _versions(_grads_of(opt)))
+        self._stages.clear()
+
+    def _check_not_dropped(self, optimizer, what: str) -> None:
+        """Refuse ``what`` on an optimizer whose unscale_ or clip an update() dropped before
+        its step, with no scaled backward since: its record went with the iteration, and the
+        step would unscale its gradients again (a plain optimizer's, unscaled in place: an
+        update ``scale`` times too small; ``torch.amp.GradScaler`` does so) or lose the clip
+        folded into it (an update up to 1/coefficient too large)."""
+        dropped = self._dropped.pop(id(optimizer), None)
+        if dropped == (self._scaled, _versions(_grads_of(optimizer))):  # (no backward since)
+            raise RuntimeError(
+                f"{what} on an optimizer whose gradients were unscaled or clipped before the "
+                f"last update(), which ended the iteration before this optimizer was stepped: "
+                f"that unscaling or clip went with it. Step every optimizer you unscale or clip "
+                f"before update(): with mp.MixedPrecision, amp.step(opt1, opt2) in one call "
+                f"(each step updates the scale), or clip inside it with "
+                f"amp.step(opt, max_grad_norm=...); by hand, scaler.step(opt) for each, then "
+                f"scaler.update()")
+
     def _record_open(self) -> None:
         """Before an update changes the scale: record the scale the gradients of each open
         accumulation window carry (an optimizer this scaler knows that was not stepped or
@@ -517,11 +552,7 @@ class LossScaler(GradScalerInterface):
                 continue
             if owns_gradients(opt):
                 opt.drop_master_grads()
-                grads = [g for _, g in opt.grads_for_step()]
-            else:
-                grads = [p.grad for group in opt.param_groups for p in group["params"]
-                         if p.grad is not None]
-            grads = [g for g in grads if id(g) not in seen and not seen.add(id(g))]
+            grads = [g for g in _grads_of(opt) if id(g) not in seen and not seen.add(id(g))]
             if grads:
                 factor = (scale.double() / old.to(scale.device).double()).float()
                 passes.unscale_(grads, factor)
@@ -573,6 +604,7 @@ class LossScaler(GradScalerInterface):
             record.found_inf = (~torch.isfinite(total)).float()
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
         record.folded_on = None if self._scales else _versions(grads)
+        self._known.add(optimizer)  # (an update before its step drops the clip: refused)
         return total
 
     def _check_no_backward_since(self, record: OptimizerRecord, what: str, optimizer) -> None:
@@ -623,6 +655,13 @@ class LossScaler(GradScalerInterface):
 
 def _versions(grads) -> list:
     return [(id(g), grad_version(g)) for g in grads]
+
+
+def _grads_of(optimizer) -> list:
+    """The gradients ``optimizer``'s step reads."""
+    if owns_gradients(optimizer):
+        return [g for _, g in optimizer.grads_for_step()]
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _has_pre_hooks(optimizer) -> bool:

@@ -116,6 +116,10 @@ class StageBook:
         """The records of the optimizers stepped (or skipped) in this iteration."""
         return [r for r in self._records.values() if r.stage is Stage.STEPPED]
 
+    def unstepped(self) -> set[int]:
+        """The ids of the optimizers unscaled or clipped in this iteration and not stepped."""
+        return {key for key, r in self._records.items() if r.stage is Stage.UNSCALED}
+
     def clear(self) -> None:
         """Start a new iteration."""
         self._records = {}
