@@ -524,7 +524,7 @@ def test_a_scaler_that_stepped_optimizers_pickles_and_copies_without_them():
     assert scaler.step(opt)
     scaler.update()
     for copied in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
-        assert len(copied._known) == 0 and copied.get_scale() == 8.0
+        assert len(copied._windows.known) == 0 and copied.get_scale() == 8.0
         copied.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
         assert copied.step(opt)
 

@@ -27,7 +27,6 @@ from torch import nn
 
 from ..callsite import user_stacklevel
 from ..dtypes import is_low_precision
-from ..shards import grad_version
 from ..shards import local as _local
 from ..shards import replicated as _replicated
 from . import args as checks
@@ -44,6 +43,7 @@ from .records import (
     check_not_stepped,
 )
 from .state import ScaleState
+from .windows import Windows, versions
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -61,25 +61,13 @@ class LossScaler(GradScalerInterface):
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
         self._handled: dict[int, int] = {}  # id(optimizer) -> losses scaled when this scaler
         # last unscaled or stepped its gradients: see .direct
-        self._known = weakref.WeakSet()  # optimizers it handled or watches: see _rescale_open
-        self._carried_of: dict[int, torch.Tensor] = {}  # id(optimizer) -> the scale its
-        # gradients carry, recorded by an update() inside its accumulation window
-        self._dropped: dict[int, tuple] = {}  # id(optimizer) -> (losses scaled, gradient
-        # versions) when an update() ended the iteration of its unscale_ or clip before its
-        # step: see _check_not_dropped
+        self._windows = Windows()  # open accumulation windows, dropped iterations
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
         self._stages = StageBook()
         self._modules: list[weakref.ref] = []
         self.process_group = None
-
-    def __getstate__(self) -> dict:  # (a WeakSet does not pickle; optimizers are not its own)
-        return {**self.__dict__, "_known": None, "_carried_of": {}, "_dropped": {}}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._known = weakref.WeakSet()
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -173,8 +161,7 @@ class LossScaler(GradScalerInterface):
             return loss
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
-        self._rescale_open()  # (before this backward adds gradients of the current scale)
-        self._dropped.clear()  # (a new backward: a new iteration)
+        self._windows.new_backward(self._state.scale)  # (before its backward adds to them)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
@@ -198,7 +185,7 @@ class LossScaler(GradScalerInterface):
                 optimizer, or step() was, since the last update().
         """
         self._check_scaled("unscale_()")  # (step() and clip_grad_norm_() check on entry)
-        self._check_not_dropped(optimizer, "unscale_()")
+        self._windows.check_not_dropped(optimizer, "unscale_()", self._scaled)
         record = self._ready_record(optimizer, "unscale_()")
         inv_scale = self._inv_scale(optimizer) if self._scales else None
         if owns_gradients(optimizer):
@@ -235,7 +222,7 @@ class LossScaler(GradScalerInterface):
         """
         checks.check_clip_args(max_norm, norm_type)
         self._check_scaled("clip_grad_norm_()")
-        self._check_not_dropped(optimizer, "clip_grad_norm_()")
+        self._windows.check_not_dropped(optimizer, "clip_grad_norm_()", self._scaled)
         record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
@@ -292,7 +279,7 @@ class LossScaler(GradScalerInterface):
                             "optimizer.step(closure) directly when not scaling")
         checks.check_optimizer(optimizer)
         self._check_scaled("step()")
-        self._check_not_dropped(optimizer, "step()")
+        self._windows.check_not_dropped(optimizer, "step()", self._scaled)
         record = self._stages.get(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
@@ -408,7 +395,7 @@ class LossScaler(GradScalerInterface):
         """
         if new_scale is not None:  # as torch.amp: an explicit scale needs no step first
             value = checks.as_number(new_scale, "new_scale")
-            self._record_open()
+            self._windows.record_open(self._handled, self._scaled, self._grads_scale)
             self._set_scale(value)
             self._drop_unstepped()
             return
@@ -421,7 +408,7 @@ class LossScaler(GradScalerInterface):
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1
                      else torch.stack([f.to(self._state.device) for f in flags]).amax())
-            self._record_open()
+            self._windows.record_open(self._handled, self._scaled, self._grads_scale)
             self._state = self._adjust(found)
         bad = [r.bad_params for r in stepped if r.bad_params is not None]
         if bad:
@@ -478,10 +465,10 @@ class LossScaler(GradScalerInterface):
     # -- internals ---------------------------------------------------------------------------
     def _grads_scale(self, optimizer=None) -> torch.Tensor:
         """The scale ``optimizer``'s gradients carry: the one an update() inside its window
-        recorded (:meth:`_record_open`), else the one the last scaled loss was multiplied by
-        (two ``amp.step`` calls after one backward: the first call's update must not change
-        what the second unscales by), else the current one."""
-        carried = self._carried_of.get(id(optimizer)) if self._carried_of else None
+        recorded (:mod:`.windows`), else the one the last scaled loss was multiplied by (two
+        ``amp.step`` calls after one backward: the first call's update must not change what
+        the second unscales by), else the current one."""
+        carried = self._windows.carried(optimizer)
         carried = self._carried if carried is None else carried
         return self._state.scale if carried is None else carried.to(self._state.device)
 
@@ -492,71 +479,13 @@ class LossScaler(GradScalerInterface):
         """``optimizer``'s gradients were unscaled, stepped or settled: they carry no scale of
         this scaler's any more (its accumulation window is closed)."""
         self._handled[id(optimizer)] = self._scaled
-        self._carried_of.pop(id(optimizer), None)
-        self._known.add(optimizer)
+        self._windows.handled(optimizer)
 
     def _drop_unstepped(self) -> None:
-        """End the iteration: the records go; an optimizer unscaled or clipped in it and not
-        stepped is remembered (:meth:`_check_not_dropped`)."""
-        unstepped = self._stages.unstepped()
-        for opt in list(self._known) if unstepped else ():  # (unscaled or clipped: known)
-            if id(opt) in unstepped:
-                if owns_gradients(opt):  # (its unscaled fp32 copies go with the iteration)
-                    opt.drop_master_grads()
-                self._dropped[id(opt)] = (self._scaled, _versions(_grads_of(opt)))
+        """End the iteration: the records go (an optimizer unscaled or clipped in it and not
+        stepped is remembered: :meth:`.windows.Windows.drop`)."""
+        self._windows.drop(self._stages.unstepped(), self._scaled)
         self._stages.clear()
-
-    def _check_not_dropped(self, optimizer, what: str) -> None:
-        """Refuse ``what`` on an optimizer whose unscale_ or clip an update() dropped before
-        its step, with no scaled backward since: its record went with the iteration, and the
-        step would unscale its gradients again (a plain optimizer's, unscaled in place: an
-        update ``scale`` times too small; ``torch.amp.GradScaler`` does so) or lose the clip
-        folded into it (an update up to 1/coefficient too large)."""
-        dropped = self._dropped.pop(id(optimizer), None)
-        if dropped == (self._scaled, _versions(_grads_of(optimizer))):  # (no backward since)
-            raise RuntimeError(
-                f"{what} on an optimizer whose gradients were unscaled or clipped before the "
-                f"last update(), which ended the iteration before this optimizer was stepped: "
-                f"that unscaling or clip went with it. Step every optimizer you unscale or clip "
-                f"before update(): with mp.MixedPrecision, amp.step(opt1, opt2) in one call "
-                f"(each step updates the scale), or clip inside it with "
-                f"amp.step(opt, max_grad_norm=...); by hand, scaler.step(opt) for each, then "
-                f"scaler.update()")
-
-    def _record_open(self) -> None:
-        """Before an update changes the scale: record the scale the gradients of each open
-        accumulation window carry (an optimizer this scaler knows that was not stepped or
-        unscaled since a scaled backward: a second optimizer stepped every other micro-batch),
-        for its step and for :meth:`_rescale_open`."""
-        if self._scales:
-            for opt in list(self._known):
-                if self._handled.get(id(opt), 0) < self._scaled:
-                    self._carried_of[id(opt)] = self._grads_scale(opt)
-
-    def _rescale_open(self) -> None:
-        """Before a backward adds gradients of the current scale: multiply the gradients of the
-        open windows an update recorded by the current scale over the one they carry (on the
-        device, no host read; a factor of 1 where the scale did not change; each gradient
-        once, a parameter of two optimizers too), so the window's step unscales every
-        micro-batch by the scale it carries (unscaled by the new scale, a backoff counted the
-        earlier micro-batches twice). A window stepped before the next backward (two
-        ``amp.step`` calls after one) is not touched: its step reads the recorded scale. A
-        master optimizer's fp32 gradients made by a read of ``.grad`` are dropped (made again
-        from the model's when read)."""
-        if not self._carried_of:
-            return
-        scale, seen = self._state.scale, set()
-        for opt in list(self._known):
-            old = self._carried_of.get(id(opt))
-            if old is None:
-                continue
-            if owns_gradients(opt):
-                opt.drop_master_grads()
-            grads = [g for g in _grads_of(opt) if id(g) not in seen and not seen.add(id(g))]
-            if grads:
-                factor = (scale.double() / old.to(scale.device).double()).float()
-                passes.unscale_(grads, factor)
-        self._carried_of.clear()
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
@@ -603,8 +532,8 @@ class LossScaler(GradScalerInterface):
         if self._checks:
             record.found_inf = (~torch.isfinite(total)).float()
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
-        record.folded_on = None if self._scales else _versions(grads)
-        self._known.add(optimizer)  # (an update before its step drops the clip: refused)
+        record.folded_on = None if self._scales else versions(grads)
+        self._windows.known.add(optimizer)  # (an update before its step drops the clip)
         return total
 
     def _check_no_backward_since(self, record: OptimizerRecord, what: str, optimizer) -> None:
@@ -616,7 +545,7 @@ class LossScaler(GradScalerInterface):
         if record.stage is not Stage.UNSCALED or record.scaled == self._scaled:
             return
         owner = owns_gradients(optimizer)
-        if not self._scales and record.grad_scale is not None and record.folded_on == _versions(
+        if not self._scales and record.grad_scale is not None and record.folded_on == versions(
                 [g for _, g in optimizer.grads_for_step()]):
             return  # (a loss scaled with no backward: a logged value)
         if self._scales or record.grad_scale is not None:
@@ -651,17 +580,6 @@ class LossScaler(GradScalerInterface):
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                          group=self.process_group)
         return found
-
-
-def _versions(grads) -> list:
-    return [(id(g), grad_version(g)) for g in grads]
-
-
-def _grads_of(optimizer) -> list:
-    """The gradients ``optimizer``'s step reads."""
-    if owns_gradients(optimizer):
-        return [g for _, g in optimizer.grads_for_step()]
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _has_pre_hooks(optimizer) -> bool:
