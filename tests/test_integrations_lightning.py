@@ -252,6 +252,54 @@ def test_manual_optimization_steps_through_the_engine():
     assert plugin.scaler.skipped_steps == 1
 
 
+def test_manual_optimization_clipping_two_optimizers_before_stepping_them():
+    """``clip_gradients(o1); clip_gradients(o2); o1.step(); o2.step()`` at fp16: each step
+    updates the scale, and o2's clip (folded into its step) outlives o1's update: the same
+    bits as the engine's ``amp.step(o1, o2)`` (the update dropped it: o2 stepped unclipped)."""
+    class Two(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+            self.automatic_optimization = False
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            o1, o2 = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.mse_loss(self(x), y))
+            for opt in (o1, o2):
+                self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD([*self.net[1].parameters(), *self.net[3].parameters()],
+                                    lr=0.1)]
+
+    batches = data(n=3, overflow_at=None)
+    module = Two()
+    trainer(MixprecPrecision(level="O2", dtype="fp16")).fit(module, loader(batches))
+    model = net()
+    amp = mp.MixedPrecision(level="O2", dtype="fp16")
+    model, o1, o2 = amp.setup(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
+                              torch.optim.SGD([*model[1].parameters(), *model[3].parameters()],
+                                              lr=0.1))
+    for x, y in batches:
+        amp.backward(F.mse_loss(model(x), y))
+        amp.clip_grad_norm_(o1, 0.05)
+        amp.clip_grad_norm_(o2, 0.05)
+        amp.step(o1, o2)
+        o1.zero_grad()
+        o2.zero_grad()
+    ours, engine = weights(module), weights(model)
+    assert all(torch.equal(ours[k], engine[k]) for k in engine)
+
+
 class _Starts(L.Callback):
     def on_train_start(self, trainer, module):
         self.values = copy.deepcopy(mp.fp32_state_dict(module))

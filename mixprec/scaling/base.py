@@ -43,7 +43,7 @@ from .records import (
     check_not_stepped,
 )
 from .state import ScaleState
-from .windows import Windows, versions
+from .windows import Windows, grad_versions, versions
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -93,7 +93,7 @@ class LossScaler(GradScalerInterface):
         """Where ``optimizer`` is in this iteration: ``"ready"``, ``"unscaled"`` (its gradients
         read as the true ones), ``"folded"`` (a clip is folded into its step's unscaling) or
         ``"stepped"``."""
-        record = self._stages.get(optimizer)
+        record = self._record(optimizer)
         if record is None:
             return Stage.READY.value
         if record.stage is Stage.UNSCALED and record.grad_scale is not None:
@@ -104,7 +104,7 @@ class LossScaler(GradScalerInterface):
         """The factor ``optimizer``'s gradients still carry before its step, as a 0-d tensor (no
         host sync): the loss scale while ``"ready"`` (when scaling), the scale over the clip
         coefficient once a clip is ``"folded"``; None when they read as the true ones."""
-        record = self._stages.get(optimizer)
+        record = self._record(optimizer)
         if record is None or record.stage is Stage.READY:
             return self._grads_scale(optimizer) if self._scales else None
         return record.grad_scale if record.stage is Stage.UNSCALED else None
@@ -120,7 +120,7 @@ class LossScaler(GradScalerInterface):
     def settle_(self, optimizer) -> None:
         """Apply a clip folded into an owner's step now, with the step's arithmetic: its fp32
         gradients (and the model's, rounded) read as the clipped true ones the step uses."""
-        record = self._stages.get(optimizer)
+        record = self._record(optimizer)
         if record is not None and record.stage is Stage.UNSCALED and record.grad_scale is not None:
             settle = getattr(optimizer, "settle_grads_", None)  # as its step would divide
             if callable(settle):
@@ -161,7 +161,7 @@ class LossScaler(GradScalerInterface):
             return loss
         if self._state.device != loss.device and not self._stages:
             self._state = self._state.to(loss.device)
-        self._windows.new_backward(self._state.scale)  # (before its backward adds to them)
+        self._windows.rescale_open(self._state.scale)  # (before its backward adds to them)
         self._carried = self._state.scale  # (a scale update makes a new tensor)
         self._scaled += 1
         return loss * self._state.scale.to(loss.device, non_blocking=True)
@@ -185,7 +185,6 @@ class LossScaler(GradScalerInterface):
                 optimizer, or step() was, since the last update().
         """
         self._check_scaled("unscale_()")  # (step() and clip_grad_norm_() check on entry)
-        self._windows.check_not_dropped(optimizer, "unscale_()", self._scaled)
         record = self._ready_record(optimizer, "unscale_()")
         inv_scale = self._inv_scale(optimizer) if self._scales else None
         if owns_gradients(optimizer):
@@ -222,8 +221,7 @@ class LossScaler(GradScalerInterface):
         """
         checks.check_clip_args(max_norm, norm_type)
         self._check_scaled("clip_grad_norm_()")
-        self._windows.check_not_dropped(optimizer, "clip_grad_norm_()", self._scaled)
-        record, owner = self._stages.get(optimizer), owns_gradients(optimizer)
+        record, owner = self._record(optimizer), owns_gradients(optimizer)
         if record is not None and record.stage is not Stage.READY:
             check_not_stepped(record, "clip_grad_norm_()")
             self._check_no_backward_since(record, "clip_grad_norm_()", optimizer)
@@ -279,8 +277,7 @@ class LossScaler(GradScalerInterface):
                             "optimizer.step(closure) directly when not scaling")
         checks.check_optimizer(optimizer)
         self._check_scaled("step()")
-        self._windows.check_not_dropped(optimizer, "step()", self._scaled)
-        record = self._stages.get(optimizer)
+        record = self._record(optimizer)
         if record is not None and record.stage is Stage.STEPPED:
             raise RuntimeError(f"step() has already been called on this optimizer since the last "
                                f"update(); {SEQUENCE}")
@@ -397,13 +394,13 @@ class LossScaler(GradScalerInterface):
             value = checks.as_number(new_scale, "new_scale")
             self._windows.record_open(self._handled, self._scaled, self._grads_scale)
             self._set_scale(value)
-            self._drop_unstepped()
+            self._end_iteration()
             return
         stepped = self._stages.stepped()
         if not stepped:
             raise RuntimeError(f"update() called before any step() since the last update(); "
                                f"{SEQUENCE}")
-        self._drop_unstepped()
+        self._end_iteration()
         flags = [r.found_inf for r in stepped if r.found_inf is not None]
         if self._checks and flags:
             found = (flags[0] if len(flags) == 1
@@ -481,14 +478,32 @@ class LossScaler(GradScalerInterface):
         self._handled[id(optimizer)] = self._scaled
         self._windows.handled(optimizer)
 
-    def _drop_unstepped(self) -> None:
-        """End the iteration: the records go (an optimizer unscaled or clipped in it and not
-        stepped is remembered: :meth:`.windows.Windows.drop`)."""
-        self._windows.drop(self._stages.unstepped(), self._scaled)
-        self._stages.clear()
+    def _end_iteration(self) -> None:
+        """The records go, but an optimizer unscaled or clipped and not yet stepped keeps its
+        own until its step, while its gradients stay as they were (:mod:`.windows`)."""
+        kept = self._stages.unstepped()
+        if kept:
+            for opt in list(self._windows.known):  # (unscaled or clipped: known)
+                if id(opt) in kept:
+                    kept[id(opt)].kept_on = grad_versions(opt)
+            kept = {key: r for key, r in kept.items() if r.kept_on is not None}
+        self._stages.clear(kept)
+
+    def _record(self, optimizer):
+        """``optimizer``'s record in this iteration, or None; one kept across an update ends
+        where a backward since changed its gradients."""
+        record = self._stages.get(optimizer)  # (the one place that reads it raw)
+        if record is not None and record.kept_on is not None:
+            if record.kept_on != grad_versions(optimizer):
+                self._stages.discard(optimizer)
+                if owns_gradients(optimizer):  # (its unscaled fp32 copies end with it)
+                    optimizer.drop_master_grads()
+                return None
+        return record
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)
+        self._record(optimizer)  # (a kept record whose gradients changed ends here)
         return self._stages.ready(optimizer, what)
 
     def _check_scaled(self, what: str) -> None:
@@ -570,7 +585,7 @@ class LossScaler(GradScalerInterface):
 
     def recheck_(self, optimizer, what: str) -> None:
         """:meth:`_check_no_backward_since` for ``optimizer`` (the engine's value clip)."""
-        record = self._stages.get(optimizer)
+        record = self._record(optimizer)
         if record is not None:
             self._check_no_backward_since(record, what, optimizer)
 

@@ -43,6 +43,8 @@ class OptimizerRecord:
             reached the dynamic scaler's min-scale limit.
         folded_on: with a clip folded (no loss scale), the (id, version) of each gradient it
             measured: a backward since changes them.
+        kept_on: for a record an ``update()`` kept (unscaled or clipped, not stepped), the
+            (id, version) of each gradient then: a backward since ends it.
     """
 
     stage: Stage = Stage.READY
@@ -51,6 +53,7 @@ class OptimizerRecord:
     bad_params: list[str] | None = None
     scaled: int = 0  # the scaler's count of scaled losses when it was unscaled or clipped
     folded_on: list | None = None
+    kept_on: list | None = None
 
 
 @dataclasses.dataclass
@@ -116,13 +119,17 @@ class StageBook:
         """The records of the optimizers stepped (or skipped) in this iteration."""
         return [r for r in self._records.values() if r.stage is Stage.STEPPED]
 
-    def unstepped(self) -> set[int]:
-        """The ids of the optimizers unscaled or clipped in this iteration and not stepped."""
-        return {key for key, r in self._records.items() if r.stage is Stage.UNSCALED}
+    def clear(self, keep: dict[int, OptimizerRecord] | None = None) -> None:
+        """Start a new iteration (``keep``: records carried into it, by optimizer id)."""
+        self._records = dict(keep or {})
 
-    def clear(self) -> None:
-        """Start a new iteration."""
-        self._records = {}
+    def unstepped(self) -> dict[int, OptimizerRecord]:
+        """The records of the optimizers unscaled or clipped in this iteration, not stepped."""
+        return {key: r for key, r in self._records.items() if r.stage is Stage.UNSCALED}
+
+    def discard(self, optimizer) -> None:
+        """Forget ``optimizer``'s record (it is ready again)."""
+        self._records.pop(id(optimizer), None)
 
 
 def check_not_stepped(record: OptimizerRecord, what: str) -> None:

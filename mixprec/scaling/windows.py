@@ -1,5 +1,5 @@
 """What a loss scaler keeps of each optimizer across ``update()``: accumulation windows left open,
-and iterations that ended before an optimizer's step.
+and the records of optimizers unscaled or clipped but not yet stepped.
 
 * **An open window** is an optimizer the scaler knows (:meth:`Windows.known`: watched by
   ``amp.setup``, or unscaled, clipped or stepped before) that was not stepped or unscaled since
@@ -9,10 +9,14 @@ and iterations that ended before an optimizer's step.
   that one, before its backward adds to them (:meth:`Windows.rescale_open`), so the window's
   step unscales every micro-batch by the scale it carries. A window stepped before another
   backward is not touched: its step divides by the recorded scale.
-* **A dropped iteration**: an update that ends an iteration in which an optimizer was unscaled
-  or had a clip folded into its step, and not stepped, takes that record with it
-  (:meth:`Windows.drop`); a later unscale, clip or step of that optimizer on the same gradients
-  is refused (:meth:`Windows.check_not_dropped`).
+* **A record kept across an update**: an optimizer unscaled or clipped in an iteration that an
+  update ends before its step (``amp.clip_grad_norm_(o2); amp.step(o1); amp.step(o2)``: each
+  ``amp.step`` updates the scale; Lightning's manual optimization clipping both optimizers
+  before stepping them) keeps its record until its step, as long as its gradients stay as they
+  were (:func:`grad_versions`): its step then is the one a single ``amp.step(o1, o2)`` takes
+  (the record went with the update: a plain optimizer's gradients were unscaled a second time,
+  an update ``scale`` times too small, as ``torch.amp.GradScaler`` does, and a clip folded into
+  the step was lost). A backward since (new gradients) ends it.
 
 Nothing here reads the device (no host sync); a scaler pickles without it (its optimizers are
 not its own).
@@ -28,7 +32,7 @@ from ..shards import grad_version
 from .protocol import owns_gradients
 from .unscale import unscale_
 
-__all__ = ["Windows", "grads_of", "versions"]
+__all__ = ["Windows", "grad_versions", "grads_of", "versions"]
 
 
 def versions(grads) -> list:
@@ -43,13 +47,20 @@ def grads_of(optimizer) -> list:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+def grad_versions(optimizer) -> list:
+    """:func:`versions` of the gradients a backward writes for ``optimizer``: the model's (a
+    master optimizer's fp32 copies stay as they were made)."""
+    if owns_gradients(optimizer):
+        return versions([p.grad for p, _ in optimizer.grads_for_step()])
+    return versions(grads_of(optimizer))
+
+
 class Windows:
     """A scaler's optimizers between its updates (see the module docstring)."""
 
     def __init__(self) -> None:
         self.known = weakref.WeakSet()  # optimizers watched, unscaled, clipped or stepped
         self._carried: dict[int, torch.Tensor] = {}  # id -> the scale its gradients carry
-        self._dropped: dict[int, tuple] = {}  # id -> (losses scaled, gradient versions)
 
     def __getstate__(self) -> dict:
         return {}
@@ -73,12 +84,6 @@ class Windows:
             if handled.get(id(opt), 0) < scaled:
                 self._carried[id(opt)] = scale_of(opt)
 
-    def new_backward(self, scale: torch.Tensor) -> None:
-        """A loss is scaled by ``scale``: the recorded windows are rescaled to it
-        (:meth:`rescale_open`), and the dropped iterations are forgotten."""
-        self.rescale_open(scale)
-        self._dropped.clear()
-
     def rescale_open(self, scale: torch.Tensor) -> None:
         """Multiply the gradients of each recorded window by ``scale`` over the one they carry
         (on the device; 1 where the scale did not change; each gradient once, a parameter two
@@ -97,29 +102,3 @@ class Windows:
             if grads:
                 unscale_(grads, (scale.double() / old.to(scale.device).double()).float())
         self._carried.clear()
-
-    def drop(self, unstepped: set[int], scaled: int) -> None:
-        """An update ends the iteration: the optimizers unscaled or clipped in it and not
-        stepped (``unstepped``: their ids) are remembered with their gradients' versions; a
-        master optimizer's unscaled fp32 copies go with the iteration."""
-        for opt in list(self.known) if unstepped else ():  # (unscaled or clipped: known)
-            if id(opt) in unstepped:
-                if owns_gradients(opt):
-                    opt.drop_master_grads()
-                self._dropped[id(opt)] = (scaled, versions(grads_of(opt)))
-
-    def check_not_dropped(self, optimizer, what: str, scaled: int) -> None:
-        """Refuse ``what`` on an optimizer whose unscale_ or clip an update dropped before its
-        step, with no backward since: the step would unscale its gradients again (a plain
-        optimizer's, unscaled in place: an update ``scale`` times too small;
-        ``torch.amp.GradScaler`` does so) or lose the clip folded into it."""
-        dropped = self._dropped.pop(id(optimizer), None)
-        if dropped == (scaled, versions(grads_of(optimizer))):
-            raise RuntimeError(
-                f"{what} on an optimizer whose gradients were unscaled or clipped before the "
-                f"last update(), which ended the iteration before this optimizer was stepped: "
-                f"that unscaling or clip went with it. Step every optimizer you unscale or clip "
-                f"before update(): with mp.MixedPrecision, amp.step(opt1, opt2) in one call "
-                f"(each step updates the scale), or clip inside it with "
-                f"amp.step(opt, max_grad_norm=...); by hand, scaler.step(opt) for each, then "
-                f"scaler.update()")
