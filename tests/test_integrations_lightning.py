@@ -300,6 +300,31 @@ def test_manual_optimization_clipping_two_optimizers_before_stepping_them():
     assert all(torch.equal(ours[k], engine[k]) for k in engine)
 
 
+@pytest.mark.parametrize("evaluate", ["validate", "predict"])
+def test_a_baseline_evaluation_before_fit_keeps_the_fp32_weights(evaluate):
+    """``trainer.validate(module)`` (or predict) before any fit at O2: the weights are stored in
+    bf16 for it, the fp32 values stay with the model (``state_dict()`` gives them), and the
+    fit after it trains bitwise as a fit alone (it was refused: the weights rounded for good)."""
+    class Evaluated(Regressor):
+        def validation_step(self, batch, batch_idx):
+            return F.mse_loss(self(batch[0]), batch[1])
+
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
+    batches = data(n=3, overflow_at=None)
+    first, alone = Evaluated(), Evaluated()
+    initial = copy.deepcopy(first.state_dict())
+    run = getattr(trainer(MixprecPrecision(level="O2", dtype="bf16")), evaluate)
+    run(first, loader(batches))
+    assert first.net[0].weight.dtype == torch.bfloat16
+    assert all(torch.equal(first.state_dict()[k], v) for k, v in initial.items())
+    trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(first, loader(batches))
+    trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(alone, loader(batches))
+    ours, plain = weights(first), weights(alone)
+    assert all(torch.equal(ours[k], plain[k]) for k in plain)
+
+
 class _Starts(L.Callback):
     def on_train_start(self, trainer, module):
         self.values = copy.deepcopy(mp.fp32_state_dict(module))

@@ -61,7 +61,7 @@ from ..optim.wrapper import is_wrapped
 from ..policy import Policy
 from ..prepare import policy_of, wrap_late
 from ..regions import Entry
-from ..statedict import companions_of
+from ..statedict import companions_of, link_masters
 from . import lightning_checkpoints as checkpoints
 from . import lightning_strategies as strategies
 
@@ -230,6 +230,9 @@ class MixprecPrecision(Precision):
             self._setup(model, [])  # configure_optimizers returned None: Lightning's stand-in
             return optimizers  # has no parameters and is never stepped
         if policy_of(model) is None:
+            if not optimizers and self.engine.policy.master_weights:
+                self._setup_for_evaluation(model)
+                return []
             prepared = self.engine.setup(model, *optimizers)
             return list(prepared[1:]) if optimizers else []
         if model not in self.engine.models:  # prepared by another run (adopt checks the policy)
@@ -255,6 +258,19 @@ class MixprecPrecision(Precision):
         wrapped = iter(wrap_late(model, fresh, start, policy_of(model)))
         companions_of(model).keep(kept)  # the parameters this fit does not train keep theirs
         return [next(wrapped) if not is_wrapped(o) else o for o in optimizers]
+
+    def _setup_for_evaluation(self, model: nn.Module) -> None:
+        """``validate``/``test``/``predict`` before any ``fit`` at a master-weight level: the
+        model is prepared (16-bit storage) and keeps its fp32 values as companions, as
+        Lightning's own mixed precision keeps its fp32 weights: ``state_dict()`` still gives
+        them, and a later ``fit`` starts its masters from them (a baseline first; without
+        them the fit was refused, the weights rounded for good)."""
+        with torch.no_grad():
+            values = {p: p.detach().clone() for p in model.parameters()
+                      if p.dtype == torch.float32}
+        self.engine.setup(model)
+        link_masters(model, [])
+        companions_of(model).keep({p: v for p, v in values.items() if p.dtype != v.dtype})
 
     def _skip_aware(self, config, optimizers: list):
         if config.interval != "step" or isinstance(config.scheduler, SkipAwareScheduler):
