@@ -4,7 +4,8 @@ A prepared model's ``state_dict()`` holds the fp32 masters (see :mod:`mixprec.st
 ``save_pretrained`` writes them; but it also records ``config.dtype`` from the model's first
 floating parameter, a 16-bit weight at O2, and transformers >= 5 loads a checkpoint in its
 config's dtype: a plain ``from_pretrained`` would round the masters to 16 bits. So a prepared
-``transformers.PreTrainedModel`` with master weights gets a :class:`Fp32SavePretrained` as its
+``transformers.PreTrainedModel`` with 16-bit weights (masters, or at O3 the weights upcast,
+which its ``state_dict()`` holds too) gets a :class:`Fp32SavePretrained` as its
 ``save_pretrained``: transformers' own method, then the config re-written with ``dtype``
 float32 (what ``MixprecTrainer.save_model`` does), so a plain ``from_pretrained`` gives the
 masters exactly. ``push_to_hub`` (transformers' ``model.push_to_hub``) saves through it too.

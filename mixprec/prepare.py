@@ -38,7 +38,7 @@ from .casting import (
     to_float,
 )
 from .distenv import in_ddp
-from .dtypes import dtype_name
+from .dtypes import dtype_name, is_low_precision
 from .fp8 import choice as fp8_choice
 from .fp8.convert import convert as convert_fp8
 from .hfsave import fp32_save_pretrained
@@ -303,6 +303,8 @@ def prepare_many(model: nn.Module, optimizers: list, policy: Policy, *, low_prec
         model.forward.cast_params = None if root_island is not None else region.cast
         assign_regions(model, region)
     register_fp32_state_dict(model, policy.master_weights)
+    if any(is_low_precision(p) for p in model.parameters()):
+        fp32_save_pretrained(model)  # (its state_dict() holds fp32 values: at O3 upcast)
     if policy.master_weights:
         checks.watch_masterless_steps(p for p in model.parameters()
                                       if p.dtype in (torch.float16, torch.bfloat16))

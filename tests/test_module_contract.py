@@ -370,6 +370,31 @@ def test_apply_zero_grad_and_train_eval_are_torchs():
 
 
 # -- Hugging Face save_pretrained ---------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", [True, False])
+def test_save_pretrained_of_a_model_without_masters_records_the_dtype_it_writes(optimizer,
+                                                                                 tmp_path):
+    """At O3 (and at O2 prepared without an optimizer) ``state_dict()`` holds the 16-bit weights
+    upcast, so ``save_pretrained`` writes fp32 tensors; its config recorded bfloat16 and a plain
+    ``from_pretrained`` made a bf16 model (the Trainer's ``save_model`` an fp32 one). The config
+    says float32, and the model loads back with the values written."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=2, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(config)
+    if optimizer:
+        gpt, _ = mp.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), level="O3",
+                            dtype="bf16")
+    else:
+        gpt = mp.prepare(gpt, level="O2", dtype="bf16")
+    written = mp.fp32_state_dict(gpt)
+    gpt.save_pretrained(tmp_path)
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert back.dtype == torch.float32
+    loaded = back.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in written.items() if k in loaded)
+
+
 @pytest.mark.parametrize("master", MASTERS)
 def test_save_pretrained_loads_back_as_the_exact_masters(master, tmp_path):
     """0.3 wrote the fp32 masters with config.dtype bfloat16: a plain from_pretrained rounded
