@@ -319,6 +319,8 @@ def test_a_baseline_evaluation_before_fit_keeps_the_fp32_weights(evaluate):
     run(first, loader(batches))
     assert first.net[0].weight.dtype == torch.bfloat16
     assert all(torch.equal(first.state_dict()[k], v) for k, v in initial.items())
+    widened = copy.deepcopy(first).float()  # (.float() takes the kept values, as after a fit)
+    assert all(torch.equal(widened.state_dict()[k], v) for k, v in initial.items())
     trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(first, loader(batches))
     trainer(MixprecPrecision(level="O2", dtype="bf16")).fit(alone, loader(batches))
     ours, plain = weights(first), weights(alone)

@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.scaling import DynamicConfig, ScaleState, adjust_scale
+from mixprec.scaling.windows import unchanged, versions
 
 INF = float("inf")
 TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -532,6 +533,48 @@ def test_an_optimizer_clipped_before_another_ones_update_steps_as_in_one_call(dt
     amp.backward(F.mse_loss(model(x).float(), y))  # new gradients: the kept record ends
     assert amp.scaler.stage_of(o2) == "ready"
     assert amp.step(o2)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_an_optimizer_unscaled_every_iteration_to_log_but_not_stepped_is_never_refused(dtype):
+    """A frozen phase: o2's parameters have no gradients (or o2 is stepped every third
+    iteration only), and each iteration unscales it to log a norm, then steps o1 and updates:
+    the record kept across each update ends with the next scaled loss (a record of no
+    gradients is not kept), so the next unscale is taken, not refused as a second one."""
+    torch.manual_seed(0)
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin0, lin1))
+    scaler = (mp.DynamicLossScaler(init_scale=2.0 ** 8) if dtype == "fp16"
+              else mp.NoLossScaler(skip_nonfinite=True))
+    x = torch.randn(8, 4)
+    for it in range(6):
+        lin1.requires_grad_(it >= 3)
+        o1.zero_grad()
+        o2.zero_grad(set_to_none=it % 2 == 0)
+        scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
+        scaler.unscale_(o1)
+        scaler.unscale_(o2)
+        assert scaler.step(o1)
+        if it % 3 == 2:
+            assert scaler.step(o2)
+        scaler.update()
+
+
+def test_recorded_gradients_are_unchanged_only_while_they_are_the_same_tensors_unwritten():
+    """The id of a freed gradient is reused by the next one: a record by id and version took a
+    new gradient for the old one; a weak reference tells them apart."""
+    a, b = torch.zeros(3), torch.zeros(3)
+    recorded = versions([a, b])
+    assert unchanged(recorded, [a, b])
+    assert not unchanged(recorded, [a])
+    assert not unchanged(recorded, [a, torch.zeros(3)])
+    b.add_(1)
+    assert not unchanged(recorded, [a, b])
+    held = id(a)
+    del a
+    fresh = [torch.zeros(3) for _ in range(64)]  # (some may reuse the freed id)
+    assert not any(unchanged(recorded[:1], [t]) for t in fresh if id(t) == held)
+    assert not unchanged(recorded[:1], fresh[:1])
 
 
 def test_a_scaler_that_stepped_optimizers_pickles_and_copies_without_them():

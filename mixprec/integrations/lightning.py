@@ -55,6 +55,7 @@ from torch import nn
 from .. import vocabulary
 from ..autocast import cast_floating
 from ..engine import MixedPrecision, engine_for
+from ..modulecasts import guard_casts
 from ..monitor import CallbackWriter
 from ..optim import is_master_optimizer
 from ..optim.wrapper import is_wrapped
@@ -271,6 +272,7 @@ class MixprecPrecision(Precision):
         self.engine.setup(model)
         link_masters(model, [])
         companions_of(model).keep({p: v for p, v in values.items() if p.dtype != v.dtype})
+        guard_casts(model, companions_of(model))  # (.float() takes them, as a fitted one's)
 
     def _skip_aware(self, config, optimizers: list):
         if config.interval != "step" or isinstance(config.scheduler, SkipAwareScheduler):

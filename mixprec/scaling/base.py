@@ -43,7 +43,7 @@ from .records import (
     check_not_stepped,
 )
 from .state import ScaleState
-from .windows import Windows, grad_versions, versions
+from .windows import Windows, unchanged, versions, written_grads
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -484,8 +484,9 @@ class LossScaler(GradScalerInterface):
         kept = self._stages.unstepped()
         if kept:
             for opt in list(self._windows.known):  # (unscaled or clipped: known)
-                if id(opt) in kept:
-                    kept[id(opt)].kept_on = grad_versions(opt)
+                grads = written_grads(opt) if id(opt) in kept else None
+                if grads:  # (none: its unscale or clip did nothing to keep)
+                    kept[id(opt)].kept_on = (self._scaled, versions(grads))
             kept = {key: r for key, r in kept.items() if r.kept_on is not None}
         self._stages.clear(kept)
 
@@ -494,7 +495,8 @@ class LossScaler(GradScalerInterface):
         where a backward since changed its gradients."""
         record = self._stages.get(optimizer)  # (the one place that reads it raw)
         if record is not None and record.kept_on is not None:
-            if record.kept_on != grad_versions(optimizer):
+            scaled, grads = record.kept_on
+            if scaled != self._scaled or not unchanged(grads, written_grads(optimizer)):
                 self._stages.discard(optimizer)
                 if owns_gradients(optimizer):  # (its unscaled fp32 copies end with it)
                     optimizer.drop_master_grads()
@@ -560,8 +562,8 @@ class LossScaler(GradScalerInterface):
         if record.stage is not Stage.UNSCALED or record.scaled == self._scaled:
             return
         owner = owns_gradients(optimizer)
-        if not self._scales and record.grad_scale is not None and record.folded_on == versions(
-                [g for _, g in optimizer.grads_for_step()]):
+        if (not self._scales and record.grad_scale is not None and record.folded_on is not None
+                and unchanged(record.folded_on, [g for _, g in optimizer.grads_for_step()])):
             return  # (a loss scaled with no backward: a logged value)
         if self._scales or record.grad_scale is not None:
             why = ("the new gradients carry the loss scale, the earlier ones do not, and their "

@@ -41,10 +41,11 @@ class OptimizerRecord:
             folded): one more since means scaled gradients were added to unscaled ones.
         bad_params: names of the parameters with non-finite gradients, set when this step
             reached the dynamic scaler's min-scale limit.
-        folded_on: with a clip folded (no loss scale), the (id, version) of each gradient it
-            measured: a backward since changes them.
+        folded_on: with a clip folded (no loss scale), the gradients it measured and their
+            versions (:func:`.windows.versions`): a backward since changes them.
         kept_on: for a record an ``update()`` kept (unscaled or clipped, not stepped), the
-            (id, version) of each gradient then: a backward since ends it.
+            losses scaled then and the gradients' :func:`.windows.versions`: a scaled loss or a
+            backward since ends it.
     """
 
     stage: Stage = Stage.READY

@@ -12,11 +12,12 @@ and the records of optimizers unscaled or clipped but not yet stepped.
 * **A record kept across an update**: an optimizer unscaled or clipped in an iteration that an
   update ends before its step (``amp.clip_grad_norm_(o2); amp.step(o1); amp.step(o2)``: each
   ``amp.step`` updates the scale; Lightning's manual optimization clipping both optimizers
-  before stepping them) keeps its record until its step, as long as its gradients stay as they
-  were (:func:`grad_versions`): its step then is the one a single ``amp.step(o1, o2)`` takes
-  (the record went with the update: a plain optimizer's gradients were unscaled a second time,
-  an update ``scale`` times too small, as ``torch.amp.GradScaler`` does, and a clip folded into
-  the step was lost). A backward since (new gradients) ends it.
+  before stepping them) keeps its record until its step, as long as no loss is scaled and its
+  gradients stay as they were (:func:`unchanged`): its step then is the one a single
+  ``amp.step(o1, o2)`` takes (the record went with the update: a plain optimizer's gradients
+  were unscaled a second time, an update ``scale`` times too small, as
+  ``torch.amp.GradScaler`` does, and a clip folded into the step was lost). A scaled loss or
+  new gradients since end it; an optimizer without gradients keeps none.
 
 Nothing here reads the device (no host sync); a scaler pickles without it (its optimizers are
 not its own).
@@ -32,12 +33,21 @@ from ..shards import grad_version
 from .protocol import owns_gradients
 from .unscale import unscale_
 
-__all__ = ["Windows", "grad_versions", "grads_of", "versions"]
+__all__ = ["Windows", "grads_of", "unchanged", "versions", "written_grads"]
 
 
 def versions(grads) -> list:
-    """The (id, version) of each gradient: a backward since changes them."""
-    return [(id(g), grad_version(g)) for g in grads]
+    """A weak reference to each gradient, with its version: :func:`unchanged` tells whether they
+    are the same tensors, unwritten (a backward since makes new ones or adds into them; the id
+    of a freed tensor is reused, so ids can't tell)."""
+    return [(weakref.ref(g), grad_version(g)) for g in grads]
+
+
+def unchanged(recorded: list, grads) -> bool:
+    """Whether ``grads`` are the gradients :func:`versions` ``recorded``, as they were."""
+    grads = list(grads)
+    return len(recorded) == len(grads) and all(
+        ref() is g and version == grad_version(g) for (ref, version), g in zip(recorded, grads))
 
 
 def grads_of(optimizer) -> list:
@@ -47,12 +57,12 @@ def grads_of(optimizer) -> list:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
-def grad_versions(optimizer) -> list:
-    """:func:`versions` of the gradients a backward writes for ``optimizer``: the model's (a
-    master optimizer's fp32 copies stay as they were made)."""
+def written_grads(optimizer) -> list:
+    """The gradients a backward writes for ``optimizer``: the model's (a master optimizer's fp32
+    copies stay as they were made)."""
     if owns_gradients(optimizer):
-        return versions([p.grad for p, _ in optimizer.grads_for_step()])
-    return versions(grads_of(optimizer))
+        return [p.grad for p, _ in optimizer.grads_for_step()]
+    return grads_of(optimizer)
 
 
 class Windows:
