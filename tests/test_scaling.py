@@ -560,6 +560,34 @@ def test_an_optimizer_unscaled_every_iteration_to_log_but_not_stepped_is_never_r
         scaler.update()
 
 
+def test_a_kept_record_that_ended_is_not_kept_again_by_a_later_update():
+    """o2 unscaled (to log) and not stepped in one iteration; in the next, a new backward, o1's
+    step and update, then o2's step: its record from the first iteration ended with the new
+    backward, and the update that followed must not keep it again with the new gradients (the
+    step then took them as unscaled: an update 256 times too large)."""
+    def run(log: bool):
+        torch.manual_seed(0)
+        lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
+        o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin0, lin1))
+        scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
+        x = torch.randn(8, 4)
+        scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
+        if log:
+            scaler.unscale_(o2)
+        scaler.step(o1)
+        scaler.update()
+        o1.zero_grad()
+        o2.zero_grad()
+        scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
+        scaler.step(o1)
+        scaler.update()
+        scaler.step(o2)
+        scaler.update()
+        return [p.detach().clone() for p in lin1.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
 def test_recorded_gradients_are_unchanged_only_while_they_are_the_same_tensors_unwritten():
     """The id of a freed gradient is reused by the next one: a record by id and version took a
     new gradient for the old one; a weak reference tells them apart."""

@@ -484,10 +484,14 @@ class LossScaler(GradScalerInterface):
         kept = self._stages.unstepped()
         if kept:
             for opt in list(self._windows.known):  # (unscaled or clipped: known)
-                grads = written_grads(opt) if id(opt) in kept else None
+                record = kept.get(id(opt))
+                if record is None or (record.kept_on is not None and self._record(opt) is None):
+                    continue  # (kept by an earlier update, and ended since: not kept again)
+                grads = written_grads(opt) if record.kept_on is None else None
                 if grads:  # (none: its unscale or clip did nothing to keep)
-                    kept[id(opt)].kept_on = (self._scaled, versions(grads))
-            kept = {key: r for key, r in kept.items() if r.kept_on is not None}
+                    record.kept_on = (self._scaled, versions(grads))
+            kept = {key: r for key, r in kept.items()
+                    if r.kept_on is not None and self._stages.get_by_id(key) is r}
         self._stages.clear(kept)
 
     def _record(self, optimizer):

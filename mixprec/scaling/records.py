@@ -128,6 +128,10 @@ class StageBook:
         """The records of the optimizers unscaled or clipped in this iteration, not stepped."""
         return {key: r for key, r in self._records.items() if r.stage is Stage.UNSCALED}
 
+    def get_by_id(self, key: int) -> OptimizerRecord | None:
+        """The record of the optimizer whose id is ``key``, or None."""
+        return self._records.get(key)
+
     def discard(self, optimizer) -> None:
         """Forget ``optimizer``'s record (it is ready again)."""
         self._records.pop(id(optimizer), None)

@@ -78,6 +78,11 @@ class Windows:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
+    def watch(self, optimizer) -> None:
+        """Know ``optimizer`` from now on (an id a collected optimizer had: not its past)."""
+        self._carried.pop(id(optimizer), None)
+        self.known.add(optimizer)
+
     def handled(self, optimizer) -> None:
         """``optimizer``'s gradients were unscaled, stepped or settled: its window is closed."""
         self._carried.pop(id(optimizer), None)
