@@ -560,17 +560,22 @@ def test_an_optimizer_unscaled_every_iteration_to_log_but_not_stepped_is_never_r
         scaler.update()
 
 
+def _two_linears(lr: float):
+    """Two fp32 layers, an SGD optimizer each, and an input (seeded)."""
+    torch.manual_seed(0)
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=lr) for m in (lin0, lin1))
+    return lin0, lin1, o1, o2, torch.randn(8, 4)
+
+
 def test_a_kept_record_that_ended_is_not_kept_again_by_a_later_update():
     """o2 unscaled (to log) and not stepped in one iteration; in the next, a new backward, o1's
     step and update, then o2's step: its record from the first iteration ended with the new
     backward, and the update that followed must not keep it again with the new gradients (the
     step then took them as unscaled: an update 256 times too large)."""
     def run(log: bool):
-        torch.manual_seed(0)
-        lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 2)
-        o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin0, lin1))
+        lin0, lin1, o1, o2, x = _two_linears(lr=0.1)
         scaler = mp.DynamicLossScaler(init_scale=2.0 ** 8)
-        x = torch.randn(8, 4)
         scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
         if log:
             scaler.unscale_(o2)
@@ -586,6 +591,37 @@ def test_a_kept_record_that_ended_is_not_kept_again_by_a_later_update():
         return [p.detach().clone() for p in lin1.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_backward_onto_gradients_unscaled_before_an_update_is_refused_as_within_one(dtype,
+                                                                                     zeroed):
+    """``backward; unscale_(o1); step(o2); update(); backward; step(o1)``: under a loss scale
+    o1's gradients are then unscaled ones plus scaled ones, which the step divided by the
+    scale silently (-0.43x the true sum); refused as within an iteration. Zeroed first, the
+    step is the true one; without a scale (bf16) the sum is true and is stepped."""
+    def run(unscale_first: bool):
+        lin0, lin1, o1, o2, x = _two_linears(lr=1.0)
+        scaler = (mp.DynamicLossScaler(init_scale=16.0) if dtype == "fp16"
+                  else mp.NoLossScaler(skip_nonfinite=True))
+        scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
+        if unscale_first:
+            scaler.unscale_(o1)
+        scaler.step(o2)
+        scaler.update()
+        if zeroed:
+            o1.zero_grad()
+        scaler.scale(lin1(lin0(x)).pow(2).mean()).backward()
+        assert scaler.step(o1)
+        return [p.detach().clone() for p in lin0.parameters()]
+
+    if dtype == "fp16" and not zeroed:
+        with pytest.raises(RuntimeError, match="after a backward that followed unscale_"):
+            run(True)
+    else:
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+                   for a, b in zip(run(True), run(False)))
 
 
 def test_recorded_gradients_are_unchanged_only_while_they_are_the_same_tensors_unwritten():

@@ -156,6 +156,7 @@ class LossScaler(GradScalerInterface):
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
                             f"them; got {checks.describe(loss)}")
+        self._settle_kept()
         if not self._scales:  # (counted still: a backward after unscale_ or a clip)
             self._scaled += 1
             return loss
@@ -493,6 +494,28 @@ class LossScaler(GradScalerInterface):
             kept = {key: r for key, r in kept.items()
                     if r.kept_on is not None and self._stages.get_by_id(key) is r}
         self._stages.clear(kept)
+
+    def _settle_kept(self) -> None:
+        """A loss is about to be scaled: each record an update kept ends where its optimizer's
+        gradients were zeroed or made anew since (forgotten, a master optimizer's fp32 copies
+        dropped), and is an ordinary record of this iteration where they are still the ones it
+        unscaled or clipped, so a backward adding to them is refused at its step as within an
+        iteration (the mixed sum was stepped silently)."""
+        kept = self._stages.kept()
+        if not kept:
+            return
+        for opt in list(self._windows.known):
+            record = kept.pop(id(opt), None)
+            if record is None:
+                continue
+            if unchanged(record.kept_on[1], written_grads(opt)):
+                record.kept_on = None
+            else:
+                self._stages.discard(opt)
+                if owns_gradients(opt):
+                    opt.drop_master_grads()
+        for key in kept:  # (optimizers collected since)
+            self._stages.discard_id(key)
 
     def _record(self, optimizer):
         """``optimizer``'s record in this iteration, or None; one kept across an update ends

@@ -128,6 +128,14 @@ class StageBook:
         """The records of the optimizers unscaled or clipped in this iteration, not stepped."""
         return {key: r for key, r in self._records.items() if r.stage is Stage.UNSCALED}
 
+    def kept(self) -> dict[int, OptimizerRecord]:
+        """The records an ``update()`` kept, by optimizer id."""
+        return {key: r for key, r in self._records.items() if r.kept_on is not None}
+
+    def discard_id(self, key: int) -> None:
+        """Forget the record of the optimizer whose id is ``key``."""
+        self._records.pop(key, None)
+
     def get_by_id(self, key: int) -> OptimizerRecord | None:
         """The record of the optimizer whose id is ``key``, or None."""
         return self._records.get(key)

@@ -16,8 +16,11 @@ and the records of optimizers unscaled or clipped but not yet stepped.
   gradients stay as they were (:func:`unchanged`): its step then is the one a single
   ``amp.step(o1, o2)`` takes (the record went with the update: a plain optimizer's gradients
   were unscaled a second time, an update ``scale`` times too small, as
-  ``torch.amp.GradScaler`` does, and a clip folded into the step was lost). A scaled loss or
-  new gradients since end it; an optimizer without gradients keeps none.
+  ``torch.amp.GradScaler`` does, and a clip folded into the step was lost). New gradients
+  end it; so does the next scaled loss where the gradients were zeroed or made anew, and where
+  they were not, it becomes a record of the new iteration: the backward adding to them is then
+  refused at the step under a loss scale, as within an iteration. An optimizer without
+  gradients keeps none.
 
 Nothing here reads the device (no host sync); a scaler pickles without it (its optimizers are
 not its own).
