@@ -43,7 +43,7 @@ from .records import (
     check_not_stepped,
 )
 from .state import ScaleState
-from .windows import Windows, unchanged, versions, written_grads
+from .windows import Windows, unchanged, versions
 
 __all__ = ["LossScaler", "owns_gradients"]
 
@@ -156,7 +156,7 @@ class LossScaler(GradScalerInterface):
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"scale() takes a floating-point tensor (the loss) or a list/tuple of "
                             f"them; got {checks.describe(loss)}")
-        self._settle_kept()
+        self._windows.settle_kept(self._stages)
         if not self._scales:  # (counted still: a backward after unscale_ or a clip)
             self._scaled += 1
             return loss
@@ -481,54 +481,13 @@ class LossScaler(GradScalerInterface):
 
     def _end_iteration(self) -> None:
         """The records go, but an optimizer unscaled or clipped and not yet stepped keeps its
-        own until its step, while its gradients stay as they were (:mod:`.windows`)."""
-        kept = self._stages.unstepped()
-        if kept:
-            for opt in list(self._windows.known):  # (unscaled or clipped: known)
-                record = kept.get(id(opt))
-                if record is None or (record.kept_on is not None and self._record(opt) is None):
-                    continue  # (kept by an earlier update, and ended since: not kept again)
-                grads = written_grads(opt) if record.kept_on is None else None
-                if grads:  # (none: its unscale or clip did nothing to keep)
-                    record.kept_on = (self._scaled, versions(grads))
-            kept = {key: r for key, r in kept.items()
-                    if r.kept_on is not None and self._stages.get_by_id(key) is r}
-        self._stages.clear(kept)
-
-    def _settle_kept(self) -> None:
-        """A loss is about to be scaled: each record an update kept ends where its optimizer's
-        gradients were zeroed or made anew since (forgotten, a master optimizer's fp32 copies
-        dropped), and is an ordinary record of this iteration where they are still the ones it
-        unscaled or clipped, so a backward adding to them is refused at its step as within an
-        iteration (the mixed sum was stepped silently)."""
-        kept = self._stages.kept()
-        if not kept:
-            return
-        for opt in list(self._windows.known):
-            record = kept.pop(id(opt), None)
-            if record is None:
-                continue
-            if unchanged(record.kept_on[1], written_grads(opt)):
-                record.kept_on = None
-            else:
-                self._stages.discard(opt)
-                if owns_gradients(opt):
-                    opt.drop_master_grads()
-        for key in kept:  # (optimizers collected since)
-            self._stages.discard_id(key)
+        own until its step (:meth:`.windows.Windows.end_iteration`)."""
+        self._windows.end_iteration(self._stages, self._scaled)
 
     def _record(self, optimizer):
-        """``optimizer``'s record in this iteration, or None; one kept across an update ends
-        where a backward since changed its gradients."""
-        record = self._stages.get(optimizer)  # (the one place that reads it raw)
-        if record is not None and record.kept_on is not None:
-            scaled, grads = record.kept_on
-            if scaled != self._scaled or not unchanged(grads, written_grads(optimizer)):
-                self._stages.discard(optimizer)
-                if owns_gradients(optimizer):  # (its unscaled fp32 copies end with it)
-                    optimizer.drop_master_grads()
-                return None
-        return record
+        """``optimizer``'s record in this iteration, or None (one kept across an update ends
+        where its gradients changed: :meth:`.windows.Windows.record`)."""
+        return self._windows.record(self._stages, optimizer, self._scaled)
 
     def _ready_record(self, optimizer, what: str) -> OptimizerRecord:
         checks.check_optimizer(optimizer)

@@ -120,3 +120,61 @@ class Windows:
             if grads:
                 unscale_(grads, (scale.double() / old.to(scale.device).double()).float())
         self._carried.clear()
+
+    # -- records kept across an update -----------------------------------------------------
+    def end_iteration(self, stages, scaled: int) -> None:
+        """An update ends the iteration: ``stages``' records go, but an optimizer unscaled or
+        clipped and not yet stepped keeps its own, with its gradients' versions and ``scaled``
+        (the losses scaled so far); one kept by an earlier update and ended since is not kept
+        again; an optimizer without gradients keeps none."""
+        kept = stages.unstepped()
+        if kept:
+            for opt in list(self.known):  # (unscaled or clipped: known)
+                record = kept.get(id(opt))
+                if record is None or (record.kept_on is not None
+                                      and self.record(stages, opt, scaled) is None):
+                    continue
+                grads = written_grads(opt) if record.kept_on is None else None
+                if grads:
+                    record.kept_on = (scaled, versions(grads))
+            kept = {key: r for key, r in kept.items()
+                    if r.kept_on is not None and stages.get_by_id(key) is r}
+        stages.clear(kept)
+
+    def settle_kept(self, stages) -> None:
+        """A loss is about to be scaled: each kept record ends where its optimizer's gradients
+        were zeroed or made anew since, and is an ordinary record of this iteration where they
+        are still the ones it unscaled or clipped (a backward adding to them is then refused at
+        the step, as within an iteration: the mixed sum was stepped silently)."""
+        kept = stages.kept()
+        if not kept:
+            return
+        for opt in list(self.known):
+            record = kept.pop(id(opt), None)
+            if record is None:
+                continue
+            if unchanged(record.kept_on[1], written_grads(opt)):
+                record.kept_on = None
+            else:
+                _end(stages, opt)
+        for key in kept:  # (optimizers collected since)
+            stages.discard_id(key)
+
+    def record(self, stages, optimizer, scaled: int):
+        """``optimizer``'s record in ``stages``, or None; one kept across an update ends (a
+        master optimizer's unscaled fp32 copies dropped) where a loss was scaled since or its
+        gradients are no longer the same tensors, unwritten."""
+        record = stages.get(optimizer)
+        if record is not None and record.kept_on is not None:
+            then, grads = record.kept_on
+            if then != scaled or not unchanged(grads, written_grads(optimizer)):
+                _end(stages, optimizer)
+                return None
+        return record
+
+
+def _end(stages, optimizer) -> None:
+    """Forget ``optimizer``'s kept record, and its unscaled fp32 copies with it."""
+    stages.discard(optimizer)
+    if owns_gradients(optimizer):
+        optimizer.drop_master_grads()
