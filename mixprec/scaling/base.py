@@ -61,7 +61,7 @@ class LossScaler(GradScalerInterface):
         self._scaled = 0  # losses scaled so far (a backward between unscale_ and step: refused)
         self._handled: dict[int, int] = {}  # id(optimizer) -> losses scaled when this scaler
         # last unscaled or stepped its gradients: see .direct
-        self._windows = Windows()  # open accumulation windows, dropped iterations
+        self._windows = Windows()  # open accumulation windows, records kept across updates
         self._stepping = None  # the optimizer this scaler is stepping
         self._resumed = False  # a state loaded: gradients of its run may carry its scale
         self._counters = Counters()
@@ -536,7 +536,7 @@ class LossScaler(GradScalerInterface):
             record.found_inf = (~torch.isfinite(total)).float()
         record.stage, record.scaled = Stage.UNSCALED, self._scaled
         record.folded_on = None if self._scales else versions(grads)
-        self._windows.known.add(optimizer)  # (an update before its step drops the clip)
+        self._windows.known.add(optimizer)  # (an update before its step keeps the clip)
         return total
 
     def _check_no_backward_since(self, record: OptimizerRecord, what: str, optimizer) -> None:
