@@ -32,7 +32,7 @@ def watch(optimizer, scaler) -> None:
     numbers (see the module docstring)."""
     _WATCHED[optimizer] = weakref.ref(scaler)
     scaler._handled.pop(id(optimizer), None)  # (an id a collected optimizer had: not its past)
-    scaler._windows.watch(optimizer)  # (its accumulation kept across a scale update)
+    scaler._windows.handled(optimizer)  # (its accumulation kept across a scale update)
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse_direct_step))
 

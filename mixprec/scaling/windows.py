@@ -81,13 +81,9 @@ class Windows:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def watch(self, optimizer) -> None:
-        """Know ``optimizer`` from now on (an id a collected optimizer had: not its past)."""
-        self._carried.pop(id(optimizer), None)
-        self.known.add(optimizer)
-
     def handled(self, optimizer) -> None:
-        """``optimizer``'s gradients were unscaled, stepped or settled: its window is closed."""
+        """Know ``optimizer``, its window closed: its gradients were unscaled, stepped or
+        settled, or it is newly watched (an id a collected optimizer had is not its past)."""
         self._carried.pop(id(optimizer), None)
         self.known.add(optimizer)
 
