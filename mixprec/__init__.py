@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from . import formats, lowbit, masters
 from .autocast import autocast
+from .averaging import AveragedModel
 from .casting import to_float
 from .emulation import emulate_fp16
 from .engine import MixedPrecision
@@ -95,6 +96,7 @@ __all__ = [
     "CompactMasterOptimizer",
     "fp32_state_dict",
     "bytes_per_parameter",
+    "AveragedModel",
     # loss scaling
     "DynamicLossScaler",
     "StaticLossScaler",

@@ -1,4 +1,5 @@
-"""The public surface: ``mp.__all__`` is the contract's names, and each of them resolves."""
+"""The public surface: ``mp.__all__`` is the contract's names (and ``AveragedModel``, beyond
+it), and each of them resolves."""
 
 import inspect
 import subprocess
@@ -17,6 +18,7 @@ PUBLIC = {
     "fp8_modules", "lowbit", "masters",
     "autocast", "op_lists", "OpListWarning",
     "MasterWeightOptimizer", "CompactMasterOptimizer", "fp32_state_dict", "bytes_per_parameter",
+    "AveragedModel",
     "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "make_loss_scaler",
     "NonFiniteGradientsError",
     "Trainer", "History", "Callback", "LossMonitor", "FP8Monitor", "ModelCheckpoint", "Accuracy",

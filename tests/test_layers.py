@@ -42,7 +42,7 @@ LAYERS = (
     ("policy and casting", ("precision", "precision_map", "policy", "autocast", "outputs",
                             "regions", "recompute", "casting")),
     ("preparing a model", ("vocabulary", "fp8", "statedict", "fp32export", "prepare_checks",
-                           "prepare", "footprint")),
+                           "prepare", "footprint", "averaging")),
     ("engine", ("engine", "engine_checks", "engine_parallel")),
     ("around the engine", ("parallel", "monitor", "debug", "advisor", "training",
                            "integrations", "compat")),
