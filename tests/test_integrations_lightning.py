@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import mixprec as mp
 
@@ -465,3 +466,43 @@ def test_a_second_fit_of_part_of_the_module_keeps_the_rest_s_fp32_values():
     after = module.state_dict()
     assert torch.equal(after["net.0.weight"], before["net.0.weight"])
     assert not torch.equal(after["net.3.weight"], before["net.3.weight"])  # (trained)
+
+
+class _Reference(L.Callback):
+    """torch's AveragedModel over a plain fp32 network set to the module's fp32 values after
+    each batch (run after WeightAveraging's own update)."""
+
+    def __init__(self, **averaging):
+        self.plain = net()
+        self.average = AveragedModel(self.plain, **averaging)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.plain.load_state_dict(weights(module))
+        self.average.update_parameters(self.plain)
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp_path):
+    """Lightning's WeightAveraging built torch's AveragedModel before the plugin cast the module:
+    the first EMA update raised a dtype error (an fp32 average, 16-bit parameters). Its average
+    is now mixprec's: fp32, bit for bit torch's over the masters; saved exactly in the
+    checkpoint's state_dict."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+
+    averaging = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)}
+    callback, ref = WeightAveraging(**averaging), _Reference(use_buffers=True, **averaging)
+    saved = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    module = Regressor()
+    fit = trainer(MixprecPrecision(level="O2", dtype="bf16", master=master),
+                  callbacks=[callback, ref, saved], enable_checkpointing=True)
+    fit.fit(module, loader(data(4, overflow_at=None)))
+    average = callback._average_model
+    assert isinstance(average, mp.AveragedModel)
+    assert module.net[0].weight.dtype == torch.bfloat16
+    ours = {k.removeprefix("module.net."): v for k, v in average.state_dict().items()}
+    theirs = {k.removeprefix("module."): v for k, v in ref.average.state_dict().items()}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], v) and v.dtype == ours[k].dtype for k, v in theirs.items())
+    stored = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(stored["net." + k], v) for k, v in theirs.items()
+               if k != "n_averaged")

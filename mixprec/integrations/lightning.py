@@ -65,6 +65,7 @@ from ..regions import Entry
 from ..statedict import companions_of, link_masters
 from . import lightning_checkpoints as checkpoints
 from . import lightning_strategies as strategies
+from .lightning_averaging import average_in_fp32
 
 try:
     import lightning.pytorch as pl
@@ -220,6 +221,7 @@ class MixprecPrecision(Precision):
         else:
             optimizers = self._setup(module, list(optimizers))
         _check_finetuning(module, optimizers)
+        average_in_fp32(module, getattr(pl.callbacks, "WeightAveraging", None))  # in fp32
         checkpoints.register(module, optimizers)
         self._context = _entry_context(module)
         _log_to_loggers(self.engine.monitor, module)
