@@ -197,9 +197,15 @@ class MixedPrecision:
         model, opts = prepare_many(model, list(optimizers), policy, fp8_filter=self._fp8_filter,
                                    **self._ops)
         self.adopt(model)
-        for opt in opts:  # a direct opt.step() on scaled gradients is refused
-            refuse_direct_steps(opt, self.scaler)
+        for opt in opts:
+            self.watch_direct_steps(opt)
         return model if not opts else (model, *opts)
+
+    def watch_direct_steps(self, optimizer) -> None:
+        """Refuse ``optimizer.step()`` called directly (not through :meth:`step`) on gradients
+        that carry the loss scale, or on the very gradients this engine's last step of it read
+        (an update applied twice); :meth:`setup` does this for the optimizers it returns."""
+        refuse_direct_steps(optimizer, self.scaler, self._order)
 
     def adopt(self, model: nn.Module) -> None:
         """Take a model prepared elsewhere (a strategy's ``prepare``) into this run: its

@@ -113,12 +113,9 @@ class StepOrder:
             if self.backwards == 0 and scaler.is_enabled():
                 raise _unscaled(scaler)
             return
-        count, seen = last
-        if self.backwards > count:
+        if self.backwards > last[0]:
             return
-        now = list(grads()) if len(seen) != 1 else list(itertools.islice(grads(), 1))
-        if len(now) == len(seen) and all(r() is g and v == g._version
-                                         for (r, v), g in zip(seen, now)):
+        if self.repeats(optimizer, grads):
             raise RuntimeError(
                 "amp.step(optimizer) again with no amp.backward(loss) since this optimizer's "
                 "last step: on the same gradients its update would be applied twice "
@@ -126,6 +123,18 @@ class StepOrder:
                 f"{ITERATION}")
         if scaler.is_enabled():
             raise _unscaled(scaler)
+
+    def repeats(self, optimizer, grads) -> bool:
+        """Whether ``optimizer``'s gradients are the very ones its last ``amp.step`` read, as it
+        read them (no backward since; ``grads()``: as for :meth:`check`): a step now would apply
+        that update again. False for an optimizer no ``amp.step`` has stepped."""
+        last = self._last.get(optimizer)
+        if last is None or self.backwards > last[0] or not last[1]:
+            return False
+        seen = last[1]
+        now = list(grads()) if len(seen) != 1 else list(itertools.islice(grads(), 1))
+        return len(now) == len(seen) and all(r() is g and v == g._version
+                                             for (r, v), g in zip(seen, now))
 
     def stepped(self, optimizer, grads) -> None:
         """Record a step of ``optimizer`` (``grads()``: as for :meth:`check`)."""

@@ -150,6 +150,37 @@ def test_a_direct_step_of_another_optimizer_or_after_a_new_backward_is_refused(l
     assert level == "O1" or same(before, weights(model, o2))
 
 
+@pytest.mark.filterwarnings("ignore:skipped a step:RuntimeWarning")
+@pytest.mark.parametrize("dtype,level,master", [("fp16", "O2", "fp32"), ("bf16", "O2", "fp32"),
+                                                ("bf16", "O2", "kahan"), ("bf16", "O1", None)])
+def test_a_direct_step_after_amp_step_on_the_same_gradients_is_refused(dtype, level, master):
+    """``amp.backward(loss); amp.step(opt); opt.step()`` (a loop moved to the engine that kept
+    its own step) applied the update twice in bf16 (at fp16 from gradients that still carry the
+    loss scale: NaN weights); ``torch.amp.GradScaler``'s ``scaler.step(opt); opt.step()`` does
+    the same. Refused, the weights untouched; after a skipped step too. A new backward, or
+    ``zero_grad``, and the direct step is taken as before."""
+    amp, model, opt = setup(dtype, level, master=master)
+    amp.backward(loss_of(model))
+    amp.step(opt)
+    after_one = weights(model, opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) called directly after "
+                                           r"amp\.step\(optimizer\), on the same gradients.*"
+                                           r"leave out optimizer\.step\(\)"):
+        opt.step()
+    assert same(weights(model, opt), after_one)
+    opt.zero_grad()
+    opt.step()  # no gradient: nothing to apply twice
+    amp.backward(loss_of(model, 1) * float("nan"))
+    assert not amp.step(opt)  # skipped
+    with pytest.raises(RuntimeError, match="called directly after amp.step"):
+        opt.step()
+    opt.zero_grad()
+    if dtype == "bf16":  # a backward of its own since: a step of its own
+        loss_of(model, 2).backward()
+        opt.step()
+        assert not same(weights(model, opt), after_one)
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_closure_that_scales_a_loss_is_refused_before_the_step(level):
     """``opt.step(closure)`` whose closure calls ``amp.backward``: every step trained on

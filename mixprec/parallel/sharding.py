@@ -52,7 +52,6 @@ from ..optim import build, is_master_optimizer
 from ..optim.wrapper import WrappedOptimizer
 from ..policy import Policy
 from ..prepare import module_device, policy_of, prepare_many, resolve_policy
-from ..scaling.direct import watch
 from .ddp import reduce_dtype_of
 
 __all__ = ["fsdp", "default_units", "wrap_sharded_optimizer", "broadcast_from_first_rank"]
@@ -261,7 +260,7 @@ def fsdp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     _rebind_optimizer(optimizer, names, model)
     optimizer = _wrap_sharded(optimizer, policy, _sharded_originals(model, originals))
     if mixed_precision is not None and mixed_precision.scaler is not None:
-        watch(optimizer, mixed_precision.scaler)  # (a direct step on scaled gradients: refused)
+        mixed_precision.watch_direct_steps(optimizer)
     return model, optimizer
 
 

@@ -11,6 +11,10 @@ gradient (a frozen part: the step does nothing). A step with a closure makes its
 the closure is wrapped, and one that scales a loss is refused before the optimizer reads them.
 After ``unscale_`` (or the engine's clip) a direct step is taken, as torch takes it. Under a
 loss scale only: bf16 has none.
+
+Whatever the loss scale, a direct ``step()`` of an optimizer the engine stepped, on the very
+gradients its ``amp.step`` read (no backward since), is refused too: it would apply that update
+a second time (``scaler.step(opt); opt.step()`` does with ``torch.amp.GradScaler``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .protocol import INTERNAL, owns_gradients
+from .windows import grads_of
 
 __all__ = ["watch"]
 
@@ -27,10 +32,11 @@ _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -
 _HOOK: list = []
 
 
-def watch(optimizer, scaler) -> None:
+def watch(optimizer, scaler, order=None) -> None:
     """Refuse ``optimizer.step()`` called around ``scaler`` where it would train on wrong
-    numbers (see the module docstring)."""
-    _WATCHED[optimizer] = weakref.ref(scaler)
+    numbers (see the module docstring). ``order``: the engine's record of what each optimizer's
+    last ``amp.step`` read (its ``repeats(optimizer, grads)``), or None."""
+    _WATCHED[optimizer] = (weakref.ref(scaler), None if order is None else weakref.ref(order))
     scaler._handled.pop(id(optimizer), None)  # (an id a collected optimizer had: not its past)
     scaler._windows.handled(optimizer)  # (its accumulation kept across a scale update)
     if not _HOOK:
@@ -38,12 +44,23 @@ def watch(optimizer, scaler) -> None:
 
 
 def _refuse_direct_step(optimizer, args, kwargs):
-    ref = _WATCHED.get(optimizer)
+    ref, order = _WATCHED.get(optimizer, (None, None))
     scaler = ref() if ref is not None else None
-    if scaler is None or not scaler.is_enabled():  # (no loss scale: nothing to carry)
+    if scaler is None or optimizer is scaler._stepping:  # (the scaler's own step)
         return None
     closure = kwargs.get("closure")
     at = next((i for i, a in enumerate(args[1:], 1) if callable(a)), None)  # (self, *args)
+    order = None if order is None else order()
+    if (closure is None and at is None and order is not None
+            and order.repeats(optimizer, lambda: iter(grads_of(optimizer)))):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() called directly after amp.step(optimizer), on "
+            f"the same gradients: amp.step applied their update (or skipped it: inf/NaN "
+            f"gradients), and this step would apply it again. Per iteration: "
+            f"amp.backward(loss), amp.step(optimizer), optimizer.zero_grad(); leave out "
+            f"optimizer.step()")
+    if not scaler.is_enabled():  # (no loss scale: nothing to carry)
+        return None
     if closure is not None or at is not None:  # it makes its own gradients: checked as it runs
         return _checked_closure(scaler, optimizer, args, kwargs, at)
     if scaler.direct_step_problem(optimizer) and _holds_gradients(optimizer):
