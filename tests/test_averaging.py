@@ -116,6 +116,16 @@ def test_the_average_stores_fp32_and_computes_as_the_prepared_model():
     assert ours(x).dtype == model(x).dtype
 
 
+def test_an_o3_models_16_bit_buffers_are_averaged_in_fp32():
+    """At O3 the norm statistics are bf16 too: with use_buffers an EMA's lerp of them against
+    the fp32 copy raised a dtype error."""
+    model, ours, ref = trained(None, level="O3", norm=True, use_buffers=True,
+                               multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    assert model[1].running_mean.dtype == torch.bfloat16
+    assert ours.module[1].running_mean.dtype == torch.float32
+    assert_same(ours, ref)
+
+
 def test_a_plain_fp32_model_averages_as_torchs_class():
     model = mlp()
     ours, ref = mp.AveragedModel(model), TorchAveragedModel(copy.deepcopy(model))

@@ -156,7 +156,7 @@ def test_a_direct_step_of_another_optimizer_or_after_a_new_backward_is_refused(l
 def test_a_direct_step_after_amp_step_on_the_same_gradients_is_refused(dtype, level, master):
     """``amp.backward(loss); amp.step(opt); opt.step()`` (a loop moved to the engine that kept
     its own step) applied the update twice in bf16 (at fp16 from gradients that still carry the
-    loss scale: NaN weights); ``torch.amp.GradScaler``'s ``scaler.step(opt); opt.step()`` does
+    loss scale: 65,536x too large); ``torch.amp.GradScaler``'s ``scaler.step(opt); opt.step()`` does
     the same. Refused, the weights untouched; after a skipped step too. A new backward, or
     ``zero_grad``, and the direct step is taken as before."""
     amp, model, opt = setup(dtype, level, master=master)

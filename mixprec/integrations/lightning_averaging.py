@@ -6,15 +6,22 @@ plugin prepares the module: an fp32 copy, which torch's update then pairs with t
 made after the preparation would be worse: bf16 arithmetic, which freezes an EMA
 (:mod:`mixprec.averaging`). So once the plugin has prepared the module, the callback's average
 is rebuilt as :class:`mixprec.AveragedModel` of the prepared module, with the arguments of the
-one it replaces: stored in fp32, updated from the fp32 values the module trains. The callback
-works as it does on a plain model: it swaps the average in for validation (rounded to the
-module's 16-bit weights, and swapped back exactly), saves it in checkpoints as the model's
+one it replaces, and its state when it holds one (a checkpoint the fit resumes from, loaded
+before the plugin runs): stored in fp32, updated from the fp32 values the module trains. The
+callback then works as on a plain model: it shows the module the average for validation
+(rounded to the module's 16-bit weights), saves the average in checkpoints as the model's
 ``state_dict`` (fp32, exact), and copies it into the module when the fit ends (rounded to the
-16-bit weights, which the module's fp32 values then take).
+16-bit weights, which the module's fp32 values then take). Its swap for validation is replaced
+by one that keeps both sides' values aside and puts them back as they were: Lightning's own
+swaps the tensors' values, which rounds the fp32 average to the module's 16 bits on the way
+back.
 """
 
 from __future__ import annotations
 
+import itertools
+
+import torch
 from torch import nn
 from torch.optim import swa_utils
 
@@ -35,6 +42,34 @@ def average_in_fp32(module: nn.Module, kind: type | None) -> None:
         old = getattr(callback, "_average_model", None) if isinstance(callback, kind) else None
         if type(old) is not swa_utils.AveragedModel:  # none yet, ours, or the user's own class
             continue
-        callback._average_model = AveragedModel(
-            module, device=old.n_averaged.device, avg_fn=old.avg_fn,
-            multi_avg_fn=old.multi_avg_fn, use_buffers=old.use_buffers)
+        new = AveragedModel(module, device=old.n_averaged.device, avg_fn=old.avg_fn,
+                            multi_avg_fn=old.multi_avg_fn, use_buffers=old.use_buffers)
+        if int(old.n_averaged):  # restored from the checkpoint a fit resumes from
+            new.load_state_dict(old.state_dict())
+        callback._average_model = new
+        callback._swap_models = _ExactSwap(callback)
+
+
+class _ExactSwap:
+    """A ``WeightAveraging`` callback's ``_swap_models`` (called when validation starts, then
+    when it ends): the first call keeps the average's and the module's values aside and writes
+    the average into the module; the second puts both back as they were."""
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+        self.kept: list | None = None
+
+    def __call__(self, pl_module: nn.Module) -> None:
+        average = self.callback._average_model.module
+        pairs = list(zip(itertools.chain(average.parameters(), average.buffers()),
+                         itertools.chain(pl_module.parameters(), pl_module.buffers())))
+        with torch.no_grad():
+            if self.kept is None:
+                self.kept = [(a.detach().clone(), c.detach().clone()) for a, c in pairs]
+                for a, c in pairs:
+                    c.data.copy_(a.data)
+                return
+            for (a, c), (kept_a, kept_c) in zip(pairs, self.kept):
+                a.data.copy_(kept_a)
+                c.data.copy_(kept_c)
+            self.kept = None
