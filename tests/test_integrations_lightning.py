@@ -506,7 +506,8 @@ def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp
     the first EMA update raised a dtype error (an fp32 average, 16-bit parameters). Its average
     is now mixprec's: fp32, bit for bit torch's over the masters after two epochs with a
     validation each (whose swap rounded the average to bf16); saved exactly in the checkpoint's
-    state_dict."""
+    state_dict; and, when the fit ends, the module's fp32 values (its 16-bit weights took the
+    average's rounding through .data, and the masters followed them: up to 1.3e-3 off)."""
     module, average, ref = _averaged_fit(master, 2, tmp_path)
     assert isinstance(average, mp.AveragedModel)
     assert module.net[0].weight.dtype == torch.bfloat16
@@ -517,6 +518,12 @@ def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp
     stored = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert all(torch.equal(stored["net." + k], v) for k, v in theirs.items()
                if k != "n_averaged")
+    final = weights(module)  # a Kahan pair holds about 16 significant bits of a value
+    tol = 0 if master == "fp32" else 2.0 ** -16
+    for k, v in theirs.items():
+        if k != "n_averaged":
+            torch.testing.assert_close(final[k], v, rtol=tol, atol=0)
+    assert torch.equal(module.net[0].weight, theirs["0.weight"].bfloat16())
 
 
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")

@@ -11,10 +11,12 @@ before the plugin runs): stored in fp32, updated from the fp32 values the module
 callback then works as on a plain model: it shows the module the average for validation
 (rounded to the module's 16-bit weights), saves the average in checkpoints as the model's
 ``state_dict`` (fp32, exact), and copies it into the module when the fit ends (rounded to the
-16-bit weights, which the module's fp32 values then take). Its swap for validation is replaced
-by one that keeps both sides' values aside and puts them back as they were: Lightning's own
-swaps the tensors' values, which rounds the fp32 average to the module's 16 bits on the way
-back.
+16-bit weights; its fp32 values, the masters, become the average exactly). Two of the
+callback's steps are replaced to keep the fp32 values: its swap for validation keeps both
+sides' values aside and puts them back as they were (Lightning's own swaps the tensors' values,
+which rounds the fp32 average to the module's 16 bits on the way back), and its copy at the
+end loads the average's ``state_dict`` into the module (Lightning's writes the 16-bit weights
+through ``.data``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def average_in_fp32(module: nn.Module, kind: type | None) -> None:
             new.load_state_dict(old.state_dict())
         callback._average_model = new
         callback._swap_models = _ExactSwap(callback)
+        callback._copy_average_to_current = _ExactCopy(callback)
 
 
 class _ExactSwap:
@@ -73,3 +76,16 @@ class _ExactSwap:
                 a.data.copy_(kept_a)
                 c.data.copy_(kept_c)
             self.kept = None
+
+
+class _ExactCopy:
+    """A ``WeightAveraging`` callback's ``_copy_average_to_current`` (when the fit ends): the
+    module loads the average's ``state_dict``, so its fp32 values (the masters) become the
+    average exactly and its 16-bit weights their rounding (Lightning's own copy writes the
+    16-bit weights alone, through ``.data``, and the masters then took their rounding)."""
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+
+    def __call__(self, pl_module: nn.Module) -> None:
+        pl_module.load_state_dict(self.callback._average_model.module.state_dict())
