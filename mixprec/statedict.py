@@ -128,6 +128,7 @@ class Companions:
         sync per parameter: state_dict time only)."""
         self.relink()
         self.follow_writes()
+        self._take_unseen_writes()
         for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
             check_resized(opt)
             opt.follow_writes()
@@ -150,6 +151,21 @@ class Companions:
                     # of the values it held, a sub-module's own state dict loaded back, keeps
                     # the shadow: as a live master follows a direct write, optim.writes)
                     shadow.copy_(torch.where(rounds_to(shadow, param), shadow, param))
+        self._record()
+
+    def _take_unseen_writes(self) -> None:
+        """In a copy: where a shadow no longer rounds to its parameter and neither version
+        counter saw a write (a write through ``.data``: an EMA kept as a copy and updated as
+        ``p_ema.data.lerp_(p.data, w)``), the parameter's value, as a live model's masters take
+        it (``optim.writes``). Not for a copy made under ``torch.inference_mode``, whose
+        tensors take no in-place write outside it."""
+        with torch.no_grad():
+            for param, shadow in self._shadows.items():
+                if shadow.shape != param.shape or shadow.is_inference() or param.is_inference():
+                    continue
+                agree = rounds_to(shadow, param)
+                if not bool(agree.all()):
+                    shadow.copy_(torch.where(agree, shadow, param))
         self._record()
 
     def _record(self) -> None:

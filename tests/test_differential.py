@@ -415,6 +415,27 @@ def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
     assert not torch.equal(ema.head.weight, model.head.weight)
 
 
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_a_copys_weights_written_through_data_are_what_its_state_dict_holds(master):
+    """An EMA kept as a copy and updated as ``p_ema.data.lerp_(p.data, w)`` (a write no version
+    counter sees): the copy's state_dict held its first values after 100 steps (0.0 moved, its
+    weights 0.1 away), as did fp32_state_dict and a pickle of it. The weight wins where its
+    shadow no longer rounds to it, as a live model's masters take such a write."""
+    model = build("contiguous")
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR), level="O2",
+                            dtype="bf16", master=master)
+    ema = copy.deepcopy(model)
+    kept = {k: v.clone() for k, v in ema.state_dict().items()}
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.data.add_(1.0)
+    state = ema.state_dict()
+    for name, p in ema.named_parameters():
+        assert torch.equal(state[name].to(p.dtype), p), name
+        assert not torch.equal(state[name], kept[name]), name
+    assert all(torch.equal(v, state[k]) for k, v in mp.fp32_state_dict(ema).items())
+
+
 def test_master_gradients_are_readable_where_torch_code_looks():
     """Reading .grad of the optimizer's parameters (Lightning's clipping, grad-norm logging)
     gives the model's gradients in fp32, in the master's layout; nothing is held after."""
