@@ -482,21 +482,46 @@ class _Reference(L.Callback):
 
 
 class _Validated(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.validated = []  # each validation batch's loss
+
     def validation_step(self, batch, batch_idx):
-        return F.mse_loss(self(batch[0]), batch[1])
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        self.validated.append(loss.item())
+        return loss
 
 
-def _averaged_fit(master, epochs, tmp_path, ckpt_path=None):
+class _SwapProbe(L.Callback):
+    """What the averaging callback's swap holds during validation: the module's size in its own
+    dtypes, in host memory (the first version also held an fp32 copy of the average: 3x)."""
+
+    def __init__(self, averaging):
+        self.averaging, self.held = averaging, []
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        kept = self.averaging._swap_models.kept
+        size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        self.held.append((sum(t.numel() * t.element_size() for t in kept), size,
+                          {t.device.type for t in kept}))
+
+
+def _averaged_fit(master, epochs, tmp_path, ckpt_path=None, from_step=0):
     from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 
+    class Averaging(WeightAveraging):
+        def should_update(self, step_idx=None, epoch_idx=None):
+            return step_idx is not None and step_idx >= from_step
+
     averaging = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)}
-    callback, ref = WeightAveraging(**averaging), _Reference(use_buffers=True, **averaging)
-    saved = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    callback, ref = Averaging(**averaging), _Reference(use_buffers=True, **averaging)
+    saved, probe = ModelCheckpoint(dirpath=tmp_path, save_last=True), _SwapProbe(callback)
     module, batches = _Validated(), loader(data(4, overflow_at=None))
     fit = trainer(MixprecPrecision(level="O2", dtype="bf16", master=master), max_epochs=epochs,
-                  callbacks=[callback, ref, saved], enable_checkpointing=True,
+                  callbacks=[callback, ref, saved, probe], enable_checkpointing=True,
                   num_sanity_val_steps=0)
     fit.fit(module, batches, batches, ckpt_path=ckpt_path)
+    ref.probe = probe
     return module, callback._average_model, ref
 
 
@@ -510,6 +535,8 @@ def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp
     average's rounding through .data, and the masters followed them: up to 1.3e-3 off)."""
     module, average, ref = _averaged_fit(master, 2, tmp_path)
     assert isinstance(average, mp.AveragedModel)
+    assert ref.probe.held and all(held == size and devices == {"cpu"}
+                                  for held, size, devices in ref.probe.held)
     assert module.net[0].weight.dtype == torch.bfloat16
     ours = {k.removeprefix("module.net."): v for k, v in average.state_dict().items()}
     theirs = {k.removeprefix("module."): v for k, v in ref.average.state_dict().items()}
@@ -527,12 +554,17 @@ def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp
 
 
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
-def test_a_fit_resumed_with_weight_averaging_continues_its_average(tmp_path):
+@pytest.mark.parametrize("from_step", [0, 8], ids=["averaging from the start", "from step 8"])
+def test_a_fit_resumed_with_weight_averaging_continues_its_average(from_step, tmp_path):
     """The checkpoint's average, loaded into the callback before the plugin rebuilt it, was
-    dropped: the resumed fit averaged from scratch (0.035 off the straight fit's)."""
-    straight, average, _ = _averaged_fit("fp32", 2, tmp_path / "a")
-    _averaged_fit("fp32", 1, tmp_path / "b")
-    resumed, again, _ = _averaged_fit("fp32", 2, tmp_path / "b", tmp_path / "b" / "last.ckpt")
-    assert int(again.n_averaged) == int(average.n_averaged) == 8
+    dropped: the resumed fit averaged from scratch (0.035 off the straight fit's). One saved
+    before the average's first update (an EMA started late) was dropped by the first mend: the
+    validation before that update showed the module's weights, not the average's."""
+    straight, average, _ = _averaged_fit("fp32", 3, tmp_path / "a", from_step=from_step)
+    _averaged_fit("fp32", 1, tmp_path / "b", from_step=from_step)
+    resumed, again, _ = _averaged_fit("fp32", 3, tmp_path / "b", tmp_path / "b" / "last.ckpt",
+                                      from_step=from_step)
+    assert int(again.n_averaged) == int(average.n_averaged) == 12 - from_step
     assert all(torch.equal(a, b) for a, b in zip(average.parameters(), again.parameters()))
     assert all(torch.equal(v, weights(resumed)[k]) for k, v in weights(straight).items())
+    assert resumed.validated == straight.validated[-len(resumed.validated):]

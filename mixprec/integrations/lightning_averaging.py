@@ -6,16 +6,18 @@ plugin prepares the module: an fp32 copy, which torch's update then pairs with t
 made after the preparation would be worse: bf16 arithmetic, which freezes an EMA
 (:mod:`mixprec.averaging`). So once the plugin has prepared the module, the callback's average
 is rebuilt as :class:`mixprec.AveragedModel` of the prepared module, with the arguments of the
-one it replaces, and its state when it holds one (a checkpoint the fit resumes from, loaded
-before the plugin runs): stored in fp32, updated from the fp32 values the module trains. The
+one it replaces, and its state (a checkpoint the fit resumes from was loaded into it before
+the plugin runs; otherwise it holds the module's fp32 values, as the new one does): stored in
+fp32, updated from the fp32 values the module trains. The
 callback then works as on a plain model: it shows the module the average for validation
 (rounded to the module's 16-bit weights), saves the average in checkpoints as the model's
 ``state_dict`` (fp32, exact), and copies it into the module when the fit ends (rounded to the
 16-bit weights; its fp32 values, the masters, become the average exactly). Two of the
-callback's steps are replaced to keep the fp32 values: its swap for validation keeps both
-sides' values aside and puts them back as they were (Lightning's own swaps the tensors' values,
-which rounds the fp32 average to the module's 16 bits on the way back), and its copy at the
-end loads the average's ``state_dict`` into the module (Lightning's writes the 16-bit weights
+callback's steps are replaced to keep the fp32 values (unless a subclass overrides them):
+its swap for validation writes the average into the module and puts the module's own values
+back after it, leaving the average as it was (Lightning's own swaps the tensors' values, which
+rounds the fp32 average to the module's 16 bits on the way back), and its copy at the end
+loads the average's ``state_dict`` into the module (Lightning's writes the 16-bit weights
 through ``.data``).
 """
 
@@ -46,35 +48,37 @@ def average_in_fp32(module: nn.Module, kind: type | None) -> None:
             continue
         new = AveragedModel(module, device=old.n_averaged.device, avg_fn=old.avg_fn,
                             multi_avg_fn=old.multi_avg_fn, use_buffers=old.use_buffers)
-        if int(old.n_averaged):  # restored from the checkpoint a fit resumes from
-            new.load_state_dict(old.state_dict())
+        # what the old one holds: a checkpoint's average (a resumed fit, even one saved before
+        # the first update), else the module's fp32 values when the callback copied it
+        new.load_state_dict(old.state_dict())
         callback._average_model = new
-        callback._swap_models = _ExactSwap(callback)
-        callback._copy_average_to_current = _ExactCopy(callback)
+        for name, step in (("_swap_models", _ExactSwap), ("_copy_average_to_current", _ExactCopy)):
+            if getattr(type(callback), name, None) is getattr(kind, name, None):  # not the
+                setattr(callback, name, step(callback))  # user's own (a subclass's override)
 
 
 class _ExactSwap:
     """A ``WeightAveraging`` callback's ``_swap_models`` (called when validation starts, then
-    when it ends): the first call keeps the average's and the module's values aside and writes
-    the average into the module; the second puts both back as they were."""
+    when it ends): the first call keeps the module's values aside, in host memory (the
+    module's size in its own dtypes: nothing more on its device), and writes the average into
+    the module; the second puts the module's back. The average is never written."""
 
     def __init__(self, callback) -> None:
         self.callback = callback
         self.kept: list | None = None
 
     def __call__(self, pl_module: nn.Module) -> None:
-        average = self.callback._average_model.module
-        pairs = list(zip(itertools.chain(average.parameters(), average.buffers()),
-                         itertools.chain(pl_module.parameters(), pl_module.buffers())))
+        current = list(itertools.chain(pl_module.parameters(), pl_module.buffers()))
         with torch.no_grad():
             if self.kept is None:
-                self.kept = [(a.detach().clone(), c.detach().clone()) for a, c in pairs]
-                for a, c in pairs:
+                average = self.callback._average_model.module
+                self.kept = [c.detach().to("cpu", copy=True) for c in current]
+                for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
+                                current):
                     c.data.copy_(a.data)
                 return
-            for (a, c), (kept_a, kept_c) in zip(pairs, self.kept):
-                a.data.copy_(kept_a)
-                c.data.copy_(kept_c)
+            for c, kept in zip(current, self.kept):
+                c.data.copy_(kept)
             self.kept = None
 
 
