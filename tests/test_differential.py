@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import mixprec as mp
@@ -395,17 +396,35 @@ def test_a_deep_copy_or_pickle_keeps_the_fp32_weights(level, dtype, tmp_path):
         assert any(not torch.equal(v, v.to(DTYPES[dtype]).float()) for v in state.values())
 
 
+class _Syncs(TorchDispatchMode):
+    """Counts host reads (``.item()``, ``bool(t)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
 def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
     """timm's ModelEmaV2 updates `ema.state_dict()` values in place: on an O2 copy they are fp32
-    shadows, and the copy's 16-bit weights follow them."""
+    shadows, and the copy's 16-bit weights follow them. The copy's state_dict() then reads
+    nothing back to the host (each update calls it): only a pair neither version counter saw
+    written is compared."""
     model, opt = run("O2", "bf16", "none", "contiguous", "adamw", "no clip")
     ema = copy.deepcopy(model)
     for i in range(3):
         opt.zero_grad()
         loss_of(model, i).backward()
         opt.step()
+        with torch.no_grad(), _Syncs() as syncs:
+            values = list(ema.state_dict().values())
+        assert syncs.count == (sum(p.dtype == torch.bfloat16 for p in ema.parameters())
+                               if i == 0 else 0)  # the first: nothing written yet
         with torch.no_grad():
-            for e, v in zip(ema.state_dict().values(), model.state_dict().values()):
+            for e, v in zip(values, model.state_dict().values()):
                 if e.is_floating_point():
                     e.copy_(e * 0.9 + v * 0.1)
     expected = {k: v.clone() for k, v in ema.state_dict().items()}
