@@ -127,7 +127,7 @@ class Companions:
         """Make every companion consistent with its parameter, then return the pairs (one host
         sync per parameter: state_dict time only)."""
         self.relink()
-        self._take_unseen_writes(self.follow_writes())
+        self.follow_writes()
         for opt in self.optimizers():  # writes made outside their steps (mixprec.optim.writes)
             check_resized(opt)
             opt.follow_writes()
@@ -135,13 +135,11 @@ class Companions:
         self._record()
         return pairs
 
-    def follow_writes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def follow_writes(self) -> None:
         """In a copy: round a shadow written in place into its parameter; take a parameter
-        written in place into its shadow (cheap: version counters only). Returns the pairs
-        neither counter moved for (:meth:`settle` compares them)."""
-        untouched = []
+        written in place into its shadow (cheap: version counters only)."""
         if not self._shadows:
-            return untouched
+            return
         with torch.no_grad():
             for param, shadow in self._shadows.items():
                 pv, sv = self._versions.get(param, (None, None))
@@ -152,29 +150,7 @@ class Companions:
                     # of the values it held, a sub-module's own state dict loaded back, keeps
                     # the shadow: as a live master follows a direct write, optim.writes)
                     shadow.copy_(torch.where(rounds_to(shadow, param), shadow, param))
-                elif _version(param) == pv and _version(shadow) == sv:
-                    untouched.append((param, shadow))
         self._record()
-        return untouched
-
-    def _take_unseen_writes(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """In a copy, of ``pairs`` (neither version counter moved): where a shadow no longer
-        rounds to its parameter (a write through ``.data``: an EMA kept as a copy and updated as
-        ``p_ema.data.lerp_(p.data, w)``), the parameter's value, as a live model's masters take
-        it (``optim.writes``). A host read per pair compared; none for pairs written in place
-        (timm's EMA writes the shadows its ``state_dict()`` gives, every update). Not for a copy
-        made under ``torch.inference_mode``, whose tensors take no in-place write outside it."""
-        taken = False
-        with torch.no_grad():
-            for param, shadow in pairs:
-                if shadow.shape != param.shape or shadow.is_inference() or param.is_inference():
-                    continue
-                agree = rounds_to(shadow, param)
-                if not bool(agree.all()):
-                    shadow.copy_(torch.where(agree, shadow, param))
-                    taken = True
-        if taken:
-            self._record()
 
     def _record(self) -> None:
         if self._shadows:

@@ -410,9 +410,8 @@ class _Syncs(TorchDispatchMode):
 
 def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
     """timm's ModelEmaV2 updates `ema.state_dict()` values in place: on an O2 copy they are fp32
-    shadows, and the copy's 16-bit weights follow them. The copy's state_dict() then reads
-    nothing back to the host (each update calls it): only a pair neither version counter saw
-    written is compared."""
+    shadows, and the copy's 16-bit weights follow them. The copy's state_dict(), which each
+    update calls, reads nothing back to the host (version counters only)."""
     model, opt = run("O2", "bf16", "none", "contiguous", "adamw", "no clip")
     ema = copy.deepcopy(model)
     for i in range(3):
@@ -421,8 +420,7 @@ def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
         opt.step()
         with torch.no_grad(), _Syncs() as syncs:
             values = list(ema.state_dict().values())
-        assert syncs.count == (sum(p.dtype == torch.bfloat16 for p in ema.parameters())
-                               if i == 0 else 0)  # the first: nothing written yet
+        assert syncs.count == 0
         with torch.no_grad():
             for e, v in zip(values, model.state_dict().values()):
                 if e.is_floating_point():
@@ -432,27 +430,6 @@ def test_an_ema_copy_updated_through_state_dict_values_updates_its_weights():
     for name, p in ema.named_parameters():
         assert torch.equal(p, expected[name].to(p.dtype)), name
     assert not torch.equal(ema.head.weight, model.head.weight)
-
-
-@pytest.mark.parametrize("master", ["fp32", "kahan"])
-def test_a_copys_weights_written_through_data_are_what_its_state_dict_holds(master):
-    """An EMA kept as a copy and updated as ``p_ema.data.lerp_(p.data, w)`` (a write no version
-    counter sees): the copy's state_dict held its first values after 100 steps (0.0 moved, its
-    weights 0.1 away), as did fp32_state_dict and a pickle of it. The weight wins where its
-    shadow no longer rounds to it, as a live model's masters take such a write."""
-    model = build("contiguous")
-    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR), level="O2",
-                            dtype="bf16", master=master)
-    ema = copy.deepcopy(model)
-    kept = {k: v.clone() for k, v in ema.state_dict().items()}
-    with torch.no_grad():
-        for p in ema.parameters():
-            p.data.add_(1.0)
-    state = ema.state_dict()
-    for name, p in ema.named_parameters():
-        assert torch.equal(state[name].to(p.dtype), p), name
-        assert not torch.equal(state[name], kept[name]), name
-    assert all(torch.equal(v, state[k]) for k, v in mp.fp32_state_dict(ema).items())
 
 
 def test_master_gradients_are_readable_where_torch_code_looks():
