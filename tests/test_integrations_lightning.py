@@ -482,31 +482,40 @@ class _Reference(L.Callback):
 
 
 class _Validated(Regressor):
-    def __init__(self):
+    def __init__(self, read_state=False):
         super().__init__()
         self.validated = []  # each validation batch's loss
+        self.read_state = read_state  # validation reads the module's state_dict()
+        self.register_buffer("tally", torch.zeros(4), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        self.tally += batch[1].mean(0)  # a non-persistent buffer training changes
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
+        if self.read_state:
+            self.state_dict()
         loss = F.mse_loss(self(batch[0]), batch[1])
         self.validated.append(loss.item())
         return loss
 
 
 class _SwapProbe(L.Callback):
-    """What the averaging callback's swap holds during validation: the module's size in its own
-    dtypes, in host memory (the first version also held an fp32 copy of the average: 3x)."""
+    """What the averaging callback's swap holds during validation: in host memory, the module's
+    tensors in their own dtypes and its state_dict (the first version held an fp32 copy of the
+    average and the module on the module's device: 3x its size)."""
 
     def __init__(self, averaging):
         self.averaging, self.held = averaging, []
 
     def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
-        kept = self.averaging._swap_models.kept
+        state, own = self.averaging._swap_models.kept
         size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-        self.held.append((sum(t.numel() * t.element_size() for t in kept), size,
-                          {t.device.type for t in kept}))
+        self.held.append((sum(t.numel() * t.element_size() for t in own), size,
+                          {t.device.type for t in (*own, *state.values())}))
 
 
-def _averaged_fit(master, epochs, tmp_path, ckpt_path=None, from_step=0):
+def _averaged_fit(master, epochs, tmp_path, ckpt_path=None, from_step=0, read_state=False):
     from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 
     class Averaging(WeightAveraging):
@@ -516,7 +525,7 @@ def _averaged_fit(master, epochs, tmp_path, ckpt_path=None, from_step=0):
     averaging = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)}
     callback, ref = Averaging(**averaging), _Reference(use_buffers=True, **averaging)
     saved, probe = ModelCheckpoint(dirpath=tmp_path, save_last=True), _SwapProbe(callback)
-    module, batches = _Validated(), loader(data(4, overflow_at=None))
+    module, batches = _Validated(read_state), loader(data(4, overflow_at=None))
     fit = trainer(MixprecPrecision(level="O2", dtype="bf16", master=master), max_epochs=epochs,
                   callbacks=[callback, ref, saved, probe], enable_checkpointing=True,
                   num_sanity_val_steps=0)
@@ -551,6 +560,17 @@ def test_weight_averaging_keeps_its_average_in_fp32_from_the_masters(master, tmp
         if k != "n_averaged":
             torch.testing.assert_close(final[k], v, rtol=tol, atol=0)
     assert torch.equal(module.net[0].weight, theirs["0.weight"].bfloat16())
+    assert torch.equal(module.tally, average.module.tally)  # (non-persistent: Lightning's copy)
+
+
+def test_a_state_dict_read_during_validation_leaves_the_training_values(tmp_path):
+    """While validation runs the module's 16-bit weights hold the average's rounding: a
+    state_dict() read then gave the masters those values, and the swap back restored the 16-bit
+    weights only (the fit ended 0.013 off one without the read)."""
+    plain, average, _ = _averaged_fit("fp32", 2, tmp_path / "a")
+    read, again, _ = _averaged_fit("fp32", 2, tmp_path / "b", read_state=True)
+    assert all(torch.equal(v, weights(read)[k]) for k, v in weights(plain).items())
+    assert all(torch.equal(a, b) for a, b in zip(average.parameters(), again.parameters()))
 
 
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")

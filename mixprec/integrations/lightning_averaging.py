@@ -12,13 +12,14 @@ fp32, updated from the fp32 values the module trains. The
 callback then works as on a plain model: it shows the module the average for validation
 (rounded to the module's 16-bit weights), saves the average in checkpoints as the model's
 ``state_dict`` (fp32, exact), and copies it into the module when the fit ends (rounded to the
-16-bit weights; its fp32 values, the masters, become the average exactly). Two of the
+16-bit weights; its fp32 values, the masters, become the average: exactly with fp32 and
+split masters). Two of the
 callback's steps are replaced to keep the fp32 values (unless a subclass overrides them):
 its swap for validation writes the average into the module and puts the module's own values
-back after it, leaving the average as it was (Lightning's own swaps the tensors' values, which
-rounds the fp32 average to the module's 16 bits on the way back), and its copy at the end
-loads the average's ``state_dict`` into the module (Lightning's writes the 16-bit weights
-through ``.data``).
+back after it, its fp32 values too, leaving the average as it was (Lightning's own swaps the
+tensors' values, which rounds the fp32 average to the module's 16 bits on the way back), and
+its copy at the end also loads the average's ``state_dict`` into the module (Lightning's
+writes the 16-bit weights through ``.data``).
 """
 
 from __future__ import annotations
@@ -59,37 +60,54 @@ def average_in_fp32(module: nn.Module, kind: type | None) -> None:
 
 class _ExactSwap:
     """A ``WeightAveraging`` callback's ``_swap_models`` (called when validation starts, then
-    when it ends): the first call keeps the module's values aside, in host memory (the
-    module's size in its own dtypes: nothing more on its device), and writes the average into
-    the module; the second puts the module's back. The average is never written."""
+    when it ends). The first call keeps the module's values aside in host memory (its
+    ``state_dict``, with the fp32 values, and its tensors in their own dtypes) and writes the
+    average into the module; the second puts the module's tensors back and loads its
+    ``state_dict``, so its fp32 values (the masters) are as they were even where something read
+    the module's ``state_dict()`` during validation (which gives the masters the weights'
+    values: the average's rounding). The average is never written."""
 
     def __init__(self, callback) -> None:
         self.callback = callback
-        self.kept: list | None = None
+        self.kept: tuple | None = None
 
     def __call__(self, pl_module: nn.Module) -> None:
         current = list(itertools.chain(pl_module.parameters(), pl_module.buffers()))
         with torch.no_grad():
             if self.kept is None:
                 average = self.callback._average_model.module
-                self.kept = [c.detach().to("cpu", copy=True) for c in current]
+                self.kept = (_to_host(pl_module.state_dict()),
+                             [c.detach().to("cpu", copy=True) for c in current])
                 for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
                                 current):
                     c.data.copy_(a.data)
                 return
-            for c, kept in zip(current, self.kept):
+            state, own = self.kept
+            for c, kept in zip(current, own):
                 c.data.copy_(kept)
-            self.kept = None
+        pl_module.load_state_dict(state)
+        self.kept = None
 
 
 class _ExactCopy:
-    """A ``WeightAveraging`` callback's ``_copy_average_to_current`` (when the fit ends): the
-    module loads the average's ``state_dict``, so its fp32 values (the masters) become the
-    average exactly and its 16-bit weights their rounding (Lightning's own copy writes the
-    16-bit weights alone, through ``.data``, and the masters then took their rounding)."""
+    """A ``WeightAveraging`` callback's ``_copy_average_to_current`` (when the fit ends):
+    Lightning's copy (every parameter and buffer, non-persistent ones too, through ``.data``),
+    then the average's ``state_dict`` loaded, so the module's fp32 values (the masters) become
+    the average exactly (after Lightning's copy alone they took its rounding)."""
 
     def __init__(self, callback) -> None:
         self.callback = callback
 
     def __call__(self, pl_module: nn.Module) -> None:
-        pl_module.load_state_dict(self.callback._average_model.module.state_dict())
+        average = self.callback._average_model.module
+        with torch.no_grad():
+            for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
+                            itertools.chain(pl_module.parameters(), pl_module.buffers())):
+                c.data.copy_(a.data)
+        pl_module.load_state_dict(average.state_dict())
+
+
+def _to_host(state: dict) -> dict:
+    """``state`` with its tensors copied into host memory."""
+    return type(state)((k, v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                       for k, v in state.items())
