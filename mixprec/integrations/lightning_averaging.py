@@ -18,8 +18,9 @@ callback's steps are replaced to keep the fp32 values (unless a subclass overrid
 its swap for validation writes the average into the module and puts the module's own values
 back after it, its fp32 values too, leaving the average as it was (Lightning's own swaps the
 tensors' values, which rounds the fp32 average to the module's 16 bits on the way back), and
-its copy at the end also loads the average's ``state_dict`` into the module (Lightning's
-writes the 16-bit weights through ``.data``).
+its copy at the end also sets the fp32 values to the average's (Lightning's writes the
+16-bit weights through ``.data``). Neither goes through the module's own ``state_dict`` or
+``load_state_dict`` (a module may override them, leave keys out, or keep extra state).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch
 from torch import nn
 from torch.optim import swa_utils
 
-from ..averaging import AveragedModel
+from ..averaging import AveragedModel, fp32_parameters
 from ..dtypes import is_low_precision
+from ..optim import CompactMasterOptimizer
+from ..statedict import companions_of, enclosing_companions
 
 __all__ = ["average_in_fp32"]
 
@@ -50,64 +53,94 @@ def average_in_fp32(module: nn.Module, kind: type | None) -> None:
         new = AveragedModel(module, device=old.n_averaged.device, avg_fn=old.avg_fn,
                             multi_avg_fn=old.multi_avg_fn, use_buffers=old.use_buffers)
         # what the old one holds: a checkpoint's average (a resumed fit, even one saved before
-        # the first update), else the module's fp32 values when the callback copied it
-        new.load_state_dict(old.state_dict())
+        # the first update), else the module's fp32 values when the callback copied it (read
+        # tensor by tensor: a module's own state_dict() may leave keys out)
+        with torch.no_grad():
+            for mine, theirs in zip(new.module.parameters(), fp32_parameters(old.module)):
+                mine.copy_(theirs)
+            for mine, theirs in zip(new.module.buffers(), old.module.buffers()):
+                mine.copy_(theirs)
+            new.n_averaged.copy_(old.n_averaged)
         callback._average_model = new
         for name, step in (("_swap_models", _ExactSwap), ("_copy_average_to_current", _ExactCopy)):
             if getattr(type(callback), name, None) is getattr(kind, name, None):  # not the
                 setattr(callback, name, step(callback))  # user's own (a subclass's override)
 
 
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return list(itertools.chain(module.parameters(), module.buffers()))
+
+
+def _held(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensors that hold ``module``'s fp32 values besides its own (per 16-bit parameter its
+    fp32 master, its Kahan compensation or split remainder, or the shadow a copy or a later fit
+    keeps), each with a copy in host memory."""
+    link = companions_of(module) or enclosing_companions(module)
+    if link is None:
+        return []
+    held: dict[int, torch.Tensor] = {}
+    stepped: set[int] = set()
+    for opt in link.optimizers():
+        values = opt.masters_by_param()  # (compact: values computed now; their buffers hold)
+        stepped.update(id(p) for p in values)
+        compact = isinstance(opt, CompactMasterOptimizer)
+        for p, value in values.items():
+            t = opt.compensation(p) if compact else value
+            if t is not None:
+                held[id(t)] = t
+    for p, t in link.pairs().items():
+        if id(p) not in stepped:
+            held[id(t)] = t
+    return [(t, t.detach().to("cpu", copy=True)) for t in held.values()]
+
+
 class _ExactSwap:
     """A ``WeightAveraging`` callback's ``_swap_models`` (called when validation starts, then
-    when it ends). The first call keeps the module's values aside in host memory (its
-    ``state_dict``, with the fp32 values, and its tensors in their own dtypes) and writes the
-    average into the module; the second puts the module's tensors back and loads its
-    ``state_dict``, so its fp32 values (the masters) are as they were even where something read
-    the module's ``state_dict()`` during validation (which gives the masters the weights'
-    values: the average's rounding). The average is never written."""
+    when it ends). The first call keeps the module's tensors and what holds its fp32 values
+    (masters, compensations, remainders) aside in host memory and writes the average into the
+    module; the second puts them all back, so the fp32 values are as they were even where
+    something read the module's ``state_dict()`` during validation (which gives the masters
+    the weights' values: the average's rounding). The average is never written; nothing is
+    loaded through the module's own ``state_dict`` machinery."""
 
     def __init__(self, callback) -> None:
         self.callback = callback
         self.kept: tuple | None = None
 
     def __call__(self, pl_module: nn.Module) -> None:
-        current = list(itertools.chain(pl_module.parameters(), pl_module.buffers()))
+        current = _tensors(pl_module)
         with torch.no_grad():
             if self.kept is None:
-                average = self.callback._average_model.module
-                self.kept = (_to_host(pl_module.state_dict()),
-                             [c.detach().to("cpu", copy=True) for c in current])
-                for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
-                                current):
+                self.kept = ([c.detach().to("cpu", copy=True) for c in current],
+                             _held(pl_module))
+                for a, c in zip(_tensors(self.callback._average_model.module), current):
                     c.data.copy_(a.data)
                 return
-            state, own = self.kept
+            own, held = self.kept
             for c, kept in zip(current, own):
                 c.data.copy_(kept)
-        pl_module.load_state_dict(state)
+            for t, kept in held:
+                t.copy_(kept)
         self.kept = None
 
 
 class _ExactCopy:
     """A ``WeightAveraging`` callback's ``_copy_average_to_current`` (when the fit ends):
     Lightning's copy (every parameter and buffer, non-persistent ones too, through ``.data``),
-    then the average's ``state_dict`` loaded, so the module's fp32 values (the masters) become
-    the average exactly (after Lightning's copy alone they took its rounding)."""
+    then each 16-bit parameter's fp32 value set to the average's through its companion, as a
+    load of an fp32 ``state_dict`` sets it, so the masters become the average (after
+    Lightning's copy alone they took its rounding)."""
 
     def __init__(self, callback) -> None:
         self.callback = callback
 
     def __call__(self, pl_module: nn.Module) -> None:
         average = self.callback._average_model.module
+        link = companions_of(pl_module) or enclosing_companions(pl_module)
+        pairs = {} if link is None else link.pairs()
         with torch.no_grad():
-            for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
-                            itertools.chain(pl_module.parameters(), pl_module.buffers())):
+            for a, c in zip(_tensors(average), _tensors(pl_module)):
                 c.data.copy_(a.data)
-        pl_module.load_state_dict(average.state_dict())
-
-
-def _to_host(state: dict) -> dict:
-    """``state`` with its tensors copied into host memory."""
-    return type(state)((k, v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                       for k, v in state.items())
+            for a, c in zip(average.parameters(), pl_module.parameters()):
+                if pairs.get(c) is not None:
+                    c.copy_(link.load(c, pairs[c], a.detach()))
