@@ -35,7 +35,7 @@ from torch.optim import swa_utils
 
 from .distenv import unwrap
 from .dtypes import is_low_precision
-from .statedict import companions_of, enclosing_companions
+from .statedict import links_of
 
 __all__ = ["AveragedModel", "fp32_parameters"]
 
@@ -57,14 +57,12 @@ def fp32_parameters(model: nn.Module) -> list[torch.Tensor]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    inner = unwrap(model)
-    links = [companions_of(sub) for sub in inner.modules()] + [enclosing_companions(inner)]
     pairs: dict[torch.Tensor, torch.Tensor] = {}
-    for link in {id(x): x for x in links if x is not None}.values():
+    for link in links_of(unwrap(model)):
         for opt in link.optimizers():  # a weight written since the step: its master takes it
             opt.follow_writes(settle=False)
         pairs.update(link.pairs())
-    return [pairs.get(p, _widened(p.detach())) for p in model.parameters()]
+    return [pairs[p] if p in pairs else _widened(p.detach()) for p in model.parameters()]
 
 
 class _Values:

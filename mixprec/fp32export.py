@@ -13,7 +13,7 @@ from torch import nn
 from .distenv import is_fsdp, unwrap
 from .dtypes import to_dtype
 from .optim import CompactMasterOptimizer, MasterWeightOptimizer
-from .statedict import companions_of, enclosing_companions
+from .statedict import links_of
 
 __all__ = ["fp32_state_dict"]
 
@@ -72,9 +72,7 @@ def fp32_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
                              "optimizer that was built over this model")
     else:  # (a prepared model inside another module: its own companions; a sub-module of
         masters = {}  # a prepared model: the model's)
-        links = [companions_of(sub) for sub in model.modules()]
-        links.append(enclosing_companions(model))
-        for link in {id(x): x for x in links if x is not None}.values():
+        for link in links_of(model):
             masters.update(link.settle())
     out = _copy(source, masters, gather=is_fsdp(model))
     if save != torch.float32:

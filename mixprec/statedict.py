@@ -33,7 +33,7 @@ from .optim.wrapper import owner_of
 from .optim.writes import check_resized, rounds_to
 from .regions import Entry
 
-__all__ = ["Companions", "companions_of", "enclosing_companions", "link_masters",
+__all__ = ["Companions", "companions_of", "enclosing_companions", "links_of", "link_masters",
            "register_fp32_state_dict"]
 
 _LINK_ATTR = "_mixprec_masters"
@@ -199,6 +199,14 @@ def enclosing_companions(module: nn.Module) -> Companions | None:
             if model is not None:
                 return companions_of(model)
     return None
+
+
+def links_of(module: nn.Module) -> list[Companions]:
+    """Every :class:`Companions` behind ``module``'s parameters, each once: its own and its
+    sub-modules' (a prepared model inside another module), and the prepared model's it is a
+    sub-module of."""
+    links = [companions_of(sub) for sub in module.modules()] + [enclosing_companions(module)]
+    return list({id(x): x for x in links if x is not None}.values())
 
 
 def register_fp32_state_dict(model: nn.Module, masters: bool) -> None:

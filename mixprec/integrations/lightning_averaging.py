@@ -34,7 +34,7 @@ from torch.optim import swa_utils
 from ..averaging import AveragedModel, fp32_parameters
 from ..dtypes import is_low_precision
 from ..optim import CompactMasterOptimizer
-from ..statedict import companions_of, enclosing_companions
+from ..statedict import links_of
 
 __all__ = ["average_in_fp32"]
 
@@ -75,22 +75,20 @@ def _held(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The tensors that hold ``module``'s fp32 values besides its own (per 16-bit parameter its
     fp32 master, its Kahan compensation or split remainder, or the shadow a copy or a later fit
     keeps), each with a copy in host memory."""
-    link = companions_of(module) or enclosing_companions(module)
-    if link is None:
-        return []
     held: dict[int, torch.Tensor] = {}
-    stepped: set[int] = set()
-    for opt in link.optimizers():
-        values = opt.masters_by_param()  # (compact: values computed now; their buffers hold)
-        stepped.update(id(p) for p in values)
-        compact = isinstance(opt, CompactMasterOptimizer)
-        for p, value in values.items():
-            t = opt.compensation(p) if compact else value
-            if t is not None:
+    for link in links_of(module):
+        stepped: set[int] = set()
+        for opt in link.optimizers():
+            values = opt.masters_by_param()  # (compact: values computed now; buffers hold)
+            stepped.update(id(p) for p in values)
+            compact = isinstance(opt, CompactMasterOptimizer)
+            for p, value in values.items():
+                t = opt.compensation(p) if compact else value
+                if t is not None:
+                    held[id(t)] = t
+        for p, t in link.pairs().items():
+            if id(p) not in stepped:
                 held[id(t)] = t
-    for p, t in link.pairs().items():
-        if id(p) not in stepped:
-            held[id(t)] = t
     return [(t, t.detach().to("cpu", copy=True)) for t in held.values()]
 
 
@@ -136,11 +134,12 @@ class _ExactCopy:
 
     def __call__(self, pl_module: nn.Module) -> None:
         average = self.callback._average_model.module
-        link = companions_of(pl_module) or enclosing_companions(pl_module)
-        pairs = {} if link is None else link.pairs()
+        owner = {id(p): (link, comp) for link in links_of(pl_module)
+                 for p, comp in link.pairs().items()}
         with torch.no_grad():
             for a, c in zip(_tensors(average), _tensors(pl_module)):
                 c.data.copy_(a.data)
             for a, c in zip(average.parameters(), pl_module.parameters()):
-                if pairs.get(c) is not None:
-                    c.copy_(link.load(c, pairs[c], a.detach()))
+                if id(c) in owner:
+                    link, comp = owner[id(c)]
+                    c.copy_(link.load(c, comp, a.detach()))
